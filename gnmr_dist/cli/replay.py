@@ -1,0 +1,128 @@
+"""``gnmr-replay TRACE [--max-active N] [--alpha A] ...``: re-run a recorded trace offline.
+
+A trace holds the exact per-unit norms of a run. Replaying it through a controller with other
+settings shows, before a big run, how often units would exceed the thresholds and how much of
+the model would sit on the recovery path, without touching a GPU. With the recorded settings the
+replay reproduces the recorded decisions exactly (the controller is deterministic), which the
+command checks and reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from gnmr_dist.core import GNMRConfig, GNMRController
+from gnmr_dist.telemetry import read_trace
+
+
+@dataclass(frozen=True)
+class ReplaySummary:
+    """Fractions over eligible unit-steps after warm-up."""
+
+    steps: int
+    eligible_units: int
+    exceedance_rate: float
+    recovery_rate: float
+    nonfinite_steps: int
+    matches_recorded: int | None
+    top_units: list[tuple[str, int]]
+
+
+def replay(
+    norms: torch.Tensor,
+    config: GNMRConfig,
+    eligible: Sequence[bool],
+    units: Sequence[str],
+    recorded: Sequence[Sequence[int]] | None = None,
+) -> ReplaySummary:
+    """Run ``norms`` ([steps, U]) through a controller and summarise what it chose."""
+    ctrl = GNMRController(norms.shape[1], config, eligible=list(eligible))
+    n_elig = max(1, sum(bool(e) for e in eligible))
+    counts = torch.zeros(norms.shape[1], dtype=torch.int64)
+    exceed = active = scored = nonfinite = 0
+    same = 0
+    for i, row in enumerate(norms):
+        d = ctrl.step(row)
+        counts[list(d.active)] += 1
+        nonfinite += int(d.telemetry.num_nonfinite > 0)
+        same += int(recorded is not None and tuple(recorded[i]) == d.active)
+        if d.step > config.warmup_steps:
+            scored += 1
+            exceed += d.telemetry.num_exceed_eligible
+            active += d.telemetry.num_active
+    denom = max(1, scored * n_elig)
+    order = torch.argsort(counts, descending=True, stable=True)[:5]
+    top = [(units[i], int(counts[i])) for i in order.tolist() if counts[i] > 0]
+    return ReplaySummary(
+        len(norms),
+        n_elig,
+        exceed / denom,
+        active / denom,
+        nonfinite,
+        same if recorded is not None else None,
+        top,
+    )
+
+
+def _threshold(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give a number or a JSON schedule like "
+            '\'{"schedule": "linear", "start": 3, "end": 1.5, "steps": 500}\''
+        ) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gnmr-replay", description=__doc__.split("\n\n")[0])
+    p.add_argument("trace", help="a JSON-lines trace written during training (trace.jsonl)")
+    p.add_argument("--max-active", type=int, help="budget maxO")
+    p.add_argument("--lock-steps", type=int)
+    p.add_argument("--window", type=int)
+    p.add_argument("--warmup-steps", type=int)
+    p.add_argument("--alpha", type=_threshold, help="number or JSON schedule")
+    p.add_argument("--beta", type=_threshold, help="number or JSON schedule")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        header, norms, records = read_trace(args.trace)
+        given = {k: getattr(args, k, None) for k in GNMRConfig.field_names()}
+        overrides = {k: v for k, v in given.items() if v is not None}
+        config = replace(header.config, **overrides)
+    except (OSError, ValueError) as err:
+        print(f"gnmr-replay: {err}", file=sys.stderr)
+        return 2
+    recorded = [r["active"] for r in records] if not overrides else None
+    s = replay(norms, config, header.eligible, header.units, recorded)
+    if args.json:
+        print(json.dumps({**s.__dict__, "config": config.to_dict()}))
+        return 0
+    units = len(header.units)
+    print(f"trace: {args.trace}  ({s.steps} steps, {units} units, {s.eligible_units} eligible)")
+    print(f"policy: {json.dumps(config.to_dict())}")
+    print(f"exceedance rate: {100 * s.exceedance_rate:.3f}% of eligible unit-steps after warm-up")
+    print(
+        f"recovery rate:   {100 * s.recovery_rate:.3f}% of eligible unit-steps on the recovery path"
+    )
+    print(f"steps with a non-finite norm: {s.nonfinite_steps}")
+    if s.matches_recorded is not None:
+        print(f"decisions equal to the recorded ones: {s.matches_recorded}/{s.steps}")
+    for name, n in s.top_units:
+        print(f"  most recovered: {name}  ({n} steps)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""Strict validation helpers shared by every config in gnmr-dist.
+
+Every error names the offending field by its full path (``gnmr.alpha.steps``) and the allowed
+range, and an unknown key names the closest valid one, so a typo in a 2,000-GPU launch fails in
+the first second with a message that says how to fix it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import numbers
+from collections.abc import Collection, Iterable, Mapping
+from typing import Any
+
+__all__ = [
+    "check_keys",
+    "check_nonnegative_int",
+    "check_positive_int",
+    "check_positive_number",
+    "closest",
+]
+
+
+def closest(key: str, valid: Iterable[str]) -> str | None:
+    """The valid key most similar to ``key``, or ``None`` when nothing is close."""
+    matches = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.4)
+    return matches[0] if matches else None
+
+
+def check_keys(
+    given: Mapping[str, Any],
+    valid: Collection[str],
+    path: str,
+    required: Collection[str] = (),
+) -> None:
+    """Raise ``ValueError`` for the first unknown or missing key of ``given``."""
+    if not isinstance(given, Mapping):
+        raise ValueError(f"{path} must be a mapping (JSON object), got {type(given).__name__}")
+    for key in given:
+        if key not in valid:
+            hint = closest(str(key), valid)
+            did_you_mean = f"; did you mean {hint!r}?" if hint else ""
+            raise ValueError(
+                f"unknown key {path}.{key}{did_you_mean} (valid keys: {', '.join(sorted(valid))})"
+            )
+    missing = [k for k in required if k not in given]
+    if missing:
+        raise ValueError(f"{path} is missing required key(s) {missing}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_nonnegative_int(value: Any, path: str) -> int:
+    """``value`` as an ``int`` >= 0, else ``ValueError`` naming ``path``."""
+    if not _is_int(value) or value < 0:
+        raise ValueError(f"{path} must be an integer >= 0, got {value!r}")
+    return int(value)
+
+
+def check_positive_int(value: Any, path: str) -> int:
+    """``value`` as an ``int`` >= 1, else ``ValueError`` naming ``path``."""
+    if not _is_int(value) or value < 1:
+        raise ValueError(f"{path} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
+def check_positive_number(value: Any, path: str, alternative: str = "") -> float:
+    """``value`` as a finite ``float`` > 0, else ``ValueError`` naming ``path``.
+
+    ``alternative`` names another accepted form in the message (e.g. a schedule).
+    """
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not ok or not math.isfinite(float(value)) or float(value) <= 0:
+        raise ValueError(f"{path} must be a finite number > 0{alternative}, got {value!r}")
+    return float(value)

@@ -1,0 +1,144 @@
+"""JSON-lines trace of per-step norms and decisions, for offline analysis and replay.
+
+Line 1 is a header, every further line one optimizer step::
+
+    {"format": "gnmr-trace", "version": 1, "units": ["layers.0.q_proj", ...],
+     "eligible": [true, ...], "config": {...GNMRConfig.to_dict()...}, "meta": {...}}
+    {"step": 1, "norms": [0.12, ...], "active": [3], "telemetry": {...}, "extra": {"loss": 2.3}}
+
+Norms are the exact per-unit global norms the controller received, so ``gnmr-replay`` can run the
+same controller with other settings and reproduce, or re-tune, every decision. Non-finite norms
+are written as JSON's ``NaN``/``Infinity`` tokens (Python's ``json`` reads them back).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from gnmr_dist.core import Decision, GNMRConfig
+
+__all__ = ["TraceHeader", "TraceReader", "TraceWriter", "read_trace"]
+
+FORMAT = "gnmr-trace"
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class TraceHeader:
+    """What a trace was recorded with."""
+
+    units: tuple[str, ...]
+    eligible: tuple[bool, ...]
+    config: GNMRConfig
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "units": list(self.units),
+            "eligible": list(self.eligible),
+            "config": self.config.to_dict(),
+            "meta": dict(self.meta),
+        }
+
+
+class TraceWriter:
+    """Appends one line per decision to ``path`` (truncates an existing file unless ``append``)."""
+
+    def __init__(self, path: str | Path, header: TraceHeader, append: bool = False) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        resume = append and self.path.exists() and self.path.stat().st_size > 0
+        self._fh: IO[str] = self.path.open("a" if resume else "w", encoding="utf-8")
+        if not resume:
+            self._write(header.to_json())
+
+    def _write(self, record: Mapping[str, Any]) -> None:
+        self._fh.write(json.dumps(record) + "\n")
+        self._fh.flush()
+
+    def write(
+        self, norms: torch.Tensor, decision: Decision, extra: Mapping[str, Any] | None = None
+    ) -> None:
+        """Record the norms the controller saw at ``decision.step`` and what it chose."""
+        self._write(
+            {
+                "step": decision.step,
+                "norms": norms.double().cpu().tolist(),
+                "active": list(decision.active),
+                "telemetry": decision.telemetry.as_dict(),
+                "extra": dict(extra or {}),
+            }
+        )
+
+    def close(self) -> None:
+        self._fh.close()
+
+    def __enter__(self) -> TraceWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class TraceReader:
+    """Reads a trace: ``.header`` then iterate over the step records."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        with self.path.open(encoding="utf-8") as fh:
+            first = fh.readline()
+        self.header = self._parse_header(first)
+
+    def _parse_header(self, line: str) -> TraceHeader:
+        try:
+            head = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(
+                f"{self.path}: line 1 is not JSON ({err}); is this a gnmr trace?"
+            ) from None
+        if not isinstance(head, dict) or head.get("format") != FORMAT:
+            raise ValueError(f"{self.path}: not a gnmr trace (line 1 lacks format={FORMAT!r})")
+        if head.get("version") != VERSION:
+            raise ValueError(
+                f"{self.path}: trace version {head.get('version')!r}, expected {VERSION}"
+            )
+        return TraceHeader(
+            units=tuple(head["units"]),
+            eligible=tuple(head["eligible"]),
+            config=GNMRConfig.from_dict(head["config"]),
+            meta=head.get("meta", {}),
+        )
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        with self.path.open(encoding="utf-8") as fh:
+            fh.readline()
+            for lineno, line in enumerate(fh, start=2):
+                if not line.strip():
+                    continue
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError:
+                    raise ValueError(
+                        f"{self.path}:{lineno}: truncated or corrupted record"
+                    ) from None
+
+
+def read_trace(path: str | Path) -> tuple[TraceHeader, torch.Tensor, list[dict[str, Any]]]:
+    """The header, a float64 ``[steps, U]`` tensor of norms and the raw step records."""
+    reader = TraceReader(path)
+    records = list(reader)
+    u = len(reader.header.units)
+    rows: Sequence[Sequence[float]] = [r["norms"] for r in records]
+    bad = [r["step"] for r in records if len(r["norms"]) != u]
+    if bad:
+        raise ValueError(f"{path}: steps {bad[:5]} have a norms vector of the wrong length (U={u})")
+    norms = torch.tensor(rows, dtype=torch.float64).reshape(len(records), u)
+    return reader.header, norms, records

@@ -1,0 +1,129 @@
+"""Strict config parsing: every bad input names the field and the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from gnmr_dist import GNMRConfig, Schedule
+from gnmr_dist.core.schedule import ScheduleKind
+
+
+def test_defaults_match_design_example():
+    cfg = GNMRConfig()
+    assert (cfg.max_active, cfg.lock_steps, cfg.window, cfg.warmup_steps) == (4, 8, 8, 8)
+    assert (cfg.alpha, cfg.beta) == (1.5, 2.0)
+
+
+def test_round_trip_through_dict():
+    d = {
+        "max_active": 2,
+        "lock_steps": 3,
+        "window": 5,
+        "warmup_steps": 0,
+        "alpha": {"schedule": "cosine", "start": 3.0, "end": 1.5, "steps": 100},
+        "beta": 2,
+    }
+    cfg = GNMRConfig.from_dict(d)
+    assert isinstance(cfg.alpha, Schedule) and cfg.alpha.schedule is ScheduleKind.COSINE
+    assert cfg.beta == 2.0 and isinstance(cfg.beta, float)
+    assert GNMRConfig.from_dict(cfg.to_dict()) == cfg
+    assert cfg.thresholds_at(1) == (3.0, 2.0) and cfg.thresholds_at(101) == (1.5, 2.0)
+
+
+@pytest.mark.parametrize(
+    "key, hint",
+    [
+        ("max_actve", "max_active"),
+        ("lock_step", "lock_steps"),
+        ("windw", "window"),
+        ("warmup", "warmup_steps"),
+        ("alpah", "alpha"),
+    ],
+)
+def test_unknown_key_names_it_and_the_closest(key, hint):
+    with pytest.raises(ValueError, match=rf"unknown key gnmr\.{key}; did you mean '{hint}'"):
+        GNMRConfig.from_dict({key: 1})
+
+
+def test_unknown_key_far_from_everything_lists_valid_keys():
+    with pytest.raises(ValueError, match=r"unknown key gnmr\.zzzz \(valid keys: alpha, beta"):
+        GNMRConfig.from_dict({"zzzz": 1})
+
+
+@pytest.mark.parametrize(
+    "field, value, msg",
+    [
+        ("max_active", -1, r"gnmr\.max_active must be an integer >= 0, got -1"),
+        ("max_active", 1.5, r"gnmr\.max_active must be an integer >= 0"),
+        ("max_active", True, r"gnmr\.max_active must be an integer >= 0"),
+        ("lock_steps", -3, r"gnmr\.lock_steps must be an integer >= 0"),
+        ("window", 0, r"gnmr\.window must be an integer >= 1, got 0"),
+        ("warmup_steps", "8", r"gnmr\.warmup_steps must be an integer >= 0"),
+        ("alpha", 0, r"gnmr\.alpha must be a finite number > 0 or a schedule"),
+        ("beta", -2.0, r"gnmr\.beta must be a finite number > 0"),
+        ("alpha", float("inf"), r"gnmr\.alpha must be a finite number > 0"),
+        ("alpha", float("nan"), r"gnmr\.alpha must be a finite number > 0"),
+        ("alpha", "1.5", r"gnmr\.alpha must be a finite number > 0"),
+    ],
+)
+def test_bad_values_name_field_and_range(field, value, msg):
+    with pytest.raises(ValueError, match=msg):
+        GNMRConfig.from_dict({field: value})
+    with pytest.raises(ValueError, match=msg):
+        GNMRConfig(**{field: value})
+
+
+@pytest.mark.parametrize(
+    "schedule, msg",
+    [
+        (
+            {"schedule": "exp", "start": 1, "end": 2, "steps": 3},
+            r"gnmr\.alpha\.schedule must be one of \['constant', 'linear', 'cosine'\]",
+        ),
+        ({"schedule": "linear", "start": 1, "end": 2}, r"gnmr\.alpha is missing required key"),
+        (
+            {"schedule": "linear", "start": 1, "end": 2, "steps": 0},
+            r"gnmr\.alpha\.steps must be an integer >= 1",
+        ),
+        (
+            {"schedule": "linear", "start": -1, "end": 2, "steps": 5},
+            r"gnmr\.alpha\.start must be a finite number > 0",
+        ),
+        (
+            {"schedule": "linear", "start": 1, "end": 0, "steps": 5},
+            r"gnmr\.alpha\.end must be a finite number > 0",
+        ),
+        (
+            {"schedule": "linear", "start": 1, "end": 2, "steps": 5, "warm": 1},
+            r"unknown key gnmr\.alpha\.warm",
+        ),
+        ([1, 2], r"gnmr\.alpha must be a finite number > 0"),
+    ],
+)
+def test_malformed_schedule(schedule, msg):
+    with pytest.raises(ValueError, match=msg):
+        GNMRConfig.from_dict({"alpha": schedule})
+
+
+def test_from_dict_rejects_non_mapping_and_uses_given_path():
+    with pytest.raises(ValueError, match="gnmr must be a mapping"):
+        GNMRConfig.from_dict([("max_active", 1)])
+    with pytest.raises(ValueError, match=r"policy\.window must be an integer >= 1"):
+        GNMRConfig.from_dict({"window": 0}, path="policy")
+    with pytest.raises(ValueError, match=r"unknown key policy\.windw"):
+        GNMRConfig.from_dict({"windw": 0}, path="policy")
+
+
+def test_schedule_object_validates_itself():
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        Schedule("step", 1.0, 2.0, 3)
+    with pytest.raises(ValueError, match="schedule steps must be an integer >= 1"):
+        Schedule("linear", 1.0, 2.0, 0)
+    cfg = GNMRConfig(alpha=Schedule("linear", 2.0, 1.0, 4))
+    assert cfg.to_dict()["alpha"] == {"schedule": "linear", "start": 2.0, "end": 1.0, "steps": 4}
+
+
+def test_config_is_frozen():
+    cfg = GNMRConfig()
+    with pytest.raises(AttributeError):
+        cfg.max_active = 3  # type: ignore[misc]
