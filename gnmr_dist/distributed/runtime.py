@@ -1,0 +1,155 @@
+"""The per-step glue: monitor -> controller -> the plan for the next step.
+
+At the gradient-accumulation boundary, once the gradients are final (data-parallel reduced) and
+before the optimizer consumes them, :meth:`GNMRRuntime.step` computes the global per-unit norms
+(one all-reduce), feeds them to the controller and publishes a :class:`Plan`: the units that run
+the recovery path for the whole next step, every micro-batch, pipeline stage and activation
+recomputation included. Every rank runs the same controller on the same reduced vector, so every
+rank holds the same plan without further communication.
+
+An optional check (``check_consistency=True``) proves that claim at run time: one all-gather of a
+hash of each rank's decision, and a ``RuntimeError`` naming the ranks that disagree. It costs a
+second collective per step, so it is meant for bring-up and tests, not for production runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gnmr_dist.core import Decision, GNMRConfig, GNMRController
+from gnmr_dist.distributed.comm import Group, all_gather_objects
+from gnmr_dist.distributed.monitor import GradFn, GradNormMonitor, UnitNorms
+from gnmr_dist.distributed.units import UnitRegistry
+
+__all__ = ["GNMRRuntime", "Plan", "check_same_decision", "decision_digest"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Which units run the recovery path during optimizer step ``step``."""
+
+    step: int
+    """1-based optimizer step the plan applies to."""
+    active: frozenset[int]
+    """Unit ids on the recovery path."""
+    names: tuple[str, ...]
+    """Their global names, in id order."""
+
+    def __contains__(self, unit: object) -> bool:
+        return unit in self.active
+
+
+def decision_digest(decision: Decision) -> str:
+    """A short hash of everything a decision consists of (step, sets and risk bits)."""
+    h = hashlib.sha256()
+    h.update(repr((decision.step, decision.active, decision.candidates)).encode())
+    h.update(decision.risk.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def check_same_decision(decision: Decision, group: Group | None) -> None:
+    """Raise ``RuntimeError`` naming the ranks whose decision differs from rank 0's."""
+    entries = all_gather_objects((decision_digest(decision), decision.active), group)
+    if all(e[0] == entries[0][0] for e in entries):
+        return
+    by_digest: dict[str, list[int]] = {}
+    for rank, (digest, _) in enumerate(entries):
+        by_digest.setdefault(digest, []).append(rank)
+    detail = "; ".join(
+        f"ranks {ranks} chose active={entries[ranks[0]][1]} (digest {d})"
+        for d, ranks in by_digest.items()
+    )
+    raise RuntimeError(
+        f"GNMR decisions differ across ranks at step {decision.step}: {detail}. Ranks were fed "
+        "different norm vectors: check that the monitor's group spans every rank that holds a "
+        "gradient shard and that all ranks built the same units."
+    )
+
+
+class GNMRRuntime:
+    """Owns the monitor, the controller and the current plan for one model.
+
+    Args:
+        registry: the model's units (built once with :meth:`UnitRegistry.from_model`).
+        config: controller policy (ignored when ``controller`` is given).
+        controller: an existing controller over ``registry.num_units`` units.
+        group: the group the per-unit vector is all-reduced over (see :class:`GradNormMonitor`).
+        grad_fn: how to read a parameter's gradient shard.
+        check_group: ranks whose decisions must agree, for the optional check.
+        check_consistency: hash-compare the decision across ``check_group`` every step.
+    """
+
+    def __init__(
+        self,
+        registry: UnitRegistry,
+        config: GNMRConfig | None = None,
+        *,
+        controller: GNMRController | None = None,
+        group: Group | None = None,
+        grad_fn: GradFn | None = None,
+        check_group: Group | None = None,
+        check_consistency: bool = False,
+    ) -> None:
+        self.registry = registry
+        self.monitor = GradNormMonitor(registry, group=group, grad_fn=grad_fn)
+        self.controller = controller or GNMRController(
+            registry.num_units, config, eligible=registry.eligible
+        )
+        if self.controller.num_units != registry.num_units:
+            raise ValueError(
+                f"controller has {self.controller.num_units} units, "
+                f"the registry {registry.num_units}"
+            )
+        self.check_group = check_group if check_group is not None else group
+        self.check_consistency = check_consistency
+        self.plan = Plan(step=self.controller.step_count + 1, active=frozenset(), names=())
+        self.last_decision: Decision | None = None
+        self.last_norms: UnitNorms | None = None
+
+    def step(self) -> Decision:
+        """Score this step's gradients (one all-reduce) and set the plan for the next step."""
+        return self.observe(self.monitor.compute())
+
+    def observe(self, norms: UnitNorms) -> Decision:
+        """Feed already-reduced norms to the controller and publish the next plan."""
+        decision = self.controller.step(norms.norms)
+        if self.check_consistency:
+            check_same_decision(decision, self.check_group)
+        self.last_norms, self.last_decision = norms, decision
+        self.plan = self._plan_for(decision.step + 1, decision.active)
+        if decision.active:
+            logger.debug("step %d: recovery for %s", decision.step, self.plan.names)
+        return decision
+
+    def _plan_for(self, step: int, active: tuple[int, ...]) -> Plan:
+        return Plan(
+            step=step, active=frozenset(active), names=tuple(self.registry.names[i] for i in active)
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Controller state plus the unit names and the current plan (``weights_only``-safe)."""
+        return {
+            "controller": self.controller.state_dict(),
+            "unit_names": list(self.registry.names),
+            "plan_active": sorted(self.plan.active),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`; the units must be the same (any parallel layout)."""
+        names = list(state.get("unit_names", []))
+        if names != list(self.registry.names):
+            diff = sorted(set(names) ^ set(self.registry.names))[:5]
+            raise ValueError(
+                f"GNMR state was saved for {len(names)} units, this model has "
+                f"{self.registry.num_units}; first differing names: {diff}. The unit list must "
+                "match (same model, granularity and include/exclude patterns)."
+            )
+        self.controller.load_state_dict(state["controller"])
+        active = tuple(int(i) for i in state["plan_active"])
+        self.plan = self._plan_for(self.controller.step_count + 1, active)

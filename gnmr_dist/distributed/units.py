@@ -1,0 +1,304 @@
+"""Units: the named parameter groups GNMR scores, with ids that every rank agrees on.
+
+A unit is either one projection operator (``granularity="operator"``: ``nn.Linear``,
+megatron-core's ``ColumnParallelLinear``/``RowParallelLinear``, Transformer Engine's linear
+modules) or one whole transformer layer (``granularity="layer"``). Every parameter outside all
+units (embeddings, norms between operators, final norm, output head) falls into one extra
+non-recoverable "rest" slot, so the pass that yields the per-unit norms also yields the global
+norm.
+
+Names are *global*: wrapper prefixes (``module.`` from DDP/Float16Module) are stripped and the
+index of a transformer layer is its global layer number, so pipeline stage 1 of 2 calls its first
+layer ``decoder.layers.4`` rather than ``decoder.layers.0``. Megatron layers carry the global
+number themselves (``layer_number``, 1-based); for other models a ``layer_offset`` shifts the
+local index. Ranks then exchange their local names once (one ``all_gather_object`` at start) and
+sort the union by (global layer, position inside the layer), which makes the id of a unit depend
+only on the model, not on the parallel layout: a checkpoint taken at TP2 x PP2 resumes at TP1.
+
+Parameters are counted once over the tensor-parallel group: a parameter marked
+``tensor_model_parallel`` (megatron) or ``model_parallel`` (DeepSpeed) holds a distinct shard on
+every TP rank; any other parameter is a replica and counts only on TP rank 0. Parameters marked
+``shared`` (megatron's tied embedding copy on the last pipeline stage) are not counted, and a
+tensor reachable under two names (tied weights inside one module) is counted once.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from gnmr_dist.distributed.comm import Group, all_gather_objects, group_rank
+
+__all__ = ["OPERATOR_TYPES", "UnitRegistry", "global_param_name", "is_operator"]
+
+logger = logging.getLogger(__name__)
+
+OPERATOR_TYPES = frozenset(
+    {
+        # megatron-core
+        "ColumnParallelLinear",
+        "RowParallelLinear",
+        # megatron-core wrappers of Transformer Engine
+        "TELinear",
+        "TEColumnParallelLinear",
+        "TERowParallelLinear",
+        "TELayerNormColumnParallelLinear",
+        # Transformer Engine
+        "Linear",
+        "LayerNormLinear",
+        "LayerNormMLP",
+    }
+)
+"""Class names of projection operators (matched by name so nothing optional is imported)."""
+
+_LAYER_LISTS = ("layers", "h", "layer", "blocks")
+_WRAPPERS = re.compile(r"^(?:module\.|_orig_mod\.|base_model\.model\.)+")
+_GRANULARITIES = ("operator", "layer")
+
+
+def is_operator(module: nn.Module) -> bool:
+    """True for a projection operator: ``nn.Linear`` or a known parallel/TE linear class."""
+    return isinstance(module, nn.Linear) or type(module).__name__ in OPERATOR_TYPES
+
+
+def _strip_wrappers(name: str) -> str:
+    return _WRAPPERS.sub("", name)
+
+
+def _layer_index(path: str, module: nn.Module, parent: nn.Module | None) -> int | None:
+    """Global 0-based layer index of ``module`` at ``path``, or None if it is not a layer."""
+    number = getattr(module, "layer_number", None)
+    if isinstance(number, int) and not isinstance(number, bool):
+        return number - 1
+    head, _, tail = path.rpartition(".")
+    if tail.isdigit() and isinstance(parent, nn.ModuleList) and head.split(".")[-1] in _LAYER_LISTS:
+        return int(tail)
+    return None
+
+
+@dataclass(frozen=True)
+class _LocalUnit:
+    name: str
+    key: tuple[int, int, str]
+    module_path: str
+    eligible: bool
+
+
+def _find_layers(model: nn.Module, layer_offset: int) -> dict[str, tuple[str, int]]:
+    """Map local module path -> (global layer path, global layer index) for every layer."""
+    modules = dict(model.named_modules())
+    layers: dict[str, tuple[str, int]] = {}
+    for path, module in modules.items():
+        parent = modules.get(path.rpartition(".")[0]) if "." in path else model
+        index = _layer_index(path, module, parent)
+        if index is None or any(path.startswith(p + ".") for p in layers):
+            continue
+        if getattr(module, "layer_number", None) is None:
+            index += layer_offset
+        head = _strip_wrappers(path).rpartition(".")[0]
+        layers[path] = (f"{head}.{index}", index)
+    return layers
+
+
+def _enclosing_layer(path: str, layers: dict[str, tuple[str, int]]) -> str | None:
+    for layer_path in layers:
+        if path == layer_path or path.startswith(layer_path + "."):
+            return layer_path
+    return None
+
+
+def _globalize(local_name: str, layers: dict[str, tuple[str, int]]) -> str:
+    layer = _enclosing_layer(local_name, layers)
+    if layer is None:
+        return _strip_wrappers(local_name)
+    return layers[layer][0] + local_name[len(layer) :]
+
+
+def global_param_name(model: nn.Module, local_name: str, layer_offset: int = 0) -> str:
+    """The layout-independent name of a parameter (``decoder.layers.7.mlp.linear_fc1.weight``)."""
+    return _globalize(local_name, _find_layers(model, layer_offset))
+
+
+def _local_units(
+    model: nn.Module,
+    granularity: str,
+    layer_offset: int,
+    eligible_fn: Callable[[str, nn.Module], bool],
+) -> list[_LocalUnit]:
+    layers = _find_layers(model, layer_offset)
+    if granularity == "layer":
+        modules = dict(model.named_modules())
+        return [
+            _LocalUnit(g, (0, i, ""), path, eligible_fn(g, modules[path]))
+            for path, (g, i) in layers.items()
+        ]
+    units: list[_LocalUnit] = []
+    position: dict[str, int] = {}
+    for path, module in model.named_modules():
+        if not is_operator(module):
+            continue
+        layer = _enclosing_layer(path, layers)
+        if layer is None:
+            name = _strip_wrappers(path)
+            units.append(_LocalUnit(name, (1, 0, name), path, eligible_fn(name, module)))
+            continue
+        gpath, index = layers[layer]
+        name = gpath + path[len(layer) :]
+        pos = position.setdefault(layer, 0)
+        position[layer] = pos + 1
+        units.append(_LocalUnit(name, (0, index, f"{pos:06d}"), path, eligible_fn(name, module)))
+    return units
+
+
+def _select(
+    units: list[_LocalUnit], include: Sequence[str], exclude: Sequence[str]
+) -> list[_LocalUnit]:
+    def hit(name: str, patterns: Sequence[str]) -> bool:
+        return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+    def default(unit: _LocalUnit) -> bool:
+        return unit.key[0] == 0  # inside a transformer layer
+
+    chosen = [u for u in units if (hit(u.name, include) if include else default(u))]
+    return [u for u in chosen if not hit(u.name, exclude)]
+
+
+class UnitRegistry:
+    """The global, ordered list of units and this rank's parameters mapped onto them.
+
+    Build it with :meth:`from_model`. ``names[i]`` is unit ``i``; slot ``num_units`` is the rest
+    bucket. ``param_slots`` maps each *counted* local parameter to its slot.
+    """
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        eligible: Sequence[bool],
+        modules: dict[int, nn.Module],
+        params: Sequence[nn.Parameter],
+        param_slots: Sequence[int],
+        param_names: Sequence[str],
+    ) -> None:
+        self.names = tuple(names)
+        self.num_units = len(self.names)
+        self.eligible = torch.tensor(list(eligible), dtype=torch.bool)
+        self.local_modules = modules
+        self.params = list(params)
+        self.param_slots = torch.tensor(list(param_slots), dtype=torch.int64)
+        self.param_names = tuple(param_names)
+        self.index = {n: i for i, n in enumerate(self.names)}
+
+    @classmethod
+    def from_model(
+        cls,
+        model: nn.Module,
+        *,
+        granularity: str = "operator",
+        include: Sequence[str] = (),
+        exclude: Sequence[str] = (),
+        group: Group | None = None,
+        tp_group: Group | None = None,
+        layer_offset: int = 0,
+        eligible_fn: Callable[[str, nn.Module], bool] | None = None,
+    ) -> UnitRegistry:
+        """Find the units of ``model`` and agree on their ids with every rank of ``group``.
+
+        Args:
+            granularity: ``"operator"`` (each projection) or ``"layer"`` (each transformer layer).
+            include: glob patterns on global unit names; default: every unit inside a layer.
+            exclude: glob patterns removed after ``include`` (e.g. ``"*.layers.0.*"``).
+            group: ranks whose units form the model (usually the world); one all-gather of
+                names happens over it. ``None``: this process holds the whole model.
+            tp_group: the tensor-parallel group, to count replicated parameters on TP rank 0 only.
+            layer_offset: added to the layer index of models whose layers do not carry a global
+                ``layer_number`` (a hand-split pipeline stage).
+            eligible_fn: ``(name, module) -> bool``: whether the unit has a recovery path;
+                default: all units are eligible.
+        """
+        if granularity not in _GRANULARITIES:
+            raise ValueError(
+                f"granularity must be one of {list(_GRANULARITIES)}, got {granularity!r}"
+            )
+        local = _select(
+            _local_units(model, granularity, layer_offset, eligible_fn or (lambda n, m: True)),
+            include,
+            exclude,
+        )
+        names, eligible = _agree(local, group)
+        if not names:
+            raise ValueError(
+                f"no units found with granularity={granularity!r}, include={list(include)}, "
+                f"exclude={list(exclude)}: does the model have transformer layers or linear "
+                "operators?"
+            )
+        return cls._bind(model, names, eligible, local, group_rank(tp_group), layer_offset)
+
+    @classmethod
+    def _bind(
+        cls,
+        model: nn.Module,
+        names: list[str],
+        eligible: list[bool],
+        local: list[_LocalUnit],
+        tp_rank: int,
+        layer_offset: int,
+    ) -> UnitRegistry:
+        index = {n: i for i, n in enumerate(names)}
+        path_slot = {u.module_path: index[u.name] for u in local}
+        modules = dict(model.named_modules())
+        layers = _find_layers(model, layer_offset)
+        params, slots, pnames = [], [], []
+        for pname, param in model.named_parameters():
+            if not _counted(param, tp_rank):
+                continue
+            params.append(param)
+            slots.append(_slot_of(pname, path_slot, len(names)))
+            pnames.append(_globalize(pname, layers))
+        local_modules = {index[u.name]: modules[u.module_path] for u in local}
+        return cls(names, eligible, local_modules, params, slots, pnames)
+
+    def unit_params(self, unit: int) -> list[nn.Parameter]:
+        """This rank's counted parameters of ``unit`` (``num_units`` for the rest bucket)."""
+        return [p for p, s in zip(self.params, self.param_slots.tolist(), strict=True) if s == unit]
+
+
+def _counted(param: nn.Parameter, tp_rank: int) -> bool:
+    if getattr(param, "shared", False):
+        return False
+    sharded = getattr(param, "tensor_model_parallel", False) or getattr(
+        param, "model_parallel", False
+    )
+    return bool(sharded) or tp_rank == 0
+
+
+def _slot_of(pname: str, path_slot: dict[str, int], rest: int) -> int:
+    """Slot of the innermost unit module whose path prefixes ``pname`` (else the rest slot)."""
+    path = pname
+    while "." in path:
+        path = path.rpartition(".")[0]
+        if path in path_slot:
+            return path_slot[path]
+    return path_slot.get("", rest)
+
+
+def _agree(local: Iterable[_LocalUnit], group: Group | None) -> tuple[list[str], list[bool]]:
+    """One all-gather of (name, key, eligible); the sorted union, identical on every rank."""
+    mine = [(u.name, u.key, u.eligible) for u in local]
+    merged: dict[str, tuple[Any, bool]] = {}
+    for rank, entries in enumerate(all_gather_objects(mine, group)):
+        for name, key, elig in entries:
+            seen = merged.setdefault(name, (tuple(key), elig))
+            if seen != (tuple(key), elig):
+                raise RuntimeError(
+                    f"rank {rank} describes unit {name!r} as {(tuple(key), elig)}, another rank as "
+                    f"{seen}: are all ranks building the same model and backend?"
+                )
+    order = sorted(merged, key=lambda n: merged[n][0])
+    return order, [merged[n][1] for n in order]
