@@ -141,9 +141,12 @@ def _local_units(
         ]
     units: list[_LocalUnit] = []
     position: dict[str, int] = {}
+    taken: list[str] = []
     for path, module in model.named_modules():
-        if not is_operator(module):
+        # an operator nested in another (peft's lora.Linear holds base_layer, lora_A) is part of it
+        if not is_operator(module) or any(path.startswith(t + ".") for t in taken):
             continue
+        taken.append(path)
         layer = _enclosing_layer(path, layers)
         if layer is None:
             name = _strip_wrappers(path)

@@ -1,0 +1,176 @@
+"""The backend protocol: two paths per unit, switched by a flag, never by rebuilding anything.
+
+A precision backend owns the low-cost and the recovery path of every unit it wraps:
+
+* :meth:`PrecisionBackend.wrap` is called once, before the optimizer is built. For every
+  operator of every unit it installs an *instance-level* ``forward`` (the module, its parameters,
+  their ids and the optimizer state are untouched; :meth:`unwrap` deletes the override).
+* :meth:`PrecisionBackend.apply` is called at the start of each optimizer step with the plan the
+  controller chose at the end of the previous one. It only swaps a frozenset: every forward of
+  the step, all micro-batches and any activation recomputation, reads the same plan.
+* :meth:`PrecisionBackend.report` says which path each unit's operators actually ran during the
+  step, counted in the forwards themselves, so tests and logs see what happened rather than what
+  was asked for.
+
+Custom autograd functions save the path they ran in the forward, so the backward of a step uses
+the forward's precision even if the plan changes before it runs.
+
+The controller never imports a backend; the integrations wire the two together.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import types
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from gnmr_dist.distributed.units import is_operator
+
+__all__ = ["LOW_COST", "RECOVERY", "PrecisionBackend", "StepReport", "operators_of"]
+
+logger = logging.getLogger(__name__)
+
+LOW_COST = "low_cost"
+RECOVERY = "recovery"
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What ran during one optimizer step (between two :meth:`PrecisionBackend.apply` calls)."""
+
+    step: int
+    """The step the plan was applied for."""
+    planned: frozenset[int]
+    """Units the plan put on the recovery path."""
+    ran: Mapping[int, frozenset[str]]
+    """Unit id -> the paths (``"low_cost"``, ``"recovery"``) its operators ran in forwards."""
+
+    @property
+    def recovered(self) -> frozenset[int]:
+        """Units whose forwards ran the recovery path."""
+        return frozenset(u for u, paths in self.ran.items() if RECOVERY in paths)
+
+    @property
+    def low_cost(self) -> frozenset[int]:
+        """Units whose forwards ran the low-cost path."""
+        return frozenset(u for u, paths in self.ran.items() if LOW_COST in paths)
+
+
+def operators_of(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """``(relative path, operator)`` for the outermost operators in ``module`` (itself included).
+
+    An operator nested in another (peft's ``lora.Linear`` holds ``base_layer`` and ``lora_A``)
+    belongs to the outer one, which the backend handles as a whole.
+    """
+    taken: list[str] = []
+    for path, sub in module.named_modules():
+        if any(path == t or path.startswith(t + ".") for t in taken):
+            continue
+        if is_operator(sub):
+            taken.append(path)
+            yield path, sub
+
+
+class PrecisionBackend(abc.ABC):
+    """Base class of the precision backends; subclasses implement :meth:`_forward_fn`.
+
+    Subclasses parse their ``low_cost`` / ``recovery`` option blocks strictly in ``__init__``
+    (unknown keys name the closest valid one) and may narrow :meth:`supports`.
+    """
+
+    name: ClassVar[str] = ""
+
+    def __init__(self) -> None:
+        self._wrapped: dict[int, list[nn.Module]] = {}
+        self._recover: frozenset[int] = frozenset()
+        self._step = 0
+        self._ran: dict[int, set[str]] = {}
+
+    # ------------------------------------------------------------------ set-up
+
+    def supports(self, module: nn.Module) -> bool:
+        """Whether this backend can run ``module`` (an operator) on both paths."""
+        return isinstance(module, nn.Linear)
+
+    def is_eligible(self, name: str, unit: nn.Module) -> bool:
+        """A unit is eligible for recovery when the backend supports one of its operators."""
+        return any(self.supports(op) for _, op in operators_of(unit))
+
+    def targets(self, op: nn.Module) -> list[nn.Module]:
+        """The modules whose forward is switched for operator ``op`` (default: ``op`` itself).
+
+        A backend that quantizes only part of an operator (the frozen ``base_layer`` of a peft
+        LoRA layer) returns that part.
+        """
+        return [op]
+
+    def wrap(self, units: Mapping[int, nn.Module]) -> None:
+        """Install the switchable forward on every supported operator of every unit, once."""
+        for uid, unit in units.items():
+            mods = [
+                t for _, op in operators_of(unit) if self.supports(op) for t in self.targets(op)
+            ]
+            for mod in mods:
+                if "forward" in vars(mod):
+                    raise RuntimeError(f"unit {uid}: {type(mod).__name__} is already wrapped")
+                mod.forward = types.MethodType(self._switching_forward(uid, mod), mod)
+            if mods:
+                self._wrapped[uid] = mods
+        logger.info("%s backend wrapped %d units", self.name, len(self._wrapped))
+
+    def unwrap(self) -> None:
+        """Remove every installed forward: the modules are plain again."""
+        for ops in self._wrapped.values():
+            for op in ops:
+                del op.forward
+        self._wrapped.clear()
+
+    @property
+    def units(self) -> frozenset[int]:
+        """Ids of the units this backend wrapped."""
+        return frozenset(self._wrapped)
+
+    # ------------------------------------------------------------------ per step
+
+    def apply(self, active: Iterable[int], step: int) -> None:
+        """Set the plan for optimizer step ``step``: ``active`` units run the recovery path."""
+        recover = frozenset(int(u) for u in active)
+        self._on_plan_change(self._recover, recover)
+        self._recover, self._step = recover, step
+        self._ran = {}
+
+    def _on_plan_change(self, before: frozenset[int], after: frozenset[int]) -> None:
+        """Hook for backends that keep per-unit state across path changes (TE amax history)."""
+        del before, after  # nothing to do for stateless paths
+
+    def path_of(self, unit: int) -> str:
+        """The path ``unit`` runs under the current plan."""
+        return RECOVERY if unit in self._recover else LOW_COST
+
+    def report(self) -> StepReport:
+        """Which path each unit ran since the last :meth:`apply`."""
+        ran = {u: frozenset(p) for u, p in self._ran.items()}
+        return StepReport(step=self._step, planned=self._recover, ran=ran)
+
+    # ------------------------------------------------------------------ forwards
+
+    def _switching_forward(self, uid: int, op: nn.Module) -> Callable[..., Any]:
+        low = self._forward_fn(op, LOW_COST)
+        high = self._forward_fn(op, RECOVERY)
+
+        def forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            path = RECOVERY if uid in self._recover else LOW_COST
+            self._ran.setdefault(uid, set()).add(path)
+            return (high if path == RECOVERY else low)(*args, **kwargs)
+
+        return forward
+
+    @abc.abstractmethod
+    def _forward_fn(self, op: nn.Module, path: str) -> Callable[..., torch.Tensor]:
+        """The forward of operator ``op`` on ``path`` (called with the module's own arguments)."""
