@@ -70,7 +70,7 @@ def operators_of(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """
     taken: list[str] = []
     for path, sub in module.named_modules():
-        if any(path == t or path.startswith(t + ".") for t in taken):
+        if any(t == "" or path == t or path.startswith(t + ".") for t in taken):
             continue
         if is_operator(sub):
             taken.append(path)

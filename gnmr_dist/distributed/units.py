@@ -36,7 +36,13 @@ from torch import nn
 
 from gnmr_dist.distributed.comm import Group, all_gather_objects, group_rank
 
-__all__ = ["OPERATOR_TYPES", "UnitRegistry", "global_param_name", "is_operator"]
+__all__ = [
+    "OPERATOR_TYPES",
+    "UnitRegistry",
+    "global_param_name",
+    "is_lora_layer",
+    "is_operator",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +69,18 @@ _WRAPPERS = re.compile(r"^(?:module\.|_orig_mod\.|base_model\.model\.)+")
 _GRANULARITIES = ("operator", "layer")
 
 
+def is_lora_layer(module: nn.Module) -> bool:
+    """A LoRA-adapted layer (peft's ``lora.Linear``, ``Linear8bitLt``, ...): base + adapters."""
+    return isinstance(getattr(module, "base_layer", None), nn.Module) and hasattr(module, "lora_A")
+
+
 def is_operator(module: nn.Module) -> bool:
-    """True for a projection operator: ``nn.Linear`` or a known parallel/TE linear class."""
-    return isinstance(module, nn.Linear) or type(module).__name__ in OPERATOR_TYPES
+    """True for a projection operator: ``nn.Linear``, a parallel/TE linear, or a LoRA layer."""
+    return (
+        isinstance(module, nn.Linear)
+        or type(module).__name__ in OPERATOR_TYPES
+        or is_lora_layer(module)
+    )
 
 
 def _strip_wrappers(name: str) -> str:
@@ -144,7 +159,7 @@ def _local_units(
     taken: list[str] = []
     for path, module in model.named_modules():
         # an operator nested in another (peft's lora.Linear holds base_layer, lora_A) is part of it
-        if not is_operator(module) or any(path.startswith(t + ".") for t in taken):
+        if not is_operator(module) or any(t == "" or path.startswith(t + ".") for t in taken):
             continue
         taken.append(path)
         layer = _enclosing_layer(path, layers)
