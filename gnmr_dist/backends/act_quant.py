@@ -187,8 +187,9 @@ class ActQuantBackend(PrecisionBackend):
     def _forward_fn(self, op: nn.Module, path: str) -> Any:
         options = self.low_cost if path == LOW_COST else self.recovery
 
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            return act_quant_linear(x, op.weight, op.bias, options, self._shared_pack(x, options))
+        def forward(input: torch.Tensor) -> torch.Tensor:
+            pack_ = self._shared_pack(input, options)
+            return act_quant_linear(input, op.weight, op.bias, options, pack_)
 
         return forward
 

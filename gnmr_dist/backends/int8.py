@@ -328,9 +328,9 @@ class Int8Backend(PrecisionBackend):
         def quantize(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return quantize_symmetric(t, act)
 
-        def forward(x: torch.Tensor) -> torch.Tensor:
+        def forward(input: torch.Tensor) -> torch.Tensor:  # nn.Linear.forward's signature
             w_q, w_scale = cache.get()
-            args = (x, lin.weight, lin.bias, w_q, w_scale, quantize, int8_gemm)
+            args = (input, lin.weight, lin.bias, w_q, w_scale, quantize, int8_gemm)
             return W8A8LinearFn.apply(*args)  # type: ignore[no-untyped-call, no-any-return]
 
         return forward
