@@ -21,13 +21,13 @@ The controller never imports a backend; the integrations wire the two together.
 from __future__ import annotations
 
 import abc
+import contextlib
 import logging
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import torch
 from torch import nn
 
 from gnmr_dist.distributed.units import is_operator
@@ -171,6 +171,13 @@ class PrecisionBackend(abc.ABC):
 
         return forward
 
+    def step_context(self) -> contextlib.AbstractContextManager[Any]:
+        """The region the training loop enters around each step's forward (TE's FP8 autocast).
+
+        Most backends need none; integrations enter it for every backend.
+        """
+        return contextlib.nullcontext()
+
     @abc.abstractmethod
-    def _forward_fn(self, op: nn.Module, path: str) -> Callable[..., torch.Tensor]:
+    def _forward_fn(self, op: nn.Module, path: str) -> Callable[..., Any]:
         """The forward of operator ``op`` on ``path`` (called with the module's own arguments)."""

@@ -56,10 +56,14 @@ OPERATOR_TYPES = frozenset(
         "TEColumnParallelLinear",
         "TERowParallelLinear",
         "TELayerNormColumnParallelLinear",
+        "TEGroupedLinear",
+        "TEColumnParallelGroupedLinear",
+        "TERowParallelGroupedLinear",
         # Transformer Engine
         "Linear",
         "LayerNormLinear",
         "LayerNormMLP",
+        "GroupedLinear",
     }
 )
 """Class names of projection operators (matched by name so nothing optional is imported)."""

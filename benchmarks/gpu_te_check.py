@@ -1,0 +1,362 @@
+"""One-command GPU check of the ``te_fp8`` backend against plain Transformer Engine.
+
+    python -m benchmarks.gpu_te_check [--hidden 2048] [--layers 4] [--tokens 8192] [--steps 12]
+
+Needs one NVIDIA GPU with FP8 (compute capability >= 8.9) and Transformer Engine; about a
+minute on one H200. It is independent of pytest: ``pytest -m gpu tests/gpu -q`` is the separate,
+finer-grained suite (bitwise checks on a stack of ``te.Linear``), this script is the
+transformer-ish end-to-end check with numbers. On a machine without CUDA or TE it prints why and
+exits with status 2, without a traceback.
+
+The model: ``--layers`` blocks of ``x + Linear(gelu(LayerNormLinear(x)))`` then
+``h + LayerNormMLP(h)`` (BF16 parameters), every TE module one unit. For each FP8 recipe the
+device supports (delayed, tensorwise, blockwise, mxfp8):
+
+* ``fp8_equal``: the backend with an empty plan == plain ``te.autocast(recipe)``, bitwise over
+  three training steps (outputs, losses, every gradient);
+* ``switching``: ``--steps`` training steps with units flipping path every step: no inf/nan,
+  and under delayed scaling every unit returning to FP8 had its state reset in place.
+
+Once: ``bf16_equal`` (every unit recovered == the model without FP8, bitwise),
+``unit_bf16_equal`` (one recovered unit == that module in BF16, on the input it got),
+``stronger_recovery`` (tensorwise low-cost, blockwise recovery, if both run here), and the step
+time of the backend (empty plan; one unit per step in BF16) against plain FP8 and plain BF16;
+``overhead`` fails above 1.25x plain FP8. A bitwise check whose plain-vs-plain control is itself
+not bitwise (a non-deterministic kernel) passes when the backend differs no more than the control.
+
+Exit status: 0 every check passed, 1 a check failed, 2 cannot run here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+from gnmr_dist.backends.te_fp8 import TEFp8Backend
+
+DEVICE = "cuda"
+RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+OVERHEAD_LIMIT = 1.25
+Region = Callable[[], contextlib.AbstractContextManager[Any]]
+Step = tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+
+# ---------------------------------------------------------------------- model
+
+
+class Block(nn.Module):
+    """``x + proj(gelu(qkv(x)))``, then ``h + mlp(h)``: three TE modules, three units."""
+
+    def __init__(self, te: Any, d: int) -> None:
+        super().__init__()
+        kw = {"params_dtype": torch.bfloat16, "device": DEVICE}
+        self.qkv = te.LayerNormLinear(d, d, **kw)
+        self.proj = te.Linear(d, d, **kw)
+        self.mlp = te.LayerNormMLP(d, 4 * d, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.proj(F.gelu(self.qkv(x)))
+        return h + self.mlp(h)
+
+
+def build(te: Any, args: argparse.Namespace, like: nn.Module | None = None) -> nn.Sequential:
+    """A fresh model (fresh FP8 state); with ``like``, a copy of its weights."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(Block(te, args.hidden) for _ in range(args.layers)))
+    if like is not None:
+        with torch.no_grad():
+            for p, q in zip(like.parameters(), model.parameters(), strict=True):
+                q.copy_(p)
+    return model
+
+
+def te_modules(model: nn.Module) -> list[nn.Module]:
+    return [m for block in model for m in (block.qkv, block.proj, block.mlp)]
+
+
+def batch(args: argparse.Namespace, seed: int) -> torch.Tensor:
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    shape = (args.tokens, args.hidden)
+    return torch.randn(*shape, device=DEVICE, dtype=torch.bfloat16, generator=g)
+
+
+def train_step(model: nn.Module, x: torch.Tensor, region: Region, lr: float = 1e-2) -> Step:
+    """Forward inside ``region()``; backward and SGD outside. (output, loss, gradients)."""
+    with region():
+        y = model(x)
+    loss = y.float().square().mean()
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= lr * p.grad
+            p.grad = None
+    return y.detach(), loss.detach(), grads
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def plain_region(te: Any, recipe: Any) -> Region:
+    """Plain TE FP8, with the argument names of the installed version."""
+    if hasattr(te, "autocast"):
+        return lambda: te.autocast(enabled=True, recipe=recipe)
+    return lambda: te.fp8_autocast(enabled=True, fp8_recipe=recipe)
+
+
+def plain_recipe(name: str) -> Any:
+    """The recipe plain TE users write (built here, not by the backend)."""
+    from transformer_engine.common import recipe as r
+
+    if name == "delayed":
+        return r.DelayedScaling()
+    cls = {"tensorwise": "Float8CurrentScaling", "blockwise": "Float8BlockScaling"}
+    return getattr(r, cls.get(name, "MXFP8BlockScaling"))(fp8_format=r.Format.HYBRID)
+
+
+def backend_for(model: nn.Module, **options: Any) -> TEFp8Backend:
+    backend = TEFp8Backend(**options)
+    backend.wrap(dict(enumerate(te_modules(model))))
+    return backend
+
+
+def max_diff(a: Iterable[Step], b: Iterable[Step]) -> float:
+    """Largest absolute difference over outputs, losses and gradients of two runs."""
+    worst = 0.0
+    for sa, sb in zip(a, b, strict=True):
+        pairs = [(sa[0], sb[0]), (sa[1], sb[1]), *zip(sa[2], sb[2], strict=True)]
+        for t, u in pairs:
+            worst = max(worst, float((t.float() - u.float()).abs().max()))
+    return worst
+
+
+def bitwise(name: str, run: Callable[..., list[Step]], ref: Callable[..., list[Step]]) -> Check:
+    """``run`` vs ``ref`` on copies of one model, with a ``ref`` vs ``ref`` control."""
+    diff, control = max_diff(run(), ref()), max_diff(ref(), ref())
+    ok = diff == 0.0 or diff <= control
+    return Check(name, ok, f"max |diff| {diff:.3g} (plain-vs-plain control {control:.3g})")
+
+
+def nonfinite(steps: Iterable[Step]) -> int:
+    return sum(int((~torch.isfinite(t)).sum()) for y, loss, g in steps for t in (y, loss, *g))
+
+
+# ---------------------------------------------------------------------- checks
+
+
+def check_fp8_equal(te: Any, args: argparse.Namespace, name: str) -> Check:
+    base = build(te, args)
+
+    def via_backend() -> list[Step]:
+        model = build(te, args, like=base)
+        backend = backend_for(model, low_cost={"recipe": name})
+        steps = []
+        for s in range(3):
+            backend.apply(set(), s + 1)
+            steps.append(train_step(model, batch(args, s), backend.autocast))
+        return steps
+
+    def plain() -> list[Step]:
+        model, region = build(te, args, like=base), plain_region(te, plain_recipe(name))
+        return [train_step(model, batch(args, s), region) for s in range(3)]
+
+    return bitwise(f"fp8_equal[{name}]", via_backend, plain)
+
+
+def check_bf16_equal(te: Any, args: argparse.Namespace) -> Check:
+    base = build(te, args)
+
+    def via_backend() -> list[Step]:
+        model = build(te, args, like=base)
+        backend = backend_for(model)
+        backend.apply(backend.units, step=1)
+        return [train_step(model, batch(args, s), backend.autocast) for s in range(2)]
+
+    def plain() -> list[Step]:
+        model = build(te, args, like=base)
+        return [train_step(model, batch(args, s), contextlib.nullcontext) for s in range(2)]
+
+    return bitwise("bf16_equal", via_backend, plain)
+
+
+def check_unit_bf16_equal(te: Any, args: argparse.Namespace) -> Check:
+    model = build(te, args)
+    reference = build(te, args, like=model)
+    backend = backend_for(model)
+    unit = 1  # block 0's proj: between two FP8 modules
+    seen: dict[str, torch.Tensor] = {}
+    hook = te_modules(model)[unit].register_forward_hook(
+        lambda m, inp, out: seen.update(inp=inp[0].detach(), out=out.detach())
+    )
+    backend.apply({unit}, step=1)
+    train_step(model, batch(args, 0), backend.autocast)
+    hook.remove()
+    ref = te_modules(reference)[unit](seen["inp"]).detach()
+    diff = float((ref.float() - seen["out"].float()).abs().max())
+    ok = diff == 0.0 and not backend.fp8_ran(unit) and backend.fp8_ran(0)
+    return Check("unit_bf16_equal", ok, f"max |diff| {diff:.3g} vs the module in BF16")
+
+
+def plan_of(step: int, units: int) -> set[int]:
+    """One to two units in recovery, changing every step, and an empty plan every 4th step."""
+    return set() if step % 4 == 0 else {step % units, (7 * step) % units}
+
+
+def check_switching(te: Any, args: argparse.Namespace, low: str, recovery: str = "bf16") -> Check:
+    model = build(te, args)
+    backend = backend_for(model, low_cost={"recipe": low}, recovery={"recipe": recovery})
+    modules, steps, not_reset = te_modules(model), [], 0
+    for s in range(1, args.steps + 1):
+        returning = backend.report().planned - plan_of(s, len(modules))
+        backend.apply(plan_of(s, len(modules)), s)
+        if low == "delayed":
+            not_reset += sum(not _is_reset(modules[u]) for u in returning)
+        steps.append(train_step(model, batch(args, s), backend.autocast))
+        planned = backend.report().planned
+        expect = [recovery != "bf16" or u not in planned for u in range(len(modules))]
+        not_reset += sum(backend.fp8_ran(u) != e for u, e in enumerate(expect))
+    bad = nonfinite(steps)
+    detail = f"{args.steps} steps, non-finite values {bad}, path/reset violations {not_reset}"
+    return Check(f"switching[{low}->{recovery}]", bad == 0 and not_reset == 0, detail)
+
+
+def _is_reset(module: nn.Module) -> bool:
+    """Scale 1 and empty history (also true of a module that never ran FP8)."""
+    states = [module.fp8_meta[k] for k in ("scaling_fwd", "scaling_bwd") if k in module.fp8_meta]
+    return all(bool((s.scale == 1).all() and (s.amax_history == 0).all()) for s in states)
+
+
+def median_ms(step: Callable[[], object], iters: int) -> float:
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(1e3 * (time.perf_counter() - start))
+    return sorted(times)[len(times) // 2]
+
+
+def check_overhead(te: Any, args: argparse.Namespace) -> Check:
+    model = build(te, args)
+    plain = build(te, args, like=model)
+    backend = backend_for(model)
+    x, units, counter = batch(args, 0), len(backend.units), iter(range(1, 10**9))
+
+    def switching(plan: Callable[[int], set[int]]) -> Callable[[], object]:
+        def step() -> object:
+            s = next(counter)
+            backend.apply(plan(s), s)
+            return train_step(model, x, backend.autocast, lr=0.0)
+
+        return step
+
+    fp8 = plain_region(te, plain_recipe("delayed"))
+    ms = {
+        "plain_fp8": median_ms(lambda: train_step(plain, x, fp8, lr=0.0), args.iters),
+        "gnmr_empty": median_ms(switching(lambda s: set()), args.iters),
+        "gnmr_switching": median_ms(switching(lambda s: {s % units}), args.iters),
+        "plain_bf16": median_ms(
+            lambda: train_step(plain, x, contextlib.nullcontext, lr=0.0), args.iters
+        ),
+    }
+    ratio = {k: v / ms["plain_fp8"] for k, v in ms.items()}
+    detail = ", ".join(f"{k} {ms[k]:.2f} ms ({ratio[k]:.3f}x)" for k in ms)
+    return Check("overhead", ratio["gnmr_empty"] <= OVERHEAD_LIMIT, detail)
+
+
+# ---------------------------------------------------------------------- driver
+
+
+def preflight() -> str | None:
+    """Why this machine cannot run the check, or None."""
+    if not torch.cuda.is_available():
+        return (
+            f"CUDA is not available (torch {torch.__version__}, no CUDA device). This check needs "
+            "an NVIDIA GPU with FP8 and Transformer Engine; on CPU run "
+            "`pytest tests/backends/test_te_fp8.py`, and train with backend 'fp8_emulated'."
+        )
+    try:
+        TEFp8Backend()
+    except (ImportError, RuntimeError) as err:
+        return str(err)
+    return None
+
+
+def runnable_recipes() -> tuple[list[str], list[str]]:
+    """(recipes this device runs, a line per recipe it does not)."""
+    ok, skipped = [], []
+    for name in RECIPES:
+        try:
+            TEFp8Backend(low_cost={"recipe": name})
+            ok.append(name)
+        except RuntimeError as err:
+            skipped.append(f"{name}: {err}")
+    return ok, skipped
+
+
+def run_checks(te: Any, args: argparse.Namespace, recipes: list[str]) -> list[Check]:
+    checks = [check_bf16_equal(te, args), check_unit_bf16_equal(te, args)]
+    for name in recipes:
+        checks += [check_fp8_equal(te, args, name), check_switching(te, args, name)]
+    if {"tensorwise", "blockwise"} <= set(recipes):
+        checks.append(check_switching(te, args, "tensorwise", "blockwise"))
+    checks.append(check_overhead(te, args))
+    return checks
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden", type=int, default=2048, help="model width (multiple of 128)")
+    parser.add_argument("--layers", type=int, default=4, help="blocks (3 TE modules each)")
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens per batch (x128)")
+    parser.add_argument("--steps", type=int, default=12, help="switching steps per recipe")
+    parser.add_argument("--iters", type=int, default=20, help="timed steps per variant")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    reason = preflight()
+    if reason is not None:
+        print(f"gpu_te_check: cannot run here: {reason}", file=sys.stderr)
+        return 2
+    import transformer_engine.pytorch as te
+
+    recipes, skipped = runnable_recipes()
+    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name()}")
+    print(f"transformer_engine {TEFp8Backend().te_version}; FP8 recipes here: {recipes}")
+    for line in skipped:
+        print(f"  not here: {line}")
+    start = time.perf_counter()
+    checks = run_checks(te, args, recipes)
+    for c in checks:
+        print(f"{'PASS' if c.ok else 'FAIL'}  {c.name:32s} {c.detail}")
+    failed = [c.name for c in checks if not c.ok]
+    took = time.perf_counter() - start
+    print(f"{len(checks) - len(failed)}/{len(checks)} checks passed in {took:.0f} s")
+    if failed:
+        print(f"FAILED: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
