@@ -1,0 +1,8 @@
+"""``gnmr_dist.deepspeed.initialize``: DeepSpeed with the ``"gnmr"`` config block.
+
+Imports DeepSpeed only when :func:`initialize` is called.
+"""
+
+from gnmr_dist.integrations.deepspeed import DeepSpeedGNMR, initialize, load_ds_config
+
+__all__ = ["DeepSpeedGNMR", "initialize", "load_ds_config"]

@@ -1,0 +1,1 @@
+"""Framework integrations (DeepSpeed, Megatron-core): the top layer, imported only when used."""

@@ -1,0 +1,141 @@
+"""The ``"gnmr"`` block of a DeepSpeed config (and of a Megatron run's GNMR config file).
+
+    "gnmr": {
+      "enabled": true,
+      "backend": "act_quant",          # act_quant | fp8_emulated | int8 | te_fp8 | null (observe)
+      "units": "operator",             # operator | layer
+      "include": [], "exclude": [],    # glob patterns on global unit names
+      "max_active": 4, "lock_steps": 8, "window": 8, "alpha": 1.5, "beta": 2.0, "warmup_steps": 8,
+      "low_cost": {...}, "recovery": {...},        # the backend's option blocks
+      "log": {"trace": "runs/x/trace.jsonl", "monitor": true, "every": 1},
+      "check_consistency": false,
+      "on_missing_state": "error"      # error | fresh: a checkpoint without GNMR state
+    }
+
+Every key is checked before anything starts: an unknown key names the closest valid one, a bad
+value names its full path (``gnmr.log.every``) and the allowed range, and the backend's option
+blocks are validated by building the backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from gnmr_dist.backends import BACKENDS
+from gnmr_dist.core import GNMRConfig
+from gnmr_dist.core.validation import check_keys, check_positive_int, closest
+
+__all__ = ["GNMRBlock", "LogOptions"]
+
+_UNITS = ("operator", "layer")
+_ON_MISSING = ("error", "fresh")
+
+
+@dataclass(frozen=True)
+class LogOptions:
+    """Where decisions go."""
+
+    trace: str | None = None
+    """JSON-lines trace of per-step norms and decisions, written by rank 0 (None: off)."""
+    monitor: bool = True
+    """Send telemetry to DeepSpeed's monitor (tensorboard / csv_monitor / wandb) when enabled."""
+    every: int = 1
+    """Log every this many optimizer steps (the trace always records every step)."""
+
+    @classmethod
+    def from_dict(cls, given: Mapping[str, Any] | None, path: str) -> LogOptions:
+        given = dict(given or {})
+        check_keys(given, ("trace", "monitor", "every"), path)
+        trace = given.get("trace")
+        if trace is not None and not isinstance(trace, str):
+            raise ValueError(f"{path}.trace must be a file path or null, got {trace!r}")
+        monitor = given.get("monitor", True)
+        if not isinstance(monitor, bool):
+            raise ValueError(f"{path}.monitor must be true or false, got {monitor!r}")
+        return cls(trace, monitor, check_positive_int(given.get("every", 1), f"{path}.every"))
+
+
+@dataclass(frozen=True)
+class GNMRBlock:
+    """The parsed ``"gnmr"`` block."""
+
+    enabled: bool = True
+    backend: str | None = None
+    units: str = "operator"
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    policy: GNMRConfig = field(default_factory=GNMRConfig)
+    low_cost: Mapping[str, Any] = field(default_factory=dict)
+    recovery: Mapping[str, Any] = field(default_factory=dict)
+    log: LogOptions = field(default_factory=LogOptions)
+    check_consistency: bool = False
+    on_missing_state: str = "error"
+
+    KEYS = (
+        "enabled", "backend", "units", "include", "exclude", "low_cost", "recovery", "log",
+        "check_consistency", "on_missing_state", *GNMRConfig.field_names(),
+    )  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, block: Mapping[str, Any] | None, path: str = "gnmr") -> GNMRBlock:
+        """Parse and validate the block; ``None`` (no block) means disabled."""
+        if block is None:
+            return cls(enabled=False)
+        check_keys(block, cls.KEYS, path)
+        policy = {k: v for k, v in block.items() if k in GNMRConfig.field_names()}
+        return cls(
+            enabled=_bool(block.get("enabled", True), f"{path}.enabled"),
+            backend=_backend(block.get("backend"), f"{path}.backend"),
+            units=_choice(block.get("units", "operator"), _UNITS, f"{path}.units"),
+            include=_patterns(block.get("include", ()), f"{path}.include"),
+            exclude=_patterns(block.get("exclude", ()), f"{path}.exclude"),
+            policy=GNMRConfig.from_dict(policy, path=path),
+            low_cost=_mapping(block.get("low_cost"), f"{path}.low_cost"),
+            recovery=_mapping(block.get("recovery"), f"{path}.recovery"),
+            log=LogOptions.from_dict(_mapping(block.get("log"), f"{path}.log"), f"{path}.log"),
+            check_consistency=_bool(
+                block.get("check_consistency", False), f"{path}.check_consistency"
+            ),
+            on_missing_state=_choice(
+                block.get("on_missing_state", "error"), _ON_MISSING, f"{path}.on_missing_state"
+            ),
+        )
+
+
+def _bool(value: Any, path: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{path} must be true or false, got {value!r}")
+    return value
+
+
+def _choice(value: Any, allowed: tuple[str, ...], path: str) -> str:
+    if value not in allowed:
+        raise ValueError(f"{path} must be one of {list(allowed)}, got {value!r}")
+    return str(value)
+
+
+def _backend(value: Any, path: str) -> str | None:
+    if value is None or value in BACKENDS:
+        return value  # type: ignore[no-any-return]
+    hint = closest(str(value), BACKENDS)
+    did_you_mean = f"; did you mean {hint!r}?" if hint else ""
+    raise ValueError(
+        f"{path}: unknown backend {value!r}{did_you_mean} (available: {sorted(BACKENDS)}, "
+        "or null to observe without recovering)"
+    )
+
+
+def _patterns(value: Any, path: str) -> tuple[str, ...]:
+    if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{path} must be a list of glob patterns, got {value!r}")
+    return tuple(value)
+
+
+def _mapping(value: Any, path: str) -> Mapping[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{path} must be a mapping (JSON object), got {value!r}")
+    return dict(value)

@@ -1,0 +1,288 @@
+"""DeepSpeed integration: ``gnmr_dist.deepspeed.initialize`` reads the ``"gnmr"`` config block.
+
+Same arguments and return value as ``deepspeed.initialize``. With a ``"gnmr"`` block (and
+``"enabled"`` not false) it:
+
+1. validates the block before anything else (unknown keys, values, backend options);
+2. finds the model's units, agrees their ids over the world (one all-gather at start) and wraps
+   them with the configured backend, before DeepSpeed builds its optimizer;
+3. hooks ``engine._take_model_step``, which DeepSpeed runs once per gradient-accumulation
+   boundary after reducing the gradients: there it reads each rank's piece of every gradient
+   where the ZeRO stage keeps it (:mod:`gnmr_dist.integrations.deepspeed_grads`), all-reduces the
+   small per-unit vector once over the data-parallel group, lets the optimizer step, and, if the
+   step was applied (no overflow skip), feeds the controller and applies its plan to the next
+   step. A skipped step leaves the controller's history untouched;
+4. enters the backend's step context around every forward (TE's FP8 region; no-op otherwise);
+5. saves the controller state next to every DeepSpeed checkpoint (``<dir>/<tag>/gnmr_state.pt``,
+   plain tensors) and restores it in ``load_checkpoint`` with ``torch.load(weights_only=True)``.
+
+``engine.gnmr`` is the :class:`DeepSpeedGNMR` runtime (controller, registry, backend, last
+decision, telemetry). Without the block, or with ``"enabled": false``, the result is plain
+DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gnmr_dist.backends import PrecisionBackend, get_backend
+from gnmr_dist.core import Decision
+from gnmr_dist.distributed import GNMRRuntime, UnitNorms, UnitRegistry
+from gnmr_dist.integrations.config import GNMRBlock
+from gnmr_dist.integrations.deepspeed_grads import grad_piece_fn
+from gnmr_dist.telemetry import TraceHeader, TraceWriter
+
+__all__ = ["STATE_FILE", "DeepSpeedGNMR", "initialize", "load_ds_config"]
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "gnmr_state.pt"
+
+
+def load_ds_config(config: Any) -> dict[str, Any]:
+    """A DeepSpeed config given as a dict or a JSON/HJSON file path, as a dict."""
+    if config is None:
+        return {}
+    if isinstance(config, Mapping):
+        return dict(config)
+    path = Path(config)
+    if not path.is_file():
+        raise FileNotFoundError(f"DeepSpeed config {config!r} does not exist")
+    text = path.read_text()
+    try:
+        return dict(json.loads(text))
+    except json.JSONDecodeError:
+        import hjson  # DeepSpeed's own config reader, installed with it
+
+        return dict(hjson.loads(text))
+
+
+def initialize(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
+    """``deepspeed.initialize`` plus GNMR, driven by the config's ``"gnmr"`` block."""
+    import deepspeed
+
+    config_key = "config" if kwargs.get("config") is not None else "config_params"
+    ds_config = load_ds_config(kwargs.get(config_key) or _config_from_args(kwargs.get("args")))
+    block = GNMRBlock.from_dict(ds_config.pop("gnmr", None))
+    if not block.enabled:
+        return deepspeed.initialize(*args, **kwargs)  # type: ignore[no-any-return]
+    backend = _build_backend(block)
+    model = kwargs.get("model")
+    if model is None:
+        raise ValueError("gnmr_dist.deepspeed.initialize needs model=... (as a keyword)")
+    if not dist.is_initialized():
+        deepspeed.init_distributed()
+    registry = UnitRegistry.from_model(
+        model, granularity=block.units, include=block.include, exclude=block.exclude,
+        group=dist.group.WORLD, eligible_fn=backend.is_eligible if backend else lambda n, m: False,
+    )  # fmt: skip
+    if backend is not None:
+        backend.wrap(registry.local_modules)
+    kwargs[config_key] = ds_config
+    engine, optimizer, loader, scheduler = deepspeed.initialize(*args, **kwargs)
+    engine.gnmr = DeepSpeedGNMR(engine, registry, backend, block)
+    return engine, optimizer, loader, scheduler
+
+
+def _config_from_args(args: Any) -> Any:
+    return getattr(args, "deepspeed_config", None) if args is not None else None
+
+
+def _build_backend(block: GNMRBlock) -> PrecisionBackend | None:
+    if block.backend is None:
+        return None
+    return get_backend(block.backend, low_cost=block.low_cost, recovery=block.recovery)
+
+
+class DeepSpeedGNMR:
+    """GNMR attached to a DeepSpeed engine (``engine.gnmr``)."""
+
+    def __init__(
+        self,
+        engine: Any,
+        registry: UnitRegistry,
+        backend: PrecisionBackend | None,
+        block: GNMRBlock,
+    ) -> None:
+        self.engine, self.registry, self.backend, self.block = engine, registry, backend, block
+        self.runtime = GNMRRuntime(
+            registry, block.policy, group=engine.data_parallel_group,
+            grad_fn=grad_piece_fn(engine), check_group=dist.group.WORLD,
+            check_consistency=block.check_consistency,
+        )  # fmt: skip
+        self.skipped = 0
+        self._trace: TraceWriter | None = None
+        self._install_hooks()
+        self._apply_plan()
+
+    # ------------------------------------------------------------------ public view
+
+    @property
+    def controller(self) -> Any:
+        """The :class:`~gnmr_dist.GNMRController` (identical on every rank)."""
+        return self.runtime.controller
+
+    @property
+    def last_decision(self) -> Decision | None:
+        """The decision of the last applied optimizer step."""
+        return self.runtime.last_decision
+
+    @property
+    def plan(self) -> Any:
+        """The :class:`~gnmr_dist.distributed.Plan` the current step runs with."""
+        return self.runtime.plan
+
+    def telemetry(self) -> dict[str, float]:
+        """The last decision's counts plus the global gradient norm and skipped steps."""
+        d, n = self.runtime.last_decision, self.runtime.last_norms
+        out = dict(d.telemetry.as_dict()) if d is not None else {}
+        if n is not None:
+            out["global_grad_norm"] = n.global_norm
+        out["skipped_steps"] = float(self.skipped)
+        return out
+
+    # ------------------------------------------------------------------ hooks
+
+    def _install_hooks(self) -> None:
+        engine = self.engine
+        take_step, forward = engine._take_model_step, engine.forward
+        save, load = engine.save_checkpoint, engine.load_checkpoint
+
+        def take_model_step(*args: Any, **kwargs: Any) -> Any:
+            norms = self.runtime.monitor.compute()
+            result = take_step(*args, **kwargs)
+            self._after_step(norms)
+            return result
+
+        def gnmr_forward(*args: Any, **kwargs: Any) -> Any:
+            if self.backend is None:
+                return forward(*args, **kwargs)
+            with self.backend.step_context():
+                return forward(*args, **kwargs)
+
+        engine._take_model_step = take_model_step
+        engine.forward = gnmr_forward
+        engine.save_checkpoint = lambda save_dir, tag=None, **kw: self._save(
+            save, save_dir, tag, **kw
+        )
+        engine.load_checkpoint = lambda load_dir, tag=None, **kw: self._load(
+            load, load_dir, tag, **kw
+        )
+
+    def _after_step(self, norms: UnitNorms) -> None:
+        if not self.engine.was_step_applied():
+            self.skipped += 1
+            logger.warning(
+                "gnmr: optimizer step skipped (overflow); controller history left untouched, "
+                "plan kept: %s", sorted(self.runtime.plan.active),
+            )  # fmt: skip
+            self._apply_plan()
+            return
+        decision = self.runtime.observe(norms)
+        self._apply_plan()
+        self._log(norms, decision)
+
+    def _apply_plan(self) -> None:
+        if self.backend is not None:
+            self.backend.apply(self.runtime.plan.active, self.runtime.plan.step)
+
+    # ------------------------------------------------------------------ logging
+
+    def _log(self, norms: UnitNorms, decision: Decision) -> None:
+        if dist.get_rank() != 0:
+            return
+        trace = self._trace_writer()
+        extra = {"global_norm": norms.global_norm, "engine_step": int(self.engine.global_steps)}
+        if trace is not None:
+            trace.write(norms.norms, decision, extra)
+        monitor = getattr(self.engine, "monitor", None)
+        log = self.block.log
+        if (
+            log.monitor
+            and monitor is not None
+            and monitor.enabled
+            and decision.step % log.every == 0
+        ):
+            tele = {**decision.telemetry.as_dict(), "global_grad_norm": norms.global_norm}
+            monitor.write_events([(f"gnmr/{k}", float(v), decision.step) for k, v in tele.items()])
+
+    def _trace_writer(self) -> TraceWriter | None:
+        if self.block.log.trace is None:
+            return None
+        if self._trace is None:
+            header = TraceHeader(
+                self.registry.names, tuple(self.registry.eligible.tolist()), self.block.policy,
+                {"backend": self.block.backend, "units": self.block.units},
+            )  # fmt: skip
+            resume = self.runtime.controller.step_count > 1
+            self._trace = TraceWriter(self.block.log.trace, header, append=resume)
+        return self._trace
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """Controller state, unit names, plan and skipped-step count (plain, weights_only-safe)."""
+        return {**self.runtime.state_dict(), "skipped": self.skipped}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` and re-apply the restored plan to the backend."""
+        self.runtime.load_state_dict(state)
+        self.skipped = int(state.get("skipped", 0))
+        self._apply_plan()
+
+    def _save(self, save: Any, save_dir: str, tag: Any, **kwargs: Any) -> Any:
+        tag = str(tag) if tag is not None else f"global_step{self.engine.global_steps}"
+        result = save(save_dir, tag=tag, **kwargs)
+        if dist.get_rank() == 0:
+            path = Path(save_dir, tag, STATE_FILE)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(self.state_dict(), path)
+        dist.barrier()
+        return result
+
+    def _load(self, load: Any, load_dir: str, tag: Any, **kwargs: Any) -> Any:
+        tag = tag if tag is not None else _latest_tag(load_dir)
+        result = load(load_dir, tag=tag, **kwargs)
+        if result[0] is None:
+            return result  # DeepSpeed found nothing to load and said so
+        path = Path(load_dir, str(tag), STATE_FILE)
+        self._restore(path)
+        return result
+
+    def _restore(self, path: Path) -> None:
+        if not path.is_file():
+            if self.block.on_missing_state == "fresh":
+                logger.warning("gnmr: %s not found; starting the controller fresh "
+                               "(on_missing_state='fresh')", path)  # fmt: skip
+                return
+            raise FileNotFoundError(
+                f"gnmr: the checkpoint has no GNMR state ({path}). Resuming without it would "
+                'silently reset the controller; set "on_missing_state": "fresh" in the gnmr '
+                "block to start it fresh on purpose."
+            )
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as err:
+            raise ValueError(f"gnmr: {path} is corrupted or not a GNMR state: {err}") from err
+        try:
+            self.load_state_dict(state)
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"gnmr: cannot restore {path}: {err}") from err
+        logger.info("gnmr: restored controller at step %d from %s",
+                    self.runtime.controller.step_count, path)  # fmt: skip
+
+
+def _latest_tag(load_dir: str) -> str | None:
+    latest = os.path.join(load_dir, "latest")
+    if not os.path.isfile(latest):
+        return None
+    with open(latest) as fh:
+        return fh.read().strip()

@@ -1,0 +1,245 @@
+"""gnmr_dist.deepspeed on real DeepSpeed: ZeRO 0-3, fp32/bf16, 2 ranks over gloo, CPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("deepspeed")
+
+from tests import multiproc
+from tests.integrations import ds_common as dsc
+
+pytestmark = pytest.mark.slow
+
+GNMR = {
+    "backend": "act_quant",
+    "max_active": 2,
+    "lock_steps": 2,
+    "warmup_steps": 3,
+    "check_consistency": True,
+}
+
+
+class CollectiveSpy:
+    NAMES = (
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_gather_object",
+        "broadcast",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "reduce",
+        "gather",
+    )
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self.dist, self.calls, self.saved = dist, [], {}
+
+    def __enter__(self):
+        for name in self.NAMES:
+            real = self.saved[name] = getattr(self.dist, name)
+            setattr(self.dist, name, self._wrap(name, real))
+        return self
+
+    def _wrap(self, name, real):
+        def wrapped(obj, *args, **kwargs):
+            self.calls.append((name, obj.numel() if torch.is_tensor(obj) else -1))
+            return real(obj, *args, **kwargs)
+
+        return wrapped
+
+    def __exit__(self, *exc):
+        for name, real in self.saved.items():
+            setattr(self.dist, name, real)
+
+
+def _norms_worker(rank, world, configs):
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+
+    import gnmr_dist.deepspeed as gds
+
+    dsc.no_shm_build()
+    out = {}
+    for stage, dtype in configs:
+        model = dsc.llama()
+        engine, *_ = gds.initialize(model=model, config=dsc.ds_config(stage, dtype, GNMR))
+        loss = engine(input_ids=dsc.batch(1, rank), labels=dsc.batch(1, rank)).loss
+        engine.backward(loss)
+        with CollectiveSpy() as spy:
+            got = engine.gnmr.runtime.monitor.compute()
+        # the test's own reference: DeepSpeed's full gradient, gathered for the test only
+        full = {n: safe_get_full_grad(p).double() for n, p in engine.module.named_parameters()}
+        ref = [
+            sum(float(full[n].square().sum()) for n in full if n.startswith(u + ".")) ** 0.5
+            for u in engine.gnmr.registry.names
+        ]
+        engine.step()
+        out[(stage, dtype)] = {
+            "names": engine.gnmr.registry.names,
+            "norms": got.norms,
+            "global": got.global_norm,
+            "ref": ref,
+            "ref_global": sum(float(g.double().square().sum()) for g in full.values()) ** 0.5,
+            "calls": spy.calls,
+            "active": engine.gnmr.last_decision.active,
+        }
+        deepspeed.comm.barrier()
+    return out
+
+
+def reference_fp32_norms():
+    """Independent: one process, the same init and backend, both ranks' batches, averaged loss."""
+    from gnmr_dist.backends import get_backend
+    from gnmr_dist.distributed import UnitRegistry
+
+    model = dsc.llama()
+    backend = get_backend("act_quant")
+    backend.wrap(UnitRegistry.from_model(model).local_modules)
+    backend.apply((), step=1)
+    losses = [model(input_ids=dsc.batch(1, r), labels=dsc.batch(1, r)).loss for r in range(2)]
+    (sum(losses) / 2).backward()
+    grads = dict(model.named_parameters())
+    return {
+        u: sum(
+            float(p.grad.double().square().sum()) for n, p in grads.items() if n.startswith(u + ".")
+        )
+        ** 0.5
+        for u in dsc.unit_names()
+    }
+
+
+CONFIGS = [(s, d) for s in (0, 1, 2, 3) for d in ("fp32", "bf16")]
+
+
+def test_unit_norms_every_zero_stage_and_dtype():
+    results = multiproc.run(_norms_worker, 2, CONFIGS)
+    independent = reference_fp32_norms()
+    for cfg in CONFIGS:
+        a, b = (r[cfg] for r in results)
+        assert a["names"] == tuple(dsc.unit_names())
+        assert torch.equal(a["norms"], b["norms"]) and a["active"] == b["active"]
+        for r in (a, b):
+            assert torch.allclose(
+                r["norms"], torch.tensor(r["ref"], dtype=torch.float64), rtol=1e-5, atol=0
+            ), cfg
+            assert r["global"] == pytest.approx(r["ref_global"], rel=1e-5)
+            # one all-reduce of U + 1 values over the data-parallel group; nothing gathered
+            assert r["calls"] == [("all_reduce", len(dsc.unit_names()) + 1)], cfg
+        if cfg[1] == "fp32":  # against a model DeepSpeed never touched
+            want = torch.tensor([independent[u] for u in a["names"]], dtype=torch.float64)
+            assert torch.allclose(a["norms"], want, rtol=1e-5, atol=0), cfg
+
+
+def _spike_worker(rank, world, spike_step, steps):
+    import gnmr_dist.deepspeed as gds
+
+    dsc.no_shm_build()
+    engine, *_ = gds.initialize(model=dsc.llama(), config=dsc.ds_config(2, "fp32", GNMR))
+    target = engine.module.model.layers[1].mlp.up_proj.weight
+    reports, decisions = [], []
+    for step in range(1, steps + 1):
+        handle = target.register_hook(lambda g: g * 50) if step == spike_step else None
+        loss = engine(input_ids=dsc.batch(step, rank), labels=dsc.batch(step, rank)).loss
+        reports.append(engine.gnmr.backend.report())  # what this step's forward ran
+        engine.backward(loss)
+        engine.step()
+        if handle is not None:
+            handle.remove()
+        decisions.append(engine.gnmr.last_decision.active)
+    return engine.gnmr.registry.names, decisions, reports
+
+
+def test_spike_selected_at_k_and_recovered_at_k_plus_one():
+    k = 8
+    results = multiproc.run(_spike_worker, 2, k, k + 2)
+    names, decisions, reports = results[0]
+    assert results[1][1] == decisions
+    unit = names.index("model.layers.1.mlp.up_proj")
+    assert unit in decisions[k - 1] and all(unit not in d for d in decisions[: k - 1])
+    assert unit in reports[k].recovered  # step k + 1 ran it on the recovery path
+    assert unit not in reports[k - 1].recovered  # step k itself still ran low-cost
+    assert reports[k].step == k + 1
+
+
+def _train(engine, rank, first, last, spike_at=25):
+    out = []
+    target = engine.module.model.layers[0].self_attn.o_proj.weight
+    for step in range(first, last + 1):
+        handle = target.register_hook(lambda g: g * 30) if step == spike_at else None
+        loss = engine(input_ids=dsc.batch(step, rank), labels=dsc.batch(step, rank)).loss
+        engine.backward(loss)
+        engine.step()
+        if handle is not None:
+            handle.remove()
+        d = engine.gnmr.last_decision
+        out.append((d.step, d.active, d.risk.clone()))
+    return out
+
+
+def _resume_worker(rank, world, ckpt, phase, trace):
+    import gnmr_dist.deepspeed as gds
+
+    dsc.no_shm_build()
+    gnmr = {**GNMR, "log": {"trace": trace}}
+    cfg = dsc.ds_config(
+        1, "fp32", gnmr, csv_monitor={"enabled": True, "output_path": ckpt, "job_name": phase}
+    )
+    engine, *_ = gds.initialize(model=dsc.llama(), config=cfg)
+    if phase == "full":
+        first = _train(engine, rank, 1, 20)
+        engine.save_checkpoint(ckpt)
+        return first + _train(engine, rank, 21, 40)
+    engine.load_checkpoint(ckpt)
+    assert engine.gnmr.controller.step_count == 20
+    return _train(engine, rank, 21, 40)
+
+
+def test_save_at_20_resume_in_fresh_processes_equals_uninterrupted(tmp_path):
+    trace = str(tmp_path / "trace.jsonl")
+    full = multiproc.run(_resume_worker, 2, str(tmp_path / "ckpt"), "full", trace)
+    resumed = multiproc.run(_resume_worker, 2, str(tmp_path / "ckpt"), "resumed", trace)
+    for rank in range(2):
+        for (s, a, r), (s2, a2, r2) in zip(full[rank][20:], resumed[rank], strict=True):
+            assert (s, a) == (s2, a2) and torch.equal(r, r2)
+    assert any(a for _, a, _ in full[0][20:])  # something was selected after the cut
+    lines = (tmp_path / "trace.jsonl").read_text().splitlines()
+    header, records = json.loads(lines[0]), [json.loads(x) for x in lines[1:]]
+    # rank 0 traced 40 steps in the first run, then appended 21..40 again on resume
+    assert header["units"] == dsc.unit_names() and len(records) == 60
+    assert [r["step"] for r in records[40:]] == list(range(21, 41))
+    csv = tmp_path / "ckpt" / "full" / "gnmr_num_active.csv"
+    assert csv.is_file() and len(csv.read_text().splitlines()) == 41  # header + 40 steps
+
+
+def _bad_state_worker(rank, world, ckpt, mode):
+    import gnmr_dist.deepspeed as gds
+
+    dsc.no_shm_build()
+    gnmr = {**GNMR, "on_missing_state": "fresh" if mode == "fresh" else "error"}
+    engine, *_ = gds.initialize(model=dsc.llama(), config=dsc.ds_config(1, "fp32", gnmr))
+    try:
+        engine.load_checkpoint(ckpt)
+    except (FileNotFoundError, ValueError) as err:
+        return f"{type(err).__name__}: {err}"
+    return f"loaded at step {engine.gnmr.controller.step_count}"
+
+
+def test_missing_or_corrupted_state_is_loud(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    multiproc.run(_resume_worker, 2, str(ckpt), "full", str(tmp_path / "t.jsonl"))
+    state = ckpt / "global_step20" / "gnmr_state.pt"
+    state.write_bytes(state.read_bytes()[:100])
+    msgs = multiproc.run(_bad_state_worker, 2, str(ckpt), "error")
+    assert all("is corrupted or not a GNMR state" in m for m in msgs)
+    state.unlink()
+    msgs = multiproc.run(_bad_state_worker, 2, str(ckpt), "error")
+    assert all(m.startswith("FileNotFoundError") and "on_missing_state" in m for m in msgs)
+    msgs = multiproc.run(_bad_state_worker, 2, str(ckpt), "fresh")
+    assert msgs == ["loaded at step 0"] * 2
