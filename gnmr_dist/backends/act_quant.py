@@ -184,14 +184,13 @@ class ActQuantBackend(PrecisionBackend):
         self.recovery = parse_options(ActQuantOptions, rec, "gnmr.recovery")
         self._last_pack: tuple[Any, int, Any, Any] = (None, 0, None, None)
 
-    def _forward_fn(self, op: nn.Module, path: str) -> Any:
+    def _gemm_fn(self, op: nn.Module, path: str) -> Any:
         options = self.low_cost if path == LOW_COST else self.recovery
 
-        def forward(input: torch.Tensor) -> torch.Tensor:
-            pack_ = self._shared_pack(input, options)
-            return act_quant_linear(input, op.weight, op.bias, options, pack_)
+        def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            return act_quant_linear(x, weight, bias, options, self._shared_pack(x, options))
 
-        return forward
+        return gemm
 
     def _shared_pack(self, x: torch.Tensor, options: ActQuantOptions) -> PackedActivation:
         """Pack ``x`` once for consecutive projections of the same input (q/k/v, gate/up).

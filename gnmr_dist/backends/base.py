@@ -20,19 +20,25 @@ The controller never imports a backend; the integrations wire the two together.
 
 from __future__ import annotations
 
-import abc
 import contextlib
 import logging
-import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import torch
 from torch import nn
 
 from gnmr_dist.distributed.units import is_operator
 
-__all__ = ["LOW_COST", "RECOVERY", "PrecisionBackend", "StepReport", "operators_of"]
+__all__ = [
+    "LOW_COST",
+    "RECOVERY",
+    "PrecisionBackend",
+    "StepReport",
+    "is_megatron_linear",
+    "operators_of",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +68,16 @@ class StepReport:
         return frozenset(u for u, paths in self.ran.items() if LOW_COST in paths)
 
 
+Gemm = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+_MEGATRON_LINEARS = frozenset({"ColumnParallelLinear", "RowParallelLinear"})
+
+
+def is_megatron_linear(module: nn.Module) -> bool:
+    """megatron-core's own (non-TE) tensor-parallel linear, switched via ``_forward_impl``."""
+    return type(module).__name__ in _MEGATRON_LINEARS and hasattr(module, "_forward_impl")
+
+
 def operators_of(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """``(relative path, operator)`` for the outermost operators in ``module`` (itself included).
 
@@ -77,8 +93,9 @@ def operators_of(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield path, sub
 
 
-class PrecisionBackend(abc.ABC):
-    """Base class of the precision backends; subclasses implement :meth:`_forward_fn`.
+class PrecisionBackend:
+    """Base class of the precision backends; subclasses implement :meth:`_gemm_fn` (or
+    :meth:`_forward_fn` for whole-module backends such as ``te_fp8``).
 
     Subclasses parse their ``low_cost`` / ``recovery`` option blocks strictly in ``__init__``
     (unknown keys name the closest valid one) and may narrow :meth:`supports`.
@@ -95,8 +112,12 @@ class PrecisionBackend(abc.ABC):
     # ------------------------------------------------------------------ set-up
 
     def supports(self, module: nn.Module) -> bool:
-        """Whether this backend can run ``module`` (an operator) on both paths."""
-        return isinstance(module, nn.Linear)
+        """Whether this backend can run ``module`` (an operator) on both paths.
+
+        Default: ``nn.Linear`` and megatron-core's ``ColumnParallelLinear``/``RowParallelLinear``
+        (through :meth:`_gemm_fn`).
+        """
+        return isinstance(module, nn.Linear) or is_megatron_linear(module)
 
     def is_eligible(self, name: str, unit: nn.Module) -> bool:
         """A unit is eligible for recovery when the backend supports one of its operators."""
@@ -117,9 +138,10 @@ class PrecisionBackend(abc.ABC):
                 t for _, op in operators_of(unit) if self.supports(op) for t in self.targets(op)
             ]
             for mod in mods:
-                if "forward" in vars(mod):
+                attr = "_forward_impl" if is_megatron_linear(mod) else "forward"
+                if attr in vars(mod):
                     raise RuntimeError(f"unit {uid}: {type(mod).__name__} is already wrapped")
-                mod.forward = types.MethodType(self._switching_forward(uid, mod), mod)
+                setattr(mod, attr, self._switching(uid, mod, attr))
             if mods:
                 self._wrapped[uid] = mods
         logger.info("%s backend wrapped %d units", self.name, len(self._wrapped))
@@ -128,7 +150,7 @@ class PrecisionBackend(abc.ABC):
         """Remove every installed forward: the modules are plain again."""
         for ops in self._wrapped.values():
             for op in ops:
-                del op.forward
+                delattr(op, "_forward_impl" if is_megatron_linear(op) else "forward")
         self._wrapped.clear()
 
     @property
@@ -160,16 +182,17 @@ class PrecisionBackend(abc.ABC):
 
     # ------------------------------------------------------------------ forwards
 
-    def _switching_forward(self, uid: int, op: nn.Module) -> Callable[..., Any]:
-        low = self._forward_fn(op, LOW_COST)
-        high = self._forward_fn(op, RECOVERY)
+    def _switching(self, uid: int, op: nn.Module, attr: str) -> Callable[..., Any]:
+        """The installed ``forward`` (or megatron ``_forward_impl``): the plan picks the path."""
+        make = self._megatron_impl if attr == "_forward_impl" else self._forward_fn
+        low, high = make(op, LOW_COST), make(op, RECOVERY)
 
-        def forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        def switching(*args: Any, **kwargs: Any) -> Any:
             path = RECOVERY if uid in self._recover else LOW_COST
             self._ran.setdefault(uid, set()).add(path)
             return (high if path == RECOVERY else low)(*args, **kwargs)
 
-        return forward
+        return switching
 
     def step_context(self) -> contextlib.AbstractContextManager[Any]:
         """The region the training loop enters around each step's forward (TE's FP8 autocast).
@@ -178,6 +201,53 @@ class PrecisionBackend(abc.ABC):
         """
         return contextlib.nullcontext()
 
-    @abc.abstractmethod
     def _forward_fn(self, op: nn.Module, path: str) -> Callable[..., Any]:
-        """The forward of operator ``op`` on ``path`` (called with the module's own arguments)."""
+        """The forward of operator ``op`` on ``path`` (called with the module's own arguments).
+
+        Default: ``nn.Linear.forward`` on top of :meth:`_gemm_fn`.
+        """
+        gemm = self._gemm_fn(op, path)
+
+        def forward(input: torch.Tensor) -> torch.Tensor:  # nn.Linear.forward's signature
+            return gemm(input, op.weight, op.bias)
+
+        return forward
+
+    def _gemm_fn(self, op: nn.Module, path: str) -> Gemm:
+        """``(x, weight, bias) -> y`` of ``op`` on ``path``, with its own autograd."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement _gemm_fn")
+
+    def _megatron_impl(self, op: nn.Module, path: str) -> Callable[..., torch.Tensor]:
+        """megatron-core's ``_forward_impl`` of a Column/RowParallelLinear on ``path``.
+
+        Megatron hands the local GEMM its shard of the weight plus flags; the only one that needs
+        work here is ``allreduce_dgrad`` (column-parallel without sequence parallelism): the
+        input gradient is all-reduced over the tensor-parallel group in backward, which
+        ``copy_to_tensor_model_parallel_region`` does around our GEMM.
+        """
+        gemm = self._gemm_fn(op, path)
+
+        def forward_impl(
+            input: torch.Tensor,
+            weight: torch.Tensor,
+            bias: torch.Tensor | None = None,
+            gradient_accumulation_fusion: bool = False,
+            allreduce_dgrad: bool = False,
+            sequence_parallel: bool = False,
+            tp_group: Any = None,
+            **unused: Any,
+        ) -> torch.Tensor:
+            if sequence_parallel or gradient_accumulation_fusion:
+                raise NotImplementedError(
+                    f"the {self.name} backend runs megatron linears without sequence parallelism "
+                    "and gradient-accumulation fusion; turn them off or use te_fp8"
+                )
+            if allreduce_dgrad:
+                from megatron.core.tensor_parallel.mappings import (
+                    copy_to_tensor_model_parallel_region,
+                )
+
+                input = copy_to_tensor_model_parallel_region(input, group=tp_group)
+            return gemm(input, weight, bias)
+
+        return forward_impl

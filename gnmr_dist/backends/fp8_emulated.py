@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -209,12 +209,12 @@ class Fp8EmulatedBackend(PrecisionBackend):
             RECOVERY: LinearQuantSpec.from_options(self.recovery),
         }
 
-    def _forward_fn(self, op: nn.Module, path: str) -> Callable[..., torch.Tensor]:
-        spec, linear = self.specs[path], cast(nn.Linear, op)
+    def _gemm_fn(self, op: nn.Module, path: str) -> Callable[..., torch.Tensor]:
+        spec = self.specs[path]
 
-        def forward(input: torch.Tensor) -> torch.Tensor:  # nn.Linear.forward's signature
+        def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
             if spec.is_identity:
-                return F.linear(input, linear.weight, linear.bias)
-            return fp8_linear(input, linear.weight, linear.bias, spec)
+                return F.linear(x, weight, bias)
+            return fp8_linear(x, weight, bias, spec)
 
-        return forward
+        return gemm
