@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from tests import multiproc  # noqa: E402
+from tests import multiproc
 
 pytestmark = pytest.mark.slow
 
@@ -61,7 +61,7 @@ def _worker(rank, world, backend_name, low_cost, recovery):
 )
 def test_megatron_linears_switch_and_recovery_equals_plain(name, low_cost, recovery):
     for r in multiproc.run(_worker, 2, name, low_cost, recovery):
-        (p_loss, plain), (r_loss, rec), (l_loss, low) = r["plain"], r["rec"], r["low"]
+        (p_loss, plain), (r_loss, rec), (_, low) = r["plain"], r["rec"], r["low"]
         rec_report, low_report = r["reports"]
         assert rec_report.recovered == set(range(r["units"])) and not rec_report.low_cost
         assert low_report.low_cost == set(range(r["units"])) and not low_report.recovered
