@@ -7,12 +7,19 @@ used only when ``torch.distributed`` is initialised; a group given without it is
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_objects", "all_reduce_sum", "group_rank", "group_size"]
+__all__ = [
+    "all_gather_objects",
+    "all_reduce_sum",
+    "all_reduce_sum_async",
+    "group_rank",
+    "group_size",
+]
 
 Group = Any  # torch.distributed.ProcessGroup; Any keeps the type checker off torch internals
 
@@ -32,6 +39,24 @@ def all_reduce_sum(tensor: torch.Tensor, group: Group | None) -> torch.Tensor:
     _require_init(group)
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
+
+
+def all_reduce_sum_async(tensor: torch.Tensor, group: Group | None) -> Callable[[], torch.Tensor]:
+    """Start summing ``tensor`` in place over ``group``; the returned call waits and returns it.
+
+    Lets a caller overlap the reduction with other work (the optimizer step); with ``group=None``
+    nothing is started and the call returns ``tensor`` at once.
+    """
+    if group is None:
+        return lambda: tensor
+    _require_init(group)
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+    def wait() -> torch.Tensor:
+        work.wait()
+        return tensor
+
+    return wait
 
 
 def all_gather_objects(obj: Any, group: Group | None) -> list[Any]:

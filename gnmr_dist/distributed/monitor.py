@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from gnmr_dist.distributed.comm import Group, all_reduce_sum
+from gnmr_dist.distributed.comm import Group, all_reduce_sum, all_reduce_sum_async
 from gnmr_dist.distributed.units import UnitRegistry
 
 __all__ = ["GradNormMonitor", "UnitNorms", "default_grad", "sum_of_squares_by_slot"]
@@ -56,13 +56,31 @@ def _norm_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+IndexCache = dict[tuple[int, ...], torch.Tensor]
+
+
+def _index(slots: list[int], device: torch.device, cache: IndexCache | None) -> torch.Tensor:
+    """The slot ids as a device tensor, built once per distinct list (a host->device copy)."""
+    key = tuple(slots)
+    if cache is not None and key in cache:
+        return cache[key]
+    index = torch.tensor(slots, dtype=torch.int64, device=device)
+    if cache is not None:
+        cache[key] = index
+    return index
+
+
 def sum_of_squares_by_slot(
-    tensors: Sequence[torch.Tensor], slots: Sequence[int], num_slots: int, device: torch.device
+    tensors: Sequence[torch.Tensor],
+    slots: Sequence[int],
+    num_slots: int,
+    device: torch.device,
+    index_cache: IndexCache | None = None,
 ) -> torch.Tensor:
     """float64 [num_slots]: sum of ``||t||^2`` of the tensors that map to each slot.
 
     One ``_foreach_norm`` per (device, dtype) group and one ``index_add_``: no Python loop over
-    elements and no host sync.
+    elements and no host sync (the slot index tensors are cached in ``index_cache``).
     """
     out = torch.zeros(num_slots, dtype=torch.float64, device=device)
     groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]] = {}
@@ -72,7 +90,7 @@ def sum_of_squares_by_slot(
         ss.append(s)
     for (_, dtype), (ts, ss) in groups.items():
         norms = torch.stack(torch._foreach_norm(ts, 2, dtype=_norm_dtype(dtype)))
-        index = torch.tensor(ss, dtype=torch.int64, device=device)
+        index = _index(ss, device, index_cache)
         out.index_add_(0, index, norms.to(device=device, dtype=torch.float64).square())
     return out
 
@@ -83,8 +101,9 @@ class GradNormMonitor:
     Args:
         registry: the units and this rank's counted parameters.
         group: the ranks across which the gradients are split: the model-parallel group
-            (tensor x pipeline) for megatron-core; add data parallel only when gradients are
-            partitioned (ZeRO >= 2, distributed optimizer). ``None``: no communication.
+            (tensor x pipeline) for megatron-core with its plain optimizer; DeepSpeed's data-parallel
+            group with the ZeRO pieces of :mod:`gnmr_dist.integrations.deepspeed_grads`
+            (``grad_fn`` must then return each rank's own piece). ``None``: no communication.
         grad_fn: returns the gradient (or gradient shard) of a parameter; default
             :func:`default_grad`.
     """
@@ -101,6 +120,7 @@ class GradNormMonitor:
         self.grad_fn = grad_fn or default_grad
         self._slots = registry.param_slots.tolist()
         self._device = self._pick_device()
+        self._index_cache: IndexCache = {}
 
     def _pick_device(self) -> torch.device:
         params = self.registry.params
@@ -114,17 +134,36 @@ class GradNormMonitor:
             if grad is not None:
                 grads.append(grad)
                 slots.append(slot)
-        return sum_of_squares_by_slot(grads, slots, self.registry.num_units + 1, self._device)
+        u = self.registry.num_units + 1
+        return sum_of_squares_by_slot(grads, slots, u, self._device, self._index_cache)
+
+    def start(self, grad_scale: float = 1.0) -> Callable[[], UnitNorms]:
+        """Compute the local sums and start their all-reduce; the returned call finishes it.
+
+        ``grad_scale``: the factor the gradients currently carry (an fp16 loss scale not yet
+        divided out); the squared sums are divided by its square before the reduction. Starting
+        before and finishing after the optimizer step overlaps the collective with the step.
+        """
+        local = self.local_sum_of_squares()
+        if grad_scale != 1.0:
+            local.div_(float(grad_scale) ** 2)
+        wait = all_reduce_sum_async(local, self.group)
+        return lambda: unit_norms_from_total(wait())
 
     def compute(self) -> UnitNorms:
         """Per-unit and global norms, identical on every rank of ``group`` (one all-reduce)."""
-        return reduce_unit_norms(self.local_sum_of_squares(), self.group)
+        return self.start()()
 
 
-def reduce_unit_norms(local: torch.Tensor, group: Group | None) -> UnitNorms:
-    """All-reduce a [U + 1] vector of partial sums of squares and take square roots."""
-    total = all_reduce_sum(local, group).cpu()
+def unit_norms_from_total(total: torch.Tensor) -> UnitNorms:
+    """Square roots of a reduced [U + 1] vector of sums of squares (copied to the host once)."""
+    total = total.cpu()
     norms = total.sqrt()
     return UnitNorms(
         norms=norms[:-1], rest_norm=float(norms[-1]), global_norm=math.sqrt(float(total.sum()))
     )
+
+
+def reduce_unit_norms(local: torch.Tensor, group: Group | None) -> UnitNorms:
+    """All-reduce a [U + 1] vector of partial sums of squares and take square roots."""
+    return unit_norms_from_total(all_reduce_sum(local, group))

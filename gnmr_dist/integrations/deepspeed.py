@@ -23,6 +23,8 @@ DeepSpeed.
 
 from __future__ import annotations
 
+import copy
+import inspect
 import json
 import logging
 import os
@@ -69,37 +71,81 @@ def initialize(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
     """``deepspeed.initialize`` plus GNMR, driven by the config's ``"gnmr"`` block."""
     import deepspeed
 
-    config_key = "config" if kwargs.get("config") is not None else "config_params"
-    ds_config = load_ds_config(kwargs.get(config_key) or _config_from_args(kwargs.get("args")))
+    params = dict(inspect.signature(deepspeed.initialize).bind(*args, **kwargs).arguments)
+    ds_config = load_ds_config(
+        params.pop("config", None) or params.pop("config_params", None)
+        or getattr(params.get("args"), "deepspeed_config", None)
+    )  # fmt: skip
     block = GNMRBlock.from_dict(ds_config.pop("gnmr", None))
+    params["config"] = ds_config  # DeepSpeed never sees the gnmr block
+    if getattr(params.get("args"), "deepspeed_config", None):
+        params["args"] = copy.copy(params["args"])  # the config now travels in config=
+        params["args"].deepspeed_config = None
     if not block.enabled:
-        return deepspeed.initialize(*args, **kwargs)  # type: ignore[no-any-return]
-    backend = _build_backend(block)
-    model = kwargs.get("model")
+        return deepspeed.initialize(**params)  # type: ignore[no-any-return]
+    model = params.get("model")
     if model is None:
-        raise ValueError("gnmr_dist.deepspeed.initialize needs model=... (as a keyword)")
+        raise ValueError("gnmr_dist.deepspeed.initialize needs a model")
+    _check_supported(model, params.get("mpu"), ds_config)
+    backend = _build_backend(block)
     if not dist.is_initialized():
         deepspeed.init_distributed()
-    registry = UnitRegistry.from_model(
-        model, granularity=block.units, include=block.include, exclude=block.exclude,
-        group=dist.group.WORLD, eligible_fn=backend.is_eligible if backend else lambda n, m: False,
-    )  # fmt: skip
-    if backend is not None:
-        backend.wrap(registry.local_modules)
-    kwargs[config_key] = ds_config
-    engine, optimizer, loader, scheduler = deepspeed.initialize(*args, **kwargs)
+    registry = _registry(model, block, backend)
+    engine, optimizer, loader, scheduler = deepspeed.initialize(**params)
     engine.gnmr = DeepSpeedGNMR(engine, registry, backend, block)
     return engine, optimizer, loader, scheduler
 
 
-def _config_from_args(args: Any) -> Any:
-    return getattr(args, "deepspeed_config", None) if args is not None else None
+def _check_supported(model: Any, mpu: Any, ds_config: Mapping[str, Any]) -> None:
+    """Refuse, before DeepSpeed starts, the set-ups whose gradients the monitor cannot read."""
+    from deepspeed.pipe import PipelineModule
+
+    if isinstance(model, PipelineModule):
+        raise NotImplementedError(
+            "gnmr: DeepSpeed's pipeline engine (PipelineModule) is not supported; use ZeRO data "
+            "parallelism, or megatron_patches for pipeline parallel training"
+        )
+    if mpu is not None and mpu.get_model_parallel_world_size() > 1:
+        raise NotImplementedError(
+            "gnmr: DeepSpeed with a model-parallel mpu (tensor/pipeline parallel > 1) is not "
+            "supported; use megatron_patches for tensor/pipeline parallel training"
+        )
+    zero = ds_config.get("zero_optimization", {}) or {}
+    offload = (zero.get("offload_optimizer") or {}).get("device", "none")
+    if offload not in (None, "none"):
+        raise NotImplementedError(
+            f"gnmr: zero_optimization.offload_optimizer.device={offload!r} keeps gradients in "
+            "offload buffers the monitor does not read; set it to 'none' or disable the gnmr block"
+        )
 
 
 def _build_backend(block: GNMRBlock) -> PrecisionBackend | None:
     if block.backend is None:
         return None
     return get_backend(block.backend, low_cost=block.low_cost, recovery=block.recovery)
+
+
+def _registry(model: Any, block: GNMRBlock, backend: PrecisionBackend | None) -> UnitRegistry:
+    """Units agreed over the world, wrapped with the backend (before DeepSpeed sees the model).
+
+    Without a backend every unit stays eligible: the controller decides as if it could recover
+    them (so a trace can be replayed to tune the policy), but no plan is ever applied.
+    """
+    registry = UnitRegistry.from_model(
+        model, granularity=block.units, include=block.include, exclude=block.exclude,
+        group=dist.group.WORLD, eligible_fn=backend.is_eligible if backend else None,
+    )  # fmt: skip
+    if backend is None:
+        return registry
+    backend.wrap(registry.local_modules)
+    if not bool(registry.eligible.any()):
+        raise ValueError(
+            f"gnmr: the {block.backend!r} backend supports none of the {registry.num_units} units "
+            f"(units={block.units!r}, include={list(block.include)}, exclude="
+            f"{list(block.exclude)}); te_fp8 needs Transformer Engine modules, the others "
+            "nn.Linear or megatron-core linears"
+        )
+    return registry
 
 
 class DeepSpeedGNMR:
@@ -157,9 +203,11 @@ class DeepSpeedGNMR:
         save, load = engine.save_checkpoint, engine.load_checkpoint
 
         def take_model_step(*args: Any, **kwargs: Any) -> Any:
-            norms = self.runtime.monitor.compute()
+            # local sums now (gradients final, not yet unscaled/clipped/consumed); the one
+            # all-reduce runs while the optimizer steps
+            finish = self.runtime.monitor.start(grad_scale=self._grad_scale())
             result = take_step(*args, **kwargs)
-            self._after_step(norms)
+            self._after_step(finish())
             return result
 
         def gnmr_forward(*args: Any, **kwargs: Any) -> Any:
@@ -170,12 +218,12 @@ class DeepSpeedGNMR:
 
         engine._take_model_step = take_model_step
         engine.forward = gnmr_forward
-        engine.save_checkpoint = lambda save_dir, tag=None, **kw: self._save(
-            save, save_dir, tag, **kw
-        )
-        engine.load_checkpoint = lambda load_dir, tag=None, **kw: self._load(
-            load, load_dir, tag, **kw
-        )
+        engine.save_checkpoint = lambda *a, **kw: self._save(save, *a, **kw)
+        engine.load_checkpoint = lambda *a, **kw: self._load(load, *a, **kw)
+
+    def _grad_scale(self) -> float:
+        """The fp16 loss scale the gradients still carry at the hook (1 for fp32/bf16)."""
+        return float(getattr(self.engine.optimizer, "loss_scale", 1.0) or 1.0)
 
     def _after_step(self, norms: UnitNorms) -> None:
         if not self.engine.was_step_applied():
@@ -222,8 +270,8 @@ class DeepSpeedGNMR:
                 self.registry.names, tuple(self.registry.eligible.tolist()), self.block.policy,
                 {"backend": self.block.backend, "units": self.block.units},
             )  # fmt: skip
-            resume = self.runtime.controller.step_count > 1
-            self._trace = TraceWriter(self.block.log.trace, header, append=resume)
+            done = self.runtime.controller.step_count - 1  # decided before this run's first record
+            self._trace = TraceWriter(self.block.log.trace, header, resume_after=done or None)
         return self._trace
 
     # ------------------------------------------------------------------ checkpoints
@@ -238,9 +286,9 @@ class DeepSpeedGNMR:
         self.skipped = int(state.get("skipped", 0))
         self._apply_plan()
 
-    def _save(self, save: Any, save_dir: str, tag: Any, **kwargs: Any) -> Any:
+    def _save(self, save: Any, save_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
         tag = str(tag) if tag is not None else f"global_step{self.engine.global_steps}"
-        result = save(save_dir, tag=tag, **kwargs)
+        result = save(save_dir, tag, *args, **kwargs)
         if dist.get_rank() == 0:
             path = Path(save_dir, tag, STATE_FILE)
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -248,17 +296,20 @@ class DeepSpeedGNMR:
         dist.barrier()
         return result
 
-    def _load(self, load: Any, load_dir: str, tag: Any, **kwargs: Any) -> Any:
+    def _load(self, load: Any, load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
         tag = tag if tag is not None else _latest_tag(load_dir)
-        result = load(load_dir, tag=tag, **kwargs)
+        result = load(load_dir, tag, *args, **kwargs)
         if result[0] is None:
             return result  # DeepSpeed found nothing to load and said so
-        path = Path(load_dir, str(tag), STATE_FILE)
-        self._restore(path)
+        self._restore(Path(load_dir, str(tag), STATE_FILE))
         return result
 
     def _restore(self, path: Path) -> None:
-        if not path.is_file():
+        """Rank 0 reads the state and hands it to every rank, so all ranks restore the same."""
+        found: list[Any] = [_read_state(path) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(found, src=0)
+        kind, payload = found[0]
+        if kind == "missing":
             if self.block.on_missing_state == "fresh":
                 logger.warning("gnmr: %s not found; starting the controller fresh "
                                "(on_missing_state='fresh')", path)  # fmt: skip
@@ -268,16 +319,24 @@ class DeepSpeedGNMR:
                 'silently reset the controller; set "on_missing_state": "fresh" in the gnmr '
                 "block to start it fresh on purpose."
             )
+        if kind == "corrupted":
+            raise ValueError(f"gnmr: {path} is corrupted or not a GNMR state: {payload}")
         try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as err:
-            raise ValueError(f"gnmr: {path} is corrupted or not a GNMR state: {err}") from err
-        try:
-            self.load_state_dict(state)
+            self.load_state_dict(payload)
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"gnmr: cannot restore {path}: {err}") from err
         logger.info("gnmr: restored controller at step %d from %s",
                     self.runtime.controller.step_count, path)  # fmt: skip
+
+
+def _read_state(path: Path) -> tuple[str, Any]:
+    """``("ok", state)``, ``("missing", None)`` or ``("corrupted", reason)``."""
+    if not path.is_file():
+        return "missing", None
+    try:
+        return "ok", torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # any unreadable file is reported the same way, with its reason
+        return "corrupted", str(err)
 
 
 def _latest_tag(load_dir: str) -> str | None:

@@ -50,15 +50,30 @@ class TraceHeader:
 
 
 class TraceWriter:
-    """Appends one line per decision to ``path`` (truncates an existing file unless ``append``)."""
+    """Writes one line per decision to ``path``.
 
-    def __init__(self, path: str | Path, header: TraceHeader, append: bool = False) -> None:
+    A new run truncates the file and writes the header. A resumed run passes ``resume_after``
+    (the last step the restored controller had decided): records after it, written by the
+    interrupted run after its checkpoint, are dropped so every step appears once and a replay
+    reproduces the run.
+    """
+
+    def __init__(
+        self, path: str | Path, header: TraceHeader, resume_after: int | None = None
+    ) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        resume = append and self.path.exists() and self.path.stat().st_size > 0
-        self._fh: IO[str] = self.path.open("a" if resume else "w", encoding="utf-8")
-        if not resume:
+        if resume_after is not None and self.path.is_file() and self.path.stat().st_size > 0:
+            self._truncate_after(resume_after)
+            self._fh: IO[str] = self.path.open("a", encoding="utf-8")
+        else:
+            self._fh = self.path.open("w", encoding="utf-8")
             self._write(header.to_json())
+
+    def _truncate_after(self, step: int) -> None:
+        lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
+        kept = lines[:1] + [x for x in lines[1:] if x.strip() and json.loads(x)["step"] <= step]
+        self.path.write_text("".join(kept), encoding="utf-8")
 
     def _write(self, record: Mapping[str, Any]) -> None:
         self._fh.write(json.dumps(record) + "\n")
@@ -136,6 +151,9 @@ def read_trace(path: str | Path) -> tuple[TraceHeader, torch.Tensor, list[dict[s
     reader = TraceReader(path)
     records = list(reader)
     u = len(reader.header.units)
+    steps = [r["step"] for r in records]
+    if steps != list(range(1, len(steps) + 1)):
+        raise ValueError(f"{path}: steps are not 1, 2, 3, ... (a step is missing or repeated)")
     rows: Sequence[Sequence[float]] = [r["norms"] for r in records]
     bad = [r["step"] for r in records if len(r["norms"]) != u]
     if bad:

@@ -85,3 +85,29 @@ def test_replay_errors_are_clear(tmp_path, capsys):
     assert main([str(path)]) == 2
     assert "truncated or corrupted record" in capsys.readouterr().err
     assert main([str(tmp_path / "missing.jsonl")]) == 2
+
+
+def test_resumed_trace_drops_records_after_the_checkpoint(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    cfg, decisions = record(path, steps=30)  # the "interrupted" run got to step 30
+    header, norms, _ = read_trace(path)
+    # resume from a checkpoint taken at step 20: steps 21.. are decided again
+    ctrl = GNMRController(6, cfg, eligible=ELIGIBLE)
+    for row in norms[:20]:
+        ctrl.step(row)
+    with TraceWriter(path, header, resume_after=20) as w:
+        for row in norms[20:]:
+            w.write(row, ctrl.step(row))
+    _, again, records = read_trace(path)
+    assert [r["step"] for r in records] == list(range(1, 31))
+    assert torch.allclose(again, norms, equal_nan=True)
+    assert [tuple(r["active"]) for r in records] == [d.active for d in decisions]
+
+
+def test_trace_with_a_repeated_step_is_refused(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    record(path, steps=5)
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join([*lines, lines[-1]]) + "\n")
+    with pytest.raises(ValueError, match="a step is missing or repeated"):
+        read_trace(path)

@@ -68,6 +68,44 @@ def test_initialize_fails_before_any_training_or_process_group(block, match):
     assert not dist.is_initialized()  # nothing started
 
 
+def test_unsupported_setups_fail_before_any_process_group():
+    import torch.distributed as dist
+
+    import gnmr_dist.deepspeed as gds
+
+    cfg = dsc.ds_config(2, gnmr={"backend": "act_quant"})
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    with pytest.raises(NotImplementedError, match="offload_optimizer.device='cpu'"):
+        gds.initialize(model=nn.Linear(4, 4), config=cfg)
+
+    class TP2:
+        def get_model_parallel_world_size(self):
+            return 2
+
+    with pytest.raises(NotImplementedError, match="model-parallel mpu"):
+        gds.initialize(model=nn.Linear(4, 4), mpu=TP2(), config=dsc.ds_config(0, gnmr={}))
+    assert not dist.is_initialized()
+
+
+def _nothing_eligible_worker(rank, world):
+    import gnmr_dist.deepspeed as gds
+
+    dsc.no_shm_build()
+    model = Plain()
+    model.layers = nn.ModuleList(nn.Sequential(nn.LayerNorm(16), nn.Tanh()) for _ in range(3))
+    try:
+        gnmr = {"backend": "act_quant", "units": "layer"}  # layers without any linear operator
+        gds.initialize(model=model, config=dsc.ds_config(0, gnmr=gnmr))
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_a_backend_that_supports_no_unit_is_an_error():
+    (msg,) = multiproc.run(_nothing_eligible_worker, 1)
+    assert msg is not None and "'act_quant' backend supports none of the 3 units" in msg
+
+
 def test_config_file_path_is_read(tmp_path):
     from gnmr_dist.integrations.deepspeed import load_ds_config
 
