@@ -75,7 +75,7 @@ def test_unsupported_setups_fail_before_any_process_group():
 
     cfg = dsc.ds_config(2, gnmr={"backend": "act_quant"})
     cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
-    with pytest.raises(NotImplementedError, match="offload_optimizer.device='cpu'"):
+    with pytest.raises(NotImplementedError, match=r"offload_optimizer\.device='cpu'"):
         gds.initialize(model=nn.Linear(4, 4), config=cfg)
 
     class TP2:
