@@ -24,7 +24,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -208,8 +208,10 @@ class PrecisionBackend:
         """
         gemm = self._gemm_fn(op, path)
 
+        linear = cast(nn.Linear, op)
+
         def forward(input: torch.Tensor) -> torch.Tensor:  # nn.Linear.forward's signature
-            return gemm(input, op.weight, op.bias)
+            return gemm(input, linear.weight, linear.bias)
 
         return forward
 

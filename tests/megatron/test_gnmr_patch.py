@@ -1,0 +1,118 @@
+"""megatron_patches.apply: per-unit norms ride megatron's clip-norm all-reduce (TP2, PP2)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from tests import multiproc
+from tests.megatron.test_gpt_monitor import Spy
+
+pytestmark = pytest.mark.slow
+
+
+class CollectiveSpy(Spy):
+    """Collectives only: pipeline p2p ops are checked by identity inside ``P2POp``."""
+
+    NAMES = tuple(n for n in Spy.NAMES if n not in ("send", "recv", "isend", "irecv"))
+
+
+def _run(model, opt, steps):
+    from tests.megatron import gpt
+
+    calls, norms = [], []
+    for step in range(1, steps + 1):
+        with CollectiveSpy() as spy:
+            gpt.train_step(model, step)
+            ok, grad_norm, _ = opt.step()
+        assert ok
+        calls.append(spy.calls)
+        norms.append(grad_norm)
+    return calls, norms
+
+
+def _worker(rank, world, tp, pp, steps, backend):
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import optimizer as mcore_optimizer
+
+    import megatron_patches
+    from gnmr_dist.distributed import GradNormMonitor
+    from megatron_patches import enable_cpu_compat
+    from tests.megatron import gpt
+
+    enable_cpu_compat()
+    full, _ = gpt.full_reference(world // (tp * pp))
+    cfg = OptimizerConfig(optimizer="sgd", lr=0.05, clip_grad=0.5)
+
+    plain = gpt.parallel_model(tp, pp, full)
+    off_calls, off_norms = _run(plain, get_megatron_optimizer(cfg, [plain]), steps)
+    ps.destroy_model_parallel()
+
+    model = gpt.parallel_model(tp, pp, full)
+    opt = get_megatron_optimizer(cfg, [model])
+    original_norm_fn = mcore_optimizer.get_grad_norm_fp32
+    block = {"backend": backend, "max_active": 2, "warmup_steps": 2, "lock_steps": 2}
+    handle = megatron_patches.apply(model, block, optimizer=opt)
+    assert megatron_patches.apply(model, block, optimizer=opt) is handle  # idempotent
+    on_calls, on_norms = _run(model, opt, steps)
+    # the fused per-unit norms equal GNMR's own monitor on the same gradients
+    gpt.train_step(model, steps + 1)
+    own = GradNormMonitor(handle.registry, group=ps.get_model_parallel_group()).compute()
+    report = handle.backend.report() if handle.backend is not None else None
+    opt.step()
+    fused = handle.runtime.last_norms
+    megatron_patches.remove()
+    restored = (
+        mcore_optimizer.get_grad_norm_fp32 is original_norm_fn
+        and "step" not in vars(opt)
+        and megatron_patches.current() is None
+    )
+    return {
+        "off": (off_calls, off_norms),
+        "on": (on_calls, on_norms),
+        "own": own,
+        "fused": fused,
+        "units": handle.registry.num_units,
+        "restored": restored,
+        "risk": handle.runtime.last_decision.risk,
+        "report": report,
+    }
+
+
+@pytest.mark.parametrize(
+    "world, tp, pp, backend",
+    [(2, 2, 1, None), (2, 1, 2, "fp8_emulated")],
+    ids=["tp2-observe", "pp2-fp8_emulated"],
+)
+def test_unit_norms_ride_the_clip_norm_all_reduce(world, tp, pp, backend):
+    results = multiproc.run(_worker, world, tp, pp, 6, backend)
+    for r in results:
+        (off_calls, off_norms), (on_calls, on_norms) = r["off"], r["on"]
+        u = r["units"]
+        for off, on in zip(off_calls, on_calls, strict=True):
+            assert [name for name, _ in on] == [name for name, _ in off]  # same collectives
+            changed = [(a, b) for a, b in zip(off, on, strict=True) if a != b]
+            assert changed == [(("all_reduce", 1), ("all_reduce", u + 2))]  # only the clip norm
+        if backend is None:  # same trajectory: the clip norm megatron sees is unchanged
+            assert on_norms == pytest.approx(off_norms, rel=1e-6)
+        assert torch.allclose(r["fused"].norms, r["own"].norms, rtol=1e-5, atol=0)
+        assert r["fused"].global_norm == pytest.approx(r["own"].global_norm, rel=1e-5)
+        assert r["restored"]
+        assert torch.equal(r["risk"], results[0]["risk"])  # every rank decided the same
+        if backend is not None:
+            assert r["report"].planned == set(r["report"].recovered) or not r["report"].planned
+
+
+def test_unsupported_version_is_named(monkeypatch):
+    from megatron.core import package_info
+
+    import megatron_patches
+
+    monkeypatch.setattr(package_info, "__version__", "0.21.0")
+    with pytest.raises(RuntimeError, match=r"found 0\.21\. Pass fused_norm=False"):
+        megatron_patches.apply(torch.nn.Linear(2, 2), {"max_active": 1})
+    with pytest.raises(NotImplementedError, match="virtual pipeline"):
+        megatron_patches.apply([torch.nn.Linear(2, 2)] * 2, {"max_active": 1})
