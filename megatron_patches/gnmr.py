@@ -10,6 +10,14 @@
   unit's local shards and puts megatron's own squared total in the last slot: the all-reduce
   carries U + 2 numbers (units, rest, total) instead of 1, and megatron receives the same total
   norm it would have computed (same fp32 arithmetic for that slot).
+* **Per-layer precision.** ``get_fp8_context`` as imported by ``TransformerBlock`` is replaced:
+  a layer unit on the recovery path gets the backend's recovery region (``te_fp8``: FP8 off or a
+  stronger recipe) instead of megatron's per-layer FP8 context, by global layer number. megatron
+  calls it per layer only for non-delayed recipes; with delayed scaling it enters one outer
+  region, and the ``te_fp8`` backend's per-module inner regions carry the plan (the design
+  megatron's "first/last layers in BF16" cannot use with delayed scaling). Without
+  ``config.fp8`` (CPU, emulated backends) megatron enters no context and the backend's
+  switched operators carry the plan.
 * **The plan.** ``optimizer.step`` is wrapped: after megatron's step, if the update was applied,
   the controller scores the norms captured in that all-reduce and the backend runs the new plan
   from the next step (every micro-batch, pipeline stage and recomputation of it).
@@ -27,6 +35,7 @@ per-unit norms with GNMR's own single all-reduce instead.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -42,6 +51,7 @@ FUSED_NORM_VERSIONS: tuple[str, ...] = ("0.16",)
 """megatron-core ``major.minor`` series whose clip-norm path the fused patch was checked on."""
 
 _CURRENT: list[MegatronGNMR] = []
+_LAYER_NAME = re.compile(r"\blayers\.(\d+)$")
 _ORIGINALS: dict[str, Any] = {}
 
 
@@ -94,6 +104,31 @@ class MegatronGNMR:
             if grad is not None:
                 slots[id(grad)] = slot
         return slots
+
+    # ------------------------------------------------------------------ per-layer precision
+
+    def layer_context(self, layer_no: int, default: Any) -> Any:
+        """The precision context of global layer ``layer_no`` (0-based) under the plan.
+
+        A layer unit on the recovery path gets the backend's recovery region (``te_fp8``: FP8
+        off, or its stronger recipe) in place of megatron's per-layer FP8 context; every other
+        layer keeps megatron's. Operator-granularity plans are applied by the backend on the
+        operators themselves, so they leave the layer context alone.
+        """
+        uid = self._layer_units().get(layer_no)
+        region = getattr(self.backend, "recovery_region", None)
+        if uid is None or region is None or uid not in self.runtime.plan.active:
+            return default
+        return region()
+
+    def _layer_units(self) -> dict[int, int]:
+        if not hasattr(self, "_layers"):
+            self._layers = {
+                int(m.group(1)): uid
+                for uid, name in enumerate(self.registry.names)
+                if (m := _LAYER_NAME.search(name)) is not None
+            }
+        return self._layers
 
     # ------------------------------------------------------------------ per step
 
@@ -182,6 +217,19 @@ def _reduce_with_units(handle: MegatronGNMR, grads: list[torch.Tensor], group: A
     return total_norm
 
 
+def _plan_fp8_context(original: Any) -> Any:
+    """``get_fp8_context`` whose per-layer contexts follow the GNMR plan (global layer number)."""
+
+    def get_fp8_context(config: Any, layer_no: int = -1, is_init: bool = False) -> Any:
+        context = original(config, layer_no, is_init)
+        handle = current()
+        if handle is None or is_init or layer_no < 0:
+            return context  # build-time and outer (delayed-recipe) contexts stay megatron's
+        return handle.layer_context(layer_no, context)
+
+    return get_fp8_context
+
+
 def _wrap_step(optimizer: Any) -> None:
     step = optimizer.step
 
@@ -249,9 +297,12 @@ def apply(
 
 def _install(handle: MegatronGNMR, optimizer: Any) -> None:
     from megatron.core.optimizer import optimizer as mcore_optimizer
+    from megatron.core.transformer import transformer_block
 
     _ORIGINALS["get_grad_norm_fp32"] = mcore_optimizer.get_grad_norm_fp32
     mcore_optimizer.get_grad_norm_fp32 = _fused_grad_norm(mcore_optimizer.get_grad_norm_fp32)
+    _ORIGINALS["get_fp8_context"] = transformer_block.get_fp8_context
+    transformer_block.get_fp8_context = _plan_fp8_context(transformer_block.get_fp8_context)
     if optimizer is not None:
         _wrap_step(optimizer)
     _CURRENT.append(handle)
@@ -260,10 +311,13 @@ def _install(handle: MegatronGNMR, optimizer: Any) -> None:
 def remove() -> None:
     """Undo :func:`apply`: original functions back, backend unwrapped (no-op if not applied)."""
     from megatron.core.optimizer import optimizer as mcore_optimizer
+    from megatron.core.transformer import transformer_block
 
     for key, value in list(_ORIGINALS.items()):
         if key == "get_grad_norm_fp32":
             mcore_optimizer.get_grad_norm_fp32 = value
+        elif key == "get_fp8_context":
+            transformer_block.get_fp8_context = value
         else:
             owner, instance_step = value  # the instance attribute it had before, if any
             if instance_step is None:

@@ -421,7 +421,7 @@ class TEFp8Backend(PrecisionBackend):
     step_context = autocast
     """Alias of :meth:`autocast` for integrations that wrap "the step's forward"."""
 
-    def _recovery_region(self) -> contextlib.AbstractContextManager[Any]:
+    def recovery_region(self) -> contextlib.AbstractContextManager[Any]:
         """The inner region of a recovered unit.
 
         BF16 passes the low-cost recipe along with ``enabled=False``: TE ignores it when disabled,
@@ -471,7 +471,7 @@ class TEFp8Backend(PrecisionBackend):
 
     def _recovery_forward(self, forward: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
-            with self._recovery_region():
+            with self.recovery_region():
                 return forward(*args, **kwargs)
 
         return run

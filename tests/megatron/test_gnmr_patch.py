@@ -116,3 +116,47 @@ def test_unsupported_version_is_named(monkeypatch):
         megatron_patches.apply(torch.nn.Linear(2, 2), {"max_active": 1})
     with pytest.raises(NotImplementedError, match="virtual pipeline"):
         megatron_patches.apply([torch.nn.Linear(2, 2)] * 2, {"max_active": 1})
+
+
+def _fp8_context_worker(rank, world):
+    import contextlib
+
+    from megatron.core.transformer import transformer_block
+
+    import megatron_patches
+    from gnmr_dist.distributed import Plan
+    from megatron_patches import enable_cpu_compat
+    from tests.megatron import gpt
+
+    class RecoveryRegion:  # stand-in for te_fp8's region (TE cannot run here)
+        def recovery_region(self):
+            return contextlib.nullcontext("recovery")
+
+        def apply(self, active, step):
+            pass
+
+        def unwrap(self):
+            pass
+
+    enable_cpu_compat()
+    full, _ = gpt.full_reference(1)
+    model = gpt.parallel_model(1, 1, full)
+    original = transformer_block.get_fp8_context
+    handle = megatron_patches.apply(model, {"units": "layer", "max_active": 2})
+    handle.backend = RecoveryRegion()
+    names = handle.registry.names
+    handle.runtime.plan = Plan(
+        step=5, active=frozenset({names.index("decoder.layers.2")}), names=("decoder.layers.2",)
+    )
+    cfg = model.config
+    got = {n: transformer_block.get_fp8_context(cfg, n).__enter__() for n in range(-1, 4)}
+    init = transformer_block.get_fp8_context(cfg, 2, is_init=True).__enter__()
+    megatron_patches.remove()
+    return names, got, init, transformer_block.get_fp8_context is original
+
+
+def test_per_layer_context_follows_the_plan_by_global_layer():
+    names, got, init, restored = multiproc.run(_fp8_context_worker, 1)[0]
+    assert names == tuple(f"decoder.layers.{i}" for i in range(4))
+    assert got == {-1: None, 0: None, 1: None, 2: "recovery", 3: None}
+    assert init is None and restored
