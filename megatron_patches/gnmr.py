@@ -36,12 +36,14 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from gnmr_dist.integrations.session import IntegrationSession
 
 __all__ = ["FUSED_NORM_VERSIONS", "MegatronGNMR", "apply", "current", "remove"]
 
@@ -61,7 +63,7 @@ def _megatron_series() -> str:
     return ".".join(str(package_info.__version__).split(".")[:2])
 
 
-class MegatronGNMR:
+class MegatronGNMR(IntegrationSession):
     """The GNMR runtime of one megatron-core model (``megatron_patches.current()``)."""
 
     def __init__(self, model: Sequence[nn.Module], block: Any, backend: Any, fused: bool) -> None:
@@ -142,20 +144,6 @@ class MegatronGNMR:
         if norms is None:  # no clip-norm this step (or not fused): one all-reduce of our own
             norms = self.runtime.monitor.compute()
         self.runtime.observe(norms)
-        self._apply_plan()
-
-    def _apply_plan(self) -> None:
-        if self.backend is not None:
-            self.backend.apply(self.runtime.plan.active, self.runtime.plan.step)
-
-    def state_dict(self) -> dict[str, Any]:
-        """Plain, rank-identical state for a megatron checkpoint's common entries."""
-        return {**self.runtime.state_dict(), "skipped": self.skipped}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` (any parallel layout) and apply the restored plan."""
-        self.runtime.load_state_dict(state)
-        self.skipped = int(state.get("skipped", 0))
         self._apply_plan()
 
     def install_rerun_hooks(self) -> None:

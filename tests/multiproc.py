@@ -57,3 +57,46 @@ def run(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
             start_method="spawn",
         )
         return [pickle.loads(Path(out, f"{r}.pkl").read_bytes()) for r in range(world)]
+
+
+class CollectiveSpy:
+    """Records every collective torch.distributed is asked for, then runs the real one.
+
+    ``p2p=True`` also records send/recv/isend/irecv (not usable around megatron's pipeline
+    schedule, whose ``P2POp`` checks those functions by identity).
+    """
+
+    COLLECTIVES = (
+        "all_reduce",
+        "all_gather",
+        "all_gather_object",
+        "all_gather_into_tensor",
+        "broadcast",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "reduce",
+        "gather",
+    )
+    P2P = ("send", "recv", "isend", "irecv")
+
+    def __init__(self, p2p: bool = False) -> None:
+        self.names = self.COLLECTIVES + (self.P2P if p2p else ())
+        self.calls: list[tuple[str, int]] = []
+        self.saved: dict[str, Any] = {}
+
+    def __enter__(self) -> CollectiveSpy:
+        for name in self.names:
+            real = self.saved[name] = getattr(dist, name)
+            setattr(dist, name, self._wrap(name, real))
+        return self
+
+    def _wrap(self, name: str, real: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(obj: Any, *args: Any, **kwargs: Any) -> Any:
+            self.calls.append((name, obj.numel() if torch.is_tensor(obj) else -1))
+            return real(obj, *args, **kwargs)
+
+        return wrapped
+
+    def __exit__(self, *exc: object) -> None:
+        for name, real in self.saved.items():
+            setattr(dist, name, real)

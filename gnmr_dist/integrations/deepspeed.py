@@ -40,6 +40,7 @@ from gnmr_dist.core import Decision
 from gnmr_dist.distributed import GNMRRuntime, UnitNorms, UnitRegistry
 from gnmr_dist.integrations.config import GNMRBlock
 from gnmr_dist.integrations.deepspeed_grads import grad_piece_fn
+from gnmr_dist.integrations.session import IntegrationSession
 from gnmr_dist.telemetry import TraceHeader, TraceWriter
 
 __all__ = ["STATE_FILE", "DeepSpeedGNMR", "initialize", "load_ds_config"]
@@ -148,7 +149,7 @@ def _registry(model: Any, block: GNMRBlock, backend: PrecisionBackend | None) ->
     return registry
 
 
-class DeepSpeedGNMR:
+class DeepSpeedGNMR(IntegrationSession):
     """GNMR attached to a DeepSpeed engine (``engine.gnmr``)."""
 
     def __init__(
@@ -170,21 +171,6 @@ class DeepSpeedGNMR:
         self._apply_plan()
 
     # ------------------------------------------------------------------ public view
-
-    @property
-    def controller(self) -> Any:
-        """The :class:`~gnmr_dist.GNMRController` (identical on every rank)."""
-        return self.runtime.controller
-
-    @property
-    def last_decision(self) -> Decision | None:
-        """The decision of the last applied optimizer step."""
-        return self.runtime.last_decision
-
-    @property
-    def plan(self) -> Any:
-        """The :class:`~gnmr_dist.distributed.Plan` the current step runs with."""
-        return self.runtime.plan
 
     def telemetry(self) -> dict[str, float]:
         """The last decision's counts plus the global gradient norm and skipped steps."""
@@ -238,10 +224,6 @@ class DeepSpeedGNMR:
         self._apply_plan()
         self._log(norms, decision)
 
-    def _apply_plan(self) -> None:
-        if self.backend is not None:
-            self.backend.apply(self.runtime.plan.active, self.runtime.plan.step)
-
     # ------------------------------------------------------------------ logging
 
     def _log(self, norms: UnitNorms, decision: Decision) -> None:
@@ -275,16 +257,6 @@ class DeepSpeedGNMR:
         return self._trace
 
     # ------------------------------------------------------------------ checkpoints
-
-    def state_dict(self) -> dict[str, Any]:
-        """Controller state, unit names, plan and skipped-step count (plain, weights_only-safe)."""
-        return {**self.runtime.state_dict(), "skipped": self.skipped}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` and re-apply the restored plan to the backend."""
-        self.runtime.load_state_dict(state)
-        self.skipped = int(state.get("skipped", 0))
-        self._apply_plan()
 
     def _save(self, save: Any, save_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
         tag = str(tag) if tag is not None else f"global_step{self.engine.global_steps}"

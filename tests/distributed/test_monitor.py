@@ -59,48 +59,14 @@ def test_sharded_norms_equal_single_process_norms(world, tp, pp):
 
 def _count_worker(rank, world, steps):
     tp_group, tp_rank, _ = layout_groups(world, world)
-    calls = []
-    originals = {}
-
-    def spy(name):
-        real = getattr(dist, name)
-        originals[name] = real
-
-        def wrapped(tensor_or_list, *args, **kwargs):
-            numel = tensor_or_list.numel() if torch.is_tensor(tensor_or_list) else -1
-            calls.append((name, numel))
-            return real(tensor_or_list, *args, **kwargs)
-
-        return wrapped
-
     local = shard(full_model_with_grads(), world, tp_rank, 1, 0)
     reg = UnitRegistry.from_model(local, group=dist.group.WORLD, tp_group=tp_group)
     runtime = GNMRRuntime(reg, GNMRConfig(warmup_steps=0), group=dist.group.WORLD)
-    names = [
-        "all_reduce",
-        "all_gather",
-        "all_gather_object",
-        "all_gather_into_tensor",
-        "broadcast",
-        "reduce_scatter",
-        "reduce",
-        "gather",
-        "send",
-        "recv",
-        "isend",
-        "irecv",
-    ]
-    for name in names:
-        setattr(dist, name, spy(name))
-    try:
-        per_step = []
-        for _ in range(steps):
-            calls.clear()
+    per_step = []
+    for _ in range(steps):
+        with multiproc.CollectiveSpy(p2p=True) as spy:
             runtime.step()
-            per_step.append(list(calls))
-    finally:
-        for name, real in originals.items():
-            setattr(dist, name, real)
+        per_step.append(spy.calls)
     return reg.num_units, per_step
 
 

@@ -23,42 +23,6 @@ GNMR = {
 }
 
 
-class CollectiveSpy:
-    NAMES = (
-        "all_reduce",
-        "all_gather",
-        "all_gather_into_tensor",
-        "all_gather_object",
-        "broadcast",
-        "reduce_scatter",
-        "reduce_scatter_tensor",
-        "reduce",
-        "gather",
-    )
-
-    def __init__(self):
-        import torch.distributed as dist
-
-        self.dist, self.calls, self.saved = dist, [], {}
-
-    def __enter__(self):
-        for name in self.NAMES:
-            real = self.saved[name] = getattr(self.dist, name)
-            setattr(self.dist, name, self._wrap(name, real))
-        return self
-
-    def _wrap(self, name, real):
-        def wrapped(obj, *args, **kwargs):
-            self.calls.append((name, obj.numel() if torch.is_tensor(obj) else -1))
-            return real(obj, *args, **kwargs)
-
-        return wrapped
-
-    def __exit__(self, *exc):
-        for name, real in self.saved.items():
-            setattr(self.dist, name, real)
-
-
 def _norms_worker(rank, world, configs):
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
@@ -72,7 +36,7 @@ def _norms_worker(rank, world, configs):
         engine, *_ = gds.initialize(model=model, config=dsc.ds_config(stage, dtype, GNMR))
         loss = engine(input_ids=dsc.batch(1, rank), labels=dsc.batch(1, rank)).loss
         engine.backward(loss)
-        with CollectiveSpy() as spy:
+        with multiproc.CollectiveSpy() as spy:
             got = engine.gnmr.runtime.monitor.compute()
         # the test's own reference: DeepSpeed's full gradient, gathered for the test only
         full = {n: safe_get_full_grad(p).double() for n, p in engine.module.named_parameters()}

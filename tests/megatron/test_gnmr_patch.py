@@ -8,15 +8,8 @@ import torch
 pytest.importorskip("megatron.core")
 
 from tests import multiproc
-from tests.megatron.test_gpt_monitor import Spy
 
 pytestmark = pytest.mark.slow
-
-
-class CollectiveSpy(Spy):
-    """Collectives only: pipeline p2p ops are checked by identity inside ``P2POp``."""
-
-    NAMES = tuple(n for n in Spy.NAMES if n not in ("send", "recv", "isend", "irecv"))
 
 
 def _run(model, opt, steps):
@@ -24,7 +17,7 @@ def _run(model, opt, steps):
 
     calls, norms = [], []
     for step in range(1, steps + 1):
-        with CollectiveSpy() as spy:
+        with multiproc.CollectiveSpy() as spy:
             gpt.train_step(model, step)
             ok, grad_norm, _ = opt.step()
         assert ok

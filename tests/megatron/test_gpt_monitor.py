@@ -38,50 +38,6 @@ def reference_norms(full) -> dict[str, float]:
     return {k: v**0.5 for k, v in sq.items()}
 
 
-class Spy:
-    """Records every collective torch.distributed is asked for, then runs the real one."""
-
-    NAMES = (
-        "all_reduce",
-        "all_gather",
-        "all_gather_object",
-        "all_gather_into_tensor",
-        "broadcast",
-        "reduce_scatter",
-        "reduce_scatter_tensor",
-        "reduce",
-        "gather",
-        "send",
-        "recv",
-        "isend",
-        "irecv",
-        "batch_isend_irecv",
-    )
-
-    def __init__(self):
-        import torch.distributed as dist
-
-        self.dist, self.calls, self.saved = dist, [], {}
-
-    def __enter__(self):
-        for name in self.NAMES:
-            real = getattr(self.dist, name)
-            self.saved[name] = real
-            setattr(self.dist, name, self._wrap(name, real))
-        return self
-
-    def _wrap(self, name, real):
-        def wrapped(obj, *args, **kwargs):
-            self.calls.append((name, obj.numel() if torch.is_tensor(obj) else -1))
-            return real(obj, *args, **kwargs)
-
-        return wrapped
-
-    def __exit__(self, *exc):
-        for name, real in self.saved.items():
-            setattr(self.dist, name, real)
-
-
 def _worker(rank, world, tp, pp, steps, spike_step):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -97,7 +53,7 @@ def _worker(rank, world, tp, pp, steps, spike_step):
     tp_group, mp_group = ps.get_tensor_model_parallel_group(), ps.get_model_parallel_group()
     reg = UnitRegistry.from_model(model, group=dist.group.WORLD, tp_group=tp_group)
     monitor = GradNormMonitor(reg, group=mp_group)
-    with Spy() as spy:
+    with multiproc.CollectiveSpy(p2p=True) as spy:
         norms = monitor.compute()
     naive = GradNormMonitor(
         UnitRegistry.from_model(model, group=dist.group.WORLD), group=mp_group
