@@ -155,11 +155,15 @@ class MegatronGNMR(IntegrationSession):
 
         def state_save() -> Any:
             other = save() if save is not None else None
-            return {"gnmr_plan": sorted(self.runtime.plan.active), "other": other}
+            if self.backend is None:
+                return {"gnmr": None, "other": other}
+            ran = self.backend.report()  # the plan this iteration runs with
+            return {"gnmr": (sorted(ran.planned), ran.step), "other": other}
 
         def state_restore(state: Any) -> None:
-            if self.backend is not None:
-                self.backend.apply(state["gnmr_plan"], self.runtime.plan.step)
+            if self.backend is not None and state.get("gnmr") is not None:
+                active, step = state["gnmr"]
+                self.backend.apply(active, step)
             if restore is not None and state.get("other") is not None:
                 restore(state["other"])
 

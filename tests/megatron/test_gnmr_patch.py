@@ -153,3 +153,33 @@ def test_per_layer_context_follows_the_plan_by_global_layer():
     assert names == tuple(f"decoder.layers.{i}" for i in range(4))
     assert got == {-1: None, 0: None, 1: None, 2: "recovery", 3: None}
     assert init is None and restored
+
+
+def _rerun_worker(rank, world):
+    import megatron_patches
+    from megatron.core import rerun_state_machine
+    from megatron_patches import enable_cpu_compat
+    from tests.megatron import gpt
+
+    enable_cpu_compat()
+    full, _ = gpt.full_reference(1)
+    model = gpt.parallel_model(1, 1, full)
+    handle = megatron_patches.apply(model, {"backend": "fp8_emulated", "units": "layer"})
+    rsm = rerun_state_machine.get_rerun_state_machine()
+    calls = []
+    rsm.state_save_func = lambda: calls.append("save") or {"megatron": 1}
+    rsm.state_restore_func = lambda state: calls.append(("restore", state))
+    handle.install_rerun_hooks()
+    handle.backend.apply({1}, step=7)  # the plan of the iteration being validated
+    snapshot = rsm.state_save_func()
+    handle.backend.apply({3}, step=8)  # whatever changed it before the rerun
+    rsm.state_restore_func(snapshot)
+    recovered_after_restore = set(handle.backend.report().planned)
+    megatron_patches.remove()
+    return recovered_after_restore, calls
+
+
+def test_rerun_replays_the_plan_and_chains_megatrons_hooks():
+    plan, calls = multiproc.run(_rerun_worker, 1)[0]
+    assert plan == {1}
+    assert calls == ["save", ("restore", {"megatron": 1})]
