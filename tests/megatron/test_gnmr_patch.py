@@ -156,8 +156,9 @@ def test_per_layer_context_follows_the_plan_by_global_layer():
 
 
 def _rerun_worker(rank, world):
-    import megatron_patches
     from megatron.core import rerun_state_machine
+
+    import megatron_patches
     from megatron_patches import enable_cpu_compat
     from tests.megatron import gpt
 
