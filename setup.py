@@ -31,6 +31,7 @@ setup(
     entry_points={
         "console_scripts": [
             "gnmr-replay=gnmr_dist.cli.replay:main",
+            "gnmr-report=gnmr_dist.cli.report:main",
             "gnmr-megatron-pretrain=gnmr_dist.integrations.megatron_pretrain:main",
         ],
     },

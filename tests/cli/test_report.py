@@ -1,0 +1,92 @@
+"""gnmr-report: the PNG is drawn and its summary numbers equal the recorded decisions'."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("matplotlib")
+from matplotlib.image import imread
+
+from gnmr_dist import GNMRConfig, GNMRController
+from gnmr_dist.cli.report import draw_report, main, short_names
+from gnmr_dist.telemetry import TraceHeader, TraceWriter
+
+UNITS = [f"model.layers.{i // 2}.{'qkv' if i % 2 == 0 else 'fc'}" for i in range(6)]
+ELIGIBLE = [True, True, True, True, True, False]
+CFG = GNMRConfig(max_active=2, lock_steps=3, window=4, warmup_steps=5)
+
+
+def record(path, steps=60, loss=True):
+    """A real controller's trace with spikes at steps 21 and 41 and a NaN norm at step 31."""
+    ctrl = GNMRController(6, CFG, eligible=ELIGIBLE)
+    g = torch.Generator().manual_seed(1)
+    decisions = []
+    with TraceWriter(path, TraceHeader(tuple(UNITS), tuple(ELIGIBLE), CFG, {})) as w:
+        for t in range(steps):
+            norms = torch.rand(6, generator=g, dtype=torch.float64) + 1
+            if t in (20, 40):
+                norms[t % 5] *= 10
+            if t == 30:
+                norms[2] = float("nan")
+            d = ctrl.step(norms)
+            decisions.append(d)
+            w.write(norms, d, {"loss": 1.0 / (t + 1)} if loss else {})
+    return decisions
+
+
+def check_png(path):
+    img = imread(path)
+    assert img.ndim == 3 and img.shape[0] >= 400 and img.shape[1] >= 800
+    assert img[..., :3].var() > 0.001  # drawn, not blank
+
+
+def test_report_numbers_equal_the_recorded_decisions(tmp_path, capsys):
+    run = tmp_path / "run"
+    decisions = record(run / "trace.jsonl")
+    assert main([str(run), "--title", "test run"]) == 0
+    assert "report.png" in capsys.readouterr().out
+    check_png(run / "report.png")
+
+    s = draw_report(run / "trace.jsonl", tmp_path / "again.png")
+    scored = [d for d in decisions if d.step > CFG.warmup_steps]
+    assert s["steps"] == 60 and s["units"] == 6 and s["eligible_units"] == 5
+    assert s["scored_steps"] == 55 and s["nonfinite_steps"] == 1 and s["max_active"] == 2
+    want_exceed = sum(d.telemetry.num_exceed_eligible for d in scored) / (55 * 5)
+    want_active = sum(len(d.active) for d in scored) / (55 * 5)
+    assert want_exceed > 0 and want_active > 0
+    assert s["exceedance_rate"] == pytest.approx(want_exceed)
+    assert s["recovery_rate"] == pytest.approx(want_active)
+    assert s["config"] == CFG.to_dict()
+
+
+def test_report_without_loss_one_step_and_explicit_out(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    record(trace, steps=1, loss=False)
+    out = tmp_path / "figs" / "one.png"
+    assert main([str(trace), "--out", str(out)]) == 0
+    check_png(out)
+    s = draw_report(trace, out)
+    assert s["steps"] == 1 and s["scored_steps"] == 0 and s["exceedance_rate"] == 0.0
+
+
+def test_short_names_drop_the_common_prefix():
+    assert short_names(UNITS)[:2] == ["0.qkv", "0.fc"]
+    assert short_names(["a.b"]) == ["a.b"]
+    assert len(short_names(["x." + "y" * 60, "x.z"])[0]) <= 28
+
+
+def test_report_errors_are_clear(tmp_path, capsys):
+    assert main([str(tmp_path / "missing.jsonl")]) == 2
+    assert "no such trace file or run directory" in capsys.readouterr().err
+    assert main([str(tmp_path)]) == 2
+    assert "without trace.jsonl" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("hello\n")
+    assert main([str(bad)]) == 2
+    assert "is this a gnmr trace" in capsys.readouterr().err
+    empty = tmp_path / "empty.jsonl"
+    record(empty, steps=0)
+    assert main([str(empty)]) == 2
+    assert "no step records" in capsys.readouterr().err
+    assert not (tmp_path / "report.png").exists()
