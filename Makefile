@@ -40,8 +40,9 @@ test: lint typecheck
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 demo: venv
-	@echo "make demo: not yet -- the 2-process DeepSpeed demo lands with issue 7 (the main job)."
-	@echo "Until then: $(BIN)/python -m benchmarks.controller runs the controller on synthetic norms."
+	rm -rf runs/demo
+	$(BIN)/torchrun --nproc_per_node 2 --master_port $${MASTER_PORT:-29531} \
+		-m gnmr_dist.cli.ds_pretrain --config configs/demo_deepspeed.hjson --run-dir runs/demo
 
 bench: venv
 	$(BIN)/python -m benchmarks.controller

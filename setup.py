@@ -32,6 +32,7 @@ setup(
         "console_scripts": [
             "gnmr-replay=gnmr_dist.cli.replay:main",
             "gnmr-report=gnmr_dist.cli.report:main",
+            "gnmr-ds-pretrain=gnmr_dist.cli.ds_pretrain:main",
             "gnmr-megatron-pretrain=gnmr_dist.integrations.megatron_pretrain:main",
         ],
     },

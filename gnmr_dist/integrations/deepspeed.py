@@ -167,10 +167,15 @@ class DeepSpeedGNMR(IntegrationSession):
         )  # fmt: skip
         self.skipped = 0
         self._trace: TraceWriter | None = None
+        self._notes: dict[str, float] = {}
         self._install_hooks()
         self._apply_plan()
 
     # ------------------------------------------------------------------ public view
+
+    def note(self, **values: float) -> None:
+        """Attach numbers (e.g. ``loss=...``) to the next decision's trace record."""
+        self._notes.update({k: float(v) for k, v in values.items()})
 
     def telemetry(self) -> dict[str, float]:
         """The last decision's counts plus the global gradient norm and skipped steps."""
@@ -231,6 +236,8 @@ class DeepSpeedGNMR(IntegrationSession):
             return
         trace = self._trace_writer()
         extra = {"global_norm": norms.global_norm, "engine_step": int(self.engine.global_steps)}
+        extra.update(self._notes)
+        self._notes = {}
         if trace is not None:
             trace.write(norms.norms, decision, extra)
         monitor = getattr(self.engine, "monitor", None)
