@@ -40,6 +40,7 @@ __all__ = [
     "OPERATOR_TYPES",
     "UnitRegistry",
     "global_param_name",
+    "global_param_names",
     "is_lora_layer",
     "is_operator",
 ]
@@ -143,6 +144,12 @@ def _globalize(local_name: str, layers: dict[str, tuple[str, int]]) -> str:
 def global_param_name(model: nn.Module, local_name: str, layer_offset: int = 0) -> str:
     """The layout-independent name of a parameter (``decoder.layers.7.mlp.linear_fc1.weight``)."""
     return _globalize(local_name, _find_layers(model, layer_offset))
+
+
+def global_param_names(model: nn.Module, layer_offset: int = 0) -> dict[str, str]:
+    """``{local name: global name}`` of every parameter (layers found once for the model)."""
+    layers = _find_layers(model, layer_offset)
+    return {name: _globalize(name, layers) for name, _ in model.named_parameters()}
 
 
 def _local_units(

@@ -68,6 +68,7 @@ import torch
 import torch.distributed as dist
 
 from gnmr_dist.core import Decision
+from gnmr_dist.distributed.units import global_param_names
 from gnmr_dist.integrations.config import GNMRBlock
 
 __all__ = ["TRACKER_FILE", "build_parser", "main", "parse_args", "pretrain"]
@@ -433,17 +434,6 @@ def _build_gpt(args: argparse.Namespace) -> Any:
     return model
 
 
-def _global_name(name: str, model: torch.nn.Module) -> str:
-    """A stage's parameter name with its layer index made global (``module.`` dropped)."""
-    name = name.removeprefix("module.")
-    match = _LAYER.match(name)
-    if match is None:
-        return name
-    inner = getattr(model, "module", model)
-    prefix, local, rest = match.groups()
-    return f"{prefix}{inner.decoder.layers[int(local)].layer_number - 1}{rest}"
-
-
 def _init_weights(model: torch.nn.Module, seed: int, config: Any, tp_rank: int) -> None:
     """Redraw every weight matrix at full size from (seed, global name), keep this TP slice.
 
@@ -452,11 +442,12 @@ def _init_weights(model: torch.nn.Module, seed: int, config: Any, tp_rank: int) 
     """
     tp = config.tensor_model_parallel_size
     scaled = config.init_method_std / math.sqrt(2.0 * config.num_layers)
+    names = global_param_names(model)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.dim() < 2:
                 continue
-            gname = _global_name(name, model)
+            gname = names[name]
             std = scaled if gname.endswith(_OUTPUT_PROJECTIONS) else config.init_method_std
             shape = list(param.shape)
             split = getattr(param, "tensor_model_parallel", False)
@@ -497,8 +488,9 @@ def _build_optimizer(args: argparse.Namespace, model: Any) -> Any:
 def _layer_params(model: torch.nn.Module) -> dict[int, list[torch.nn.Parameter]]:
     """This rank's parameters of each global transformer layer (0-based)."""
     layers: dict[int, list[torch.nn.Parameter]] = {}
+    names = global_param_names(model)
     for name, param in model.named_parameters():
-        match = _LAYER.match(_global_name(name, model))
+        match = _LAYER.match(names[name])
         if match is not None:
             layers.setdefault(int(match.group(2)), []).append(param)
     return layers

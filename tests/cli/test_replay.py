@@ -7,30 +7,16 @@ import json
 import pytest
 import torch
 
-from gnmr_dist import GNMRConfig, GNMRController
+from gnmr_dist import GNMRController
 from gnmr_dist.cli.replay import main
-from gnmr_dist.telemetry import TraceHeader, TraceWriter, read_trace
+from gnmr_dist.telemetry import TraceWriter, read_trace
+from tests.cli.traces import ELIGIBLE, record_trace
 
 UNITS = [f"layers.{i // 2}.{'qkv' if i % 2 == 0 else 'fc'}" for i in range(6)]
-ELIGIBLE = [True, True, True, True, True, False]
 
 
 def record(path, steps=60):
-    cfg = GNMRConfig(max_active=2, lock_steps=3, window=4, warmup_steps=5)
-    ctrl = GNMRController(6, cfg, eligible=ELIGIBLE)
-    g = torch.Generator().manual_seed(1)
-    actives = []
-    with TraceWriter(path, TraceHeader(tuple(UNITS), tuple(ELIGIBLE), cfg, {"run": "t"})) as w:
-        for t in range(steps):
-            norms = torch.rand(6, generator=g, dtype=torch.float64) + 1
-            if t in (20, 40):
-                norms[t % 5] *= 10
-            if t == 30:
-                norms[2] = float("nan")
-            d = ctrl.step(norms)
-            actives.append(d)
-            w.write(norms, d, {"loss": 1.0 / (t + 1)})
-    return cfg, actives
+    return record_trace(path, UNITS, steps=steps, meta={"run": "t"})
 
 
 def test_trace_round_trip_is_exact(tmp_path):

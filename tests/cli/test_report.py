@@ -3,36 +3,19 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytest.importorskip("matplotlib")
 from matplotlib.image import imread
 
-from gnmr_dist import GNMRConfig, GNMRController
 from gnmr_dist.cli.report import draw_report, main, short_names
-from gnmr_dist.telemetry import TraceHeader, TraceWriter
+from tests.cli.traces import CFG, record_trace
 
 UNITS = [f"model.layers.{i // 2}.{'qkv' if i % 2 == 0 else 'fc'}" for i in range(6)]
-ELIGIBLE = [True, True, True, True, True, False]
-CFG = GNMRConfig(max_active=2, lock_steps=3, window=4, warmup_steps=5)
 
 
 def record(path, steps=60, loss=True):
     """A real controller's trace with spikes at steps 21 and 41 and a NaN norm at step 31."""
-    ctrl = GNMRController(6, CFG, eligible=ELIGIBLE)
-    g = torch.Generator().manual_seed(1)
-    decisions = []
-    with TraceWriter(path, TraceHeader(tuple(UNITS), tuple(ELIGIBLE), CFG, {})) as w:
-        for t in range(steps):
-            norms = torch.rand(6, generator=g, dtype=torch.float64) + 1
-            if t in (20, 40):
-                norms[t % 5] *= 10
-            if t == 30:
-                norms[2] = float("nan")
-            d = ctrl.step(norms)
-            decisions.append(d)
-            w.write(norms, d, {"loss": 1.0 / (t + 1)} if loss else {})
-    return decisions
+    return record_trace(path, UNITS, steps=steps, loss=loss)[1]
 
 
 def check_png(path):

@@ -18,7 +18,6 @@ with plain TE on an identical copy of the stack:
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable
 
 import pytest
@@ -194,17 +193,10 @@ def test_flipping_units_under_delayed_scaling(reseed):
     assert float(losses[-1]) == pytest.approx(float(ref[-1]), rel=0.1)
 
 
-def _median_step_ms(step: Callable[[], object], iters: int = 10, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        times.append(1e3 * (time.perf_counter() - start))
-    return sorted(times)[len(times) // 2]
+def _median_step_ms(step: Callable[[], object], iters: int = 10) -> float:
+    from benchmarks.gpu_te_check import median_ms  # the check script's timer (3 warm-up steps)
+
+    return median_ms(step, iters)
 
 
 def test_step_time_of_the_switching_backend():

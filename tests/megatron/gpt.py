@@ -9,14 +9,11 @@ can be compared slice for slice. Requires megatron-core and ``megatron_patches.c
 
 from __future__ import annotations
 
-import re
-
 import torch
 import torch.distributed as dist
 
 MODEL = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 256}
 VOCAB, SEQ, MICRO_BATCH, NUM_MICRO, SEED = 128, 16, 2, 2, 1234
-_LAYER = re.compile(r"^(.*?\bdecoder\.layers\.)(\d+)(\..*)$")
 
 
 def build_gpt(tp: int, pp: int):
@@ -80,17 +77,6 @@ def full_reference(dp_size: int):
     return full, float(loss)
 
 
-def full_name(name: str, model: torch.nn.Module) -> str:
-    """The full model's name of a stage's parameter (``module.`` prefix of DDP dropped)."""
-    name = name.removeprefix("module.")
-    match = _LAYER.match(name)
-    if match is None:
-        return name
-    inner = getattr(model, "module", model)
-    prefix, local, rest = match.groups()
-    return f"{prefix}{inner.decoder.layers[int(local)].layer_number - 1}{rest}"
-
-
 def tp_slice(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp: int) -> torch.Tensor:
     if not getattr(param, "tensor_model_parallel", False):
         return full
@@ -99,10 +85,12 @@ def tp_slice(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp: int) -> 
 
 
 def copy_full_weights(model, full, tp_rank: int, tp: int) -> None:
-    source = dict(full.named_parameters())
+    from gnmr_dist.distributed.units import global_param_names
+
+    source, names = dict(full.named_parameters()), global_param_names(model)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.copy_(tp_slice(source[full_name(name, model)].detach(), param, tp_rank, tp))
+            param.copy_(tp_slice(source[names[name]].detach(), param, tp_rank, tp))
 
 
 def parallel_model(tp: int, pp: int, full):
