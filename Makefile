@@ -42,7 +42,7 @@ test: lint typecheck
 demo: venv
 	rm -rf runs/demo
 	$(BIN)/torchrun --nproc_per_node 2 --master_port $${MASTER_PORT:-29531} \
-		-m gnmr_dist.cli.ds_pretrain --config configs/demo_deepspeed.hjson --run-dir runs/demo
+		-m gnmr_dist.cli.ds_pretrain --config configs/demo_deepspeed.hjson --run-dir runs/demo --title "make demo"
 
 bench: venv
 	$(BIN)/python -m benchmarks.controller

@@ -25,7 +25,7 @@ def test_demo_job_writes_trace_report_summary_and_checkpoint(tmp_path):
            "--max-bytes", "400000", "--no-progress"]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "gnmr demo: 25 steps on 2 processes" in out.stdout
+    assert "gnmr-ds-pretrain: 25 steps on 2 processes" in out.stdout
     summary = json.loads((run / "summary.json").read_text())
     _, norms, records = read_trace(run / "trace.jsonl")
     assert summary["steps"] == 25 and summary["decisions"] == 25 and norms.shape == (25, 14)
@@ -36,7 +36,10 @@ def test_demo_job_writes_trace_report_summary_and_checkpoint(tmp_path):
     assert (run / "checkpoint" / "global_step25" / "gnmr_state.pt").is_file()
 
 
-def test_missing_config_is_reported(tmp_path):
+def test_missing_config_is_reported(tmp_path, capsys):
     from gnmr_dist.cli.ds_pretrain import main
 
-    assert main(["--config", str(tmp_path / "nope.json")]) == 2
+    with pytest.raises(SystemExit) as stop:
+        main(["--config", str(tmp_path / "nope.json")])
+    assert stop.value.code == 2
+    assert "nope.json does not exist (see configs/" in capsys.readouterr().err

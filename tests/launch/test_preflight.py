@@ -1,0 +1,234 @@
+"""Launch errors are reported before any process starts, and commands are built as documented."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from gnmr_dist.cli import launch
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["--steps", "2", "--layers", "1", "--hidden", "32", "--seq-len", "16"]
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for name in ("NPROC_PER_NODE", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
+                 "RDZV_ENDPOINT", "RDZV_ID", "MAX_RESTARTS", "HOSTFILE", "DRY_RUN",
+                 "WORLD_SIZE"):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(ROOT)
+
+
+def refused(capsys, *argv: str) -> str:
+    assert launch.main(list(argv)) == 2
+    err = capsys.readouterr().err
+    assert "nothing was started" in err
+    return err
+
+
+def dry(capsys, *argv: str) -> list[str]:
+    assert launch.main(["--dry-run" if a == "@" else a for a in argv]) == 0
+    return capsys.readouterr().out.split()
+
+
+def ds_config(tmp_path: Path, **changes) -> Path:
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params":
+           {"lr": 1e-3, "torch_adam": True}}, "gnmr": {"backend": "act_quant"}}  # fmt: skip
+    cfg.update(changes)
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def test_unknown_config_names_the_closest(capsys):
+    err = refused(capsys, "torchrun", "--nproc-per-node", "2", "demo_deepsped")
+    assert "unknown config 'demo_deepsped'; did you mean demo_deepspeed.hjson" in err
+
+
+def test_world_size_not_divisible_by_tp_x_pp(capsys):
+    err = refused(capsys, "torchrun", "--nproc-per-node", "3", "megatron/demo_cpu")
+    assert "world size (3) must be divisible by tensor x pipeline model parallel size" in err
+    err = refused(capsys, "torchrun", "--nproc-per-node", "2", "megatron/demo_cpu",
+                  "--pipeline-model-parallel-size", "2")  # fmt: skip
+    assert "world size (2) must be divisible" in err and "(2 x 2 = 4)" in err
+
+
+def test_elastic_range_is_checked_at_both_ends(capsys):
+    err = refused(capsys, "torchrun", "--nnodes", "1:3", "--nproc-per-node", "1",
+                  "--rdzv-endpoint", "h:1", "megatron/demo_cpu")  # fmt: skip
+    assert "world size (1) must be divisible" in err
+
+
+def test_missing_and_malformed_hostfile(capsys, tmp_path):
+    err = refused(capsys, "deepspeed", "--hostfile", str(tmp_path / "hosts"), "demo_deepspeed")
+    assert "hostfile" in err and "does not exist" in err and "slots=8" in err
+    bad = tmp_path / "bad"
+    bad.write_text("node-1 slots=8\nnode-2 gpus=8\n")
+    err = refused(capsys, "deepspeed", "--hostfile", str(bad), "demo_deepspeed")
+    assert "bad entry: node-2 gpus=8" in err
+    err = refused(capsys, "deepspeed", "demo_deepspeed")
+    assert "needs --hostfile" in err
+
+
+def test_hostfile_slots_set_the_world_size(capsys, tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("node-1 slots=3\nnode-2 slots=3\n")
+    err = refused(capsys, "deepspeed", "--hostfile", str(hosts), "megatron/demo_cpu")
+    assert "world size (6) must be divisible" not in err  # 6 = 2 x 3 is fine for TP2 ...
+    assert "global batch size (8) must be divisible by micro batch size" in err  # ... batch not
+    cmd = dry(capsys, "deepspeed", "--hostfile", str(hosts), "--num-gpus", "2", "@",
+              "megatron/demo_cpu")  # fmt: skip
+    assert cmd[cmd.index("--num_gpus") + 1] == "2" and "--no_ssh_check" not in cmd
+
+
+def test_multi_node_needs_a_rendezvous(capsys):
+    err = refused(capsys, "torchrun", "--nnodes", "2", "--nproc-per-node", "1", "demo_deepspeed")
+    assert "RDZV_ENDPOINT=host:port" in err and "MASTER_ADDR and NODE_RANK" in err
+
+
+def test_batch_sizes_against_world_size(capsys, tmp_path):
+    path = ds_config(tmp_path, train_batch_size=6)
+    err = refused(capsys, "torchrun", "--nproc-per-node", "2", str(path))
+    assert "train_batch_size (6) != train_micro_batch_size_per_gpu x" in err
+    assert "(2 x 1 x 2 = 4)" in err
+
+
+def test_bad_options_and_blocks_are_refused(capsys, tmp_path):
+    err = refused(capsys, "torchrun", "demo_deepspeed", "--stepz", "3")
+    assert "unrecognized arguments: --stepz" in err
+    err = refused(capsys, "torchrun", str(ds_config(tmp_path, pretrain={"layer": 2})))
+    assert "unknown key 'pretrain.layer'; did you mean 'layers'?" in err
+    err = refused(capsys, "torchrun", str(ds_config(tmp_path, gnmr={"max_activ": 2})))
+    assert "max_activ" in err and "max_active" in err
+    err = refused(
+        capsys,
+        "torchrun",
+        "--nproc-per-node",
+        "2",
+        "megatron/demo_cpu",
+        "--num-layers",
+        "3",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--tensor-model-parallel-size",
+        "1",
+    )
+    assert "--num-layers (3) must be divisible by the pipeline model parallel size (2)" in err
+
+
+def test_args_file_environment_variables(capsys, tmp_path, monkeypatch):
+    args = tmp_path / "job.args"
+    args.write_text(
+        "# data from the environment\n--data ${CORPUS}/*.txt  # a glob\n--vocab-size 256\n"
+    )
+    monkeypatch.delenv("CORPUS", raising=False)
+    err = refused(capsys, "check", "--world-size", "1", str(args))
+    assert "job.args:2: environment variable CORPUS is not set" in err
+    (tmp_path / "a.txt").write_text("hello world " * 50)
+    monkeypatch.setenv("CORPUS", str(tmp_path))
+    assert launch.main(["check", "--world-size", "1", str(args)]) == 0
+
+
+def test_torchrun_commands(capsys):
+    cmd = dry(capsys, "torchrun", "--nproc-per-node", "2", "@", "demo_deepspeed", *TINY)
+    assert cmd[1:4] == ["-m", "torch.distributed.run", "--nproc_per_node"] and "--standalone" in cmd
+    assert cmd[cmd.index("-m", 3) + 1] == "gnmr_dist.cli.ds_pretrain" and cmd[-len(TINY) :] == TINY
+    cmd = dry(
+        capsys,
+        "torchrun",
+        "--nproc-per-node",
+        "1",
+        "--nnodes",
+        "4",
+        "--rdzv-endpoint",
+        "node-1:29500",
+        "--rdzv-id",
+        "exp7",
+        "@",
+        "megatron/demo_cpu",
+    )
+    joined = " ".join(cmd)
+    assert "--nnodes 4 --max_restarts 0 --rdzv_backend c10d --rdzv_endpoint node-1:29500" in joined
+    assert "--rdzv_id exp7 -m gnmr_dist.integrations.megatron_pretrain" in joined
+    cmd = dry(
+        capsys,
+        "torchrun",
+        "--nproc-per-node",
+        "1",
+        "--nnodes",
+        "2",
+        "--master-addr",
+        "10.0.0.1",
+        "--node-rank",
+        "1",
+        "@",
+        "megatron/demo_cpu",
+        "--train-iters",
+        "5",
+    )
+    assert "--master_addr 10.0.0.1 --master_port 29500 --node_rank 1" in " ".join(cmd)
+    assert cmd[-2:] == ["--train-iters", "5"]  # extra args come last: they override the set
+
+
+def test_local_hostfile_skips_ssh(capsys, tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost slots=2\n")
+    cmd = dry(capsys, "deepspeed", "--hostfile", str(hosts), "@", "demo_deepspeed")
+    joined = " ".join(cmd)
+    assert "-m deepspeed.launcher.runner --hostfile" in joined
+    assert "--no_ssh_check --master_addr 127.0.0.1 --no_local_rank --module" in joined
+
+
+def run_script(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    full = {**os.environ, **(env or {})}
+    return subprocess.run(list(argv), capture_output=True, text=True, cwd=ROOT, env=full,
+                          timeout=120)  # fmt: skip
+
+
+def test_shell_scripts_refuse_before_starting(tmp_path):
+    out = run_script("launch/torchrun.sh", "no_such_config", env={"NPROC_PER_NODE": "2"})
+    assert out.returncode == 2 and "unknown config 'no_such_config'" in out.stderr
+    out = run_script("launch/deepspeed.sh", str(tmp_path / "hosts"), "demo_deepspeed")
+    assert out.returncode == 2 and "does not exist" in out.stderr
+    out = run_script("launch/deepspeed.sh", "demo_deepspeed")
+    assert out.returncode == 2 and "usage: launch/deepspeed.sh HOSTFILE CONFIG" in out.stderr
+    out = run_script("launch/entrypoint.sh", "list")
+    assert out.returncode == 0 and "megatron/demo_cpu.args" in out.stdout.split()
+
+
+def fake_slurm(tmp_path: Path) -> dict:
+    """``scontrol`` and ``srun`` stand-ins (Slurm cannot run here): srun runs its command once."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\nprintf 'node-a\\nnode-b\\n'\n")
+    (bin_dir / "srun").write_text(
+        f'#!/bin/bash\necho "$@" > {tmp_path}/srun.called\n'
+        'while [[ $1 == -* ]]; do shift; done\nexec "$@"\n'
+    )
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node-[a-b]",
+            "SLURM_JOB_NUM_NODES": "2", "SLURM_GPUS_ON_NODE": "2", "SLURM_JOB_ID": "4242",
+            "SLURM_SUBMIT_DIR": str(ROOT)}  # fmt: skip
+
+
+def test_slurm_script_builds_one_rendezvous_per_job(tmp_path):
+    env = {**fake_slurm(tmp_path), "DRY_RUN": "1"}
+    out = run_script("bash", "launch/slurm.sbatch", "megatron/demo_cpu", env=env)
+    assert out.returncode == 0, out.stderr
+    assert "--ntasks-per-node=1" in (tmp_path / "srun.called").read_text()
+    joined = out.stdout.strip().splitlines()[-1]
+    assert "--nproc_per_node 2 --nnodes 2 --max_restarts 1 --rdzv_backend c10d" in joined
+    assert "--rdzv_endpoint node-a:29500 --rdzv_id 4242" in joined
+
+
+def test_slurm_script_refuses_before_srun(tmp_path):
+    env = {**fake_slurm(tmp_path), "SLURM_JOB_NUM_NODES": "3", "SLURM_GPUS_ON_NODE": "1"}
+    out = run_script("bash", "launch/slurm.sbatch", "megatron/demo_cpu", env=env)
+    assert out.returncode == 2 and "world size (3) must be divisible" in out.stderr
+    assert not (tmp_path / "srun.called").exists()
