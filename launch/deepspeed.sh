@@ -16,6 +16,7 @@ if [[ $# -lt 2 ]]; then
     echo "usage: launch/deepspeed.sh HOSTFILE CONFIG [EXTRA...]" >&2
     exit 2
 fi
+# shellcheck source=launch/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 hostfile="$1"
 shift

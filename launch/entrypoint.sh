@@ -12,7 +12,11 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 case "${1:---help}" in
     torchrun) shift; exec "$here/torchrun.sh" "$@" ;;
     deepspeed) shift; exec "$here/deepspeed.sh" "$@" ;;
-    check | list) source "$here/common.sh"; exec "$PY" -m gnmr_dist.cli.launch "$@" ;;
+    check | list)
+        # shellcheck source=launch/common.sh
+        source "$here/common.sh"
+        exec "$PY" -m gnmr_dist.cli.launch "$@"
+        ;;
     smoke) shift; exec bash "$here/../docker/smoke.sh" "$@" ;;
     -h | --help)
         sed -n '2,10p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'

@@ -22,5 +22,6 @@
 #   NPROC_PER_NODE=8 NNODES=4 RDZV_ENDPOINT=node-1:29500 RDZV_ID=exp1 \
 #       launch/torchrun.sh megatron/llama2_130m_fp8_emulated --train-iters 20000
 set -euo pipefail
+# shellcheck source=launch/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 exec "$PY" -m gnmr_dist.cli.launch torchrun "$@"

@@ -169,10 +169,37 @@ def _validate(args: argparse.Namespace, config: Mapping[str, Any], world: int) -
             f"--init-from {args.init_from}: no config.json there; give a local directory "
             "written by save_pretrained (nothing is downloaded)"
         )
+    if args.lora_rank > 0 and args.init_from is None:
+        raise ValueError(
+            "--lora-rank fine-tunes a pretrained model: give --init-from DIR (a local Hugging "
+            "Face directory, e.g. a previous run's RUN_DIR/hf_model)"
+        )
     check_batch(config, world)
+    check_monitors(config)
+    _check_gnmr(config.get("gnmr"), f"{args.config}: gnmr")
+
+
+def check_monitors(config: Mapping[str, Any]) -> None:
+    """DeepSpeed's tensorboard / wandb monitors need their packages: say so before starting."""
+    import importlib.util
+
+    for block, package in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
+        enabled = (config.get(block) or {}).get("enabled", False)
+        if enabled and importlib.util.find_spec(package) is None:
+            raise ValueError(
+                f"the config enables DeepSpeed's {block} monitor but {package} is not installed: "
+                f"pip install {package}, or use csv_monitor, or set {block}.enabled to false"
+            )
+
+
+def _check_gnmr(block: Any, path: str) -> None:
+    """The ``"gnmr"`` block and its backend's option blocks, as ``initialize`` will read them."""
+    from gnmr_dist.backends import get_backend
     from gnmr_dist.integrations.config import GNMRBlock
 
-    GNMRBlock.from_dict(config.get("gnmr"), path=f"{args.config}: gnmr")
+    parsed = GNMRBlock.from_dict(block, path=path)
+    if parsed.enabled and parsed.backend is not None:
+        get_backend(parsed.backend, low_cost=parsed.low_cost, recovery=parsed.recovery)
 
 
 def check_batch(config: Mapping[str, Any], world: int) -> None:

