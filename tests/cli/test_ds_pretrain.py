@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from gnmr_dist.telemetry import read_trace
 from tests.multiproc import free_port
@@ -43,3 +44,49 @@ def test_missing_config_is_reported(tmp_path, capsys):
         main(["--config", str(tmp_path / "nope.json")])
     assert stop.value.code == 2
     assert "nope.json does not exist (see configs/" in capsys.readouterr().err
+
+
+def test_lora_int8_fine_tuning_from_a_local_model(tmp_path):
+    """The seed's third setting at toy scale: a saved model, peft LoRA adapters, the int8
+    backend; only the adapters train and the run exports them."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=258, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=4,
+                                        max_position_embeddings=32))  # fmt: skip
+    base.save_pretrained(tmp_path / "base")
+    config = {"train_micro_batch_size_per_gpu": 4,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+              "gnmr": {"backend": "int8", "max_active": 2, "warmup_steps": 2, "alpha": 1.1},
+              "pretrain": {"lora_rank": 4, "steps": 8, "seq_len": 32, "max_bytes": 200_000,
+                           "no_progress": True}}  # fmt: skip
+    (tmp_path / "lora.json").write_text(json.dumps(config))
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", str(free_port()), "-m", "gnmr_dist.cli.ds_pretrain",
+           "--config", str(tmp_path / "lora.json"), "--run-dir", str(run),
+           "--init-from", str(tmp_path / "base")]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    header, norms, _ = read_trace(run / "trace.jsonl")
+    assert norms.shape == (8, 14) and header.meta["backend"] == "int8"
+    assert all(".lora_" not in u and u.startswith("model.layers.") for u in header.units)
+    assert (run / "hf_model" / "adapter_config.json").is_file()  # the adapter, not the base
+    from peft import PeftModel
+
+    tuned = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(tmp_path / "base"),
+                                      run / "hf_model")  # fmt: skip
+    for name, p in base.named_parameters():  # frozen base weights are untouched
+        assert torch.equal(tuned.get_parameter(f"base_model.model.{name}"), p), name
+    lora_b = [p for n, p in tuned.named_parameters() if "lora_B" in n]
+    assert len(lora_b) == 14 and all(p.abs().sum() > 0 for p in lora_b)  # B starts at 0
+
+
+def test_lora_needs_a_model_to_start_from(tmp_path, capsys):
+    from gnmr_dist.cli.ds_pretrain import main
+
+    (tmp_path / "c.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 1}))
+    with pytest.raises(SystemExit):
+        main(["--config", str(tmp_path / "c.json"), "--lora-rank", "4"])
+    assert "give --init-from DIR" in capsys.readouterr().err
