@@ -106,11 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None) -> Any:
+def parse_args(
+    argv: Sequence[str] | None = None, world_size: int | None = None, check_host: bool = True
+) -> Any:
     """Options with the config's ``"pretrain"`` block as defaults, all checked before any start.
 
     ``world_size`` (default: ``WORLD_SIZE`` from the environment) is checked against the
-    config's batch sizes. A user error exits with status 2 and a message naming the fix.
+    config's batch sizes; ``check_host=False`` skips what depends on this machine (a backend's
+    package or GPU). A user error exits with status 2 and a message naming the fix.
     """
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -118,7 +121,8 @@ def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None)
         config = _read_config(args.config)
         parser.set_defaults(**pretrain_defaults(config, parser, args.config))
         args = parser.parse_args(argv)
-        _validate(args, config, world_size or int(os.environ.get("WORLD_SIZE", "1")))
+        world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+        _validate(args, config, world, check_host)
     except (ValueError, FileNotFoundError) as err:
         parser.error(str(err))
     args.ds_config = config
@@ -154,7 +158,9 @@ def pretrain_defaults(
     return {k.replace("-", "_"): v for k, v in block.items()}
 
 
-def _validate(args: argparse.Namespace, config: Mapping[str, Any], world: int) -> None:
+def _validate(
+    args: argparse.Namespace, config: Mapping[str, Any], world: int, check_host: bool = True
+) -> None:
     for name in ("layers", "hidden", "heads", "seq_len", "steps", "heldout_batches"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -176,7 +182,7 @@ def _validate(args: argparse.Namespace, config: Mapping[str, Any], world: int) -
         )
     check_batch(config, world)
     check_monitors(config)
-    _check_gnmr(config.get("gnmr"), f"{args.config}: gnmr")
+    _check_gnmr(config.get("gnmr"), f"{args.config}: gnmr", check_host)
 
 
 def check_monitors(config: Mapping[str, Any]) -> None:
@@ -192,14 +198,22 @@ def check_monitors(config: Mapping[str, Any]) -> None:
             )
 
 
-def _check_gnmr(block: Any, path: str) -> None:
-    """The ``"gnmr"`` block and its backend's option blocks, as ``initialize`` will read them."""
+def _check_gnmr(block: Any, path: str, check_host: bool = True) -> None:
+    """The ``"gnmr"`` block and its backend's option blocks, as ``initialize`` will read them.
+
+    A backend this host cannot load (``te_fp8`` without CUDA) is an error only when
+    ``check_host``: its options are parsed before the import fails.
+    """
     from gnmr_dist.backends import get_backend
     from gnmr_dist.integrations.config import GNMRBlock
 
     parsed = GNMRBlock.from_dict(block, path=path)
     if parsed.enabled and parsed.backend is not None:
-        get_backend(parsed.backend, low_cost=parsed.low_cost, recovery=parsed.recovery)
+        try:
+            get_backend(parsed.backend, low_cost=parsed.low_cost, recovery=parsed.recovery)
+        except ImportError as err:
+            if check_host:
+                raise ValueError(str(err)) from None
 
 
 def check_batch(config: Mapping[str, Any], world: int) -> None:

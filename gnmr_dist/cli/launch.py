@@ -139,19 +139,23 @@ def build_job(config: str, extra: Sequence[str]) -> Job:
     return Job(path, engine, ("--config", str(path), *extra))
 
 
-def check_job(job: Job, world_size: int) -> None:
-    """Run the engine's own argument checks for ``world_size`` processes, in this process."""
+def check_job(job: Job, world_size: int, check_host: bool = True) -> None:
+    """Run the engine's own argument checks for ``world_size`` processes, in this process.
+
+    ``check_host=False`` leaves out what depends on this machine (CUDA, Transformer Engine), for
+    checking a GPU job on a login node.
+    """
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
             if job.engine == "megatron":
                 from gnmr_dist.integrations.megatron_pretrain import parse_args as mcore_args
 
-                mcore_args(list(job.args), world_size=world_size)
+                mcore_args(list(job.args), world_size=world_size, check_host=check_host)
             else:
                 from gnmr_dist.cli.ds_pretrain import parse_args as ds_args
 
-                ds_args(list(job.args), world_size=world_size)
+                ds_args(list(job.args), world_size=world_size, check_host=check_host)
     except SystemExit as stop:
         if stop.code:
             lines = [x for x in err.getvalue().splitlines() if x.strip()]
@@ -194,9 +198,13 @@ def torchrun_command(a: argparse.Namespace, job: Job) -> tuple[list[str], list[i
     nproc = a.nproc_per_node or _local_devices()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--nnodes", a.nnodes, "--max_restarts", str(a.max_restarts)]  # fmt: skip
-    if a.rdzv_endpoint:
-        cmd += ["--rdzv_backend", "c10d", "--rdzv_endpoint", a.rdzv_endpoint,
-                "--rdzv_id", a.rdzv_id]  # fmt: skip
+    endpoint = a.rdzv_endpoint
+    if not endpoint and a.max_restarts > 0 and (a.master_addr or a.master_port):
+        # a static rendezvous hands a restarted group the store of the failed attempt (stale
+        # keys: the restart can hang); a c10d rendezvous starts a fresh round per restart
+        endpoint = f"{a.master_addr or '127.0.0.1'}:{a.master_port or 29500}"
+    if endpoint:
+        cmd += ["--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint, "--rdzv_id", a.rdzv_id]
     elif hi > 1 or a.master_addr:
         if not a.master_addr or a.node_rank is None:
             raise LaunchError(
@@ -270,7 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--num-gpus", type=int, default=None, help="processes per node (slots cap)")
     d.add_argument("--master-addr", default=_env("MASTER_ADDR"))
     d.add_argument("--master-port", type=int, default=_int_env("MASTER_PORT"))
-    c = sub.add_parser("check", help="only check CONFIG + EXTRA for a world size")
+    c = sub.add_parser(
+        "check", help="only check CONFIG + EXTRA for a world size (not this host's GPUs)"
+    )
     c.add_argument("--world-size", type=int, required=True)
     for q in (t, d, c):
         q.add_argument("--dry-run", action="store_true", default=_env("DRY_RUN", "0") == "1")
@@ -303,7 +313,7 @@ def plan(a: argparse.Namespace) -> list[str]:
     for world in sizes:
         if world < 1:
             raise LaunchError(f"world size {world}: need at least one process")
-        check_job(job, world)
+        check_job(job, world, check_host=a.launcher != "check")
     return cmd
 
 

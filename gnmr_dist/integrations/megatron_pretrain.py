@@ -7,22 +7,60 @@
         --gnmr-config gnmr.json --backend act_quant --data synthetic --save ckpt --save-interval 50
 
 (or the ``gnmr-megatron-pretrain`` console script). What it runs, all megatron-core's own parts:
-``parallel_state`` (TP x PP x DP from ``WORLD_SIZE``), a ``GPTModel`` from the local layer spec
-(gelu MLP, untied output layer, no dropout), megatron's ``DistributedDataParallel`` (fp32 grad
-buffers, no overlap, no distributed optimizer), ``get_megatron_optimizer`` (Adam or SGD, constant
-learning rate, fp32), ``get_forward_backward_func()`` (1F1B when PP > 1), and
-``megatron_patches.apply(model, block, optimizer=opt)``, which carries GNMR's per-unit norms in
-megatron's clip-norm all-reduce and applies the controller's plan from the next iteration.
+``parallel_state`` (TP x PP x DP from ``WORLD_SIZE``), a ``GPTModel`` (untied output layer, no
+dropout) from a layer spec, megatron's ``DistributedDataParallel`` (fp32 grad buffers, no
+overlap, no distributed optimizer), ``get_megatron_optimizer`` (Adam or SGD, constant learning
+rate), ``get_forward_backward_func()`` (1F1B when PP > 1), and ``megatron_patches.apply(model,
+block, optimizer=opt)``, which carries GNMR's per-unit norms in megatron's clip-norm all-reduce
+and applies the controller's plan from the next iteration.
+
+Model options, with Megatron-LM's names and meanings (``megatron/training/arguments.py``), so a
+LLaMA-2-shaped Megatron-LM argument set runs unchanged:
+
+* ``--transformer-impl local`` (the default here; Megatron-LM's is ``transformer_engine``):
+  ``get_gpt_layer_local_spec(normalization=...)``, megatron-core's own modules only; the
+  decoder's final norm is the same class as the layers' norms (``WrappedTorchNorm`` without
+  apex, so RMSNorm is ``torch.nn.RMSNorm``). ``--transformer-impl transformer_engine``:
+  ``get_gpt_layer_with_transformer_engine_spec()`` (TE's fused norm + linear layers, TE
+  attention); needs CUDA and an importable ``transformer_engine``, checked at parse time.
+* ``--swiglu``: ``gated_linear_unit=True, activation_func=F.silu`` (default: gelu, not gated);
+  without ``--ffn-hidden-size`` the FFN size is Megatron-LM's ``int(4 * h * 2 / 3 / 64) * 64``
+  (else ``4 * h``).
+* ``--normalization {LayerNorm,RMSNorm}``: ``TransformerConfig.normalization`` and the spec's.
+* ``--position-embedding-type {learned_absolute,rope}``, ``--rotary-base``: ``GPTModel(
+  position_embedding_type=..., rotary_percent=1.0, rotary_base=...)``.
+* ``--disable-bias-linear``: ``add_bias_linear=False``. ``--untie-embeddings-and-output-weights``
+  is accepted and changes nothing: the output layer is always untied here.
+* ``--bf16``: ``TransformerConfig(bf16=True, params_dtype=pipeline_dtype=bfloat16)``, the model
+  wrapped in megatron's ``Float16Module`` before DDP (as Megatron-LM does), and
+  ``OptimizerConfig(bf16=True)``: megatron's ``Float16OptimizerWithFloat16Params`` keeps fp32
+  main parameters and steps on the fp32 ``main_grad`` buffers, which GNMR's monitor reads.
+  Without it everything is fp32. Runs on CPU too (slowly): there megatron's optimizer, which
+  sorts parameters by CUDA type strings (``'torch.cuda.BFloat16Tensor'``), is built while
+  ``Tensor.type()`` names CPU tensors as CUDA ones (``megatron_patches.cpu`` does not cover the
+  fp16/bf16 optimizer).
+* ``--fp8-format {e4m3,hybrid}``, ``--fp8-recipe {delayed,tensorwise,blockwise,mxfp8}``:
+  ``TransformerConfig(fp8=..., fp8_recipe=...)``; need ``--transformer-impl transformer_engine``
+  and ``--bf16``.
+
+On CPU (``--cpu``, or no CUDA) every fused kernel is off (``megatron_patches.cpu``).
 
 Layout independence. The same ``--seed`` gives the same run at every TP/PP/DP layout, up to
 floating-point reduction order: every weight matrix is drawn at full size from a generator seeded
 by ``(seed, global parameter name)`` and then sliced for tensor parallelism (megatron's own
 initialisation depends on the pipeline layout), and every micro-batch is a function of
 ``(iteration, global micro-batch index)``, where DP rank ``d`` takes global micro-batches
-``d * m .. d * m + m - 1`` of the ``global / micro`` in an iteration (``m`` per rank).
+``d * m .. d * m + m - 1`` of the ``global / micro`` in an iteration (``m`` per rank). A weight
+with megatron's ``partition_stride`` s > 1 is sliced the way megatron's own CPU initialisation
+does it: the full weight in ``tp * s`` chunks, TP rank ``r`` holding chunks ``r, r + tp, ...``.
+With ``--swiglu`` that is ``linear_fc1`` (stride 2): the full weight is ``[gate; up]`` and each
+TP rank holds ``[its gate chunk; its up chunk]``, the layout megatron's gated MLP splits in two.
 
 Data. ``--data synthetic``: uniform random tokens from a generator seeded by ``(seed, iteration,
-global micro-batch index)``. ``--data PATH_OR_GLOB``: byte-level tokens (token = byte value, so
+global micro-batch index)``. ``--data PREFIX`` where ``PREFIX.bin`` and ``PREFIX.idx`` exist: a
+megatron-core indexed dataset (Megatron-LM's ``preprocess_data.py`` output), its documents
+concatenated in order (read with megatron-core's ``IndexedDataset``; ``--vocab-size`` must cover
+its ids). ``--data PATH_OR_GLOB``: byte-level tokens (token = byte value, so
 ``--vocab-size`` >= 256) of the matching files read in sorted order and concatenated, cut into
 fixed samples of ``seq + 1`` tokens with stride ``seq``; iteration ``i`` reads the ``i``-th
 ``global-batch`` samples, wrapping around. No evaluation split: every sample is for training.
@@ -80,7 +118,8 @@ TRACKER_FILE = "latest_checkpointed_iteration.txt"
 
 _MODEL_ARGS = (
     "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
-    "vocab_size",
+    "vocab_size", "swiglu", "normalization", "position_embedding_type", "rotary_base",
+    "add_bias_linear", "bf16",
 )  # fmt: skip
 _LAYER = re.compile(r"^(.*?\bdecoder\.layers\.)(\d+)(\..*)$")
 _OUTPUT_PROJECTIONS = ("linear_proj.weight", "linear_fc2.weight")
@@ -105,6 +144,39 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 x hidden")
     g.add_argument("--seq-length", type=int, default=64)
     g.add_argument("--vocab-size", type=int, default=256)
+    g.add_argument(
+        "--swiglu", action="store_true",
+        help="gated SiLU MLP (default FFN size then int(4 x hidden x 2/3 / 64) x 64)",
+    )  # fmt: skip
+    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    g.add_argument(
+        "--position-embedding-type", choices=("learned_absolute", "rope"),
+        default="learned_absolute",
+    )  # fmt: skip
+    g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base (with rope)")
+    g.add_argument(
+        "--disable-bias-linear", action="store_false", dest="add_bias_linear",
+        help="no biases in the linear layers",
+    )  # fmt: skip
+    g.add_argument(
+        "--untie-embeddings-and-output-weights", action="store_true",
+        help="accepted for Megatron-LM argument sets; a no-op: the output layer is always untied",
+    )  # fmt: skip
+    g = p.add_argument_group("precision and implementation")
+    g.add_argument("--bf16", action="store_true", help="bf16 model, fp32 main params and grads")
+    g.add_argument(
+        "--transformer-impl", choices=("local", "transformer_engine"), default="local",
+        help="megatron-core's own layers, or Transformer Engine's (CUDA + transformer_engine)",
+    )  # fmt: skip
+    g.add_argument(
+        "--fp8-format", choices=("e4m3", "hybrid"), default=None, dest="fp8",
+        help="FP8 training in Transformer Engine (needs --transformer-impl transformer_engine "
+        "and --bf16)",
+    )  # fmt: skip
+    g.add_argument(
+        "--fp8-recipe", choices=("delayed", "tensorwise", "blockwise", "mxfp8"),
+        default="delayed", help="the FP8 scaling recipe (with --fp8-format)",
+    )  # fmt: skip
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=2)
     g.add_argument("--global-batch-size", type=int, default=None, help="default: micro x DP")
@@ -114,7 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--clip-grad", type=float, default=1.0, help="0 disables clipping")
     g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--data", default="synthetic", help="'synthetic' or a text file path / glob")
+    g.add_argument(
+        "--data", default="synthetic",
+        help="'synthetic', a megatron indexed dataset PREFIX (.bin/.idx), or a text file glob",
+    )  # fmt: skip
     g = p.add_argument_group("checkpoints")
     g.add_argument("--save", default=None, metavar="DIR")
     g.add_argument("--save-interval", type=int, default=None, metavar="N")
@@ -149,16 +224,22 @@ def _spike(text: str) -> tuple[int, int, float]:
         ) from None
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def parse_args(
+    argv: Sequence[str] | None = None, world_size: int | None = None, check_host: bool = True
+) -> argparse.Namespace:
     """Parse and validate; a user error exits with status 2 before anything is built.
 
-    Adds the derived fields ``world_size``, ``data_parallel_size``, ``num_micro_batches``,
-    ``gnmr`` (the effective block as a plain dict), ``load_dir`` and ``data_files``.
+    ``world_size`` defaults to the process group's, else ``WORLD_SIZE`` (a launcher checking a
+    job before starting it passes the size it will launch). ``check_host=False`` skips what
+    depends on the machine (CUDA, Transformer Engine): for checking a GPU job's arguments on a
+    login node. Adds the derived fields
+    ``world_size``, ``data_parallel_size``, ``num_micro_batches``, ``gnmr`` (the effective block
+    as a plain dict), ``load_dir`` and ``data_files``.
     """
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        _validate(args)
+        _validate(args, world_size, check_host)
     except ValueError as err:
         parser.error(str(err))
     return args
@@ -170,23 +251,26 @@ def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def _validate(args: argparse.Namespace) -> None:
+def _validate(
+    args: argparse.Namespace, world_size: int | None = None, check_host: bool = True
+) -> None:
     """Check every user-facing constraint and fill in the derived fields."""
     _check_positive(args)
-    _validate_layout(args)
+    _validate_layout(args, world_size or _world_size())
     _validate_model(args)
-    args.data_files = _data_files(args)
-    args.gnmr = _gnmr_block(args)
-    args.load_dir = _checkpoint_dir(args.load, args.save) if args.load else None
-    if args.load_dir is not None:
-        _check_checkpoint(args)
-    if args.save_interval is not None and args.save is None:
-        raise ValueError("--save-interval needs --save DIR")
     if args.cpu and torch.cuda.is_available():
         raise ValueError(
             "--cpu is for hosts without CUDA (megatron_patches.cpu never runs on a GPU)"
         )
     args.cpu = args.cpu or not torch.cuda.is_available()
+    _validate_precision(args, check_host)
+    args.data_files = _data_files(args)
+    args.gnmr = _gnmr_block(args, check_host)
+    args.load_dir = _checkpoint_dir(args.load, args.save) if args.load else None
+    if args.load_dir is not None:
+        _check_checkpoint(args)
+    if args.save_interval is not None and args.save is None:
+        raise ValueError("--save-interval needs --save DIR")
 
 
 def _check_positive(args: argparse.Namespace) -> None:
@@ -202,9 +286,9 @@ def _check_positive(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
 
 
-def _validate_layout(args: argparse.Namespace) -> None:
+def _validate_layout(args: argparse.Namespace, world: int) -> None:
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    world = args.world_size = _world_size()
+    args.world_size = world
     if world % (tp * pp):
         raise ValueError(
             f"world size ({world}) must be divisible by tensor x pipeline model parallel size "
@@ -224,7 +308,10 @@ def _validate_layout(args: argparse.Namespace) -> None:
 
 def _validate_model(args: argparse.Namespace) -> None:
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = _default_ffn_hidden_size(args.hidden_size, args.swiglu)
+    if args.rotary_base < 1:
+        raise ValueError(f"--rotary-base must be >= 1, got {args.rotary_base}")
     checks = [
         (args.num_layers % pp, f"--num-layers ({args.num_layers}) must be divisible by the "
                                f"pipeline model parallel size ({pp})"),
@@ -246,12 +333,65 @@ def _validate_model(args: argparse.Namespace) -> None:
             )
 
 
+def _default_ffn_hidden_size(hidden: int, swiglu: bool) -> int:
+    """Megatron-LM's default: ``4 h``, or with SwiGLU ``4 h * 2/3`` rounded down to 64."""
+    if not swiglu:
+        return 4 * hidden
+    ffn = int((4 * hidden * 2 / 3) / 64) * 64  # Megatron-LM's rounding, verbatim
+    if ffn < 1:
+        raise ValueError(
+            f"--swiglu with --hidden-size {hidden}: Megatron-LM's default FFN size "
+            "int(4 x hidden x 2/3 / 64) x 64 is 0 below hidden 24; pass --ffn-hidden-size"
+        )
+    return ffn
+
+
+def _validate_precision(args: argparse.Namespace, check_host: bool = True) -> None:
+    """FP8 needs TE and bf16; TE needs CUDA and an importable ``transformer_engine``."""
+    if args.fp8 is not None:
+        if args.transformer_impl != "transformer_engine":
+            raise ValueError(
+                f"--fp8-format {args.fp8} runs in Transformer Engine's layers: add "
+                "--transformer-impl transformer_engine (or drop --fp8-format)"
+            )
+        if not args.bf16:
+            raise ValueError(
+                f"--fp8-format {args.fp8} needs --bf16 (FP8 GEMMs in a bf16 model with fp32 "
+                "main parameters, as in Megatron-LM); add --bf16"
+            )
+    if args.transformer_impl == "transformer_engine" and check_host:
+        fix = (
+            "install Transformer Engine (pip install --no-build-isolation "
+            "'transformer_engine[pytorch]') on a CUDA host or use the project's docker image, "
+            "or use --transformer-impl local"
+        )
+        if args.cpu:
+            raise ValueError(
+                "--transformer-impl transformer_engine needs CUDA, and this run is on the CPU "
+                f"(--cpu or no CUDA device): {fix}"
+            )
+        try:
+            import transformer_engine.pytorch  # noqa: F401
+        except Exception as err:  # ImportError, or a broken build's OSError/RuntimeError
+            raise ValueError(
+                f"--transformer-impl transformer_engine: cannot import transformer_engine "
+                f"({type(err).__name__}: {err}): {fix}"
+            ) from None
+
+
 def _data_files(args: argparse.Namespace) -> list[str]:
+    args.data_indexed = False
     if args.data == "synthetic":
         return []
+    if Path(args.data + ".bin").is_file() and Path(args.data + ".idx").is_file():
+        args.data_indexed = True  # a megatron-core indexed dataset of token ids
+        return [args.data]
     files = sorted(f for f in glob.glob(args.data, recursive=True) if os.path.isfile(f))
     if not files:
-        raise ValueError(f"--data {args.data!r}: no such file (expected 'synthetic' or a glob)")
+        raise ValueError(
+            f"--data {args.data!r}: no such file (expected 'synthetic', a megatron indexed "
+            "dataset prefix with PREFIX.bin and PREFIX.idx, or a text file glob)"
+        )
     if args.vocab_size < 256:
         raise ValueError(f"--data with text files is byte-level: --vocab-size must be >= 256, "
                          f"got {args.vocab_size}")  # fmt: skip
@@ -263,8 +403,12 @@ def _data_files(args: argparse.Namespace) -> list[str]:
     return files
 
 
-def _gnmr_block(args: argparse.Namespace) -> dict[str, Any]:
-    """The effective ``"gnmr"`` block (file, then --backend and --trace), validated."""
+def _gnmr_block(args: argparse.Namespace, check_host: bool = True) -> dict[str, Any]:
+    """The effective ``"gnmr"`` block (file, then --backend and --trace), validated.
+
+    Building the backend checks its option blocks first; a backend this host cannot load
+    (``te_fp8`` without CUDA) is an error only when ``check_host``.
+    """
     block = dict(_read_gnmr_config(args.gnmr_config)) if args.gnmr_config else {}
     if args.backend is not None:
         block["backend"] = None if args.backend.lower() in ("none", "null") else args.backend
@@ -275,9 +419,13 @@ def _gnmr_block(args: argparse.Namespace) -> dict[str, Any]:
     if block.get("backend") is not None and block.get("enabled", True):
         from gnmr_dist.backends import get_backend  # validates the option blocks too
 
-        get_backend(
-            block["backend"], low_cost=block.get("low_cost"), recovery=block.get("recovery")
-        )
+        try:
+            get_backend(
+                block["backend"], low_cost=block.get("low_cost"), recovery=block.get("recovery")
+            )
+        except ImportError as err:  # the options parsed; the hardware/package is missing
+            if check_host:
+                raise ValueError(str(err)) from None
     return block
 
 
@@ -355,7 +503,7 @@ class _Batches:
     def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
         self.seed, self.seq, self.micro = args.seed, args.seq_length, args.micro_batch_size
         self.vocab, self.global_batch, self.device = args.vocab_size, args.global_batch_size, device
-        self.tokens = _read_bytes(args.data_files) if args.data_files else None
+        self.tokens = _read_tokens(args) if args.data_files else None
         self.positions = torch.arange(self.seq).expand(self.micro, self.seq)
 
     def micro_batch(self, iteration: int, index: int) -> dict[str, torch.Tensor]:
@@ -376,6 +524,22 @@ class _Batches:
         return torch.stack([self.tokens[s : s + self.seq + 1] for s in starts]).long()
 
 
+def _read_tokens(args: argparse.Namespace) -> torch.Tensor:
+    """The training token stream: an indexed dataset's ids, or the text files' bytes."""
+    if not args.data_indexed:
+        return _read_bytes(args.data_files)
+    from gnmr_dist.data import MegatronIndexedDataset
+
+    tokens = MegatronIndexedDataset(args.data, args.seq_length).tokens
+    top = int(tokens.max())
+    if top >= args.vocab_size:
+        raise ValueError(
+            f"--data {args.data}: holds token id {top}, but --vocab-size is {args.vocab_size}; "
+            "set --vocab-size to the tokenizer's (padded) vocabulary size"
+        )
+    return tokens
+
+
 def _read_bytes(files: Sequence[str]) -> torch.Tensor:
     data = b"\n".join(Path(f).read_bytes() for f in files)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
@@ -391,7 +555,8 @@ def _mix(*values: int) -> int:
 
 
 def _transformer_config(args: argparse.Namespace) -> Any:
-    fields = {
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    fields: dict[str, Any] = {
         "num_layers": args.num_layers,
         "hidden_size": args.hidden_size,
         "num_attention_heads": args.num_attention_heads,
@@ -400,45 +565,91 @@ def _transformer_config(args: argparse.Namespace) -> Any:
         "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
         "hidden_dropout": 0.0,
         "attention_dropout": 0.0,
-        "activation_func": torch.nn.functional.gelu,  # fc1 splits contiguously over TP
+        "normalization": args.normalization,
+        "add_bias_linear": args.add_bias_linear,
+        "bf16": args.bf16,
+        "params_dtype": dtype,
+        "pipeline_dtype": dtype,
+        "transformer_impl": args.transformer_impl,
     }
+    if args.swiglu:  # fc1 holds [gate; up] per TP rank (partition_stride 2)
+        fields.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu)
+    else:  # fc1 splits contiguously over TP
+        fields.update(gated_linear_unit=False, activation_func=torch.nn.functional.gelu)
+    if args.fp8 is not None:
+        fields.update(fp8=args.fp8, fp8_recipe=args.fp8_recipe)
     if args.cpu:
         from megatron_patches import cpu_transformer_config
 
         return cpu_transformer_config(**fields)
     from megatron.core.transformer import TransformerConfig
 
-    return TransformerConfig(**fields, params_dtype=torch.float32, pipeline_dtype=torch.float32)
+    return TransformerConfig(**fields)
+
+
+def _layer_spec(args: argparse.Namespace, config: Any) -> Any:
+    """The decoder spec of ``--transformer-impl``: a layer spec, or (local) a block spec."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if args.transformer_impl == "transformer_engine":
+        # TE's fused norm + linear layers read config.normalization; the block's final norm is
+        # TENorm (megatron picks it when transformer_engine imports)
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    layer = gpt_layer_specs.get_gpt_layer_local_spec(normalization=args.normalization)
+    # megatron would give a bare layer spec the final norm of whatever is installed (TENorm,
+    # apex's FusedLayerNorm, which has no RMSNorm, or WrappedTorchNorm): use the layers' own
+    # norm class, so a local model is megatron-core modules only and RMSNorm works everywhere
+    return TransformerBlockSubmodules(
+        layer_specs=[layer] * get_num_layers_to_build(config),
+        layer_norm=layer.submodules.input_layernorm,
+    )
 
 
 def _build_gpt(args: argparse.Namespace) -> Any:
-    """This rank's pipeline stage of the GPT model, initialised layout-independently."""
+    """This rank's pipeline stage of the GPT model, initialised layout-independently.
+
+    With ``--bf16``, wrapped in megatron's ``Float16Module`` (bf16 parameters, fp32 outputs).
+    """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     config = _transformer_config(args)
     model = GPTModel(
         config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        transformer_layer_spec=_layer_spec(args, config),
         vocab_size=args.vocab_size,
         max_sequence_length=args.seq_length,
         pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=False,
-        position_embedding_type="learned_absolute",
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=1.0,
+        rotary_base=args.rotary_base,
     )
     if not args.cpu:
         model.cuda(torch.cuda.current_device())
     _init_weights(model, args.seed, config, ps.get_tensor_model_parallel_rank())
+    if args.bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        return Float16Module(config, model)
     return model
 
 
 def _init_weights(model: torch.nn.Module, seed: int, config: Any, tp_rank: int) -> None:
     """Redraw every weight matrix at full size from (seed, global name), keep this TP slice.
 
-    Vectors (biases, norm weights) keep megatron's constant initial values. Output projections
-    get megatron's scaled std ``init_method_std / sqrt(2 * num_layers)``.
+    The slice is megatron's: a tensor-parallel weight of ``partition_stride`` s is cut into
+    ``tp * s`` chunks along ``partition_dim`` and TP rank ``r`` holds chunks ``r, r + tp, ...``
+    (s = 1: the ``r``-th of ``tp`` chunks; SwiGLU's ``linear_fc1``, s = 2: the full weight is
+    ``[gate; up]`` and rank ``r`` holds ``[gate chunk r; up chunk r]``). Vectors (biases, norm
+    weights) keep megatron's constant initial values. Output projections get megatron's scaled
+    std ``init_method_std / sqrt(2 * num_layers)``. Drawn in fp32, then cast to the parameter.
     """
     tp = config.tensor_model_parallel_size
     scaled = config.init_method_std / math.sqrt(2.0 * config.num_layers)
@@ -449,14 +660,15 @@ def _init_weights(model: torch.nn.Module, seed: int, config: Any, tp_rank: int) 
                 continue
             gname = names[name]
             std = scaled if gname.endswith(_OUTPUT_PROJECTIONS) else config.init_method_std
-            shape = list(param.shape)
-            split = getattr(param, "tensor_model_parallel", False)
-            if split:
-                shape[param.partition_dim] *= tp
             gen = torch.Generator().manual_seed(_mix(seed, zlib.crc32(gname.encode())))
+            if not getattr(param, "tensor_model_parallel", False):
+                param.copy_(torch.randn(list(param.shape), generator=gen) * std)
+                continue
+            dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+            shape = list(param.shape)
+            shape[dim] *= tp
             full = torch.randn(shape, generator=gen) * std
-            piece = torch.chunk(full, tp, dim=param.partition_dim)[tp_rank] if split else full
-            param.copy_(piece)
+            param.copy_(torch.cat(torch.chunk(full, tp * stride, dim=dim)[tp_rank::tp], dim=dim))
 
 
 def _wrap_ddp(model: Any) -> Any:
@@ -476,13 +688,40 @@ def _wrap_ddp(model: Any) -> Any:
 
 
 def _build_optimizer(args: argparse.Namespace, model: Any) -> Any:
+    """megatron's optimizer: fp32 (``FP32Optimizer``) or, with ``--bf16``, fp32 main params."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     cfg = OptimizerConfig(
         optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
-        clip_grad=args.clip_grad, params_dtype=torch.float32, use_distributed_optimizer=False,
+        clip_grad=args.clip_grad, bf16=args.bf16,
+        params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        use_distributed_optimizer=False,
     )  # fmt: skip
-    return get_megatron_optimizer(cfg, [model])
+    with _cpu_param_type_names() if args.cpu and args.bf16 else contextlib.nullcontext():
+        return get_megatron_optimizer(cfg, [model])
+
+
+@contextlib.contextmanager
+def _cpu_param_type_names() -> Iterator[None]:
+    """Within the block, ``Tensor.type()`` names a CPU tensor's type as the CUDA one.
+
+    ``Float16OptimizerWithFloat16Params.__init__`` (megatron-core 0.16) sorts the parameters by
+    ``param.type()`` against ``'torch.cuda.BFloat16Tensor'`` / ``'torch.cuda.FloatTensor'`` and
+    raises on anything else; on CPU the names lack ``.cuda``. Nothing else in that constructor
+    reads ``type()``, and ``megatron_patches.cpu`` does not cover the fp16/bf16 optimizer.
+    """
+    original = torch.Tensor.type
+
+    def type_(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kw: Any) -> Any:
+        if dtype is None and not kw and self.device.type == "cpu":
+            return original(self).replace("torch.", "torch.cuda.", 1)
+        return original(self, dtype, non_blocking, **kw)
+
+    torch.Tensor.type = type_  # type: ignore[assignment,method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original  # type: ignore[method-assign]
 
 
 def _layer_params(model: torch.nn.Module) -> dict[int, list[torch.nn.Parameter]]:
@@ -552,10 +791,32 @@ def _build(args: argparse.Namespace, device: torch.device) -> _Run:
     model = _wrap_ddp(gpt)
     optimizer = _build_optimizer(args, model)
     block = GNMRBlock.from_dict(args.gnmr)
-    handle = megatron_patches.apply(model, block, optimizer=optimizer) if block.enabled else None
+    handle = None
+    if block.enabled:
+        fused = _fused_norm_checked()
+        handle = megatron_patches.apply(model, block, optimizer=optimizer, fused_norm=fused)
     run = _Run(args, model, optimizer, handle, _Batches(args, device), _layer_params(model))
     run.history = {k: [] for k in ("iteration", "loss", "grad_norm", "step", "active", "risk")}
     return run
+
+
+def _fused_norm_checked() -> bool:
+    """Carry GNMR in megatron's clip-norm all-reduce only on a megatron-core series it was
+    checked on (``megatron_patches.FUSED_NORM_VERSIONS``); elsewhere GNMR adds its own small
+    all-reduce per step (``U + 1`` float64 values) and says so once."""
+    from megatron.core import package_info
+
+    import megatron_patches
+
+    version = str(package_info.__version__)
+    if ".".join(version.split(".")[:2]) in megatron_patches.FUSED_NORM_VERSIONS:
+        return True
+    logger.warning(
+        "megatron-core %s: GNMR's fused clip-norm patch is checked on %s only; using GNMR's "
+        "own all-reduce of the per-unit norms (one extra small collective per step)",
+        version, ", ".join(megatron_patches.FUSED_NORM_VERSIONS),
+    )  # fmt: skip
+    return False
 
 
 def pretrain(args: argparse.Namespace) -> dict[str, Any]:

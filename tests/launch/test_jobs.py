@@ -24,7 +24,7 @@ STEPS = 12
 def launch(*argv: str, **env: str) -> subprocess.CompletedProcess:
     full = {**os.environ, "MASTER_PORT": str(free_port()), **env}
     out = subprocess.run(list(argv), capture_output=True, text=True, cwd=ROOT, env=full,
-                         timeout=400)  # fmt: skip
+                         timeout=540)  # fmt: skip
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     return out
 

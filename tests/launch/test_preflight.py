@@ -243,3 +243,14 @@ def test_launch_scripts_pass_shellcheck():
                          cwd=ROOT)  # fmt: skip
     assert out.returncode == 0, out.stdout
     assert {"launch/torchrun.sh", "launch/deepspeed.sh", "launch/slurm.sbatch"} <= set(scripts)
+
+
+def test_restarts_use_a_fresh_rendezvous_round(capsys):
+    cmd = dry(capsys, "torchrun", "--nproc-per-node", "2", "--master-port", "29999",
+              "--max-restarts", "1", "@", "demo_deepspeed")  # fmt: skip
+    joined = " ".join(cmd)
+    assert "--rdzv_backend c10d --rdzv_endpoint 127.0.0.1:29999" in joined
+    assert "--master_port" not in joined
+    cmd = dry(capsys, "torchrun", "--nproc-per-node", "2", "--master-port", "29999", "@",
+              "demo_deepspeed")  # fmt: skip
+    assert "--master_addr 127.0.0.1 --master_port 29999" in " ".join(cmd)

@@ -283,3 +283,38 @@ def assert_matches(text, pattern):
     import re
 
     assert re.search(pattern, text, re.S), text
+
+
+def test_indexed_dataset_is_read_as_token_ids(tmp_path, monkeypatch, capsys):
+    """``--data PREFIX`` reads a megatron-core indexed dataset: its documents in order."""
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    from gnmr_dist.integrations.megatron_pretrain import _Batches
+
+    docs = [list(range(5, 45)), list(range(100, 127))]
+    builder = IndexedDatasetBuilder(str(tmp_path / "c.bin"), dtype=np.int32)
+    for doc in docs:
+        builder.add_item(torch.tensor(doc))
+        builder.end_document()
+    builder.finalize(str(tmp_path / "c.idx"))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    args = parse_args([*MODEL, "--data", str(tmp_path / "c")])
+    stream = docs[0] + docs[1]
+    first = _Batches(args, torch.device("cpu")).micro_batch(1, 0)
+    assert first["tokens"].tolist() == [stream[0:16], stream[16:32]]
+    assert first["labels"].tolist() == [stream[1:17], stream[17:33]]
+    with pytest.raises(ValueError, match="holds token id 126, but --vocab-size is 100"):
+        _Batches(parse_args([*MODEL, "--vocab-size", "100", "--data", str(tmp_path / "c")]),
+                 torch.device("cpu"))  # fmt: skip
+
+
+def test_unchecked_megatron_series_uses_its_own_all_reduce(monkeypatch, caplog):
+    import megatron_patches
+    from gnmr_dist.integrations.megatron_pretrain import _fused_norm_checked
+
+    assert _fused_norm_checked()  # 0.16, the series the fused patch is checked on
+    monkeypatch.setattr(megatron_patches, "FUSED_NORM_VERSIONS", ("0.99",))
+    with caplog.at_level("WARNING"):
+        assert not _fused_norm_checked()
+    assert "checked on 0.99 only; using GNMR's own all-reduce" in caplog.text

@@ -1,0 +1,63 @@
+"""Every shipped config is documented and valid at the world size its comments launch it with."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gnmr_dist.cli import launch
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = launch.available_configs()
+
+
+@pytest.fixture(scope="module")
+def data_prefix(tmp_path_factory) -> str:
+    """A megatron indexed dataset with LLaMA-2-sized token ids, for ``$DATA_PREFIX``."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = str(tmp_path_factory.mktemp("data") / "corpus")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    builder.add_item(torch.arange(0, 32000, 7, dtype=torch.int32))
+    builder.end_document()
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
+@pytest.fixture(scope="module")
+def local_model(tmp_path_factory) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("model")
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, max_position_embeddings=16)  # fmt: skip
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+def test_the_expected_configs_ship():
+    assert {
+        "demo_deepspeed.hjson", "megatron/demo_cpu.args",
+        "deepspeed/llama2_60m_act_quant.hjson", "deepspeed/llama2_130m_fp6_fp8.hjson",
+        "deepspeed/llama2_13b_lora_int8.hjson", "megatron/llama2_60m_act_quant.args",
+        "megatron/llama2_130m_fp6_fp8.args", "megatron/llama2_350m_te_fp8.args",
+    } <= set(CONFIGS)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_config_is_commented_and_valid(name, data_prefix, local_model, monkeypatch, capsys):
+    text = (ROOT / "configs" / name).read_text()
+    header = re.match(r"((?:#[^\n]*\n)+)", text)
+    assert header and len(header.group(1).splitlines()) >= 3, "say what it reproduces"
+    launched = re.findall(r"NPROC_PER_NODE=(\d+)", header.group(1))
+    world = int(launched[0]) if launched else 2
+    monkeypatch.setenv("DATA_PREFIX", data_prefix)
+    monkeypatch.chdir(ROOT)
+    extra = ["--init-from", local_model] if "lora" in name else []
+    assert launch.main(["check", "--world-size", str(world), name, *extra]) == 0, (
+        capsys.readouterr().err
+    )
