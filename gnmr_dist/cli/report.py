@@ -241,6 +241,20 @@ def _draw_fractions(ax: Any, steps: list[int], s: dict, warmup: int) -> None:
     ax.grid(alpha=0.3)
 
 
+def _schedule(value: Any) -> str:
+    """``3.0`` or ``cosine 4.0 -> 2.0 over 200 steps``."""
+    if isinstance(value, dict):
+        return (f"{value.get('schedule', 'constant')} {value.get('start')} -> "
+                f"{value.get('end')} over {value.get('steps')} steps")  # fmt: skip
+    return json.dumps(value)
+
+
+def _wrapped(line: str, width: int = 40) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(line, width, subsequent_indent="       ")
+
+
 def _summary_text(s: dict, trace: Path) -> str:
     c = s["config"]
     return "\n".join(
@@ -253,8 +267,8 @@ def _summary_text(s: dict, trace: Path) -> str:
             f"steps with non-finite norm: {s['nonfinite_steps']}",
             "",
             f"budget max_active: {c['max_active']}",
-            f"alpha: {json.dumps(c['alpha'])}",
-            f"beta:  {json.dumps(c['beta'])}",
+            *_wrapped(f"alpha: {_schedule(c['alpha'])}"),
+            *_wrapped(f"beta:  {_schedule(c['beta'])}"),
             f"window: {c['window']}  lock_steps: {c['lock_steps']}",
             f"warmup_steps: {c['warmup_steps']}",
             "",
