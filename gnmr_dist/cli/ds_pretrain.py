@@ -271,13 +271,23 @@ def batch(data: Any, step: int, rank: int, world: int, micro: int) -> torch.Tens
     return torch.stack([data[(start + i) % len(data)] for i in range(micro)])
 
 
+def next_token_loss(model: Any, tokens: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of predicting ``tokens[:, 1:]`` from ``tokens[:, :-1]``.
+
+    Computed here rather than with ``labels=``: Hugging Face causal LMs shift ``labels`` by one
+    themselves, so passing already-shifted targets would train on the token two ahead.
+    """
+    logits = model(input_ids=tokens[:, :-1]).logits
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
 def heldout_loss(engine: Any, data: Any, micro: int, batches: int = 8) -> float:
     engine.eval()
     losses = []
     with torch.no_grad():
         for b in range(min(batches, max(1, len(data) // micro))):
             tokens = batch(data, b, 0, 1, micro).to(engine.device)
-            losses.append(float(engine(input_ids=tokens[:, :-1], labels=tokens[:, 1:]).loss))
+            losses.append(float(next_token_loss(engine, tokens)))
     engine.train()
     return sum(losses) / len(losses)
 
@@ -312,7 +322,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         accum = engine.gradient_accumulation_steps()
         for a in range(accum):
             tokens = batch(data, step * accum + a, rank, world, micro).to(engine.device)
-            loss = engine(input_ids=tokens[:, :-1], labels=tokens[:, 1:]).loss
+            loss = next_token_loss(engine, tokens)
             engine.backward(loss)
             if gnmr is not None and engine.is_gradient_accumulation_boundary():
                 gnmr.note(loss=float(loss.detach()))

@@ -90,3 +90,20 @@ def test_lora_needs_a_model_to_start_from(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--config", str(tmp_path / "c.json"), "--lora-rank", "4"])
     assert "give --init-from DIR" in capsys.readouterr().err
+
+
+def test_next_token_loss_is_next_token_cross_entropy():
+    """Against an explicit reference: position t predicts token t + 1 (HF's own ``labels=``
+    shift must not be applied on top of pre-shifted targets)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from gnmr_dist.cli.ds_pretrain import next_token_loss
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2))  # fmt: skip
+    tokens = torch.randint(0, 50, (3, 9))
+    logp = torch.log_softmax(model(input_ids=tokens[:, :-1]).logits.double(), dim=-1)
+    want = -sum(logp[b, t, tokens[b, t + 1]] for b in range(3) for t in range(8)) / 24
+    assert torch.allclose(next_token_loss(model, tokens).double(), want, rtol=1e-5)
+    assert torch.allclose(model(input_ids=tokens, labels=tokens).loss.double(), want, rtol=1e-5)
