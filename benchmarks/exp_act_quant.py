@@ -1,62 +1,141 @@
 """Seed experiment 1 at CPU scale: activation-quantization stress (DESIGN.md 6.1).
 
-    python -m benchmarks.exp_act_quant [--steps 400] [--bits 4] [--group-size 128]
+    python -m benchmarks.exp_act_quant [--steps 300] [--bits 2] [--group-size 128] [--budget 0.1]
 
-A small Llama (4 layers x 128, 28 projection units) pretrained on the embedded corpus; every
-projection saves its input for backward at ``--bits`` (per-group min/scale, ``--group-size``
-values per group) on the low-cost path and at 8 bits on the recovery path. Arms: FP32 (no
-quantization), static 8-bit, static low-bit, GNMR low/8-bit with a budget of ``--budget`` of
-the units, Megatron's first/last-layers-in-high-precision recipe, and a ZClip-style global
-spike guard on the static low-bit path.
+A small Llama (4 layers x 128, FFN 344, 858k parameters, 28 projection units) pretrained from
+scratch on the first 4 MB of the embedded corpus (byte tokens), 300 steps of 8 x 128 tokens,
+AdamW at 3e-3 (cosine, 20 warm-up steps), clip 1.0; held-out loss on 16 batches of the held-out
+split. Every projection saves its input for backward at ``--bits`` on the low-cost path and at 8
+bits on the recovery path (per-group min/scale, ``--group-size`` values per group). Arms, all in
+one process from the same initial weights and batches: FP32 (no quantization), static 8-bit,
+static 4-bit (the seed's low-cost path), static ``--bits``-bit, GNMR ``--bits``/8 with
+``max_active`` = ``--budget`` x 28 units (3 at 10%), Megatron's recipe (first and last layer at
+8 bits, the rest at ``--bits``) and a ZClip-style global spike guard on the ``--bits`` path. The
+FP32 arm's final weights go to ``results/act_quant_fp32.pt``: the LoRA experiment's base.
 
-Stress knob: ``--bits`` and ``--group-size``. The seed's 4-bit setting is mild at this scale
-(a 1M-parameter model trained for a few hundred steps), so the default adds stress with coarse
-groups; the README's results section says which setting each table used.
+Stress knob. ``--bits`` (default 2, the fewest the backend has) and ``--group-size`` (128: one
+(min, scale) pair per token row of the 128-wide inputs, three for the 344-wide ``down_proj``
+input; a group cannot span tokens, so a whole row is the coarsest the backend allows, and larger
+values only pad zeros). Only the weight gradient sees the error (the forward and the input
+gradient are exact). The printed target lines say whether the static low-bit arm ends more than
+1% above FP32 in that run.
+
+GNMR policy (shared by every arm; only the GNMR arms act on it): ``alpha = 6``, ``beta = 6``,
+``window = 8``, ``warmup_steps = 30``, ``lock_steps = 8``. The thresholds were calibrated on
+another seed's unit norms so that an FP32 run crosses them on about 0.2% of unit-steps, the
+seed's healthy rate (calibrated before a harness bug was fixed that trained on the token two
+ahead; not re-tuned since). DESIGN's example thresholds (1.5 / 2) flag 8-12% of unit-steps
+here: per-operator norms at 8 sequences per batch are heavy-tailed, and the q/k projections
+spike to 10-30x their recent mean in every arm, FP32 included. A unit on the recovery path stays
+there ``lock_steps`` steps after its last exceedance, so at rare exceedances GNMR's recovery
+rate is about exceedance rate x 8, far below a 10% budget. The second GNMR arm (``a=b=2``,
+``TIGHT``) lowers both thresholds to 2 so that the budget is actually spent: it shows what
+recovering 3 units at a time can and cannot buy when the damage is spread over every unit.
+
+Measurement: arms are interleaved (``run_experiment(..., interleave=True)``: one step of each
+arm in turn, rotating), so the step-time ratios compare arms over the same stretch of machine
+load. ``--threads 1`` by default: on the shared 2-core machine two intra-op threads made a step
+about 7x slower (busy-waiting threads under oversubscription). 300 steps keep the seven arms
+under 15 minutes there (eight arms: about 9 minutes).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+from typing import Any
 
-from benchmarks.harness import Arm, Setup, run_experiment, table
+import torch
+
+from benchmarks.harness import (
+    RESULTS,
+    Arm,
+    ArmResult,
+    Setup,
+    run_experiment,
+    table,
+    targets,
+    with_budget,
+)
+
+BASE = RESULTS / "act_quant_fp32.pt"
+"""The FP32 arm's final weights: the base model of the LoRA experiment (``exp_lora_int8``)."""
+STEPS = 300
+SEED = 1234
+UNITS = 28
+
+
+def policy() -> dict[str, Any]:
+    """The GNMR policy shared by every arm (see the module docstring for the choice)."""
+    return {"lock_steps": 8, "window": 8, "warmup_steps": 30, "alpha": 6.0, "beta": 6.0}
+
+
+TIGHT = {"alpha": 2.0, "beta": 2.0}
+"""A second GNMR arm with thresholds low enough to spend its budget (see the docstring)."""
+
+
+def pretrain_setup(steps: int = STEPS, seed: int = SEED) -> Setup:
+    """The pretraining run (its FP32 arm is also the LoRA experiment's base)."""
+    return Setup(steps=steps, seed=seed, gnmr=policy())
+
+
+def make_arms(bits: int, group_size: int, budget: float, save: bool) -> list[Arm]:
+    """FP32, static 8 / 4 / ``bits``-bit, GNMR ``bits``/8, first+last, ZClip."""
+
+    def quant(low_bits: int) -> dict[str, Any]:
+        return {
+            "backend": "act_quant",
+            "low_cost": {"bits": low_bits, "group_size": group_size},
+            "recovery": {"bits": 8, "group_size": group_size},
+        }
+
+    q = quant(bits)
+    arms = [
+        Arm("fp32", "full", save_to=str(BASE) if save else None),
+        Arm("static 8-bit", "recovery", **q),
+        Arm("static 4-bit", "static", **quant(4)),
+        Arm(f"static {bits}-bit", "static", **q),
+        with_budget(Arm(f"GNMR {bits}/8", "gnmr", **q), budget, UNITS),
+        with_budget(Arm(f"GNMR {bits}/8 a=b=2", "gnmr", controller=TIGHT, **q), budget, UNITS),
+        Arm("first+last 8-bit", "first_last", **q),
+        Arm(f"ZClip {bits}-bit", "zclip", **q),
+    ]
+    names = [a.name for a in arms]
+    return [a for i, a in enumerate(arms) if a.name not in names[:i]]  # bits == 4: once
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--bits", type=int, default=4)
-    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--steps", type=int, default=STEPS)
+    p.add_argument("--bits", type=int, default=2, help="low-cost bits: the stress knob")
+    p.add_argument("--group-size", type=int, default=128, help="values per (min, scale) group")
     p.add_argument("--budget", type=float, default=0.1, help="max_active / units for GNMR")
+    p.add_argument("--seed", type=int, default=SEED)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--arms", default=None, help="comma-separated subset of arm names")
+    p.add_argument("--no-save", action="store_true", help=f"do not write {BASE.name}")
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    setup = Setup(steps=a.steps, gnmr={"lock_steps": 8, "window": 8, "warmup_steps": 20,
-                                       "alpha": {"schedule": "cosine", "start": 3.0, "end": 1.5,
-                                                 "steps": a.steps // 2}, "beta": 2.0})  # fmt: skip
-    units = 7 * setup.layers
-    low = {"bits": a.bits, "group_size": a.group_size}
-    rec = {"bits": 8, "group_size": a.group_size}
-    q = {"backend": "act_quant", "low_cost": low, "recovery": rec}
-    arms = [
-        Arm("fp32", "full"),
-        Arm("static 8-bit", "recovery", **q),
-        Arm(f"static {a.bits}-bit", "static", **q),
-        Arm(f"GNMR {a.bits}/8", "gnmr", max_active=max(1, round(a.budget * units)), **q),
-        Arm("first+last 8-bit", "first_last", **q),
-        Arm(f"ZClip {a.bits}-bit", "zclip", **q),
-    ]
+    torch.set_num_threads(a.threads)
+    setup = pretrain_setup(a.steps, a.seed)
+    arms = make_arms(a.bits, a.group_size, a.budget, save=not a.no_save)
     if a.arms:
         keep = {x.strip() for x in a.arms.split(",")}
         arms = [x for x in arms if x.name in keep]
-    out = run_experiment("act_quant", setup, arms)
-    from benchmarks.harness import ArmResult
+    out = run_experiment("act_quant", setup, arms, interleave=True)
+    report(out, "fp32", f"static {a.bits}-bit", f"GNMR {a.bits}/8")
 
+
+def report(out: dict[str, Any], reference: str, low_cost: str, gnmr: str) -> None:
+    """Print the table and the target lines (arms left out by ``--arms`` are skipped)."""
     results = [ArmResult(**r) for r in out["results"]]
     names = [r.name for r in results]
-    ref = "fp32" if "fp32" in names else names[0]
-    low_arm = f"static {a.bits}-bit" if f"static {a.bits}-bit" in names else names[0]
-    print(table(results, ref, low_arm))
+    ref = reference if reference in names else names[0]
+    low = low_cost if low_cost in names else names[0]
+    print(table(results, ref, low))
+    if {reference, low_cost, gnmr} <= set(names):
+        print()
+        print(targets(results, reference, low_cost, gnmr))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,10 @@ recovery rate is the fraction of eligible unit-steps whose forward actually ran 
 path (read from the backend's report, not from the plan).
 
 Step times are wall-clock times of forward + backward + monitor + optimizer step (evaluations
-excluded); arms run one after another, so compare them within one run of a command only.
+excluded); arms run one after another, or with ``run_experiment(..., interleave=True)`` one step
+of each arm in turn (every arm then samples the same stretch of machine load), so compare them
+within one run of a command only. ``Arm.save_to`` keeps an arm's final weights (a base model
+that ``Setup.init_from`` loads in a later experiment).
 """
 
 from __future__ import annotations
@@ -86,6 +89,10 @@ class Arm:
     recovery: dict[str, Any] = field(default_factory=dict)
     max_active: int = 0
     z_thresh: float = 2.5
+    save_to: str | None = None
+    """Write the arm's final ``state_dict`` here (a base checkpoint for a later experiment)."""
+    controller: dict[str, Any] = field(default_factory=dict)
+    """GNMR policy keys this arm overrides (its exceedances are then on its own thresholds)."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -111,6 +118,11 @@ class ArmResult:
     max_active: int
     clipped_steps: int = 0
     active_per_step: list[int] = field(default_factory=list)
+    unit_names: list[str] = field(default_factory=list)
+    unit_exceedances: list[int] = field(default_factory=list)
+    """Per unit: steps after warm-up with risk > 1 (eligible units; 0 for the others)."""
+    unit_recoveries: list[int] = field(default_factory=list)
+    """Per unit: steps after warm-up whose forward ran the recovery path."""
 
 
 # ====================================================================== model and data
@@ -155,7 +167,10 @@ class Batches:
 
 
 def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=tokens[:, :-1], labels=tokens[:, 1:]).loss  # type: ignore[no-any-return]
+    """Next-token cross-entropy (the same as ``gnmr-ds-pretrain``'s)."""
+    from gnmr_dist.cli.ds_pretrain import next_token_loss
+
+    return next_token_loss(model, tokens)
 
 
 def evaluate(model: nn.Module, heldout: Batches, batches: int) -> float:
@@ -198,57 +213,105 @@ class ZClip:
         return clipped
 
 
-def run_arm(setup: Setup, arm: Arm, train: Batches, heldout: Batches) -> ArmResult:
-    """Train one arm from the shared initial weights and measure it."""
-    model = build_model(setup)
-    registry = UnitRegistry.from_model(model, granularity="operator")
-    backend = None
-    if arm.backend is not None:
-        backend = get_backend(arm.backend, low_cost=arm.low_cost, recovery=arm.recovery)
-        backend.wrap(registry.local_modules)
-    cfg = GNMRConfig.from_dict({**setup.gnmr, "max_active": arm.max_active})
-    runtime = GNMRRuntime(registry, cfg)
-    fixed = _fixed_active(arm, registry, setup.layers)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=setup.lr, weight_decay=setup.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _cosine(setup.warmup_lr, setup.steps))
-    guard = ZClip(arm.z_thresh) if arm.policy == "zclip" else None
-    elig = registry.eligible
-    n_elig = max(1, int(elig.sum()))
-    losses, times, exceed, recovered, actives = [], [], [], [], []
-    eval_steps, eval_losses, clipped = [], [], 0
-    for step in range(1, setup.steps + 1):
+class ArmRun:
+    """One arm in training: model, backend, controller, optimizer and measurements.
+
+    :meth:`step` trains one optimizer step (and evaluates on the ``eval_every`` grid);
+    :func:`run_arm` drives one arm to the end, ``run_experiment(..., interleave=True)`` advances
+    every arm by one step in turn.
+    """
+
+    def __init__(self, setup: Setup, arm: Arm, heldout: Batches) -> None:
+        self.setup, self.arm, self.heldout = setup, arm, heldout
+        self.model = build_model(setup)
+        self.registry = UnitRegistry.from_model(self.model, granularity="operator")
+        self.backend = None
+        if arm.backend is not None:
+            self.backend = get_backend(arm.backend, low_cost=arm.low_cost, recovery=arm.recovery)
+            self.backend.wrap(self.registry.local_modules)
+        self.cfg = GNMRConfig.from_dict(
+            {**setup.gnmr, **arm.controller, "max_active": arm.max_active}
+        )
+        self.runtime = GNMRRuntime(self.registry, self.cfg)
+        self.fixed = _fixed_active(arm, self.registry, setup.layers)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=setup.lr, weight_decay=setup.weight_decay)
+        factor = _cosine(setup.warmup_lr, setup.steps)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, factor)
+        self.guard = ZClip(arm.z_thresh) if arm.policy == "zclip" else None
+        self.elig = self.registry.eligible
+        self.n_elig = max(1, int(self.elig.sum()))
+        self.losses: list[float] = []
+        self.times: list[float] = []
+        self.exceed: list[float] = []
+        self.recovered: list[float] = []
+        self.actives: list[int] = []
+        self.eval_steps: list[int] = []
+        self.eval_losses: list[float] = []
+        self.clipped = 0
+        self.unit_exceed = torch.zeros(self.registry.num_units, dtype=torch.int64)
+        self.unit_recovered = torch.zeros(self.registry.num_units, dtype=torch.int64)
+
+    def step(self, step: int, train: Batches) -> None:
+        """Optimizer step ``step`` (1-based) on batch ``step - 1``; timed without evaluation."""
+        setup, backend = self.setup, self.backend
         t0 = time.perf_counter()
-        active = fixed if fixed is not None else runtime.plan.active
+        active = self.fixed if self.fixed is not None else self.runtime.plan.active
         if backend is not None:
             backend.apply(active, step)
-        loss = lm_loss(model, train(step - 1))
-        opt.zero_grad(set_to_none=True)
+        loss = lm_loss(self.model, train(step - 1))
+        self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        decision = runtime.step()
-        limit = guard.limit(runtime.last_norms.global_norm) if guard is not None else None
-        clipped += limit is not None
-        torch.nn.utils.clip_grad_norm_(params, min(setup.clip, limit or math.inf))
-        opt.step()
-        sched.step()
-        times.append(time.perf_counter() - t0)
-        losses.append(float(loss.detach()))
-        if step > cfg.warmup_steps:
-            exceed.append(int(((decision.risk > 1.0) & elig).sum()) / n_elig)
+        decision = self.runtime.step()
+        norm = self.runtime.last_norms.global_norm
+        limit = self.guard.limit(norm) if self.guard is not None else None
+        self.clipped += limit is not None
+        torch.nn.utils.clip_grad_norm_(self.params, min(setup.clip, limit or math.inf))
+        self.opt.step()
+        self.sched.step()
+        self.times.append(time.perf_counter() - t0)
+        self.losses.append(float(loss.detach()))
+        if step > self.cfg.warmup_steps:
+            over = (decision.risk > 1.0) & self.elig
+            self.exceed.append(int(over.sum()) / self.n_elig)
+            self.unit_exceed += over
             ran = backend.report().recovered if backend is not None else frozenset()
-            recovered.append(len(ran) / n_elig)
-        actives.append(len(active))
+            self.recovered.append(len(ran) / self.n_elig)
+            self.unit_recovered[list(ran)] += 1
+        self.actives.append(len(active))
         if step % setup.eval_every == 0 or step == setup.steps:
-            eval_steps.append(step)
-            eval_losses.append(evaluate(model, heldout, setup.eval_batches))
-    held = eval_losses[-1]
-    return ArmResult(
-        name=arm.name, policy=arm.policy, losses=losses, eval_steps=eval_steps,
-        eval_losses=eval_losses, heldout_loss=held, heldout_ppl=math.exp(held),
-        exceedance_rate=_mean(exceed), recovery_rate=_mean(recovered),
-        step_ms=1e3 * statistics.median(times), units=registry.num_units,
-        max_active=arm.max_active, clipped_steps=clipped, active_per_step=actives,
-    )  # fmt: skip
+            self.eval_steps.append(step)
+            self.eval_losses.append(evaluate(self.model, self.heldout, setup.eval_batches))
+        if step == setup.steps and self.arm.save_to is not None:
+            save_state(self.model, self.arm.save_to)
+
+    def result(self) -> ArmResult:
+        """The measurements so far (after the last step: the arm's result)."""
+        held = self.eval_losses[-1]
+        return ArmResult(
+            name=self.arm.name, policy=self.arm.policy, losses=self.losses,
+            eval_steps=self.eval_steps, eval_losses=self.eval_losses, heldout_loss=held,
+            heldout_ppl=math.exp(held), exceedance_rate=_mean(self.exceed),
+            recovery_rate=_mean(self.recovered), step_ms=1e3 * statistics.median(self.times),
+            units=self.registry.num_units, max_active=self.arm.max_active,
+            clipped_steps=self.clipped, active_per_step=self.actives,
+            unit_names=list(self.registry.names), unit_exceedances=self.unit_exceed.tolist(),
+            unit_recoveries=self.unit_recovered.tolist(),
+        )  # fmt: skip
+
+
+def run_arm(setup: Setup, arm: Arm, train: Batches, heldout: Batches) -> ArmResult:
+    """Train one arm from the shared initial weights and measure it."""
+    run = ArmRun(setup, arm, heldout)
+    for step in range(1, setup.steps + 1):
+        run.step(step, train)
+    return run.result()
+
+
+def save_state(model: nn.Module, path: str | Path) -> None:
+    """Write ``model.state_dict()`` to ``path`` (loadable by ``Setup.init_from``)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, path)
 
 
 def _fixed_active(arm: Arm, registry: UnitRegistry, layers: int) -> frozenset[int] | None:
@@ -278,25 +341,53 @@ def _mean(xs: Sequence[float]) -> float:
 # ====================================================================== experiment
 
 
-def run_experiment(name: str, setup: Setup, arms: Sequence[Arm]) -> dict[str, Any]:
-    """Run every arm, print the table, write ``results/<name>.json`` and ``.png``."""
+def run_experiment(
+    name: str, setup: Setup, arms: Sequence[Arm], *, interleave: bool = False
+) -> dict[str, Any]:
+    """Run every arm, print the table, write ``results/<name>.json`` and ``.png``.
+
+    ``interleave``: train all arms at once, one step of each in turn (the order rotating every
+    step), instead of one arm after another. Results are the same (every arm still sees the
+    same init and batches); step times are fairer on a machine whose load changes, because
+    every arm's steps are sampled over the same stretch of wall time.
+    """
     train, heldout = Batches(setup.data, setup), Batches(setup.heldout, setup)
-    results = []
-    for arm in arms:
-        t0 = time.perf_counter()
-        results.append(run_arm(setup, arm, train, heldout))
-        logger.info("arm %s: %.0f s", arm.name, time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    if interleave:
+        results = _run_interleaved(setup, arms, train, heldout)
+        logger.info("%d arms interleaved: %.0f s", len(arms), time.perf_counter() - t0)
+    else:
+        results = []
+        for arm in arms:
+            t0 = time.perf_counter()
+            results.append(run_arm(setup, arm, train, heldout))
+            logger.info("arm %s: %.0f s", arm.name, time.perf_counter() - t0)
     out = {
         "experiment": name,
         "date": time.strftime("%Y-%m-%d"),
         "setup": asdict(setup),
         "arms": [asdict(a) for a in arms],
         "results": [asdict(r) for r in results],
+        "interleaved": interleave,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=1))
     plot(name, results, RESULTS / f"{name}.png")
     return out
+
+
+def _run_interleaved(
+    setup: Setup, arms: Sequence[Arm], train: Batches, heldout: Batches
+) -> list[ArmResult]:
+    runs = [ArmRun(setup, arm, heldout) for arm in arms]
+    for step in range(1, setup.steps + 1):
+        k = step % len(runs)
+        for run in runs[k:] + runs[:k]:
+            run.step(step, train)
+        if step % setup.eval_every == 0:
+            logger.info("step %d: held-out %s", step,
+                        " ".join(f"{r.eval_losses[-1]:.3f}" for r in runs))  # fmt: skip
+    return [run.result() for run in runs]
 
 
 def table(results: Sequence[ArmResult], reference: str, low_cost: str) -> str:
@@ -318,6 +409,50 @@ def table(results: Sequence[ArmResult], reference: str, low_cost: str) -> str:
     return "\n".join(rows)
 
 
+def targets(
+    results: Sequence[ArmResult],
+    reference: str,
+    low_cost: str,
+    gnmr: str,
+    *,
+    tolerance: float = 0.01,
+    seed_exceedance: float = 0.002,
+    time_ratio: float = 1.03,
+) -> str:
+    """The seed's targets, checked on ``results`` (each line says met or missed).
+
+    GNMR's held-out loss within ``tolerance`` of ``reference`` while ``low_cost`` (the static
+    low-cost arm) is worse by more than ``tolerance``; GNMR's recovery rate next to its budget;
+    every arm's exceedance rate next to the seed's ``seed_exceedance``; GNMR's step time over the
+    low-cost arm's at most ``time_ratio``.
+    """
+    by = {r.name: r for r in results}
+    ref, low, g = by[reference], by[low_cost], by[gnmr]
+
+    def rel(r: ArmResult) -> float:
+        return r.heldout_loss / ref.heldout_loss - 1
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "MISSED"
+
+    budget = g.max_active / max(1, g.units)
+    rare = [r for r in results if r.exceedance_rate < seed_exceedance]
+    ratio = g.step_ms / low.step_ms
+    exceed = ", ".join(f"{r.name} {100 * r.exceedance_rate:.3f}%" for r in results)
+    return "\n".join([
+        f"- {gnmr} within {100 * tolerance:.0f}% of {reference}: {100 * rel(g):+.2f}% "
+        f"-> {verdict(abs(rel(g)) <= tolerance)}",
+        f"- {low_cost} worse than {reference} by more than {100 * tolerance:.0f}%: "
+        f"{100 * rel(low):+.2f}% -> {verdict(rel(low) > tolerance)}",
+        f"- {gnmr} recovery rate {100 * g.recovery_rate:.2f}% vs budget {100 * budget:.2f}% "
+        f"({g.max_active} of {g.units} units)",
+        f"- exceedance rate below the seed's {100 * seed_exceedance:.1f}%: {len(rare)} of "
+        f"{len(results)} arms ({exceed})",
+        f"- step time {gnmr} / {low_cost}: {ratio:.3f} (target <= {time_ratio}) "
+        f"-> {verdict(ratio <= time_ratio)}",
+    ])  # fmt: skip
+
+
 def plot(name: str, results: Sequence[ArmResult], path: Path) -> None:
     import matplotlib
 
@@ -331,7 +466,7 @@ def plot(name: str, results: Sequence[ArmResult], path: Path) -> None:
         ax1.plot(range(1, len(smooth) + 1), smooth, lw=1.2, label=r.name)
         ax2.plot(r.eval_steps, r.eval_losses, marker="o", ms=3, lw=1.2, label=r.name)
     ax1.set(title=f"{name}: training loss (moving mean)", xlabel="step", ylabel="loss")
-    ax2.set(title="held-out loss", xlabel="step", ylabel="loss")
+    ax2.set(title="held-out loss (y zoomed on the later evaluations)", xlabel="step", ylabel="loss")
     lows = [min(r.eval_losses) for r in results]
     ax2.set_ylim(min(lows) - 0.05, max(r.eval_losses[len(r.eval_losses) // 3] for r in results))
     for ax in (ax1, ax2):

@@ -1,0 +1,216 @@
+"""The experiment harness: the pieces the seed-experiment tables rest on, against references.
+
+Tiny models (2 layers x 32) and a few steps each, so the whole file runs in seconds on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from benchmarks.harness import (
+    Arm,
+    ArmResult,
+    Batches,
+    Setup,
+    ZClip,
+    build_model,
+    layer_units,
+    run_arm,
+    run_experiment,
+    save_state,
+    table,
+    targets,
+    with_budget,
+)
+from gnmr_dist.distributed import UnitRegistry
+
+PROJECTIONS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+
+
+def tiny(**kw) -> Setup:
+    """2 layers x 32, 16-token samples, 3 steps; GNMR thresholds low enough to act."""
+    base = {"layers": 2, "hidden": 32, "heads": 2, "ffn": 64, "seq_len": 16, "batch": 2,
+            "steps": 3, "max_bytes": 30_000, "eval_every": 3, "eval_batches": 1,
+            "gnmr": {"warmup_steps": 0, "alpha": 1.0, "beta": 1.0}}  # fmt: skip
+    return Setup(**{**base, **kw})
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: tiny GEMMs gain nothing from two, and a busy machine loses a lot."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def data():
+    s = tiny()
+    return Batches(s.data, s), Batches(s.heldout, s)
+
+
+# ---------------------------------------------------------------------------- ZClip
+
+
+def zclip_reference(norms, z, momentum, warmup):
+    """ZClip, clip-to-``mean + z * std`` rule, written out from the paper's equations."""
+    out, mean, var = [], None, None
+    for t, g in enumerate(norms):
+        if t < warmup:
+            out.append(None)
+            if t == warmup - 1:
+                mean = sum(norms[:warmup]) / warmup
+                var = sum((x - mean) ** 2 for x in norms[:warmup]) / warmup
+            continue
+        std = math.sqrt(var)
+        clip = mean + z * std if (g - mean) / std > z else None
+        eff = g if clip is None else clip
+        mean = momentum * mean + (1 - momentum) * eff
+        var = momentum * var + (1 - momentum) * (eff - mean) ** 2
+        out.append(clip)
+    return out, mean, var
+
+
+def test_zclip_clips_a_spike_to_mean_plus_z_std_and_tracks_the_clipped_norm():
+    norms = [1.0, 2.0, 3.0, 10.0, 2.0, 2.5, 9.0, 2.0]
+    guard = ZClip(2.5, momentum=0.9, warmup=3)
+    got = [guard.limit(n) for n in norms]
+    # warm-up: mean 2, population variance 2/3; 10 is a spike: clipped to 2 + 2.5 sqrt(2/3)
+    assert got[:3] == [None, None, None]
+    assert got[3] == pytest.approx(2 + 2.5 * math.sqrt(2 / 3), rel=1e-12)
+    assert got[4] is None and got[5] is None
+    ref, mean, var = zclip_reference(norms, 2.5, 0.9, 3)
+    assert [g is None for g in got] == [r is None for r in ref]
+    assert [g for g in got if g is not None] == pytest.approx([r for r in ref if r is not None])
+    assert got[6] is not None and got[6] < 9.0  # the second spike is clipped too
+    # the EMA absorbed the clipped values, not the raw spikes
+    assert (guard.mean, guard.var) == pytest.approx((mean, var), rel=1e-12)
+    assert guard.mean < 3.0
+
+
+def test_zclip_never_clips_a_flat_sequence():
+    guard = ZClip(2.5, warmup=5)
+    assert all(guard.limit(1.0 + 1e-3 * (i % 3)) is None for i in range(60))
+
+
+# ---------------------------------------------------------------------------- units
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_layer_units_are_exactly_the_seven_projections_of_the_chosen_layers(lora_rank):
+    setup = tiny(layers=12, lora_rank=lora_rank)
+    registry = UnitRegistry.from_model(build_model(setup), granularity="operator")
+    assert registry.num_units == 7 * 12
+    chosen = layer_units(registry, (0, 11))
+    expected = {f"model.layers.{i}.{p}" for i in (0, 11) for p in PROJECTIONS}
+    assert {registry.names[i] for i in chosen} == expected
+    # layer 1 is not layers 10 and 11
+    one = {registry.names[i] for i in layer_units(registry, (1,))}
+    assert one == {f"model.layers.1.{p}" for p in PROJECTIONS}
+
+
+def test_with_budget_rounds_a_fraction_of_the_units_and_keeps_one():
+    arm = Arm("g", "gnmr", backend="act_quant")
+    assert with_budget(arm, 0.1, 28).max_active == 3
+    assert with_budget(arm, 0.25, 28).max_active == 7
+    assert with_budget(arm, 0.001, 28).max_active == 1
+
+
+# ---------------------------------------------------------------------------- arms
+
+
+def q_arm(name, policy, max_active=0):
+    low = {"bits": 2, "group_size": 8}
+    return Arm(name, policy, backend="act_quant", low_cost=low, max_active=max_active)
+
+
+def test_static_and_recovery_arms_run_one_path_and_gnmr_stays_within_budget(data):
+    setup = tiny()
+    train, heldout = data
+    units = 7 * setup.layers
+    static = run_arm(setup, q_arm("s", "static"), train, heldout)
+    recovery = run_arm(setup, q_arm("r", "recovery"), train, heldout)
+    full = run_arm(setup, Arm("f", "full"), train, heldout)
+    gnmr = run_arm(setup, q_arm("g", "gnmr", max_active=3), train, heldout)
+    assert static.recovery_rate == 0.0 and full.recovery_rate == 0.0
+    assert recovery.recovery_rate == 1.0
+    assert recovery.unit_recoveries == [setup.steps] * units
+    assert all(a <= 3 for a in gnmr.active_per_step)
+    assert 0 < gnmr.recovery_rate <= 3 / units
+    assert sum(gnmr.unit_recoveries) == round(gnmr.recovery_rate * units * setup.steps)
+    # step 1 always runs the low-cost path (the first plan is empty)
+    assert gnmr.active_per_step[0] == 0
+    for r in (static, recovery, full, gnmr):
+        assert len(r.losses) == setup.steps and r.eval_steps == [3]
+        assert r.heldout_ppl == pytest.approx(math.exp(r.heldout_loss))
+        assert r.units == units and len(r.unit_names) == units
+        # exceedance: eligible unit-steps over threshold, from the same counts
+        assert r.exceedance_rate == pytest.approx(sum(r.unit_exceedances) / units / setup.steps)
+
+
+def test_first_last_recovers_the_first_and_last_layer_only(data):
+    setup = tiny(layers=3)
+    r = run_arm(setup, q_arm("fl", "first_last"), *data)
+    on = {n for n, k in zip(r.unit_names, r.unit_recoveries, strict=True) if k}
+    assert on == {f"model.layers.{i}.{p}" for i in (0, 2) for p in PROJECTIONS}
+    assert r.recovery_rate == pytest.approx(14 / 21)
+
+
+def test_interleaved_arms_match_arms_run_one_after_another(tmp_path, monkeypatch, data):
+    import benchmarks.harness as harness
+
+    monkeypatch.setattr(harness, "RESULTS", tmp_path)
+    setup = tiny(steps=4, eval_every=2)
+    arms = [q_arm("g", "gnmr", max_active=2), Arm("f", "full", save_to=str(tmp_path / "f.pt"))]
+    one = run_experiment("seq", setup, arms)
+    both = run_experiment("inter", setup, arms, interleave=True)
+    for a, b in zip(one["results"], both["results"], strict=True):
+        for key in ("losses", "eval_losses", "active_per_step", "unit_recoveries"):
+            assert a[key] == b[key], key
+    assert (tmp_path / "inter.json").is_file() and (tmp_path / "inter.png").is_file()
+    # the saved FP32 weights reload through Setup.init_from
+    reloaded = build_model(tiny(init_from=str(tmp_path / "f.pt")))
+    model = build_model(setup)
+    save_state(reloaded, tmp_path / "again.pt")
+    saved = torch.load(tmp_path / "f.pt", weights_only=True)
+    again = torch.load(tmp_path / "again.pt", weights_only=True)
+    assert saved.keys() == again.keys() == model.state_dict().keys()
+    assert all(torch.equal(saved[k], again[k]) for k in saved)
+    assert not all(torch.equal(saved[k], model.state_dict()[k]) for k in saved)
+
+
+def test_table_reports_deltas_to_the_reference_and_times_to_the_low_cost_arm():
+    def res(name, loss, ms):
+        return ArmResult(name, "x", [], [], [], loss, math.exp(loss), 0.001, 0.1, ms, 28, 3)
+
+    rows = table([res("hi", 2.0, 10.0), res("lo", 2.1, 8.0)], "hi", "lo").splitlines()
+    assert rows[2].split(" | ")[2] == "+0.00%" and rows[3].split(" | ")[2] == "+5.00%"
+    assert rows[2].split(" | ")[-1] == "1.250 |" and rows[3].split(" | ")[-1] == "1.000 |"
+    assert rows[3].split(" | ")[4:6] == ["0.100%", "10.00%"]
+
+
+def test_targets_say_met_or_missed_from_the_numbers():
+    def res(name, loss, ms, exceed=0.001, rec=0.0, max_active=0):
+        return ArmResult(name, "x", [], [], [], loss, math.exp(loss), exceed, rec, ms, 28,
+                         max_active)  # fmt: skip
+
+    rs = [res("hi", 2.0, 10.0), res("lo", 2.05, 8.0, exceed=0.003),
+          res("g", 2.01, 8.4, rec=0.05, max_active=3)]  # fmt: skip
+    lines = targets(rs, "hi", "lo", "g").splitlines()
+    assert lines[0] == "- g within 1% of hi: +0.50% -> met"
+    assert lines[1] == "- lo worse than hi by more than 1%: +2.50% -> met"
+    assert lines[2] == "- g recovery rate 5.00% vs budget 10.71% (3 of 28 units)"
+    assert lines[3].startswith("- exceedance rate below the seed's 0.2%: 2 of 3 arms")
+    assert lines[4] == "- step time g / lo: 1.050 (target <= 1.03) -> MISSED"
