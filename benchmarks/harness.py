@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from gnmr_dist.backends import get_backend
+from gnmr_dist.cli.ds_pretrain import next_token_loss
 from gnmr_dist.core import GNMRConfig
 from gnmr_dist.distributed import GNMRRuntime, UnitRegistry
 
@@ -168,8 +169,6 @@ class Batches:
 
 def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy (the same as ``gnmr-ds-pretrain``'s)."""
-    from gnmr_dist.cli.ds_pretrain import next_token_loss
-
     return next_token_loss(model, tokens)
 
 

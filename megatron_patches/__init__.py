@@ -12,7 +12,14 @@ from megatron_patches.cpu import (
     enable_cpu_compat,
     is_cpu_compat_enabled,
 )
-from megatron_patches.gnmr import FUSED_NORM_VERSIONS, MegatronGNMR, apply, current, remove
+from megatron_patches.gnmr import (
+    FUSED_NORM_VERSIONS,
+    MegatronGNMR,
+    apply,
+    current,
+    megatron_series,
+    remove,
+)
 
 __all__ = [
     "FUSED_NORM_VERSIONS",
@@ -25,5 +32,6 @@ __all__ = [
     "disable_cpu_compat",
     "enable_cpu_compat",
     "is_cpu_compat_enabled",
+    "megatron_series",
     "remove",
 ]

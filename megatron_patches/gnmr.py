@@ -45,7 +45,9 @@ from torch import nn
 
 from gnmr_dist.integrations.session import IntegrationSession
 
-__all__ = ["FUSED_NORM_VERSIONS", "MegatronGNMR", "apply", "current", "remove"]
+__all__ = [
+    "FUSED_NORM_VERSIONS", "MegatronGNMR", "apply", "current", "megatron_series", "remove",
+]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +59,8 @@ _LAYER_NAME = re.compile(r"\blayers\.(\d+)$")
 _ORIGINALS: dict[str, Any] = {}
 
 
-def _megatron_series() -> str:
+def megatron_series() -> str:
+    """The installed megatron-core's ``major.minor`` (what the version gates compare)."""
     from megatron.core import package_info
 
     return ".".join(str(package_info.__version__).split(".")[:2])
@@ -270,7 +273,7 @@ def apply(
     handle = current()
     if handle is not None and [id(c) for c in handle.model] == [id(c) for c in chunks]:
         return handle
-    series = _megatron_series()
+    series = megatron_series()
     if fused_norm and series not in FUSED_NORM_VERSIONS:
         raise RuntimeError(
             f"megatron_patches: the fused clip-norm patch was checked on megatron-core "

@@ -804,17 +804,15 @@ def _fused_norm_checked() -> bool:
     """Carry GNMR in megatron's clip-norm all-reduce only on a megatron-core series it was
     checked on (``megatron_patches.FUSED_NORM_VERSIONS``); elsewhere GNMR adds its own small
     all-reduce per step (``U + 1`` float64 values) and says so once."""
-    from megatron.core import package_info
-
     import megatron_patches
 
-    version = str(package_info.__version__)
-    if ".".join(version.split(".")[:2]) in megatron_patches.FUSED_NORM_VERSIONS:
+    series = megatron_patches.megatron_series()
+    if series in megatron_patches.FUSED_NORM_VERSIONS:
         return True
     logger.warning(
         "megatron-core %s: GNMR's fused clip-norm patch is checked on %s only; using GNMR's "
         "own all-reduce of the per-unit norms (one extra small collective per step)",
-        version, ", ".join(megatron_patches.FUSED_NORM_VERSIONS),
+        series, ", ".join(megatron_patches.FUSED_NORM_VERSIONS),
     )  # fmt: skip
     return False
 
