@@ -2,6 +2,7 @@
 
 * :mod:`megatron_patches.cpu`: opt-in CPU compatibility (tests, CPU-only hosts).
 * :mod:`megatron_patches.gnmr`: GNMR in a megatron-core run (``apply`` / ``remove``).
+* :mod:`megatron_patches.versions`: the one table of what differs between megatron-core series.
 """
 
 from megatron_patches.cpu import (
@@ -12,19 +13,14 @@ from megatron_patches.cpu import (
     enable_cpu_compat,
     is_cpu_compat_enabled,
 )
-from megatron_patches.gnmr import (
-    FUSED_NORM_VERSIONS,
-    MegatronGNMR,
-    apply,
-    current,
-    megatron_series,
-    remove,
-)
+from megatron_patches.gnmr import MegatronGNMR, apply, current, remove
+from megatron_patches.versions import SERIES, SeriesInfo, megatron_series, series_info
 
 __all__ = [
-    "FUSED_NORM_VERSIONS",
+    "SERIES",
     "SUPPORTED_MEGATRON_VERSIONS",
     "MegatronGNMR",
+    "SeriesInfo",
     "apply",
     "cpu_compat",
     "cpu_transformer_config",
@@ -34,4 +30,5 @@ __all__ = [
     "is_cpu_compat_enabled",
     "megatron_series",
     "remove",
+    "series_info",
 ]

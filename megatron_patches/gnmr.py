@@ -1,82 +1,228 @@
 """GNMR inside megatron-core: per-unit norms in the clip-norm all-reduce, plan applied per step.
 
-``apply(model, block, optimizer=...)`` wires a GNMR runtime into a megatron-core training run:
+``apply(model, block, optimizer=...)`` wires a GNMR runtime into a megatron-core training run.
 
-* **No extra collective.** megatron-core already all-reduces one number per step, the squared
-  gradient norm, over the grad-stats group (``optimizer.get_grad_norm_fp32``, model-parallel
-  group for the plain optimizer), after ``finalize_model_grads`` has reduced the gradients over
-  data parallel and with its own filters for shared and tensor-parallel duplicate parameters. The
-  patched function computes, from the very same ``grads_for_norm``, the squared norm of each
-  unit's local shards and puts megatron's own squared total in the last slot: the all-reduce
-  carries U + 2 numbers (units, rest, total) instead of 1, and megatron receives the same total
-  norm it would have computed (same fp32 arithmetic for that slot).
-* **Per-layer precision.** ``get_fp8_context`` as imported by ``TransformerBlock`` is replaced:
-  a layer unit on the recovery path gets the backend's recovery region (``te_fp8``: FP8 off or a
-  stronger recipe) instead of megatron's per-layer FP8 context, by global layer number. megatron
-  calls it per layer only for non-delayed recipes; with delayed scaling it enters one outer
-  region, and the ``te_fp8`` backend's per-module inner regions carry the plan (the design
-  megatron's "first/last layers in BF16" cannot use with delayed scaling). Without
-  ``config.fp8`` (CPU, emulated backends) megatron enters no context and the backend's
-  switched operators carry the plan.
-* **The plan.** ``optimizer.step`` is wrapped: after megatron's step, if the update was applied,
-  the controller scores the norms captured in that all-reduce and the backend runs the new plan
-  from the next step (every micro-batch, pipeline stage and recomputation of it).
-* **State.** :meth:`MegatronGNMR.state_dict` is a plain dict to store as a common (non-sharded)
-  entry of a megatron checkpoint, identical on every rank; :meth:`load_state_dict` restores it.
-  With megatron's rerun state machine, ``install_rerun_hooks`` snapshots the plan at the start
-  of each iteration so a rerun replays the same plan.
+**What the per-unit norms are made of.** megatron's clip norm reads one list of gradients,
+``optimizer.<grads_for_norm>()`` (the name is in :mod:`megatron_patches.versions`): the
+``.grad`` of every *main* parameter the optimizer steps, filtered for shared parameters and
+tensor-parallel duplicates. Which tensors those are depends on the setting:
 
-Version gate: the fused norm relies on megatron-core 0.16's ``get_grad_norm_fp32`` and
-``get_main_grads_for_grad_norm`` (renamed in 0.19, tensor return in 0.17+). On other versions
-``apply`` refuses with the version it found, unless ``fused_norm=False``, which computes the
-per-unit norms with GNMR's own single all-reduce instead.
+=========================================  =================================================
+setting                                    the gradient megatron norms, per main parameter
+=========================================  =================================================
+fp32, plain optimizer                      the model parameter's ``main_grad`` buffer view
+bf16/fp16 (Float16 optimizer)              ``model_param.main_grad.float()``: a fresh copy
+distributed optimizer                      ``main_grad.view(-1)[start:end].float()``: this
+                                           DP rank's contiguous (possibly empty) slice
+=========================================  =================================================
+
+So a gradient is attributed by *what it is*, never by the identity of a model tensor: each main
+parameter is mapped once, through the optimizer's own parallel lists (``float16_groups`` <->
+``fp32_from_float16_groups``, ``model_float16_groups`` <-> ``shard_fp32_from_float16_groups``,
+...; chained optimizers recursively), to the model parameter it stands for and so to its unit;
+at each norm call the list megatron hands over is matched to the main parameters whose
+``.grad`` it holds. A shard of a parameter lies inside that parameter's unit, and squared norms
+add over any partition, so summing the shards' squares over the grad-stats group gives each
+unit's exact squared norm.
+
+**No extra collective, one read.** ``get_grad_norm_fp32`` is replaced in the modules that call
+it (version table). Inside an optimizer step it computes megatron's l2 norm with the same
+multi-tensor kernel, asking it for the per-tensor norms of the same launch (one read of each
+gradient), adds their squares per unit slot, and all-reduces ``[units, rest, unattributed,
+megatron's squared total]`` (U + 3 float32 numbers) in the one all-reduce megatron makes, over
+the grad-stats group megatron passes (model-parallel group, or the whole distributed-optimizer
+group). megatron gets back the total it would have computed, as a float (0.16) or as a device
+tensor (0.17+, when TE's tensor-scale kernel exists: no host sync). The host needs the vector
+to decide; it is copied asynchronously and the decision is taken when the next step first needs
+the plan. With ``fused_norm=False`` the same sums ride a separate all-reduce of GNMR's own.
+When megatron computes no norm in a step (``clip_grad == 0`` with a plain optimizer), the same
+gradients are read at the start of ``step_with_ready_grads`` (prepared, unscaled, not
+clipped) with one all-reduce of GNMR's own.
+
+**The guard.** A mapping that misses leaves the units at zero and the rest slot holding the
+whole gradient: the controller would score 1.0 forever and never act. Every step, after the
+reduction, an unattributed gradient, units at zero under a positive total, or a rest share above
+``gnmr.attribution.max_rest_share`` stops the run with the cause named (or warns once).
+
+**Per-layer precision.** ``get_fp8_context`` as imported by ``TransformerBlock`` is replaced:
+a layer unit on the recovery path gets the backend's recovery region (``te_fp8``: FP8 off or a
+stronger recipe) instead of megatron's per-layer FP8 context, by global layer number. Operator
+units are switched by the backend on the operators themselves.
+
+**Layouts.** Several model chunks per rank (virtual pipeline) form one registry: megatron's
+layers carry their global ``layer_number``, so unit names do not depend on the layout. Sequence
+parallelism needs nothing here: norm weights are summed over TP by ``finalize_model_grads``
+before the optimizer step and megatron's filter counts them on TP rank 0 only.
+
+**State.** :meth:`MegatronGNMR.state_dict` is a plain dict to store as a common (non-sharded)
+entry of a megatron checkpoint, identical on every rank; :meth:`load_state_dict` restores it.
+With megatron's rerun state machine, ``install_rerun_hooks`` snapshots the plan at the start
+of each iteration so a rerun replays the same plan.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from gnmr_dist.core import Decision
+from gnmr_dist.distributed import Plan
+from gnmr_dist.distributed.monitor import IndexCache, UnitNorms, index_tensor
 from gnmr_dist.integrations.session import IntegrationSession
+from megatron_patches.versions import SeriesInfo, megatron_series, series_info
 
-__all__ = [
-    "FUSED_NORM_VERSIONS", "MegatronGNMR", "apply", "current", "megatron_series", "remove",
-]  # fmt: skip
+__all__ = ["MegatronGNMR", "apply", "current", "megatron_series", "remove"]
 
 logger = logging.getLogger(__name__)
-
-FUSED_NORM_VERSIONS: tuple[str, ...] = ("0.16",)
-"""megatron-core ``major.minor`` series whose clip-norm path the fused patch was checked on."""
 
 _CURRENT: list[MegatronGNMR] = []
 _LAYER_NAME = re.compile(r"\blayers\.(\d+)$")
 _ORIGINALS: dict[str, Any] = {}
 
 
-def megatron_series() -> str:
-    """The installed megatron-core's ``major.minor`` (what the version gates compare)."""
-    from megatron.core import package_info
+# ---------------------------------------------------------------------- attribution
 
-    return ".".join(str(package_info.__version__).split(".")[:2])
+
+def leaf_optimizers(optimizer: Any) -> Iterator[Any]:
+    """The optimizers that own main parameters (a ``ChainedOptimizer`` recursively)."""
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is None:
+        yield optimizer
+        return
+    for sub in chained:
+        yield from leaf_optimizers(sub)
+
+
+_PAIRED_GROUPS = (
+    # DistributedOptimizer: model params <-> this rank's main shards
+    ("model_float16_groups", "shard_fp32_from_float16_groups"),
+    ("model_float16_groups", "shard_float16_groups"),  # precision-aware optimizer
+    ("model_fp32_groups", "shard_fp32_groups"),
+    # Float16OptimizerWithFloat16Params: model params <-> fp32 main copies
+    ("float16_groups", "fp32_from_float16_groups"),
+    ("fp32_from_fp32_groups", "fp32_from_fp32_groups"),
+)
+
+
+def main_to_model(optimizer: Any) -> dict[int, nn.Parameter]:
+    """``id(main parameter) -> model parameter`` from one leaf optimizer's own structures.
+
+    An optimizer without paired groups (megatron's ``FP32Optimizer``) steps the model
+    parameters themselves.
+    """
+    pairs: dict[int, nn.Parameter] = {}
+    found = False
+    for model_attr, main_attr in _PAIRED_GROUPS:
+        model_groups, main_groups = (
+            getattr(optimizer, model_attr, None),
+            getattr(optimizer, main_attr, None),
+        )
+        if model_groups is None or main_groups is None:
+            continue
+        found = True
+        for model_group, main_group in zip(model_groups, main_groups, strict=True):
+            pairs.update({id(m): p for p, m in zip(model_group, main_group, strict=True)})
+    if not found:
+        pairs = {id(p): p for p in optimizer.get_parameters()}
+    return pairs
+
+
+class GradAttribution:
+    """Maps the gradients of megatron's clip-norm list to unit slots.
+
+    Slots ``0..U-1`` are units, ``U`` the rest (parameters outside every unit), ``U + 1`` the
+    unattributed bucket: a gradient that is no main parameter's, or a main parameter the
+    optimizer structures do not pair with a model parameter. The guard refuses any mass there.
+    """
+
+    def __init__(self, slot_of_param: dict[int, int], num_units: int, optimizer: Any) -> None:
+        self.num_units = num_units
+        self.unattributed = num_units + 1
+        self.optimizer = optimizer
+        self._slot_of_param = slot_of_param
+        self._main_slots: dict[int, int] = {}
+        self._mains: list[nn.Parameter] = []
+        self.rebuild()
+
+    def rebuild(self) -> None:
+        """Pair every main parameter with its model parameter's slot (once, and on change)."""
+        self._main_slots, self._mains = {}, []
+        if self.optimizer is None:
+            return
+        for leaf in leaf_optimizers(self.optimizer):
+            model_of = main_to_model(leaf)
+            for main in leaf.get_parameters():
+                model = model_of.get(id(main))
+                slot = self._slot_of_param.get(id(model), self.unattributed)
+                self._main_slots[id(main)] = slot if model is not None else self.unattributed
+                self._mains.append(main)
+
+    def slots(self, grads: Sequence[torch.Tensor]) -> list[int]:
+        """The slot of each gradient of one clip-norm call."""
+        by_grad: dict[int, int] = {}
+        for main in self._mains:
+            slot = self._main_slots[id(main)]
+            for attr in ("grad", "decoupled_grad"):
+                grad = getattr(main, attr, None)
+                if grad is not None:
+                    by_grad[id(grad)] = slot
+        return [by_grad.get(id(g), self.unattributed) for g in grads]
+
+
+def guard_violation(sums: torch.Tensor, max_rest_share: float) -> str | None:
+    """Why the reduced ``[units..., rest, unattributed]`` sums of squares cannot be trusted."""
+    units, rest, lost = float(sums[:-2].sum()), float(sums[-2]), float(sums[-1])
+    total = units + rest + lost
+    if lost > 0:
+        return (
+            f"{lost / total:.1%} of the squared gradient norm megatron's clip norm reads could not "
+            "be attributed to a parameter of the model GNMR was applied to (is `optimizer` the "
+            "one built for these model chunks? was a parameter added after apply()?)"
+        )
+    if total > 0 and units == 0:
+        return (
+            "the units received no gradient while the total norm is "
+            f"{total**0.5:.4g}: every unit would score 1.0 and never be selected"
+        )
+    if total > 0 and max_rest_share < 1 and rest / total > max_rest_share:
+        return (
+            f"{rest / total:.1%} of the squared gradient norm is outside every unit (limit "
+            f"gnmr.attribution.max_rest_share={max_rest_share}): check include/exclude"
+        )
+    return None
+
+
+# ---------------------------------------------------------------------- the session
 
 
 class MegatronGNMR(IntegrationSession):
     """The GNMR runtime of one megatron-core model (``megatron_patches.current()``)."""
 
-    def __init__(self, model: Sequence[nn.Module], block: Any, backend: Any, fused: bool) -> None:
+    def __init__(
+        self,
+        model: Sequence[nn.Module],
+        block: Any,
+        backend: Any,
+        *,
+        fused: bool,
+        optimizer: Any,
+        info: SeriesInfo,
+    ) -> None:
         from megatron.core import parallel_state as ps
 
         from gnmr_dist.distributed import GNMRRuntime, UnitRegistry
 
         self.model, self.block, self.backend, self.fused = list(model), block, backend, fused
+        self.info, self.optimizer = info, optimizer
         self.registry = UnitRegistry.from_model(
-            self.model[0], granularity=block.units, include=block.include,
+            self.model, granularity=block.units, include=block.include,
             exclude=block.exclude, group=dist.group.WORLD,
             tp_group=ps.get_tensor_model_parallel_group(),
             eligible_fn=backend.is_eligible if backend is not None else None,
@@ -87,28 +233,101 @@ class MegatronGNMR(IntegrationSession):
             self.registry, block.policy, group=ps.get_model_parallel_group(),
             check_group=dist.group.WORLD, check_consistency=block.check_consistency,
         )  # fmt: skip
-        self._slot_of_grad: dict[int, int] = {}
-        self.pending: Any = None
+        self.attribution = GradAttribution(
+            self.registry.slot_of_param, self.registry.num_units, optimizer
+        )
+        self._index_cache: IndexCache = {}
+        self._sums: torch.Tensor | None = None
+        self._host: torch.Tensor | None = None
+        self._ready: Any = None
+        self._total_sq: torch.Tensor | None = None
+        self.collecting = False
+        self.pending = False
         self.skipped = 0
+        self._warned = False
         self._apply_plan()
 
     # ------------------------------------------------------------------ the fused norm
 
-    def slot_of(self, grad: torch.Tensor) -> int:
-        """The unit slot of one of megatron's ``grads_for_norm`` (the rest slot if unknown)."""
-        if not self._slot_of_grad:
-            self._slot_of_grad = self._grad_slots()
-        return self._slot_of_grad.get(id(grad), self.registry.num_units)
+    def norm_with_units(
+        self, grads: list[torch.Tensor], group: Any, original: Callable[..., Any] | None
+    ) -> Any:
+        """megatron's ``get_grad_norm_fp32`` (L2), adding this call's per-unit sums to the step.
 
-    def _grad_slots(self) -> dict[int, int]:
-        from gnmr_dist.distributed.monitor import default_grad
+        ``original``: megatron's function, for the unfused path (GNMR's own all-reduce, then
+        megatron's untouched); ``None`` when megatron computes no norm and only GNMR needs one.
+        """
+        from megatron.core.optimizer import clip_grads
 
-        slots = {}
-        for p, slot in zip(self.registry.params, self.registry.param_slots.tolist(), strict=True):
-            grad = default_grad(p)
-            if grad is not None:
-                slots[id(grad)] = slot
-        return slots
+        device = grads[0].device if grads else _device_of(self.model)
+        total, per_tensor = self._l2(clip_grads, grads, device)
+        units = self._by_slot(grads, per_tensor, device)
+        total_sq = total.float() ** 2.0
+        result = None
+        if self.fused or original is None:  # one all-reduce, carrying the units along
+            vector = torch.cat([units, total_sq.reshape(1)])
+            dist.all_reduce(vector, op=dist.ReduceOp.SUM, group=group)
+            units, total_sq = vector[:-1], vector[-1:]
+            if original is not None:
+                result = self._megatron_result(clip_grads, total_sq)
+        else:
+            dist.all_reduce(units, op=dist.ReduceOp.SUM, group=group)
+            result = original(grads, 2.0, group)
+            total_sq = torch.as_tensor(result, dtype=torch.float, device=device).reshape(1) ** 2
+        self._accumulate(units, total_sq)
+        return result
+
+    def _l2(
+        self, clip_grads: Any, grads: list[torch.Tensor], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """megatron's multi-tensor l2 norm and the per-tensor norms of the same launch."""
+        if not grads:
+            return torch.zeros(1, dtype=torch.float, device=device), torch.zeros(0, device=device)
+        flag = torch.zeros(1, dtype=torch.int, device=device)
+        total, per_tensor = clip_grads.multi_tensor_applier(
+            clip_grads.l2_norm_impl, flag, [grads], True
+        )
+        return total, per_tensor.reshape(-1)
+
+    def _by_slot(
+        self, grads: list[torch.Tensor], per_tensor: torch.Tensor, device: torch.device
+    ) -> torch.Tensor:
+        """float32 [U + 2]: per-slot sums of squared per-tensor norms (float64 inside)."""
+        out = torch.zeros(self.registry.num_units + 2, dtype=torch.float64, device=device)
+        if grads:
+            index = index_tensor(self.attribution.slots(grads), device, self._index_cache)
+            out.index_add_(0, index, per_tensor.to(torch.float64).square())
+        return out.float()
+
+    def _megatron_result(self, clip_grads: Any, total_sq: torch.Tensor) -> Any:
+        """What megatron's own function returns for this squared total (tensor or float)."""
+        tensor_out = self.info.norm_may_be_tensor and (
+            getattr(clip_grads, "multi_tensor_scale_tensor_impl", None) is not None
+        )
+        return total_sq.pow(0.5) if tensor_out else float(total_sq.item() ** 0.5)
+
+    def _accumulate(self, units: torch.Tensor, total_sq: torch.Tensor) -> None:
+        self._sums = units if self._sums is None else self._sums + units
+        self._total_sq = total_sq if self._total_sq is None else self._total_sq + total_sq
+        self._start_host_copy()
+
+    def _start_host_copy(self) -> None:
+        """Copy the step's sums to the host without waiting (CUDA: pinned buffer + event)."""
+        assert self._sums is not None and self._total_sq is not None
+        vector = torch.cat([self._sums, self._total_sq])
+        if vector.device.type != "cuda":
+            self._host, self._ready = vector, None
+            return
+        if self._host is None or self._host.numel() != vector.numel() or self._ready is None:
+            self._host = torch.empty(vector.shape, dtype=vector.dtype, pin_memory=True)
+        self._host.copy_(vector, non_blocking=True)
+        self._ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self._ready.record()
+
+    def own_norms(self, optimizer: Any) -> None:
+        """megatron computed no norm this step: read its clip-norm list, one all-reduce."""
+        grads = list(getattr(optimizer, self.info.grads_for_norm)())
+        self.norm_with_units(grads, optimizer.get_grad_stats_parallel_group(), None)
 
     # ------------------------------------------------------------------ per-layer precision
 
@@ -120,6 +339,7 @@ class MegatronGNMR(IntegrationSession):
         layer keeps megatron's. Operator-granularity plans are applied by the backend on the
         operators themselves, so they leave the layer context alone.
         """
+        self.settle()
         uid = self._layer_units().get(layer_no)
         region = getattr(self.backend, "recovery_region", None)
         if uid is None or region is None or uid not in self.runtime.plan.active:
@@ -137,17 +357,80 @@ class MegatronGNMR(IntegrationSession):
 
     # ------------------------------------------------------------------ per step
 
+    def begin_step(self) -> None:
+        """An optimizer step starts: settle the last decision, collect this step's norms."""
+        self.settle()
+        self._sums, self._total_sq, self._host, self._ready = None, None, None, None
+        self.collecting = True
+
     def after_step(self, update_successful: bool) -> None:
-        """Score the step's norms (from the clip all-reduce) and plan the next step."""
-        norms, self.pending = self.pending, None
+        """The step is done: its norms are decided on when the next step first needs the plan."""
+        self.collecting = False
         if not update_successful:
+            self._sums = self._host = None
             self.skipped += 1
             logger.warning("gnmr: megatron skipped the update; controller history untouched")
             return
-        if norms is None:  # no clip-norm this step (or not fused): one all-reduce of our own
-            norms = self.runtime.monitor.compute()
-        self.runtime.observe(norms)
+        if self._host is None:
+            raise RuntimeError(
+                "gnmr: megatron's optimizer step computed no gradient norm and GNMR read none "
+                f"(optimizer {type(self.optimizer).__name__}): this optimizer class is not "
+                "supported by megatron_patches"
+            )
+        self.pending = True
+        if self.backend is not None:
+            self.backend.before_forward = self.settle
+        else:
+            self.settle()
+
+    def settle(self) -> None:
+        """Take the pending decision (host copy of the reduced sums) and apply its plan."""
+        if not self.pending:
+            return
+        self.pending = False
+        if self.backend is not None:
+            self.backend.before_forward = None
+        if self._ready is not None:
+            self._ready.synchronize()
+        assert self._host is not None
+        vector = self._host.to(device="cpu", dtype=torch.float64)
+        self._check_attribution(vector[:-1])
+        norms = vector[:-3].sqrt()
+        total = float(vector[-1].sqrt())
+        self.runtime.observe(UnitNorms(norms, float(vector[-3].sqrt()), global_norm=total))
         self._apply_plan()
+
+    def _check_attribution(self, sums: torch.Tensor) -> None:
+        guard = self.block.attribution
+        why = guard_violation(sums, guard.max_rest_share)
+        if why is None:
+            return
+        step = self.runtime.controller.step_count + 1
+        message = f"gnmr: per-unit attribution failed at step {step}: {why}"
+        if guard.action == "error":
+            raise RuntimeError(
+                message + ". Set gnmr.attribution.action='warn' to continue regardless."
+            )
+        if not self._warned:
+            self._warned = True
+            logger.warning("%s (gnmr.attribution.action='warn': warned once)", message)
+
+    @property
+    def plan(self) -> Plan:
+        """The plan the current step runs with (any pending decision taken first)."""
+        self.settle()
+        return self.runtime.plan
+
+    @property
+    def last_decision(self) -> Decision | None:
+        """The decision of the last applied optimizer step (taken now if still pending)."""
+        self.settle()
+        return self.runtime.last_decision
+
+    def state_dict(self) -> dict[str, Any]:
+        """As :meth:`IntegrationSession.state_dict`, after taking any pending decision."""
+        self.settle()
+        return super().state_dict()
 
     def install_rerun_hooks(self) -> None:
         """Chain onto megatron's rerun state machine: a rerun replays the same plan."""
@@ -158,6 +441,7 @@ class MegatronGNMR(IntegrationSession):
 
         def state_save() -> Any:
             other = save() if save is not None else None
+            self.settle()
             if self.backend is None:
                 return {"gnmr": None, "other": other}
             ran = self.backend.report()  # the plan this iteration runs with
@@ -173,43 +457,31 @@ class MegatronGNMR(IntegrationSession):
         rsm.state_save_func, rsm.state_restore_func = state_save, state_restore
 
 
+def _device_of(chunks: Sequence[nn.Module]) -> torch.device:
+    for chunk in chunks:
+        for p in chunk.parameters():
+            return p.device
+    return torch.device("cpu")
+
+
+# ---------------------------------------------------------------------- the patches
+
+
 def _fused_grad_norm(original: Any) -> Any:
     """``get_grad_norm_fp32`` that also reduces the per-unit squared norms (same all-reduce)."""
 
     def get_grad_norm_fp32(
         grads_for_norm: Any, norm_type: float = 2, grad_stats_parallel_group: Any = None
-    ) -> float:
+    ) -> Any:
         handle = current()
         grads = [grads_for_norm] if isinstance(grads_for_norm, torch.Tensor) else grads_for_norm
+        grads = list(grads)
         dtensor = any(type(g).__name__ == "DTensor" for g in grads)
-        if handle is None or not handle.fused or float(norm_type) != 2.0 or dtensor:
-            return original(grads_for_norm, norm_type, grad_stats_parallel_group)  # type: ignore[no-any-return]
-        return _reduce_with_units(handle, list(grads), grad_stats_parallel_group)
+        if handle is None or not handle.collecting or float(norm_type) != 2.0 or dtensor:
+            return original(grads, norm_type, grad_stats_parallel_group)
+        return handle.norm_with_units(grads, grad_stats_parallel_group, original)
 
     return get_grad_norm_fp32
-
-
-def _reduce_with_units(handle: MegatronGNMR, grads: list[torch.Tensor], group: Any) -> float:
-    from megatron.core.optimizer import clip_grads
-
-    from gnmr_dist.distributed.monitor import sum_of_squares_by_slot, unit_norms_from_total
-
-    u = handle.registry.num_units
-    device = grads[0].device if grads else torch.device("cpu")
-    units = sum_of_squares_by_slot(grads, [handle.slot_of(g) for g in grads], u + 1, device)
-    if grads:  # megatron's own total, computed exactly as the original does
-        flag = torch.zeros(1, dtype=torch.int, device=device)
-        total, _ = clip_grads.multi_tensor_applier(clip_grads.l2_norm_impl, flag, [grads], False)
-        total_sq = total.float() ** 2
-    else:
-        total_sq = torch.zeros(1, dtype=torch.float, device=device)
-    # [unit 0 .. unit U-1, rest, megatron's total]: one all-reduce instead of megatron's one
-    vector = torch.cat([units.float(), total_sq.reshape(1)])
-    dist.all_reduce(vector, op=dist.ReduceOp.SUM, group=group)
-    total_norm = float(vector[-1].item() ** 0.5)
-    norms = unit_norms_from_total(vector[:-1].double())
-    handle.pending = type(norms)(norms.norms, norms.rest_norm, global_norm=total_norm)
-    return total_norm
 
 
 def _plan_fp8_context(original: Any) -> Any:
@@ -225,18 +497,33 @@ def _plan_fp8_context(original: Any) -> Any:
     return get_fp8_context
 
 
-def _wrap_step(optimizer: Any) -> None:
-    step = optimizer.step
+def _wrap_optimizer(optimizer: Any) -> None:
+    """``step`` brackets the step's norm collection; ``step_with_ready_grads`` reads the
+    gradients itself when megatron computed no norm (``clip_grad == 0``)."""
+    step, ready = optimizer.step, optimizer.step_with_ready_grads
 
     def gnmr_step(*args: Any, **kwargs: Any) -> Any:
-        result = step(*args, **kwargs)
         handle = current()
-        if handle is not None:
-            handle.after_step(bool(result[0]) if isinstance(result, tuple) else bool(result))
+        if handle is None:
+            return step(*args, **kwargs)
+        handle.begin_step()
+        try:
+            result = step(*args, **kwargs)
+        except BaseException:
+            handle.collecting = False
+            raise
+        handle.after_step(bool(result[0]) if isinstance(result, tuple) else bool(result))
         return result
 
-    _ORIGINALS[f"step:{id(optimizer)}"] = (optimizer, vars(optimizer).get("step"))
-    optimizer.step = gnmr_step
+    def gnmr_step_with_ready_grads(*args: Any, **kwargs: Any) -> Any:
+        handle = current()
+        if handle is not None and handle.collecting and handle._sums is None:
+            handle.own_norms(optimizer)
+        return ready(*args, **kwargs)
+
+    for name, fn in (("step", gnmr_step), ("step_with_ready_grads", gnmr_step_with_ready_grads)):
+        _ORIGINALS[f"{name}:{id(optimizer)}"] = (optimizer, name, vars(optimizer).get(name))
+        setattr(optimizer, name, fn)
 
 
 def current() -> MegatronGNMR | None:
@@ -254,73 +541,103 @@ def apply(
     """Install GNMR on a megatron-core model (idempotent for the same model).
 
     Args:
-        model: the model chunk(s) of this rank, as built (DDP-wrapped or not).
+        model: the model chunk(s) of this rank, as built (DDP-wrapped or not); a list of
+            chunks with virtual pipeline parallelism.
         block: a :class:`gnmr_dist.integrations.config.GNMRBlock` or its dict form.
-        optimizer: megatron's optimizer; its ``step`` is wrapped to feed the controller.
-        fused_norm: carry the per-unit norms in megatron's clip-norm all-reduce (checked
-            versions only); ``False`` uses GNMR's own one all-reduce per step.
+        optimizer: megatron's optimizer (``get_megatron_optimizer``'s result). Its ``step`` is
+            wrapped to feed the controller, and its structures say which gradient belongs to
+            which unit. Required for training; ``None`` only to inspect units and plans.
+        fused_norm: carry the per-unit norms in megatron's clip-norm all-reduce; ``False`` adds
+            GNMR's own small all-reduce per step (same gradients, same pre-clip values).
     """
     from gnmr_dist.backends import get_backend
     from gnmr_dist.integrations.config import GNMRBlock
 
     block = block if isinstance(block, GNMRBlock) else GNMRBlock.from_dict(block)
     chunks = list(model) if isinstance(model, Sequence) else [model]
-    if len(chunks) != 1:
-        raise NotImplementedError(
-            "megatron_patches.apply: virtual pipeline parallelism (several model chunks per "
-            "rank) is not supported yet; pass the one model chunk of this rank"
-        )
     handle = current()
     if handle is not None and [id(c) for c in handle.model] == [id(c) for c in chunks]:
         return handle
-    series = megatron_series()
-    if fused_norm and series not in FUSED_NORM_VERSIONS:
-        raise RuntimeError(
-            f"megatron_patches: the fused clip-norm patch was checked on megatron-core "
-            f"{', '.join(v + '.x' for v in FUSED_NORM_VERSIONS)}; found {series}. Pass "
-            "fused_norm=False (GNMR then adds one small all-reduce per step) or verify "
-            "optimizer.get_grad_norm_fp32 of this version and add it to FUSED_NORM_VERSIONS."
-        )
+    info = series_info(what="megatron_patches.apply")
+    _refuse_unsupported(chunks, block, optimizer)
     remove()
     backend = None
     if block.backend is not None:
         backend = get_backend(block.backend, low_cost=block.low_cost, recovery=block.recovery)
-    handle = MegatronGNMR(chunks, block, backend, fused_norm)
-    _install(handle, optimizer)
+    handle = MegatronGNMR(chunks, block, backend, fused=fused_norm, optimizer=optimizer, info=info)
+    _install(handle, optimizer, info)
     return handle
 
 
-def _install(handle: MegatronGNMR, optimizer: Any) -> None:
-    from megatron.core.optimizer import optimizer as mcore_optimizer
+def _configs(chunks: Sequence[nn.Module]) -> list[Any]:
+    return [c for c in (getattr(_unwrap(m), "config", None) for m in chunks) if c is not None]
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    while isinstance(getattr(module, "module", None), nn.Module):
+        module = module.module  # type: ignore[assignment]
+    return module
+
+
+def _refuse_unsupported(chunks: Sequence[nn.Module], block: Any, optimizer: Any) -> None:
+    """Settings GNMR cannot handle, refused before anything is patched."""
+    emulated = block.backend not in (None, "te_fp8")
+    for config in _configs(chunks):
+        if emulated and getattr(config, "gradient_accumulation_fusion", False):
+            raise ValueError(
+                f"megatron_patches.apply: backend {block.backend!r} runs megatron's linears "
+                "with its own autograd, which has no fused weight-gradient accumulation: set "
+                "gradient_accumulation_fusion=False (--no-gradient-accumulation-fusion) or use "
+                "backend 'te_fp8'"
+            )
+    for leaf in leaf_optimizers(optimizer) if optimizer is not None else ():
+        ddp_config = getattr(leaf, "ddp_config", None)
+        if getattr(ddp_config, "use_megatron_fsdp", False) or getattr(
+            ddp_config, "use_custom_fsdp", False
+        ):
+            raise ValueError(
+                "megatron_patches.apply: Megatron-FSDP (use_megatron_fsdp) hands the clip norm "
+                "DTensor shards GNMR cannot attribute yet; use the distributed optimizer "
+                "(use_distributed_optimizer=True) instead"
+            )
+
+
+def _install(handle: MegatronGNMR, optimizer: Any, info: SeriesInfo) -> None:
     from megatron.core.transformer import transformer_block
 
-    _ORIGINALS["get_grad_norm_fp32"] = mcore_optimizer.get_grad_norm_fp32
-    mcore_optimizer.get_grad_norm_fp32 = _fused_grad_norm(mcore_optimizer.get_grad_norm_fp32)
+    for home in info.norm_call_sites:
+        try:
+            module = importlib.import_module(home)
+        except ImportError:  # an optional optimizer module whose extra deps are absent
+            continue
+        original = getattr(module, "get_grad_norm_fp32")  # noqa: B009 (a megatron module)
+        _ORIGINALS["norm:" + home] = original
+        setattr(module, "get_grad_norm_fp32", _fused_grad_norm(original))  # noqa: B010
     _ORIGINALS["get_fp8_context"] = transformer_block.get_fp8_context
     transformer_block.get_fp8_context = _plan_fp8_context(transformer_block.get_fp8_context)
     if optimizer is not None:
-        _wrap_step(optimizer)
+        _wrap_optimizer(optimizer)
     _CURRENT.append(handle)
 
 
 def remove() -> None:
     """Undo :func:`apply`: original functions back, backend unwrapped (no-op if not applied)."""
-    from megatron.core.optimizer import optimizer as mcore_optimizer
     from megatron.core.transformer import transformer_block
 
     for key, value in list(_ORIGINALS.items()):
-        if key == "get_grad_norm_fp32":
-            mcore_optimizer.get_grad_norm_fp32 = value
+        if key.startswith("norm:"):
+            setattr(importlib.import_module(key[len("norm:") :]), "get_grad_norm_fp32", value)  # noqa: B010
         elif key == "get_fp8_context":
             transformer_block.get_fp8_context = value
         else:
-            owner, instance_step = value  # the instance attribute it had before, if any
-            if instance_step is None:
-                del owner.step  # the class's method shows again
+            owner, name, instance_attr = value  # the instance attribute it had before, if any
+            if instance_attr is None:
+                delattr(owner, name)  # the class's method shows again
             else:
-                owner.step = instance_step
+                setattr(owner, name, instance_attr)
         del _ORIGINALS[key]
     while _CURRENT:
         handle = _CURRENT.pop()
         if handle.backend is not None:
+            handle.backend.before_forward = None
             handle.backend.unwrap()

@@ -108,6 +108,9 @@ class PrecisionBackend:
         self._recover: frozenset[int] = frozenset()
         self._step = 0
         self._ran: dict[int, set[str]] = {}
+        self.before_forward: Callable[[], None] | None = None
+        """Called by the next switched forward, then cleared by its owner: an integration that
+        takes its decision lazily (megatron-core, no host sync after the step) sets it."""
 
     # ------------------------------------------------------------------ set-up
 
@@ -188,6 +191,8 @@ class PrecisionBackend:
         low, high = make(op, LOW_COST), make(op, RECOVERY)
 
         def switching(*args: Any, **kwargs: Any) -> Any:
+            if self.before_forward is not None:
+                self.before_forward()
             path = RECOVERY if uid in self._recover else LOW_COST
             self._ran.setdefault(uid, set()).add(path)
             return (high if path == RECOVERY else low)(*args, **kwargs)
@@ -222,10 +227,21 @@ class PrecisionBackend:
     def _megatron_impl(self, op: nn.Module, path: str) -> Callable[..., torch.Tensor]:
         """megatron-core's ``_forward_impl`` of a Column/RowParallelLinear on ``path``.
 
-        Megatron hands the local GEMM its shard of the weight plus flags; the only one that needs
-        work here is ``allreduce_dgrad`` (column-parallel without sequence parallelism): the
-        input gradient is all-reduced over the tensor-parallel group in backward, which
-        ``copy_to_tensor_model_parallel_region`` does around our GEMM.
+        Megatron hands the local GEMM its shard of the weight plus flags, and two of them move
+        data across the tensor-parallel group around the GEMM:
+
+        * ``allreduce_dgrad`` (column-parallel without sequence parallelism): the input gradient
+          is all-reduced in backward, which ``copy_to_tensor_model_parallel_region`` does.
+        * ``sequence_parallel`` (column-parallel with sequence parallelism; megatron passes
+          ``False`` for row-parallel, whose reduce-scatter happens outside ``_forward_impl``):
+          the input arrives split along the sequence and is all-gathered in forward, its gradient
+          reduce-scattered in backward: ``gather_from_sequence_parallel_region`` does both, as
+          megatron's own frozen-weight path does. The GEMM then sees the full sequence, exactly
+          as megatron's, and saves the gathered input (megatron saves its shard and gathers it
+          again in backward: more activation memory here, same numbers).
+
+        Gradient-accumulation fusion (a fused wgrad kernel writing into ``main_grad``) has no
+        counterpart in a GEMM with its own autograd and is refused.
         """
         gemm = self._gemm_fn(op, path)
 
@@ -239,17 +255,19 @@ class PrecisionBackend:
             tp_group: Any = None,
             **unused: Any,
         ) -> torch.Tensor:
-            if sequence_parallel or gradient_accumulation_fusion:
+            if gradient_accumulation_fusion:
                 raise NotImplementedError(
-                    f"the {self.name} backend runs megatron linears without sequence parallelism "
-                    "and gradient-accumulation fusion; turn them off or use te_fp8"
+                    f"the {self.name} backend runs megatron linears without gradient-accumulation "
+                    "fusion; set gradient_accumulation_fusion=False or use te_fp8"
                 )
-            if allreduce_dgrad:
-                from megatron.core.tensor_parallel.mappings import (
-                    copy_to_tensor_model_parallel_region,
-                )
+            from megatron.core.tensor_parallel import mappings
 
-                input = copy_to_tensor_model_parallel_region(input, group=tp_group)
+            if sequence_parallel:
+                input = mappings.gather_from_sequence_parallel_region(
+                    input, tensor_parallel_output_grad=True, group=tp_group
+                )
+            elif allreduce_dgrad:
+                input = mappings.copy_to_tensor_model_parallel_region(input, group=tp_group)
             return gemm(input, weight, bias)
 
         return forward_impl

@@ -29,7 +29,10 @@ from torch import nn
 from gnmr_dist.distributed.comm import Group, all_reduce_sum, all_reduce_sum_async
 from gnmr_dist.distributed.units import UnitRegistry
 
-__all__ = ["GradNormMonitor", "UnitNorms", "default_grad", "sum_of_squares_by_slot"]
+__all__ = [
+    "GradNormMonitor", "IndexCache", "UnitNorms", "default_grad", "index_tensor",
+    "sum_of_squares_by_slot",
+]  # fmt: skip
 
 GradFn = Callable[[nn.Parameter], torch.Tensor | None]
 
@@ -59,7 +62,9 @@ def _norm_dtype(dtype: torch.dtype) -> torch.dtype:
 IndexCache = dict[tuple[int, ...], torch.Tensor]
 
 
-def _index(slots: list[int], device: torch.device, cache: IndexCache | None) -> torch.Tensor:
+def index_tensor(
+    slots: Sequence[int], device: torch.device, cache: IndexCache | None
+) -> torch.Tensor:
     """The slot ids as a device tensor, built once per distinct list (a host->device copy)."""
     key = tuple(slots)
     if cache is not None and key in cache:
@@ -90,7 +95,7 @@ def sum_of_squares_by_slot(
         ss.append(s)
     for (_, dtype), (ts, ss) in groups.items():
         norms = torch.stack(torch._foreach_norm(ts, 2, dtype=_norm_dtype(dtype)))
-        index = _index(ss, device, index_cache)
+        index = index_tensor(ss, device, index_cache)
         out.index_add_(0, index, norms.to(device=device, dtype=torch.float64).square())
     return out
 

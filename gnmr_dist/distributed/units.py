@@ -186,6 +186,22 @@ def _local_units(
     return units
 
 
+def _chunk_units(
+    chunks: Sequence[nn.Module],
+    granularity: str,
+    layer_offset: int,
+    eligible_fn: Callable[[str, nn.Module], bool],
+) -> list[_LocalUnit]:
+    """:func:`_local_units` of every model chunk; module paths become ``"<chunk>:<path>"``."""
+    if len(chunks) == 1:
+        return _local_units(chunks[0], granularity, layer_offset, eligible_fn)
+    return [
+        _LocalUnit(u.name, u.key, f"{i}:{u.module_path}", u.eligible)
+        for i, chunk in enumerate(chunks)
+        for u in _local_units(chunk, granularity, layer_offset, eligible_fn)
+    ]
+
+
 def _select(
     units: list[_LocalUnit], include: Sequence[str], exclude: Sequence[str]
 ) -> list[_LocalUnit]:
@@ -223,11 +239,17 @@ class UnitRegistry:
         self.param_slots = torch.tensor(list(param_slots), dtype=torch.int64)
         self.param_names = tuple(param_names)
         self.index = {n: i for i, n in enumerate(self.names)}
+        self.slot_of_param: dict[int, int] = {
+            id(p): int(s) for p, s in zip(self.params, self.param_slots.tolist(), strict=True)
+        }
+        """``id(parameter) -> slot`` for EVERY local parameter, counted or not (the rest slot
+        for those outside all units): what framework glue uses to attribute a gradient that the
+        framework itself has already filtered (megatron's clip-norm list)."""
 
     @classmethod
     def from_model(
         cls,
-        model: nn.Module,
+        model: nn.Module | Sequence[nn.Module],
         *,
         granularity: str = "operator",
         include: Sequence[str] = (),
@@ -238,6 +260,9 @@ class UnitRegistry:
         eligible_fn: Callable[[str, nn.Module], bool] | None = None,
     ) -> UnitRegistry:
         """Find the units of ``model`` and agree on their ids with every rank of ``group``.
+
+        ``model`` may be the list of model chunks of this rank (megatron's virtual pipeline:
+        several chunks, each holding non-adjacent global layers); their units are merged.
 
         Args:
             granularity: ``"operator"`` (each projection) or ``"layer"`` (each transformer layer).
@@ -255,8 +280,9 @@ class UnitRegistry:
             raise ValueError(
                 f"granularity must be one of {list(_GRANULARITIES)}, got {granularity!r}"
             )
+        chunks = [model] if isinstance(model, nn.Module) else list(model)
         local = _select(
-            _local_units(model, granularity, layer_offset, eligible_fn or (lambda n, m: True)),
+            _chunk_units(chunks, granularity, layer_offset, eligible_fn or (lambda n, m: True)),
             include,
             exclude,
         )
@@ -267,31 +293,42 @@ class UnitRegistry:
                 f"exclude={list(exclude)}: does the model have transformer layers or linear "
                 "operators?"
             )
-        return cls._bind(model, names, eligible, local, group_rank(tp_group), layer_offset)
+        return cls._bind(chunks, names, eligible, local, group_rank(tp_group), layer_offset)
 
     @classmethod
     def _bind(
         cls,
-        model: nn.Module,
+        model: nn.Module | Sequence[nn.Module],
         names: list[str],
         eligible: list[bool],
         local: list[_LocalUnit],
         tp_rank: int,
         layer_offset: int,
     ) -> UnitRegistry:
+        chunks = [model] if isinstance(model, nn.Module) else list(model)
         index = {n: i for i, n in enumerate(names)}
         path_slot = {u.module_path: index[u.name] for u in local}
-        modules = dict(model.named_modules())
-        layers = _find_layers(model, layer_offset)
-        params, slots, pnames = [], [], []
-        for pname, param in model.named_parameters():
-            if not _counted(param, tp_rank):
-                continue
-            params.append(param)
-            slots.append(_slot_of(pname, path_slot, len(names)))
-            pnames.append(_globalize(pname, layers))
-        local_modules = {index[u.name]: modules[u.module_path] for u in local}
-        return cls(names, eligible, local_modules, params, slots, pnames)
+        params, slots, pnames, every = [], [], [], []
+        local_modules: dict[int, nn.Module] = {}
+        for c, chunk in enumerate(chunks):
+            prefix = f"{c}:" if len(chunks) > 1 else ""
+            modules = dict(chunk.named_modules())
+            local_modules.update(
+                {index[u.name]: modules[u.module_path[len(prefix) :]]
+                 for u in local if u.module_path.startswith(prefix)}
+            )  # fmt: skip
+            layers = _find_layers(chunk, layer_offset)
+            for pname, param in chunk.named_parameters():
+                slot = _slot_of(pname, path_slot, len(names), prefix)
+                every.append((param, slot))
+                if not _counted(param, tp_rank):
+                    continue
+                params.append(param)
+                slots.append(slot)
+                pnames.append(_globalize(pname, layers))
+        registry = cls(names, eligible, local_modules, params, slots, pnames)
+        registry.slot_of_param = {id(p): s for p, s in every}
+        return registry
 
     def unit_params(self, unit: int) -> list[nn.Parameter]:
         """This rank's counted parameters of ``unit`` (``num_units`` for the rest bucket)."""
@@ -307,14 +344,14 @@ def _counted(param: nn.Parameter, tp_rank: int) -> bool:
     return bool(sharded) or tp_rank == 0
 
 
-def _slot_of(pname: str, path_slot: dict[str, int], rest: int) -> int:
+def _slot_of(pname: str, path_slot: dict[str, int], rest: int, prefix: str = "") -> int:
     """Slot of the innermost unit module whose path prefixes ``pname`` (else the rest slot)."""
     path = pname
     while "." in path:
         path = path.rpartition(".")[0]
-        if path in path_slot:
-            return path_slot[path]
-    return path_slot.get("", rest)
+        if prefix + path in path_slot:
+            return path_slot[prefix + path]
+    return path_slot.get(prefix, rest)
 
 
 def _agree(local: Iterable[_LocalUnit], group: Group | None) -> tuple[list[str], list[bool]]:

@@ -9,8 +9,15 @@
       "low_cost": {...}, "recovery": {...},        # the backend's option blocks
       "log": {"trace": "runs/x/trace.jsonl", "monitor": true, "every": 1},
       "check_consistency": false,
-      "on_missing_state": "error"      # error | fresh: a checkpoint without GNMR state
+      "on_missing_state": "error",     # error | fresh: a checkpoint without GNMR state
+      "attribution": {"max_rest_share": 0.99, "action": "error"}   # the guard, see below
     }
+
+``attribution`` is the guard on the per-unit attribution of the gradient (megatron-core): every
+step, the units must receive a share of the squared global norm, the parameters outside every
+unit (the "rest": embeddings, final norm, output layer) at most ``max_rest_share`` of it (0 < x
+<= 1; 1 disables the share check), and no gradient may be left unattributed. A violation is an
+error naming the cause (``action: "error"``) or one warning (``"warn"``).
 
 Every key is checked before anything starts: an unknown key names the closest valid one, a bad
 value names its full path (``gnmr.log.every``) and the allowed range, and the backend's option
@@ -27,10 +34,34 @@ from gnmr_dist.backends import BACKENDS
 from gnmr_dist.core import GNMRConfig
 from gnmr_dist.core.validation import check_keys, check_positive_int, closest
 
-__all__ = ["GNMRBlock", "LogOptions"]
+__all__ = ["AttributionGuard", "GNMRBlock", "LogOptions"]
 
 _UNITS = ("operator", "layer")
 _ON_MISSING = ("error", "fresh")
+_GUARD_ACTIONS = ("error", "warn")
+
+
+@dataclass(frozen=True)
+class AttributionGuard:
+    """The per-step check that the per-unit norms see the gradient (``gnmr.attribution``)."""
+
+    max_rest_share: float = 0.99
+    """Largest admitted share of the squared global norm outside every unit (0 < x <= 1)."""
+    action: str = "error"
+    """``"error"``: stop with a message naming the cause; ``"warn"``: log it once."""
+
+    @classmethod
+    def from_dict(cls, given: Mapping[str, Any] | None, path: str) -> AttributionGuard:
+        given = dict(given or {})
+        check_keys(given, ("max_rest_share", "action"), path)
+        share = given.get("max_rest_share", 0.99)
+        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= 1:
+            raise ValueError(
+                f"{path}.max_rest_share must be a number in (0, 1] (1 turns the share check "
+                f"off), got {share!r}"
+            )
+        action = _choice(given.get("action", "error"), _GUARD_ACTIONS, f"{path}.action")
+        return cls(float(share), action)
 
 
 @dataclass(frozen=True)
@@ -72,10 +103,11 @@ class GNMRBlock:
     log: LogOptions = field(default_factory=LogOptions)
     check_consistency: bool = False
     on_missing_state: str = "error"
+    attribution: AttributionGuard = field(default_factory=AttributionGuard)
 
     KEYS = (
         "enabled", "backend", "units", "include", "exclude", "low_cost", "recovery", "log",
-        "check_consistency", "on_missing_state", *GNMRConfig.field_names(),
+        "check_consistency", "on_missing_state", "attribution", *GNMRConfig.field_names(),
     )  # fmt: skip
 
     @classmethod
@@ -100,6 +132,9 @@ class GNMRBlock:
             ),
             on_missing_state=_choice(
                 block.get("on_missing_state", "error"), _ON_MISSING, f"{path}.on_missing_state"
+            ),
+            attribution=AttributionGuard.from_dict(
+                _mapping(block.get("attribution"), f"{path}.attribution"), f"{path}.attribution"
             ),
         )
 

@@ -793,28 +793,10 @@ def _build(args: argparse.Namespace, device: torch.device) -> _Run:
     block = GNMRBlock.from_dict(args.gnmr)
     handle = None
     if block.enabled:
-        fused = _fused_norm_checked()
-        handle = megatron_patches.apply(model, block, optimizer=optimizer, fused_norm=fused)
+        handle = megatron_patches.apply(model, block, optimizer=optimizer)
     run = _Run(args, model, optimizer, handle, _Batches(args, device), _layer_params(model))
     run.history = {k: [] for k in ("iteration", "loss", "grad_norm", "step", "active", "risk")}
     return run
-
-
-def _fused_norm_checked() -> bool:
-    """Carry GNMR in megatron's clip-norm all-reduce only on a megatron-core series it was
-    checked on (``megatron_patches.FUSED_NORM_VERSIONS``); elsewhere GNMR adds its own small
-    all-reduce per step (``U + 1`` float64 values) and says so once."""
-    import megatron_patches
-
-    series = megatron_patches.megatron_series()
-    if series in megatron_patches.FUSED_NORM_VERSIONS:
-        return True
-    logger.warning(
-        "megatron-core %s: GNMR's fused clip-norm patch is checked on %s only; using GNMR's "
-        "own all-reduce of the per-unit norms (one extra small collective per step)",
-        series, ", ".join(megatron_patches.FUSED_NORM_VERSIONS),
-    )  # fmt: skip
-    return False
 
 
 def pretrain(args: argparse.Namespace) -> dict[str, Any]:

@@ -307,14 +307,3 @@ def test_indexed_dataset_is_read_as_token_ids(tmp_path, monkeypatch, capsys):
     with pytest.raises(ValueError, match="holds token id 126, but --vocab-size is 100"):
         _Batches(parse_args([*MODEL, "--vocab-size", "100", "--data", str(tmp_path / "c")]),
                  torch.device("cpu"))  # fmt: skip
-
-
-def test_unchecked_megatron_series_uses_its_own_all_reduce(monkeypatch, caplog):
-    import megatron_patches
-    from gnmr_dist.integrations.megatron_pretrain import _fused_norm_checked
-
-    assert _fused_norm_checked()  # 0.16, the series the fused patch is checked on
-    monkeypatch.setattr(megatron_patches, "FUSED_NORM_VERSIONS", ("0.99",))
-    with caplog.at_level("WARNING"):
-        assert not _fused_norm_checked()
-    assert "checked on 0.99 only; using GNMR's own all-reduce" in caplog.text
