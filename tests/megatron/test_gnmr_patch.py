@@ -183,3 +183,55 @@ def test_rerun_replays_the_plan_and_chains_megatrons_hooks():
     plan, calls = multiproc.run(_rerun_worker, 1)[0]
     assert plan == {1}
     assert calls == ["save", ("restore", {"megatron": 1})]
+
+
+def _guard_worker(rank, world, breakage, action):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    import megatron_patches
+    from megatron_patches import enable_cpu_compat
+    from tests.megatron import gpt
+
+    enable_cpu_compat()
+    full, _ = gpt.full_reference(1)
+    model = gpt.parallel_model(1, 1, full)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="sgd", lr=0.05, clip_grad=1.0), [model])
+    block = {"max_active": 2, "attribution": {"action": action}}
+    handle = megatron_patches.apply(model, block, optimizer=opt)
+    rest = handle.registry.num_units
+    if breakage == "rest":  # the old bug: every gradient missed, so it lands in the rest slot
+        handle.attribution.slots = lambda grads: [rest] * len(grads)
+    elif breakage == "unattributed":  # main parameters the optimizer structures do not pair
+        handle.attribution._main_slots = dict.fromkeys(handle.attribution._main_slots, rest + 1)
+    errors = []
+    for step in range(1, 4):
+        gpt.train_step(model, step)
+        try:
+            opt.step()
+            handle.settle()
+        except RuntimeError as err:
+            errors.append(str(err))
+            break
+    steps = handle.controller.step_count
+    megatron_patches.remove()
+    return errors, steps
+
+
+@pytest.mark.parametrize(
+    "breakage, message",
+    [
+        ("rest", "the units received no gradient while the total norm is"),
+        ("unattributed", "100.0% of the squared gradient norm megatron's clip norm reads could not"),
+    ],
+)
+def test_attribution_guard_fires_on_a_broken_mapping(breakage, message, caplog):
+    errors, steps = multiproc.run(_guard_worker, 1, breakage, "error")[0]
+    assert len(errors) == 1 and message in errors[0] and "at step 1" in errors[0]
+    assert "gnmr.attribution.action='warn'" in errors[0] and steps == 0
+
+
+def test_attribution_guard_can_warn_once_instead():
+    errors, steps = multiproc.run(_guard_worker, 1, "rest", "warn")[0]
+    assert errors == [] and steps == 3
+    errors, steps = multiproc.run(_guard_worker, 1, None, "error")[0]
+    assert errors == [] and steps == 3  # the real mapping passes the guard every step
