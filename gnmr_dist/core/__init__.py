@@ -1,5 +1,8 @@
 """Pure maths and policy of GNMR: scores, schedules, config and the controller.
 
+DESIGN.md section 2 (GNMR, delta-GNMR, budget, lock, warm-up) and its optional section 2.1
+(the damage-aware error term, on with ``GNMRConfig(gamma=...)``).
+
 This layer imports nothing but torch and the standard library; every other layer of gnmr-dist
 builds on it and it never imports them.
 """
@@ -7,7 +10,7 @@ builds on it and it never imports them.
 from gnmr_dist.core.config import GNMRConfig
 from gnmr_dist.core.controller import Decision, GNMRController, Telemetry
 from gnmr_dist.core.schedule import Schedule, ScheduleKind
-from gnmr_dist.core.scores import ratio, risk_scores
+from gnmr_dist.core.scores import error_scores, ratio, risk_scores
 
 __all__ = [
     "Decision",
@@ -16,6 +19,7 @@ __all__ = [
     "Schedule",
     "ScheduleKind",
     "Telemetry",
+    "error_scores",
     "ratio",
     "risk_scores",
 ]

@@ -1,10 +1,12 @@
 """The GNMR controller: per-unit risk scores in, a budgeted recovery set out.
 
 Each optimizer step ``t`` the controller receives one vector of U global per-unit gradient norms
-and returns a :class:`Decision`: the set ``A`` of at most ``max_active`` units that run the
-recovery path on the *next* step. The policy (DESIGN.md section 2):
+(and, with section 2.1's term on, one vector of U error scores) and returns a :class:`Decision`:
+the set ``A`` of at most ``max_active`` units that run the recovery path on the *next* step. The
+policy (DESIGN.md sections 2 and 2.1):
 
-1. score every unit (GNMR, delta-GNMR, ``risk = max(GNMR / alpha_t, dGNMR / beta_t)``);
+1. score every unit (GNMR, delta-GNMR, ``risk = max(GNMR / alpha_t, dGNMR / beta_t)``, or with
+   ``gamma`` set ``risk = max(GNMR / alpha_t, dGNMR / beta_t, e_t / gamma_t)``);
    ``exceed = risk > 1``;
 2. a unit that does not exceed counts its lock down by one;
 3. candidates are eligible units that exceed or still hold a lock (none during warm-up);
@@ -17,10 +19,28 @@ the number of lock holders within the budget. Then the history absorbs the step:
 enter the running sum, finite GNMR values enter the window; non-finite norms are not recorded,
 so one overflow does not poison a unit's mean for the rest of training.
 
+**The damage-aware term (section 2.1).** GNMR and delta-GNMR compare a unit with its own past,
+so a unit that the low-cost path damages at every step never stands out. With
+``GNMRConfig(gamma=...)`` the backend also reports ``e_t(u) >= 0``, a dimensionless score of what
+the low-cost path does to unit u's gradient, and ``e_t / gamma_t`` becomes a third risk term. A
+unit whose error stays above ``gamma_t`` therefore exceeds at every step and, once selected,
+keeps its lock and its place in ``A`` (unless riskier units displace it) however flat its norms
+are. The error term is absolute and memoryless: it never enters the norm history (S, c and W
+are exactly what they would be without it), a non-finite ``e`` scores +inf, and the candidates,
+budget, lock and warm-up rules are unchanged. Choices where DESIGN.md leaves room:
+
+* the controller keeps no error state. DESIGN allows errors measured only on probe steps and
+  carried forward in between; the *caller* carries them, and ``step(norms, errors=e)`` must get
+  a full vector at every step while ``gamma`` is set (``errors=None`` then raises
+  ``ValueError``, so a wiring mistake cannot silently turn the term off). Passing ``errors``
+  without ``gamma`` raises too, naming ``gnmr.gamma``.
+* With ``gamma`` unset the term does not exist: no extra op touches the risk, and every score
+  and decision is bit-identical to section 2's.
+
 The state is a handful of float64/int64 vectors of length U plus the ``U x window`` window of past
 scores, so ``state_dict()`` is plain tensors and ints that load under
 ``torch.load(weights_only=True)``, and a restored controller makes bit-identical decisions to one
-that never stopped.
+that never stopped. The error term adds nothing to it (see :data:`STATE_VERSION`).
 """
 
 from __future__ import annotations
@@ -33,7 +53,7 @@ from typing import Any
 import torch
 
 from gnmr_dist.core.config import GNMRConfig
-from gnmr_dist.core.scores import risk_scores
+from gnmr_dist.core.scores import error_scores, risk_scores
 from gnmr_dist.core.state import check_state
 
 __all__ = ["Decision", "GNMRController", "Telemetry"]
@@ -42,7 +62,21 @@ logger = logging.getLogger(__name__)
 
 NormsLike = torch.Tensor | Sequence[float] | Any
 
+_VECTORS = {
+    "norms": ("per-unit norms", "they are L2 norms"),
+    "errors": ("per-unit error scores", "they are error magnitudes, DESIGN.md section 2.1"),
+}
+"""What :meth:`GNMRController.step` calls each input vector in its error messages."""
+
 STATE_VERSION = 1
+"""Format version of :meth:`GNMRController.state_dict`.
+
+Still 1 with section 2.1: the error term keeps no state (the caller supplies ``e_t`` at every
+step), so the state's keys, shapes and dtypes are unchanged and states written before ``gamma``
+existed load as they are. ``gamma`` only shows up inside the saved ``"config"`` dict, which is
+compared with the current policy and never shapes the state. Bump this only when the tensors
+change, and keep reading version 1 then.
+"""
 
 
 @dataclass(frozen=True)
@@ -62,7 +96,10 @@ class Telemetry:
     num_nonfinite: int
     """Units whose norm was NaN or +-inf at this step."""
     max_risk: float
-    """Largest risk over all units (``inf`` when any norm is non-finite)."""
+    """Largest risk over all units (``inf`` when any norm or error score is non-finite)."""
+    num_error_exceed: int = 0
+    """Units whose error term alone exceeds, ``e_t / gamma_t > 1`` (all units, eligible or not;
+    non-finite ``e`` included). Always 0 without ``gamma`` (DESIGN.md section 2.1)."""
 
     def as_dict(self) -> dict[str, float]:
         """Flat ``{name: value}`` for loggers and JSON traces."""
@@ -84,7 +121,8 @@ class Decision:
     delta_gnmr: torch.Tensor
     """float64 [U]: delta-GNMR score of each unit."""
     risk: torch.Tensor
-    """float64 [U]: ``max(GNMR / alpha_t, dGNMR / beta_t)``."""
+    """float64 [U]: ``max(GNMR / alpha_t, dGNMR / beta_t)``, with ``gamma`` set
+    ``max(GNMR / alpha_t, dGNMR / beta_t, error / gamma_t)``."""
     exceed: torch.Tensor
     """bool [U]: ``risk > 1``."""
     alpha: float
@@ -93,6 +131,12 @@ class Decision:
     """``beta_t`` used at this step."""
     telemetry: Telemetry
     """Summary counts for logging."""
+    error: torch.Tensor | None = None
+    """float64 [U]: the error score ``e_t`` of each unit as scored, i.e. as passed with every
+    non-finite value (NaN, +-inf) replaced by +inf; its risk term is ``error / gamma``. Raw like
+    :attr:`gnmr` (the threshold is in :attr:`gamma`). ``None`` without ``gamma``."""
+    gamma: float | None = None
+    """``gamma_t`` used at this step; ``None`` when the section 2.1 term is off."""
 
     @property
     def active_mask(self) -> torch.Tensor:
@@ -102,8 +146,20 @@ class Decision:
         return mask
 
 
+def _as_tensor(values: NormsLike, name: str) -> torch.Tensor:
+    if isinstance(values, torch.Tensor):
+        return values.detach()
+    try:
+        if hasattr(values, "dtype"):  # an array keeps its dtype, so a complex one is refused
+            return torch.as_tensor(values)
+        # Python floats must not pass through torch's float32 default dtype on the way in.
+        return torch.as_tensor(values, dtype=torch.float64)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise ValueError(f"{name} must be a 1-D vector of real numbers: {err}") from None
+
+
 class GNMRController:
-    """Budgeted recovery controller over ``num_units`` units (DESIGN.md section 2).
+    """Budgeted recovery controller over ``num_units`` units (DESIGN.md sections 2 and 2.1).
 
     Args:
         num_units: number of units U (ids ``0..U-1``, identical on every rank).
@@ -160,42 +216,88 @@ class GNMRController:
         """int64 [U]: a copy of the lock counters."""
         return self._lock.clone()
 
-    def step(self, norms: NormsLike) -> Decision:
+    def step(self, norms: NormsLike, *, errors: NormsLike | None = None) -> Decision:
         """Score one step's per-unit global gradient norms and choose the next active set.
 
         ``norms`` is a 1-D tensor/array/sequence of U values >= 0 (NaN and +-inf allowed: such
         units score +inf and their history is left untouched). A tensor on an accelerator is
         copied to the host once (the decision is needed there anyway).
+
+        ``errors`` are section 2.1's error scores ``e_t``, one per unit, in the same form as
+        ``norms`` (>= 0; a non-finite value gives risk +inf). They are required while
+        ``config.gamma`` is set (carry the last measured values forward between probe steps) and
+        refused while it is not; they never enter the norm history.
         """
-        n = self._check_norms(norms)
+        n = self._check_vector(norms, "norms")
         t = self._step + 1
         alpha, beta = self.config.thresholds_at(t)
+        gamma = self.config.gamma_at(t)
+        e = self._check_errors(errors, gamma)
         gnmr, dgnmr, risk = risk_scores(
-            n, self._sum, self._count, self._window_mean(), self._wlen, alpha, beta
+            n,
+            self._sum,
+            self._count,
+            self._window_mean(),
+            self._wlen,
+            alpha,
+            beta,
+            errors=e,
+            gamma=gamma,
         )
         exceed = risk > 1.0
         cand_mask, active = self._select(t, risk, exceed)
         finite = torch.isfinite(n)
         self._record(n, gnmr, finite)
         self._step = t
-        return self._decision(t, alpha, beta, gnmr, dgnmr, risk, exceed, cand_mask, active, finite)
-
-    def _check_norms(self, norms: NormsLike) -> torch.Tensor:
-        # Python floats must not pass through torch's float32 default dtype on the way in.
-        n = (
-            norms.detach()
-            if isinstance(norms, torch.Tensor)
-            else torch.as_tensor(norms, dtype=torch.float64)
+        return Decision(
+            step=t,
+            active=tuple(active.tolist()),
+            candidates=tuple(cand_mask.nonzero().flatten().tolist()),
+            gnmr=gnmr,
+            delta_gnmr=dgnmr,
+            risk=risk,
+            exceed=exceed,
+            alpha=alpha,
+            beta=beta,
+            telemetry=self._telemetry(risk, exceed, cand_mask, active, finite, e, gamma),
+            error=e,
+            gamma=gamma,
         )
-        if n.dim() != 1 or n.numel() != self.num_units:
+
+    def _check_vector(self, values: NormsLike, name: str) -> torch.Tensor:
+        """``values`` as a float64 host vector of U entries >= 0 (non-finite allowed)."""
+        what, why = _VECTORS[name]
+        x = _as_tensor(values, name)
+        if x.dtype.is_complex or x.dtype == torch.bool:
+            raise ValueError(f"{name} must hold real numbers, got dtype {x.dtype}")
+        if x.dim() != 1 or x.numel() != self.num_units:
             raise ValueError(
-                f"norms must be a 1-D vector of num_units={self.num_units} per-unit norms, "
-                f"got shape {list(n.shape)}"
+                f"{name} must be a 1-D vector of num_units={self.num_units} {what}, "
+                f"got shape {list(x.shape)}"
             )
-        n = n.to(device="cpu", dtype=torch.float64)
-        if bool(((n < 0) & torch.isfinite(n)).any()):
-            raise ValueError("norms must be >= 0 (they are L2 norms); got a negative value")
-        return n
+        x = x.to(device="cpu", dtype=torch.float64)
+        negative = (x < 0) & torch.isfinite(x)
+        if bool(negative.any()):
+            unit = int(negative.nonzero()[0])
+            raise ValueError(f"{name} must be >= 0 ({why}); got {x[unit].item()!r} for unit {unit}")
+        return x
+
+    def _check_errors(self, errors: NormsLike | None, gamma: float | None) -> torch.Tensor | None:
+        """The scored error vector (non-finite as +inf), or ``None`` without the error term."""
+        if gamma is None:
+            if errors is not None:
+                raise ValueError(
+                    "step() got errors but gnmr.gamma is not set: set gnmr.gamma (a number > 0 "
+                    "or a schedule) to score them (DESIGN.md section 2.1), or stop passing errors"
+                )
+            return None
+        if errors is None:
+            raise ValueError(
+                "gnmr.gamma is set, so step() needs errors=: one error score per unit at every "
+                "step (carry the last measured values forward between probe steps), or set "
+                "gnmr.gamma to null to leave the error term out"
+            )
+        return error_scores(self._check_vector(errors, "errors"))
 
     def _window_mean(self) -> torch.Tensor:
         # The window is right-aligned with zero padding in front, and cumsum adds each row left to
@@ -231,20 +333,20 @@ class GNMRController:
             push, torch.clamp(self._wlen + 1, max=self.config.window), self._wlen
         )
 
-    def _decision(
+    def _telemetry(
         self,
-        t: int,
-        alpha: float,
-        beta: float,
-        gnmr: torch.Tensor,
-        dgnmr: torch.Tensor,
         risk: torch.Tensor,
         exceed: torch.Tensor,
         cand_mask: torch.Tensor,
         active: torch.Tensor,
         finite: torch.Tensor,
-    ) -> Decision:
-        telemetry = Telemetry(
+        errors: torch.Tensor | None,
+        gamma: float | None,
+    ) -> Telemetry:
+        error_exceed = 0
+        if errors is not None and gamma is not None:
+            error_exceed = int((errors / gamma > 1.0).sum())
+        return Telemetry(
             num_exceed=int(exceed.sum()),
             num_exceed_eligible=int((exceed & self.eligible).sum()),
             num_candidates=int(cand_mask.sum()),
@@ -252,25 +354,17 @@ class GNMRController:
             num_locked=int((self._lock > 0).sum()),
             num_nonfinite=int((~finite).sum()),
             max_risk=float(risk.max()),
-        )
-        candidates = tuple(cand_mask.nonzero().flatten().tolist())
-        return Decision(
-            step=t,
-            active=tuple(active.tolist()),
-            candidates=candidates,
-            gnmr=gnmr,
-            delta_gnmr=dgnmr,
-            risk=risk,
-            exceed=exceed,
-            alpha=alpha,
-            beta=beta,
-            telemetry=telemetry,
+            num_error_exceed=error_exceed,
         )
 
     # ------------------------------------------------------------------ checkpointing
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain tensors, ints and a JSON-like config: safe for ``weights_only=True`` loads."""
+        """Plain tensors, ints and a JSON-like config: safe for ``weights_only=True`` loads.
+
+        Format :data:`STATE_VERSION` (1). The section 2.1 error term stores nothing here: its
+        scores come with every :meth:`step` call, so only ``config`` shows ``gamma`` (when set).
+        """
         return {
             "version": STATE_VERSION,
             "num_units": self.num_units,
@@ -288,8 +382,10 @@ class GNMRController:
         """Restore a :meth:`state_dict`; raises ``ValueError`` naming what does not fit.
 
         ``num_units`` and ``window`` must match this controller (they fix the state's shapes).
-        Other policy fields (budget, thresholds, lock, warm-up) may differ: the current config
-        wins and the difference is logged, so a run can be resumed with a retuned policy.
+        Other policy fields (budget, thresholds, lock, warm-up, ``gamma``) may differ: the
+        current config wins and the difference is logged, so a run can be resumed with a retuned
+        policy, with the error term turned on or off. States saved before ``gamma`` existed are
+        version 1 too and load unchanged (the error term keeps no state).
         """
         check_state(state, self.num_units, self.config.window, STATE_VERSION)
         saved_cfg = dict(state["config"])

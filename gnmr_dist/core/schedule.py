@@ -1,4 +1,4 @@
-"""Threshold schedules for ``alpha_t`` and ``beta_t``.
+"""Threshold schedules for ``alpha_t``, ``beta_t`` and the optional ``gamma_t``.
 
 A threshold is either a positive number or a schedule evaluated at the 1-based optimizer step
 ``t`` with the progress fraction ``f = min((t - 1) / steps, 1)``:
@@ -26,6 +26,7 @@ __all__ = [
     "Schedule",
     "ScheduleKind",
     "Threshold",
+    "parse_optional_threshold",
     "parse_threshold",
     "threshold_at",
     "threshold_to_json",
@@ -113,6 +114,18 @@ def parse_threshold(value: Any, path: str) -> Threshold:
     if isinstance(value, Mapping):
         return _parse_schedule(value, path)
     return check_positive_number(value, path, alternative=_SCHEDULE_FORM)
+
+
+def parse_optional_threshold(value: Any, path: str) -> Threshold | None:
+    """Like :func:`parse_threshold`, but ``None`` (JSON ``null``) means "no threshold".
+
+    Used for ``gamma`` (DESIGN.md section 2.1), whose absence turns its score term off.
+    """
+    if value is None or isinstance(value, (Schedule, Mapping)):
+        return None if value is None else parse_threshold(value, path)
+    return check_positive_number(
+        value, path, alternative=_SCHEDULE_FORM + ", or null to leave the term out"
+    )
 
 
 def threshold_at(threshold: Threshold, step: int) -> float:

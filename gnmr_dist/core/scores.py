@@ -1,4 +1,4 @@
-r"""The two GNMR risk scores, vectorised over units.
+r"""The GNMR risk scores, vectorised over units.
 
 For unit ``u`` with gradient norm ``n_t(u)`` at optimizer step ``t``:
 
@@ -18,6 +18,13 @@ so a unit whose history is all zeros scores 1 while it stays at zero and +inf th
 moves. A unit with no history (``c == 0``, or ``W`` empty) scores 1.0, and a non-finite norm
 scores +inf on every score.
 
+* **error term** (optional, DESIGN.md section 2.1): both scores above compare a unit with its own
+  past, so a unit that the low-cost path damages at every step looks normal to them. A backend
+  may report a dimensionless error score ``e_t >= 0`` per unit (what the low-cost path does to
+  that unit's gradient); with a threshold ``gamma_t`` it enters the risk as a third term,
+  ``risk = max(GNMR / alpha, dGNMR / beta, e / gamma)``. It is already dimensionless and absolute
+  (no history), so it is used as given, and a non-finite ``e`` (NaN, +-inf) counts as +inf.
+
 Everything here is a few elementwise ops on float64 vectors of length U; nothing loops over units.
 """
 
@@ -25,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ratio", "risk_scores"]
+__all__ = ["error_scores", "ratio", "risk_scores"]
 
 
 def ratio(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -33,6 +40,11 @@ def ratio(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     safe_b = torch.where(b > 0, b, torch.ones_like(b))
     out = torch.where(b > 0, a / safe_b, torch.full_like(a, float("inf")))
     return torch.where((a == 0) & (b == 0), torch.ones_like(a), out)
+
+
+def error_scores(errors: torch.Tensor) -> torch.Tensor:
+    """The section 2.1 error scores ``e_t`` with every non-finite value (NaN, +-inf) as +inf."""
+    return torch.where(torch.isfinite(errors), errors, torch.full_like(errors, float("inf")))
 
 
 def risk_scores(
@@ -43,13 +55,20 @@ def risk_scores(
     window_len: torch.Tensor,
     alpha: float,
     beta: float,
+    *,
+    errors: torch.Tensor | None = None,
+    gamma: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """GNMR, delta-GNMR and risk = max(GNMR / alpha, dGNMR / beta) for every unit.
+    """GNMR, delta-GNMR and risk = max(GNMR / alpha, dGNMR / beta[, e / gamma]) for every unit.
 
     ``norms`` may hold NaN or +-inf; those units score +inf. ``norm_sum``/``norm_count`` are the
     sum and count of past finite norms, ``window_mean``/``window_len`` the mean and size of the
-    window of past finite GNMR values. All float64 except the integer counts.
+    window of past finite GNMR values. All float64 except the integer counts. ``errors`` (float64
+    [U], >= 0, non-finite counts as +inf) and ``gamma`` add section 2.1's error term; without
+    them the risk is section 2's, bit for bit.
     """
+    if (errors is None) != (gamma is None):
+        raise ValueError("risk_scores needs both errors and gamma for the error term, or neither")
     finite = torch.isfinite(norms)
     clean = torch.where(finite, norms, torch.zeros_like(norms))
     have_mean = norm_count > 0
@@ -60,4 +79,6 @@ def risk_scores(
     gnmr = torch.where(finite, gnmr, inf)
     dgnmr = torch.where(finite, dgnmr, inf)
     risk = torch.maximum(gnmr / alpha, dgnmr / beta)
+    if errors is not None and gamma is not None:
+        risk = torch.maximum(risk, error_scores(errors) / gamma)
     return gnmr, dgnmr, risk

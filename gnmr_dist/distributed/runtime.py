@@ -101,6 +101,13 @@ class GNMRRuntime:
         self.controller = controller or GNMRController(
             registry.num_units, config, eligible=registry.eligible
         )
+        if self.controller.config.gamma is not None:
+            raise ValueError(
+                "gnmr.gamma: the section 2.1 error term needs per-unit error scores reduced with "
+                "the norms, and no integration feeds them to the runtime yet (the controller "
+                "alone takes them: GNMRController.step(norms, errors=...)); leave gnmr.gamma "
+                "unset here"
+            )
         if self.controller.num_units != registry.num_units:
             raise ValueError(
                 f"controller has {self.controller.num_units} units, "

@@ -1,7 +1,9 @@
-"""An independent, deliberately naive reference of DESIGN.md section 2.
+"""An independent, deliberately naive reference of DESIGN.md sections 2 and 2.1.
 
 Plain Python floats and lists, one unit at a time, written from the spec text and sharing no code
 with ``gnmr_dist.core``: the vectorised controller must agree with it decision for decision.
+With ``gamma`` (section 2.1) each step also takes one error score per unit, and the risk gains
+the term ``e / gamma_t`` (+inf for a non-finite ``e``); the errors touch nothing else.
 """
 
 from __future__ import annotations
@@ -32,11 +34,20 @@ def ref_threshold(spec, t: int) -> float:
 
 class RefController:
     def __init__(
-        self, num_units, max_active, lock_steps, window, alpha, beta, warmup_steps, eligible=None
+        self,
+        num_units,
+        max_active,
+        lock_steps,
+        window,
+        alpha,
+        beta,
+        warmup_steps,
+        eligible=None,
+        gamma=None,
     ):
         self.u = num_units
         self.max_active, self.lock_steps, self.warmup = max_active, lock_steps, warmup_steps
-        self.alpha, self.beta = alpha, beta
+        self.alpha, self.beta, self.gamma = alpha, beta, gamma
         self.eligible = list(eligible) if eligible is not None else [True] * num_units
         self.S = [0.0] * num_units
         self.c = [0] * num_units
@@ -44,19 +55,27 @@ class RefController:
         self.lock = [0] * num_units
         self.t = 0
 
-    def step(self, norms):
+    def step(self, norms, errors=None):
+        assert (errors is None) == (self.gamma is None)
         self.t += 1
         t = self.t
         alpha, beta = ref_threshold(self.alpha, t), ref_threshold(self.beta, t)
-        gnmr, dgnmr, risk = [], [], []
+        gamma = None if self.gamma is None else ref_threshold(self.gamma, t)
+        gnmr, dgnmr, risk, error = [], [], [], []
         for u in range(self.u):
             n = float(norms[u])
+            if gamma is not None:
+                e = float(errors[u])
+                error.append(e if math.isfinite(e) else math.inf)
             if not math.isfinite(n):
                 g = d = r = math.inf
             else:
                 g = ref_ratio(n, self.S[u] / self.c[u]) if self.c[u] > 0 else 1.0
                 d = ref_ratio(g, sum(self.W[u]) / len(self.W[u])) if self.W[u] else 1.0
-                r = max(g / alpha, d / beta)
+                if gamma is None:
+                    r = max(g / alpha, d / beta)
+                else:
+                    r = max(g / alpha, d / beta, error[u] / gamma)
             gnmr.append(g)
             dgnmr.append(d)
             risk.append(r)
@@ -89,5 +108,7 @@ class RefController:
             "gnmr": gnmr,
             "delta_gnmr": dgnmr,
             "risk": risk,
+            "error": error if gamma is not None else None,
+            "gamma": gamma,
             "lock": list(self.lock),
         }

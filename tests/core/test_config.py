@@ -127,3 +127,67 @@ def test_config_is_frozen():
     cfg = GNMRConfig()
     with pytest.raises(AttributeError):
         cfg.max_active = 3  # type: ignore[misc]
+
+
+# ---------------------------------------------------------------- gamma (DESIGN.md section 2.1)
+
+OLD_DEFAULT_DICT = {
+    "max_active": 4,
+    "lock_steps": 8,
+    "window": 8,
+    "alpha": 1.5,
+    "beta": 2.0,
+    "warmup_steps": 8,
+}
+
+
+def test_gamma_is_off_by_default_and_absent_from_the_json_form():
+    cfg = GNMRConfig()
+    assert cfg.gamma is None and cfg.gamma_at(1) is None
+    # the JSON form of a config without gamma is exactly what it was before gamma existed
+    assert cfg.to_dict() == OLD_DEFAULT_DICT
+    assert GNMRConfig.from_dict(OLD_DEFAULT_DICT) == cfg
+    assert GNMRConfig.from_dict({"gamma": None}) == cfg
+    assert cfg.thresholds_at(3) == (1.5, 2.0)  # still a pair: callers index it
+
+
+def test_gamma_number_and_schedule_round_trip():
+    cfg = GNMRConfig.from_dict({"gamma": 2})
+    assert cfg.gamma == 2.0 and isinstance(cfg.gamma, float)
+    assert cfg.to_dict() == {**OLD_DEFAULT_DICT, "gamma": 2.0}
+    assert GNMRConfig.from_dict(cfg.to_dict()) == cfg
+    sched = {"schedule": "cosine", "start": 0.5, "end": 0.1, "steps": 10}
+    cfg = GNMRConfig.from_dict({"gamma": sched})
+    assert isinstance(cfg.gamma, Schedule) and cfg.gamma.schedule is ScheduleKind.COSINE
+    assert cfg.to_dict()["gamma"] == sched and GNMRConfig.from_dict(cfg.to_dict()) == cfg
+    assert cfg.gamma_at(1) == 0.5 and cfg.gamma_at(11) == 0.1
+    assert GNMRConfig(gamma=Schedule("linear", 1.0, 2.0, 4)).gamma_at(3) == 1.5
+    assert "gamma" in GNMRConfig.field_names()
+
+
+@pytest.mark.parametrize(
+    "value, msg",
+    [
+        (0, r"gnmr\.gamma must be a finite number > 0 or a schedule .*or null to leave"),
+        (-1.0, r"gnmr\.gamma must be a finite number > 0"),
+        (float("inf"), r"gnmr\.gamma must be a finite number > 0"),
+        (float("nan"), r"gnmr\.gamma must be a finite number > 0"),
+        ("0.5", r"gnmr\.gamma must be a finite number > 0"),
+        (True, r"gnmr\.gamma must be a finite number > 0"),
+        ({"schedule": "linear", "start": 1, "end": 0, "steps": 5}, r"gnmr\.gamma\.end must be"),
+        ({"schedule": "step", "start": 1, "end": 2, "steps": 5}, r"gnmr\.gamma\.schedule must"),
+        ({"schedule": "linear", "start": 1, "end": 2}, r"gnmr\.gamma is missing required key"),
+    ],
+)
+def test_bad_gamma_names_the_field_and_range(value, msg):
+    with pytest.raises(ValueError, match=msg):
+        GNMRConfig.from_dict({"gamma": value})
+    with pytest.raises(ValueError, match=msg):
+        GNMRConfig(gamma=value)
+
+
+def test_gamma_errors_follow_the_given_path_and_typos_are_caught():
+    with pytest.raises(ValueError, match=r"policy\.gamma must be a finite number > 0"):
+        GNMRConfig.from_dict({"gamma": 0}, path="policy")
+    with pytest.raises(ValueError, match=r"unknown key gnmr\.gama; did you mean 'gamma'"):
+        GNMRConfig.from_dict({"gama": 1.0})

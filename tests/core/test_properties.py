@@ -1,7 +1,9 @@
 """Property tests: every consequence DESIGN.md section 2 lists, on random traces.
 
 The controller is compared decision for decision with ``tests/core/reference.py``, a naive
-per-unit implementation written from the spec text alone.
+per-unit implementation written from the spec text alone. Scenarios draw section 2.1's ``gamma``
+too (absent, null, a number or a schedule) and, when it is set, a trace of error scores with NaN
+and +-inf in it; every property below must hold with and without the error term.
 """
 
 from __future__ import annotations
@@ -28,6 +30,11 @@ norm_value = st.one_of(
     st.floats(min_value=1e-30, max_value=1e3),
     st.sampled_from([0.0, 1.0, 2.0, 5.0, math.nan, math.inf]),
 )
+error_value = st.one_of(
+    st.floats(min_value=0.0, max_value=10.0),
+    st.sampled_from([0.0, 0.5, 1.0, 3.0, math.nan, math.inf, -math.inf]),
+)
+ABSENT = object()
 threshold = st.one_of(
     st.floats(min_value=0.25, max_value=5.0),
     st.fixed_dictionaries(
@@ -53,14 +60,27 @@ def scenarios(draw):
         "beta": draw(threshold),
         "warmup_steps": draw(st.integers(min_value=0, max_value=5)),
     }
+    gamma = draw(st.one_of(st.just(ABSENT), st.none(), threshold))
+    if gamma is not ABSENT:
+        cfg["gamma"] = gamma
     eligible = draw(st.lists(st.booleans(), min_size=u, max_size=u))
     trace = draw(st.lists(st.lists(norm_value, min_size=u, max_size=u), min_size=t, max_size=t))
-    return u, cfg, eligible, trace
+    errors = None
+    if cfg.get("gamma") is not None:
+        errors = draw(
+            st.lists(st.lists(error_value, min_size=u, max_size=u), min_size=t, max_size=t)
+        )
+    return u, cfg, eligible, trace, errors
 
 
-def run(u, cfg, eligible, trace):
+def run(u, cfg, eligible, trace, errors=None):
     ctrl = GNMRController(u, GNMRConfig.from_dict(cfg), eligible=eligible)
-    return ctrl, [ctrl.step(row) for row in trace]
+    rows = error_rows(errors, trace)
+    return ctrl, [ctrl.step(row, errors=e) for row, e in zip(trace, rows, strict=True)]
+
+
+def error_rows(errors, trace):
+    return errors if errors is not None else [None] * len(trace)
 
 
 def same_floats(tensor, values):
@@ -73,24 +93,31 @@ def same_floats(tensor, values):
 @SETTINGS
 @given(scenarios())
 def test_matches_independent_reference_exactly(case):
-    u, cfg, eligible, trace = case
+    u, cfg, eligible, trace, errors = case
     ctrl = GNMRController(u, GNMRConfig.from_dict(cfg), eligible=eligible)
     ref = RefController(u, eligible=eligible, **cfg)
-    for row in trace:
-        d, r = ctrl.step(row), ref.step(row)
+    for row, e in zip(trace, error_rows(errors, trace), strict=True):
+        d, r = ctrl.step(row, errors=e), ref.step(row, errors=e)
         assert (d.step, d.active, d.candidates) == (r["step"], r["active"], r["candidates"])
         assert same_floats(d.gnmr, r["gnmr"]) and same_floats(d.delta_gnmr, r["delta_gnmr"])
         assert same_floats(d.risk, r["risk"])
         assert ctrl.locks.tolist() == r["lock"]
+        assert d.gamma == r["gamma"]
+        if errors is None:
+            assert d.error is None and d.telemetry.num_error_exceed == 0
+        else:
+            assert d.error.tolist() == r["error"]
+            want = sum(x / r["gamma"] > 1 for x in r["error"])
+            assert d.telemetry.num_error_exceed == want
 
 
 @SETTINGS
 @given(scenarios())
 def test_budget_subsets_and_locks(case):
-    u, cfg, eligible, trace = case
+    u, cfg, eligible, trace, errors = case
     ctrl = GNMRController(u, GNMRConfig.from_dict(cfg), eligible=eligible)
-    for row in trace:
-        d = ctrl.step(row)
+    for row, e in zip(trace, error_rows(errors, trace), strict=True):
+        d = ctrl.step(row, errors=e)
         assert len(d.active) <= cfg["max_active"]
         assert set(d.active) <= set(d.candidates)
         assert all(eligible[i] for i in d.candidates)
@@ -109,8 +136,8 @@ def test_budget_subsets_and_locks(case):
 @SETTINGS
 @given(scenarios())
 def test_selected_unit_held_for_lock_steps_unless_displaced(case):
-    u, cfg, eligible, trace = case
-    _, ds = run(u, cfg, eligible, trace)
+    u, cfg, eligible, trace, errors = case
+    _, ds = run(u, cfg, eligible, trace, errors)
     hold = max(cfg["lock_steps"], 1)
     for t, d in enumerate(ds):
         for unit in d.active:
@@ -135,18 +162,19 @@ def test_selected_unit_held_for_lock_steps_unless_displaced(case):
     st.floats(min_value=1e-3, max_value=1e3),
 )
 def test_scores_are_dimensionless(case, which, power, factor):
-    u, cfg, eligible, trace = case
+    # the error scores are dimensionless already: they stay as they are while the norms scale
+    u, cfg, eligible, trace, errors = case
     k = which % u
-    _, base = run(u, cfg, eligible, trace)
+    _, base = run(u, cfg, eligible, trace, errors)
     # a power of two scales every float exactly: scores and decisions bit-identical
     exact = [[v * 2.0**power if i == k else v for i, v in enumerate(r)] for r in trace]
-    _, scaled = run(u, cfg, eligible, exact)
+    _, scaled = run(u, cfg, eligible, exact, errors)
     for a, b in zip(base, scaled, strict=True):
         assert a.active == b.active and a.candidates == b.candidates
         assert torch.equal(a.risk.nan_to_num(), b.risk.nan_to_num())
     # any c > 0: the same scores up to rounding; the other units untouched
     loose = [[v * factor if i == k else v for i, v in enumerate(r)] for r in trace]
-    _, scaled = run(u, cfg, eligible, loose)
+    _, scaled = run(u, cfg, eligible, loose, errors)
     for a, b in zip(base, scaled, strict=True):
         for name in ("gnmr", "delta_gnmr", "risk"):
             x, y = getattr(a, name), getattr(b, name)
@@ -163,17 +191,20 @@ def test_deterministic(case):
     for x, y in zip(a, b, strict=True):
         assert (x.active, x.candidates) == (y.active, y.candidates)
         assert torch.equal(x.risk, y.risk) and torch.equal(x.gnmr, y.gnmr)
+        assert (x.error is None) == (y.error is None)
+        assert x.error is None or torch.equal(x.error, y.error)
 
 
 @SETTINGS
 @given(scenarios(), st.integers(min_value=0, max_value=30))
 def test_save_restore_mid_run_gives_uninterrupted_decisions(case, cut):
-    u, cfg, eligible, trace = case
+    u, cfg, eligible, trace, errors = case
     cut = min(cut, len(trace))
-    _, full = run(u, cfg, eligible, trace)
+    rows = error_rows(errors, trace)
+    _, full = run(u, cfg, eligible, trace, errors)
     first = GNMRController(u, GNMRConfig.from_dict(cfg), eligible=eligible)
-    for row in trace[:cut]:
-        first.step(row)
+    for row, e in zip(trace[:cut], rows[:cut], strict=True):
+        first.step(row, errors=e)
     buf = io.BytesIO()
     torch.save(first.state_dict(), buf)
     buf.seek(0)
@@ -181,7 +212,31 @@ def test_save_restore_mid_run_gives_uninterrupted_decisions(case, cut):
     resumed = GNMRController(u, GNMRConfig.from_dict(cfg), eligible=eligible)
     resumed.load_state_dict(state)
     assert resumed.step_count == cut
-    for row, want in zip(trace[cut:], full[cut:], strict=True):
-        got = resumed.step(row)
+    for row, e, want in zip(trace[cut:], rows[cut:], full[cut:], strict=True):
+        got = resumed.step(row, errors=e)
         assert (got.step, got.active, got.candidates) == (want.step, want.active, want.candidates)
         assert torch.equal(got.risk, want.risk) and torch.equal(got.delta_gnmr, want.delta_gnmr)
+        assert got.gamma == want.gamma
+
+
+@SETTINGS
+@given(scenarios(), threshold, st.data())
+def test_error_term_is_neutral_at_zero_and_never_touches_the_history(case, gamma, data):
+    u, cfg, eligible, trace, _ = case
+    plain = {k: v for k, v in cfg.items() if k != "gamma"}
+    with_gamma = {**plain, "gamma": gamma}
+    ctrl0, base = run(u, plain, eligible, trace)
+    # e = 0 everywhere: e / gamma = 0 <= every risk, so scores and decisions are section 2's
+    _, zero = run(u, with_gamma, eligible, trace, [[0.0] * u for _ in trace])
+    for a, b in zip(base, zero, strict=True):
+        assert (a.active, a.candidates) == (b.active, b.candidates)
+        assert torch.equal(a.risk, b.risk) and torch.equal(a.exceed, b.exceed)
+    # any errors: other decisions, but GNMR, dGNMR and the history S, c, W stay bit-identical
+    row = st.lists(error_value, min_size=u, max_size=u)
+    noise = data.draw(st.lists(row, min_size=len(trace), max_size=len(trace)))
+    ctrl1, noisy = run(u, with_gamma, eligible, trace, noise)
+    for a, b in zip(base, noisy, strict=True):
+        assert torch.equal(a.gnmr, b.gnmr) and torch.equal(a.delta_gnmr, b.delta_gnmr)
+    s0, s1 = ctrl0.state_dict(), ctrl1.state_dict()
+    for key in ("norm_sum", "norm_count", "window_buffer", "window_len"):
+        assert torch.equal(s0[key], s1[key]), key

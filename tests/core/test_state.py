@@ -106,3 +106,76 @@ def test_reset_forgets_everything():
     a, b = ctrl.state_dict(), fresh.state_dict()
     assert a["step"] == 0
     assert all(torch.equal(a[k], b[k]) for k in a if isinstance(a[k], torch.Tensor))
+
+
+# ---------------------------------------------------------------- section 2.1 and the format
+
+# The state a controller saved before gamma existed (format version 1): the same keys and
+# tensors, and a config dict without "gamma".
+V1_KEYS = {
+    "version",
+    "num_units",
+    "step",
+    "config",
+    "eligible",
+    "norm_sum",
+    "norm_count",
+    "window_buffer",
+    "window_len",
+    "lock",
+}
+
+
+def test_format_is_still_version_1_with_the_same_shape():
+    from gnmr_dist.core.controller import STATE_VERSION
+
+    assert STATE_VERSION == 1
+    for cfg in (GNMRConfig(warmup_steps=0), GNMRConfig(warmup_steps=0, gamma=0.5)):
+        state = GNMRController(3, cfg).state_dict()
+        assert set(state) == V1_KEYS and state["version"] == 1
+    assert "gamma" not in GNMRController(3).state_dict()["config"]
+
+
+def test_state_saved_before_gamma_loads_without_a_policy_warning(caplog):
+    old = roundtrip(trained().state_dict())
+    assert old["config"] == {
+        "max_active": 4,
+        "lock_steps": 8,
+        "window": 8,
+        "alpha": 1.5,
+        "beta": 2.0,
+        "warmup_steps": 0,
+    }
+    ctrl = GNMRController(3, GNMRConfig(warmup_steps=0))
+    with caplog.at_level(logging.WARNING, logger="gnmr_dist.core.controller"):
+        ctrl.load_state_dict(old)
+    assert caplog.text == "" and ctrl.step_count == 12
+
+
+def test_turning_the_error_term_on_at_resume_keeps_the_history(caplog):
+    state = roundtrip(trained().state_dict())
+    plain = GNMRController(3, GNMRConfig(warmup_steps=0))
+    plain.load_state_dict(state)
+    scored = GNMRController(3, GNMRConfig(warmup_steps=0, gamma=0.5))
+    with caplog.at_level(logging.WARNING, logger="gnmr_dist.core.controller"):
+        scored.load_state_dict(state)
+    assert "saved with policy" in caplog.text
+    a = plain.step([1.0, 2.0, 3.0])
+    b = scored.step([1.0, 2.0, 3.0], errors=[0.0, 0.0, 1.0])
+    assert torch.equal(a.gnmr, b.gnmr) and torch.equal(a.delta_gnmr, b.delta_gnmr)
+    assert b.risk[2].item() >= 2.0 and 2 in b.active
+
+
+def test_state_saved_with_gamma_resumes_exactly():
+    ctrl = GNMRController(3, GNMRConfig(warmup_steps=0, max_active=1, gamma=0.4))
+    g = torch.Generator().manual_seed(5)
+    rows = torch.rand(20, 3, generator=g, dtype=torch.float64)
+    errs = torch.rand(20, 3, generator=g, dtype=torch.float64)
+    for t in range(10):
+        ctrl.step(rows[t], errors=errs[t])
+    resumed = GNMRController(3, GNMRConfig(warmup_steps=0, max_active=1, gamma=0.4))
+    resumed.load_state_dict(roundtrip(ctrl.state_dict()))
+    for t in range(10, 20):
+        a, b = ctrl.step(rows[t], errors=errs[t]), resumed.step(rows[t], errors=errs[t])
+        assert (a.active, a.candidates) == (b.active, b.candidates)
+        assert torch.equal(a.risk, b.risk) and torch.equal(a.error, b.error)
