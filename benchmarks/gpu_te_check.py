@@ -24,6 +24,14 @@ time of the backend (empty plan; one unit per step in BF16) against plain FP8 an
 ``overhead`` fails above 1.25x plain FP8. A bitwise check whose plain-vs-plain control is itself
 not bitwise (a non-deterministic kernel) passes when the backend differs no more than the control.
 
+With megatron-core installed (else SKIP), ``megatron_operator[bf16]`` (and ``[blockwise]`` where
+blockwise runs): a 2-layer ``GPTModel`` with ``get_gpt_layer_with_transformer_engine_spec()``
+under megatron's own tensorwise FP8, units ``linear_proj`` and ``linear_fc2`` of layer 0, the
+first recovered through its ``te_quant_params``. Over a forward and backward: the paths reported,
+the recovered output == that module run alone in BF16 (or blockwise) on the input it got, the
+neighbour's output == plain tensorwise and != BF16 (FP8 error > 0), finite gradients, and on
+return the original ``te_quant_params`` object back with FP8 running again.
+
 Exit status: 0 every check passed, 1 a check failed, 2 cannot run here.
 """
 
@@ -33,7 +41,7 @@ import argparse
 import contextlib
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,11 +49,13 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
+from gnmr_dist.backends import LOW_COST, RECOVERY
 from gnmr_dist.backends.te_fp8 import TEFp8Backend
 
 DEVICE = "cuda"
 RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 OVERHEAD_LIMIT = 1.25
+MCORE_HIDDEN, MCORE_HEADS, MCORE_SEQ, MCORE_BATCH, MCORE_VOCAB = 512, 8, 256, 4, 1024
 Region = Callable[[], contextlib.AbstractContextManager[Any]]
 Step = tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]
 
@@ -55,6 +65,7 @@ class Check:
     name: str
     ok: bool
     detail: str
+    skipped: bool = False
 
 
 # ---------------------------------------------------------------------- model
@@ -283,6 +294,135 @@ def check_overhead(te: Any, args: argparse.Namespace) -> Check:
     return Check("overhead", ratio["gnmr_empty"] <= OVERHEAD_LIMIT, detail)
 
 
+# ---------------------------------------------------------------------- megatron-core
+
+
+@contextlib.contextmanager
+def megatron_parallel_state() -> Iterator[None]:
+    """A one-rank NCCL process group (if none) and megatron's TP1 x PP1 state; undone on exit."""
+    import os
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    created = not dist.is_initialized()
+    if created:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+        yield
+    finally:
+        ps.destroy_model_parallel()
+        if created:
+            dist.destroy_process_group()
+
+
+def megatron_gpt(recipe: str) -> tuple[Any, nn.Module]:
+    """(GPTModel with the TE layer spec and FP8 ``recipe``, hybrid; its BF16 Float16Module)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
+
+    config = TransformerConfig(
+        num_layers=2, hidden_size=MCORE_HIDDEN, num_attention_heads=MCORE_HEADS,
+        ffn_hidden_size=4 * MCORE_HIDDEN, hidden_dropout=0.0, attention_dropout=0.0, bf16=True,
+        params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, fp8="hybrid",
+        fp8_recipe=recipe,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    spec = get_gpt_layer_with_transformer_engine_spec()
+    gpt = GPTModel(config, spec, vocab_size=MCORE_VOCAB, max_sequence_length=MCORE_SEQ).cuda()
+    return gpt, Float16Module(config, gpt)
+
+
+def check_megatron_operator(te: Any, args: argparse.Namespace, recovery: str = "bf16") -> Check:
+    """One projection of a megatron GPT recovered through its ``te_quant_params`` (see above).
+
+    The model is fixed and tiny (``MCORE_*``, not ``args``): the check is about paths and numbers.
+    """
+    name = f"megatron_operator[{recovery}]"
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError as err:
+        return Check(name, True, f"skipped: megatron-core is not importable ({err})", True)
+    with megatron_parallel_state():
+        return _megatron_operator(te, name, recovery)
+
+
+def _megatron_operator(te: Any, name: str, recovery: str) -> Check:
+    gpt, model = megatron_gpt("tensorwise")
+    layer = gpt.decoder.layers[0]
+    proj, fc2 = layer.self_attention.linear_proj, layer.mlp.linear_fc2
+    backend = TEFp8Backend(low_cost={"recipe": "tensorwise"}, recovery={"recipe": recovery})
+    names = {0: "decoder.layers.0.self_attention.linear_proj", 1: "decoder.layers.0.mlp.linear_fc2"}
+    backend.wrap({0: proj, 1: fc2}, names=names)
+    original, seen = proj.te_quant_params, dict[str, Any]()
+    hooks = [_capture(m, k, seen) for k, m in (("proj", proj), ("fc2", fc2))]
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    tokens = torch.randint(0, MCORE_VOCAB, (MCORE_BATCH, MCORE_SEQ), device=DEVICE, generator=g)
+    positions = torch.arange(MCORE_SEQ, device=DEVICE).expand(MCORE_BATCH, -1)
+    backend.apply({0}, step=1)
+    model(tokens, positions, None).float().square().mean().backward()
+    ran1, fp8_ran = backend.report().ran, (backend.fp8_ran(0), backend.fp8_ran(1))
+    grads = [p.grad for p in gpt.parameters() if p.grad is not None]
+    bad = sum(int((~torch.isfinite(g)).sum()) for g in grads) + (not grads)
+    for hook in hooks:
+        hook.remove()
+    backend.apply(set(), step=2)
+    restored = proj.te_quant_params is original
+    with torch.no_grad():
+        model(tokens, positions, None)
+    ran2, back_in_fp8 = backend.report().ran, backend.fp8_ran(0)
+    backend.unwrap()
+
+    def alone(module: nn.Module, x: torch.Tensor, region: Region) -> torch.Tensor:
+        with torch.no_grad(), region():
+            return module(x)[0]  # type: ignore[no-any-return]
+
+    tensorwise = plain_region(te, plain_recipe("tensorwise"))
+    strong = (
+        contextlib.nullcontext if recovery == "bf16" else plain_region(te, plain_recipe(recovery))
+    )
+    (x_proj, y_proj), (x_fc2, y_fc2) = seen["proj"], seen["fc2"]
+    diff = {
+        "recovered": _diff(y_proj, alone(proj, x_proj, strong)),
+        "control": _diff(alone(fc2, x_fc2, tensorwise), alone(fc2, x_fc2, tensorwise)),
+        "neighbour_fp8": _diff(y_fc2, alone(fc2, x_fc2, tensorwise)),
+        "neighbour_vs_bf16": _diff(y_fc2, alone(fc2, x_fc2, contextlib.nullcontext)),
+    }
+    paths = ran1 == {0: {RECOVERY}, 1: {LOW_COST}} and ran2 == {0: {LOW_COST}, 1: {LOW_COST}}
+    ok = (
+        paths and restored and back_in_fp8 and bad == 0
+        and fp8_ran == (recovery != "bf16", True)
+        and diff["recovered"] == 0.0 and diff["neighbour_fp8"] <= diff["control"]
+        and diff["neighbour_vs_bf16"] > 0.0
+    )  # fmt: skip
+    detail = ", ".join(f"{k} {v:.3g}" for k, v in diff.items())
+    return Check(name, ok, f"max |diff| {detail}; paths {paths}, restored {restored}, "
+                 f"non-finite grads {bad}")  # fmt: skip
+
+
+def _capture(module: nn.Module, key: str, seen: dict[str, Any]) -> Any:
+    """Keep ``(input, output)`` of ``module``'s forwards (megatron returns ``(out, bias)``)."""
+
+    def hook(m: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
+        seen[key] = (inputs[0].detach(), output[0].detach())
+
+    return module.register_forward_hook(hook)
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max())
+
+
 # ---------------------------------------------------------------------- driver
 
 
@@ -315,6 +455,10 @@ def runnable_recipes() -> tuple[list[str], list[str]]:
 
 def run_checks(te: Any, args: argparse.Namespace, recipes: list[str]) -> list[Check]:
     checks = [check_bf16_equal(te, args), check_unit_bf16_equal(te, args)]
+    if "tensorwise" in recipes:  # megatron's own FP8 context runs the low-cost path
+        checks.append(check_megatron_operator(te, args))
+        if "blockwise" in recipes:
+            checks.append(check_megatron_operator(te, args, "blockwise"))
     for name in recipes:
         checks += [check_fp8_equal(te, args, name), check_switching(te, args, name)]
     if {"tensorwise", "blockwise"} <= set(recipes):
@@ -349,10 +493,12 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     checks = run_checks(te, args, recipes)
     for c in checks:
-        print(f"{'PASS' if c.ok else 'FAIL'}  {c.name:32s} {c.detail}")
+        print(f"{'SKIP' if c.skipped else 'PASS' if c.ok else 'FAIL'}  {c.name:32s} {c.detail}")
     failed = [c.name for c in checks if not c.ok]
+    n_skipped = sum(c.skipped for c in checks)
     took = time.perf_counter() - start
-    print(f"{len(checks) - len(failed)}/{len(checks)} checks passed in {took:.0f} s")
+    passed = len(checks) - len(failed) - n_skipped
+    print(f"{passed}/{len(checks)} checks passed ({n_skipped} skipped) in {took:.0f} s")
     if failed:
         print(f"FAILED: {', '.join(failed)}")
     return 1 if failed else 0

@@ -54,6 +54,45 @@ when the low-cost recipe is delayed: a TE module that changes recipe class repla
 state, and the delayed-scaling state it builds on its way back is never registered again for the
 amax reduction (a module registers once), so its scale would stay 1 for the rest of training.
 
+megatron-core's TE linears as operator units: the switch is their own ``te_quant_params``.
+megatron-core 0.16-0.19 subclass TE's modules (``TELinear`` and its column/row-parallel
+subclasses, ``TELayerNormColumnParallelLinear``, ``TEGroupedLinear`` and its column/row
+variants) and their ``forward`` opens, around TE's forward and on every call, the region that
+the module's ``te_quant_params`` (a ``TEQuantizationParams``, None by default) asks for. When TE's
+FP8 is enabled there (megatron's per-layer ``fp8_autocast``, or its one outer region with delayed
+scaling) and the training recipe has ``override_quantized_autocast=True``, no fp8/fp4 recipe
+gives ``fp8_autocast(enabled=False)`` and an fp8 recipe gives ``fp8_autocast(enabled=True,
+recipe=<new object of that class>, fp8_group=<megatron's amax-reduction group>)``; with FP8 off
+(a BF16 layer) it does nothing unless ``override_nonquantized_autocast``. So for a unit that *is*
+one such module, :meth:`TEFp8Backend.apply` sets, on every plan change:
+
+* recovery: ``TEQuantizationParams(training_recipe=TEQuantizationRecipe(
+  override_quantized_autocast=True, override_nonquantized_autocast=False[,
+  fp8_quantization_recipe=Fp8Recipe.<stronger>, fp8_format=<low_cost.fp8_format>,
+  tp_only_amax_red=config.tp_only_amax_red]), evaluation_recipe=None)``, one object per module;
+* low-cost: the module's original value, the very object it held when wrapped.
+
+This is the nesting above, opened by megatron instead of the backend (megatron's own contexts
+take the place of :meth:`autocast`): the inner region sits inside megatron's enabled one, so the
+delayed-scaling story above holds unchanged (a module recovered in BF16 adds no amax, its state
+freezes, ``reseed`` applies on its return); a stronger recipe reduces its amaxes over megatron's
+group (not :attr:`amax_reduction_group`); megatron's ``will_execute_quantized`` tells the truth.
+Every forward of the step reads the same attribute (micro-batches, recomputation, evaluation:
+``evaluation_recipe=None``), and TE's backward uses what its forward saved in the autograd
+context. :meth:`report` counts, in each forward, which of the two objects megatron read, and a
+recovery forward checks that TE ran what was asked (``module.fp8`` false for BF16, else the
+recipe class), raising if this megatron did not honour it. The plan is identical on every rank,
+so a module switches on all tensor-parallel ranks together and TE's collectives stay matched.
+Layer units (a whole transformer layer) keep nested regions and the layer-level context of
+``megatron_patches``.
+
+:meth:`TEFp8Backend.wrap` refuses, naming the module and the setting, before it installs
+anything: a module whose megatron config runs another recipe or format than ``low_cost`` (or no
+FP8 at all), a CUDA-graphed one (``cuda_graph_impl`` or the deprecated flags: a graph replays
+the path it was captured with), one whose own ``te_quant_params`` already run it in BF16 or in a
+recipe the recovery recipe is not known to be stronger than, and a megatron-core without these
+fields.
+
 Modules holding FP8 primary weights (``fp8_model_init``) have no high-precision weight to
 recover with; they are left unwrapped, which makes their units ineligible. CUDA-graphed modules
 (``te.make_graphed_callables``) replay the one path they were captured with: do not wrap them.
@@ -69,7 +108,7 @@ Use::
 
     backend = get_backend("te_fp8", low_cost={"recipe": "delayed"}, recovery={"recipe": "bf16"})
     backend.amax_reduction_group = amax_group        # None: no reduction across ranks
-    backend.wrap(units)
+    backend.wrap(units)                               # megatron: wrap(units, names=unit names)
     for step in steps:
         backend.apply(decision.active, step)
         with backend.autocast():                      # the one outer region, forward only
@@ -84,15 +123,23 @@ import importlib
 import importlib.metadata
 import logging
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from gnmr_dist.backends.base import LOW_COST, PrecisionBackend
+from gnmr_dist.backends.base import LOW_COST, RECOVERY, PrecisionBackend
 from gnmr_dist.backends.options import parse_options
+from gnmr_dist.backends.te_megatron import (
+    QuantParamsSwitch,
+    cuda_graph_setting,
+    is_megatron_te_linear,
+    megatron_outer_recipe,
+    module_recipe,
+    quant_params_switch,
+)
 from gnmr_dist.core.validation import check_nonnegative_int, check_positive_int
 
 __all__ = [
@@ -382,6 +429,7 @@ class TEFp8Backend(PrecisionBackend):
         """The TE recipe object of the inner region, or None for BF16."""
         self._warned_no_fp8 = False
         self._warned_fp8_weights = False
+        self._switches: dict[int, QuantParamsSwitch] = {}
         logger.info(
             "te_fp8: transformer_engine %s (%s), low-cost %s, recovery %s",
             self._te.version,
@@ -449,22 +497,120 @@ class TEFp8Backend(PrecisionBackend):
             return False
         return True
 
+    def wrap(
+        self, units: Mapping[int, nn.Module], *, names: Mapping[int, str] | None = None
+    ) -> None:
+        """Install the switch on every unit; ``names`` (unit id -> name) label error messages.
+
+        An operator unit that *is* a megatron-core TE linear is switched through its own
+        ``te_quant_params`` (checked here, before anything is installed: see the module
+        docstring); every other unit, layer units included, through nested regions.
+        """
+        switches = {
+            uid: self._megatron_switch(mod, (names or {}).get(uid, f"unit {uid}"))
+            for uid, mod in units.items()
+            if is_megatron_te_linear(mod) and self.supports(mod)
+        }
+        self._switches.update(switches)
+        try:
+            super().wrap(units)
+        except Exception:
+            for uid in switches:
+                del self._switches[uid]
+            raise
+
+    def unwrap(self) -> None:
+        """Original ``te_quant_params`` objects back, then every installed forward removed."""
+        for switch in self._switches.values():
+            switch.restore()
+        self._switches.clear()
+        super().unwrap()
+
+    @property
+    def quant_params_units(self) -> frozenset[int]:
+        """Units switched through megatron's ``te_quant_params`` (the others: by regions)."""
+        return frozenset(self._switches)
+
+    def _megatron_switch(self, module: nn.Module, name: str) -> QuantParamsSwitch:
+        """The ``te_quant_params`` switch of one megatron TE linear, or a ``ValueError``."""
+        label = f"{name} ({type(module).__name__})"
+        config = getattr(module, "config", None)
+        if config is None:
+            raise ValueError(f"te_fp8: {label} has no megatron config (module.config)")
+        graphed = cuda_graph_setting(config)
+        if graphed is not None:
+            raise ValueError(
+                f"te_fp8: {label}: megatron CUDA-graphs its layer ({graphed}); a graph replays "
+                "the path it was captured with, so its te_quant_params cannot switch it. Turn "
+                "CUDA graphs off or leave the module out of the units (gnmr.exclude)"
+            )
+        self._check_outer(label, config)
+        own = module_recipe(module.te_quant_params, megatron_outer_recipe(config))
+        _check_own(label, own, self.recovery.recipe)
+        recipe = None if self.recovery.recipe == "bf16" else self.recovery.recipe
+        return quant_params_switch(
+            module,
+            label,
+            recipe=recipe,
+            recipe_class=None if recipe is None else _RECIPES[recipe][0],
+            fp8_format=self.low_cost.fp8_format,
+        )
+
+    def _check_outer(self, label: str, config: Any) -> None:
+        """megatron's own FP8 setting of the module must be this backend's low-cost path."""
+        outer, low = megatron_outer_recipe(config), self.low_cost
+        if outer == "bf16":
+            raise ValueError(
+                f"te_fp8: {label}: megatron runs it without FP8 (config.fp8 is None), so te_fp8 "
+                "has no low-cost path to switch: set config.fp8 / config.fp8_recipe (--fp8-format,"
+                " --fp8-recipe) or use backend 'fp8_emulated'"
+            )
+        fp8 = config.fp8
+        if outer != low.recipe or fp8 != low.fp8_format:
+            raise ValueError(
+                f"te_fp8: {label}: megatron runs it with config.fp8={fp8!r}, "
+                f"fp8_recipe={outer!r} but gnmr.low_cost is recipe={low.recipe!r}, "
+                f"fp8_format={low.fp8_format!r}; make them the same (the recovery checks and "
+                "the delayed-scaling reseed rely on it)"
+            )
+
+    def _switching(self, uid: int, op: nn.Module, attr: str) -> Callable[..., Any]:
+        switch = self._switches.get(uid)
+        if switch is None or switch.module is not op:
+            return super()._switching(uid, op, attr)
+        forward = types.MethodType(type(op).forward, op)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:  # megatron's forward opens the region
+            path = switch.path()
+            self._ran.setdefault(uid, set()).add(path)
+            out = forward(*args, **kwargs)
+            if path == RECOVERY:
+                switch.check_recovered()
+            else:
+                self._warn_if_fp8_off(op)
+            return out
+
+        return counted
+
     def _forward_fn(self, op: nn.Module, path: str) -> Callable[..., Any]:
         forward = types.MethodType(type(op).forward, op)
         if path == LOW_COST:
             return self._low_cost_forward(op, forward)
         return self._recovery_forward(forward)
 
+    def _warn_if_fp8_off(self, op: nn.Module) -> None:
+        if not self._warned_no_fp8 and not getattr(op, "fp8", True):
+            self._warned_no_fp8 = True
+            logger.warning(
+                "te_fp8: a low-cost %s ran with FP8 off; enter `backend.autocast()` (or "
+                "megatron's FP8 context) around the forward",
+                type(op).__name__,
+            )
+
     def _low_cost_forward(self, op: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
             out = forward(*args, **kwargs)
-            if not self._warned_no_fp8 and not getattr(op, "fp8", True):
-                self._warned_no_fp8 = True
-                logger.warning(
-                    "te_fp8: a low-cost %s ran with FP8 off; enter `backend.autocast()` "
-                    "around the forward",
-                    type(op).__name__,
-                )
+            self._warn_if_fp8_off(op)
             return out
 
         return run
@@ -489,7 +635,9 @@ class TEFp8Backend(PrecisionBackend):
     # ------------------------------------------------------------------ plan changes
 
     def _on_plan_change(self, before: frozenset[int], after: frozenset[int]) -> None:
-        """Reset the delayed-scaling state of units returning to FP8 (``reseed="reset"``)."""
+        """Set ``te_quant_params`` of the switched megatron modules to the plan, then reset the
+        delayed-scaling state of units returning to FP8 (``reseed="reset"``)."""
+        _set_quant_params(self._switches.items(), after)
         if self.low_cost.recipe != "delayed" or self.low_cost.reseed_mode == "keep":
             return
         returning = sorted(u for u in before - after if u in self._wrapped)
@@ -515,3 +663,33 @@ def _check_pair(low: str, recovery: str) -> None:
             f"gnmr.recovery.recipe {recovery!r} is not of higher fidelity than the low-cost "
             f"recipe {low!r}; choose one of {stronger}"
         )
+
+
+def _check_own(label: str, own: str, recovery: str) -> None:
+    """Recovery must be stronger than what the module runs on its own (its te_quant_params)."""
+    rank = {**_FIDELITY, "nvfp4": -1}.get(own)  # None: megatron's "custom" recipe, unranked
+    if own == "bf16":
+        raise ValueError(
+            f"te_fp8: {label}: its te_quant_params already run it in BF16 (training_recipe has "
+            "no fp8/fp4 recipe), so recovery would change nothing: leave it out of the units "
+            "(gnmr.exclude) or drop its entry from config.quant_recipe"
+        )
+    if recovery == "bf16":
+        return
+    if rank is None or _FIDELITY[recovery] <= rank:
+        raise ValueError(
+            f"te_fp8: {label}: its te_quant_params run it with recipe {own!r}, which "
+            f"gnmr.recovery.recipe {recovery!r} is not known to be stronger than; use recovery "
+            "'bf16' or leave the module out of the units (gnmr.exclude)"
+        )
+
+
+def _set_quant_params(
+    switches: Iterable[tuple[int, QuantParamsSwitch]], recover: frozenset[int]
+) -> None:
+    """The plan onto ``te_quant_params``: all values checked first, then all set."""
+    switches = list(switches)
+    for _, switch in switches:
+        switch.path()
+    for uid, switch in switches:
+        switch.set(uid in recover)

@@ -12,7 +12,10 @@ with plain TE on an identical copy of the stack:
 * one unit recovered: that unit's output == the module in BF16, the others == plain FP8;
 * units flipping every step under delayed scaling: no inf/nan, a returning unit is reset in
   place (``reseed="reset"``) or keeps its frozen state (``"keep"``), frozen units keep theirs;
-* the step time of the backend with an empty plan stays within 1.3x of plain TE FP8.
+* the step time of the backend with an empty plan stays within 1.3x of plain TE FP8;
+* with megatron-core: one projection of a megatron ``GPTModel`` (TE layer spec, tensorwise FP8)
+  recovered through its ``te_quant_params`` runs exactly as that module in BF16 while its
+  neighbour runs FP8 (``benchmarks.gpu_te_check.check_megatron_operator``).
 """
 
 from __future__ import annotations
@@ -224,3 +227,11 @@ def test_step_time_of_the_switching_backend():
     ratios = {k: v / ms["plain_fp8"] for k, v in ms.items()}
     print("step ms:", {k: round(v, 3) for k, v in ms.items()}, "vs plain fp8:", ratios)
     assert ratios["backend_empty"] < 1.3
+
+
+def test_megatron_operator_recovered_through_te_quant_params():
+    pytest.importorskip("megatron.core", reason="needs megatron-core")
+    from benchmarks.gpu_te_check import check_megatron_operator, parse_args
+
+    check = check_megatron_operator(te, parse_args([]))
+    assert check.ok and not check.skipped, check.detail
