@@ -12,9 +12,22 @@ PYTEST_ARGS ?=
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
 export DS_BUILD_OPS := 0
 
-.PHONY: venv lint format typecheck test demo bench clean
+# Extra megatron-core releases the CPU tests also run on (tests/megatron/settings.py), each in its
+# own --target folder that a test worker puts first on sys.path. 0.17+ declare Requires-Python
+# >= 3.12 but ship cp311 wheels whose only hard dependencies (torch, numpy, packaging) are in the
+# venv. 0.19.2 imports triton when megatron.core is imported (pipeline_parallel.schedules ->
+# transformer.moe.paged_stash -> moe.ops.paged_stash, unguarded); 3.7.1 is the triton that torch
+# 2.13's CUDA wheel pins, and it imports without a GPU.
+MCORE_EXTRA  := 0.17.1 0.19.2
+MCORE_DIR    := $(VENV)/mcore
+MCORE_STAMPS := $(MCORE_EXTRA:%=$(MCORE_DIR)/%/.installed)
+MCORE_EXTRA_PKGS_0.19.2 := triton==3.7.1
+
+.PHONY: venv mcore-versions lint format typecheck test demo bench clean
 
 venv: $(STAMP)
+
+mcore-versions: $(MCORE_STAMPS)
 
 $(STAMP): setup.py pyproject.toml requirements/cpu.txt requirements/constraints-cpu.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,6 +37,12 @@ $(STAMP): setup.py pyproject.toml requirements/cpu.txt requirements/constraints-
 	$(PIP) install --quiet --no-build-isolation -r requirements/cpu.txt -c requirements/constraints-cpu.txt
 	$(PIP) install --quiet --no-build-isolation --no-deps -e .
 	touch $(STAMP)
+
+$(MCORE_DIR)/%/.installed: $(STAMP)
+	rm -rf $(MCORE_DIR)/$*
+	$(PIP) install --quiet --no-deps --ignore-requires-python --target $(MCORE_DIR)/$* \
+		megatron-core==$* $(MCORE_EXTRA_PKGS_$*)
+	touch $@
 
 lint: venv
 	$(BIN)/ruff check .
@@ -36,7 +55,7 @@ format: venv
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-test: lint typecheck
+test: lint typecheck mcore-versions
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 demo: venv

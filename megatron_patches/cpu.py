@@ -1,13 +1,16 @@
 """Opt-in CPU compatibility for megatron-core, for tests and CPU-only hosts.
 
 megatron-core assumes a GPU. On a host without CUDA the code paths that tests need (building a
-``GPTModel`` from the local layer spec, tensor and pipeline parallelism over gloo, the
-``get_forward_backward_func()`` schedules, megatron's ``DistributedDataParallel`` and the
+``GPTModel`` from the local layer spec, tensor, sequence, pipeline and interleaved (virtual)
+pipeline parallelism over gloo, the ``get_forward_backward_func()`` schedules, megatron's
+``DistributedDataParallel`` with fp32 or bf16 grad buffers, ``get_megatron_optimizer`` with the
+plain, the bf16 (``Float16OptimizerWithFloat16Params``) and the distributed optimizer, and the
 fp32 grad-norm / clipping helpers) fail on a handful of hard-wired CUDA calls. This module
 redirects exactly those, reversibly, and refuses to do anything when CUDA is available: it is
 never active on a GPU.
 
-What is patched, and why (megatron-core 0.16.x):
+Checked against megatron-core 0.16.1, 0.17.1 and 0.19.2 (``SUPPORTED_MEGATRON_VERSIONS``). What
+is patched, and why:
 
 * ``torch.cuda.current_device`` -> ``torch.device("cpu")``. Megatron calls it at run time
   (``device=torch.cuda.current_device()``) for the attention scratch buffer
@@ -18,6 +21,9 @@ What is patched, and why (megatron-core 0.16.x):
 * ``torch.cuda.synchronize`` -> no-op. ``p2p_communication`` calls it after batched
   send/recv (``batch_p2p_sync``); CPU ops are synchronous, and without CUDA the original
   can only raise.
+* From 0.19 only (``_CURRENT_STREAM_SINCE``): ``torch.cuda.current_stream`` -> a stream stand-in
+  whose waits are no-ops. 0.19's ``start_grad_sync`` fetches the current stream on every grad
+  sync, to wait for CUDA-graph weight-gradient events; without CUDA the original can only raise.
 * The CUDA RNG in ``tensor_parallel.random``: ``_get_cuda_rng_state`` / ``_set_cuda_rng_state``
   read and write the CPU default generator; ``CudaRNGStatesTracker.add`` seeds its named states
   on a private CPU generator, and ``CudaRNGStatesTracker.fork`` swaps them in and out of the CPU
@@ -33,31 +39,57 @@ What is patched, and why (megatron-core 0.16.x):
   ``device="cuda"`` into the CPU. ``pipeline_parallel.schedules`` creates ``total_num_tokens``
   with ``device="cuda"``; ``transformer.utils.get_default_causal_mask`` builds the attention
   mask that way; ``optimizer.clip_grads`` (``get_grad_norm_fp32``, ``count_zeros_fp32``) and
-  ``optimizer.optimizer`` (``FP32Optimizer``'s loss scale) create their scalars that way. These
-  are literals inside function bodies, so the module's ``torch`` name is the narrowest hook that
-  keeps megatron's own function bodies running.
+  ``optimizer.optimizer`` (``MixedPrecisionOptimizer``'s ``found_inf`` / unit loss scale,
+  ``FP32Optimizer``'s loss scale, and from 0.19 ``has_grad_norm_group``'s flag) create their
+  scalars that way. These are literals inside function bodies, so the module's ``torch`` name
+  is the narrowest hook that keeps megatron's own function bodies running.
 * ``optimizer.clip_grads.{multi_tensor_applier, l2_norm_impl, multi_tensor_scale_impl}`` -> CPU
   versions built on ``torch._foreach_norm`` / ``torch._foreach_mul_``. The apex/TE kernels do
   not exist on CPU, and megatron's own fallback (``utils.local_multi_tensor_l2_norm``) builds
-  its result with ``device="cuda"``.
+  its result with ``device="cuda"``. (0.17+ also has ``multi_tensor_scale_tensor_impl``; it is
+  None without TE, and megatron then returns the norm as a float, as 0.16 does.)
 * ``clip_grads.clip_grad_by_total_norm_fp32`` (and the name ``optimizer.optimizer`` imported)
   -> a CPU twin: the original asserts ``param.grad.type() == 'torch.cuda.FloatTensor'``.
 * ``LanguageModule.setup_embeddings_and_output_layer`` -> the original, run with
   ``torch.Tensor.cuda`` made the identity for its duration: with tied embeddings and pipeline
   parallelism it moves the shared weight with ``weight.data.cuda()`` before all-reducing it over
   the embedding group.
+* ``Float16OptimizerWithFloat16Params.__init__`` and ``DistributedOptimizer.__init__`` -> the
+  originals, run with ``Tensor.type()`` (no argument) reporting a CPU tensor's CUDA twin type
+  (``torch.BFloat16Tensor`` reads ``torch.cuda.BFloat16Tensor``) for their duration: both sort
+  parameters into fp16/bf16 and fp32 groups by comparing ``param.type()`` with the CUDA type
+  strings and raise ``TypeError`` for anything else.
+* ``transformer.torch_norm.WrappedTorchNorm.__new__`` -> the original, plus sequence
+  parallelism: it builds the same ``torch.nn.LayerNorm``/``RMSNorm`` and marks its parameters
+  ``sequence_parallel=config.sequence_parallel``, as apex's ``FusedLayerNorm`` and TE's norms
+  do. The original asserts ``not config.sequence_parallel`` because unmarked norm weights would
+  keep the partial gradients of their TP rank's sequence slice; marked, ``finalize_model_grads``
+  all-reduces them over TP (``_allreduce_non_tensor_model_parallel_grads``). It is the only norm
+  of the local layer spec without TE or apex (also the final norm and ``qk_layernorm``).
+* ``DistributedOptimizer.{sharded_state_dict, load_state_dict,
+  _set_main_param_and_optimizer_states}`` -> the originals, with what megatron's non-TE path
+  (torch Adam) lacks for ``dist_checkpointing``: the optimizer state to load into is allocated
+  with megatron's own ``init_state_fn`` (plus Adam's ``step``) before ``state_dict()`` asserts
+  on it; ``tensor.cuda()`` is the identity and the load runs under ``no_grad``; the canonical
+  checkpoint carries no per-parameter ``step`` (it is in the param groups), so the copy skips
+  it; and the ONE ``step`` tensor megatron puts into every parameter's state is split into
+  copies (torch Adam increments each in place: shared, it would advance once per parameter per
+  step and corrupt every later bias correction -- the resumed run would silently diverge).
+  Checked with ``fully_reshardable`` (DP2 -> DP1 and DP2 -> DP2 resumes).
 
 Not patched (not needed on the paths above, so unverified on CPU): ``tensor_parallel.data.
 broadcast_data``, ``torch.autocast("cuda")`` in the schedules (only with
-``config.enable_autocast``), the fp16/bf16 ``MixedPrecisionOptimizer`` (checks
-``'torch.cuda.HalfTensor'`` type strings), the distributed optimizer, sequence parallelism (needs
-TE/apex norms), CUDA graphs, FSDP, the inference engines, the NCCL allocator, Transformer Engine.
+``config.enable_autocast``), fp16 (``optimizer.grad_scaler`` builds its scales with
+``device='cuda'``), overlapped grad reduce / param gather, several distributed-optimizer
+instances, the other distributed-optimizer checkpoint formats, CUDA graphs, FSDP, the
+inference engines, the NCCL allocator, Transformer Engine.
 
 The patches are process-wide while enabled (module attributes, not thread- or scope-local).
 
 ``cpu_transformer_config(**fields)`` builds a ``TransformerConfig`` for which
 ``GPTModel(config, transformer_layer_spec=get_gpt_layer_local_spec(), ...)`` builds and trains on
-CPU in fp32: CPU initialisation and every fused kernel off.
+CPU in fp32, or in bf16 (``bf16=True``, ``params_dtype=torch.bfloat16``, wrapped in megatron's
+``Float16Module``): CPU initialisation and every fused kernel off.
 
 Megatron is imported lazily, inside the functions: importing this module needs torch only.
 """
@@ -65,6 +97,7 @@ Megatron is imported lazily, inside the functions: importing this module needs t
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import logging
 import threading
@@ -85,8 +118,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MEGATRON_VERSIONS: tuple[str, ...] = ("0.16",)
-"""megatron-core ``major.minor`` series whose sources these patches were checked against."""
+SUPPORTED_MEGATRON_VERSIONS: tuple[str, ...] = ("0.16", "0.17", "0.19")
+"""megatron-core ``major.minor`` series whose sources these patches were checked against
+(0.16.1, 0.17.1, 0.19.2; 0.18 was not checked)."""
 
 _MISSING = object()
 _LOCK = threading.Lock()
@@ -111,6 +145,24 @@ def _cpu_current_device() -> torch.device:
 
 def _cpu_synchronize(device: Any = None) -> None:
     """CPU stand-in for ``torch.cuda.synchronize``: CPU ops are already synchronous."""
+
+
+class _CpuStream:
+    """CPU stand-in for a CUDA stream: CPU ops run in program order, so waiting is a no-op."""
+
+    def wait_event(self, event: Any) -> None:
+        """Nothing to wait for: the CPU has no asynchronous stream."""
+
+    def wait_stream(self, stream: Any) -> None:
+        """Nothing to wait for: the CPU has no asynchronous stream."""
+
+    def synchronize(self) -> None:
+        """Nothing to wait for: the CPU has no asynchronous stream."""
+
+
+def _cpu_current_stream(device: Any = None) -> _CpuStream:
+    """CPU stand-in for ``torch.cuda.current_stream``."""
+    return _CpuStream()
 
 
 def _cpu_device_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -224,6 +276,130 @@ def _cpu_manual_seed(original: Any) -> Any:
     return model_parallel_cuda_manual_seed
 
 
+@contextlib.contextmanager
+def _tensor_type_reports_cuda() -> Iterator[None]:
+    """Within the block, ``Tensor.type()`` (no argument) names a CPU tensor's CUDA twin type.
+
+    ``torch.BFloat16Tensor`` reads ``torch.cuda.BFloat16Tensor``, and so on: the strings megatron's
+    mixed-precision optimizers compare parameters against. ``Tensor.type(dtype)`` is unchanged.
+    """
+    original = torch.Tensor.type
+
+    def type_(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        name = original(self, *args, **kwargs)
+        if args or kwargs or self.device.type != "cpu":
+            return name
+        return name.replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = type_  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original  # type: ignore[method-assign]
+
+
+def _cpu_distopt_sharded_state_dict(original: Any) -> Any:
+    """``DistributedOptimizer.sharded_state_dict`` on CPU (torch Adam, no TE/apex).
+
+    Two gaps of megatron's non-TE path: building the state to *load into* calls ``state_dict()``,
+    which reads the Adam ``step`` of every parameter's state and asserts there is one, so a
+    fresh optimizer fails; megatron's own ``init_state_fn`` allocates the moments, and the
+    ``step`` is set to 0 here (the loaded value replaces it). The ``fully_reshardable`` format
+    gathers buffers with ``tensor.cuda()``, the identity on CPU.
+    """
+
+    @functools.wraps(original)
+    def sharded_state_dict(self: Any, *args: Any, **kwargs: Any) -> Any:
+        is_loading = kwargs.get("is_loading", args[1] if len(args) > 1 else False)
+        if is_loading and len(self.optimizer.state) == 0 and self.init_state_fn is not None:
+            self.init_state_fn(self.optimizer, self.config)
+            for state in self.optimizer.state.values():
+                state.setdefault("step", torch.tensor(0.0))
+        with _tensor_cuda_is_identity():
+            return original(self, *args, **kwargs)
+
+    return sharded_state_dict
+
+
+def _cpu_distopt_load_state_dict(original: Any) -> Any:
+    """``DistributedOptimizer.load_state_dict`` on CPU (torch Adam, no TE/apex).
+
+    ``tensor.cuda()`` is the identity, and it runs under ``no_grad`` (it copies into the main
+    parameters, leaves that require grad). megatron's non-TE path restores torch Adam's
+    ``step`` by putting ONE tensor into every parameter's state; torch Adam increments each
+    state's ``step`` in place, so the shared tensor would advance once per parameter per step and
+    every later bias correction would be wrong. Each state gets its own copy back.
+    """
+
+    @functools.wraps(original)
+    def load_state_dict(self: Any, state_dict: Any) -> Any:
+        with torch.no_grad(), _tensor_cuda_is_identity():
+            result = original(self, state_dict)
+        for state in self.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+        return result
+
+    return load_state_dict
+
+
+def _cpu_set_main_param_states(original: Any) -> Any:
+    """``DistributedOptimizer._set_main_param_and_optimizer_states`` for torch Adam.
+
+    torch Adam keeps a per-parameter ``step`` in its state; megatron's canonical checkpoint
+    keeps it in the param groups (restored into every state by ``load_state_dict`` before this
+    runs) and has no per-parameter ``step`` tensor, so the copy is asked for a key it lacks.
+    Keys the checkpoint's tensors do not carry are left as ``load_state_dict`` set them.
+    """
+
+    @functools.wraps(original)
+    def set_states(self: Any, model_param: Any, tensors: dict[str, Any]) -> Any:
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            step = self.optimizer.state[main_param].get("step")
+            if step is not None:
+                tensors = {**tensors, "step": step.clone()}
+        return original(self, model_param, tensors)
+
+    return set_states
+
+
+def _cpu_optimizer_init(original: Any) -> Any:
+    """Run a mixed-precision optimizer's ``__init__`` with ``Tensor.type()`` naming CUDA types."""
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+        with _tensor_type_reports_cuda():
+            original(self, *args, **kwargs)
+
+    return __init__
+
+
+def _cpu_torch_norm_new(original: Any) -> Any:
+    """``WrappedTorchNorm.__new__`` that supports sequence parallelism, as ``FusedLayerNorm`` does.
+
+    The original asserts ``not config.sequence_parallel`` because a plain torch norm does not
+    mark its weights; under sequence parallelism each TP rank sees a slice of the sequence, so
+    the norm's weight gradients are partial sums that ``finalize_model_grads`` must all-reduce
+    over TP, which it does for parameters marked ``sequence_parallel=True``. This builds the same
+    torch norm and marks its parameters with ``config.sequence_parallel`` (like apex's
+    ``FusedLayerNorm`` and TE's norms in megatron).
+    """
+
+    def __new__(cls: Any, config: Any, hidden_size: int, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
+        sequence_parallel = bool(config.sequence_parallel)
+        if sequence_parallel:
+            config = copy.copy(config)
+            config.sequence_parallel = False  # its only objection; the marks below answer it
+        norm = original(cls, config, hidden_size, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = sequence_parallel
+        return norm
+
+    return staticmethod(functools.wraps(original)(__new__))
+
+
 # --------------------------------------------------------------------------- grad norm / clip
 
 
@@ -293,21 +469,44 @@ def _check_version(version: str) -> None:
         )
 
 
-def _patch_plan() -> list[tuple[Any, str, Any]]:
-    """``(owner, attribute, replacement)`` for every patch, in application order."""
+def _series(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int(minor)
+
+
+_CURRENT_STREAM_SINCE = (0, 19)
+"""First series whose grad sync asks for ``torch.cuda.current_stream()`` unconditionally.
+
+From 0.19 ``_ParamAndGradBucketGroup.start_grad_sync`` fetches the current stream on every call
+(to wait for CUDA-graph weight-gradient events before reducing); 0.16 and 0.17 touch it only with
+several distributed-optimizer instances and overlapped reduction.
+"""
+
+
+def _patch_plan(version: str | None = None) -> list[tuple[Any, str, Any]]:
+    """``(owner, attribute, replacement)`` for every patch, in application order.
+
+    ``version``: the megatron-core version the plan is for (default: the installed one); the
+    patches that only some series need are chosen by it. Raises ``RuntimeError`` when a target
+    no longer exists, so a renamed call site fails loudly instead of being silently added.
+    """
     from megatron.core import tensor_parallel
     from megatron.core.models.common.language_module.language_module import LanguageModule
     from megatron.core.optimizer import clip_grads
     from megatron.core.optimizer import optimizer as mcore_optimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as mrandom
     from megatron.core.transformer import utils as transformer_utils
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
+    series = _series(_megatron_version() if version is None else version)
     cpu_torch = _CpuTorch()
     seed = _cpu_manual_seed(mrandom.model_parallel_cuda_manual_seed)
     clip = _cpu_clip_grad_by_total_norm(clip_grads.clip_grad_by_total_norm_fp32)
     setup = _cpu_setup_embeddings(LanguageModule.setup_embeddings_and_output_layer)
-    return [
+    float16 = mcore_optimizer.Float16OptimizerWithFloat16Params
+    plan: list[tuple[Any, str, Any]] = [
         (torch.cuda, "current_device", _cpu_current_device),
         (torch.cuda, "synchronize", _cpu_synchronize),
         (mrandom, "_get_cuda_rng_state", _cpu_get_rng_state),
@@ -326,7 +525,35 @@ def _patch_plan() -> list[tuple[Any, str, Any]]:
         (clip_grads, "clip_grad_by_total_norm_fp32", clip),
         (mcore_optimizer, "clip_grad_by_total_norm_fp32", clip),
         (LanguageModule, "setup_embeddings_and_output_layer", setup),
+        (float16, "__init__", _cpu_optimizer_init(float16.__init__)),
+        (DistributedOptimizer, "__init__", _cpu_optimizer_init(DistributedOptimizer.__init__)),
+        (
+            DistributedOptimizer,
+            "sharded_state_dict",
+            _cpu_distopt_sharded_state_dict(DistributedOptimizer.sharded_state_dict),
+        ),
+        (
+            DistributedOptimizer,
+            "load_state_dict",
+            _cpu_distopt_load_state_dict(DistributedOptimizer.load_state_dict),
+        ),
+        (
+            DistributedOptimizer,
+            "_set_main_param_and_optimizer_states",
+            _cpu_set_main_param_states(DistributedOptimizer._set_main_param_and_optimizer_states),
+        ),
+        (WrappedTorchNorm, "__new__", _cpu_torch_norm_new(WrappedTorchNorm.__new__)),
     ]
+    if series >= _CURRENT_STREAM_SINCE:
+        plan.append((torch.cuda, "current_stream", _cpu_current_stream))
+    for owner, name, _ in plan:
+        if not hasattr(owner, name):
+            raise RuntimeError(
+                f"megatron_patches.cpu: {getattr(owner, '__name__', owner)}.{name} does not "
+                f"exist in megatron-core {version or _megatron_version()}; re-check the "
+                "patched call sites"
+            )
+    return plan
 
 
 def _apply(owner: Any, name: str, replacement: Any) -> None:

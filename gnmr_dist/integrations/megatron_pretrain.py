@@ -34,11 +34,9 @@ LLaMA-2-shaped Megatron-LM argument set runs unchanged:
 * ``--bf16``: ``TransformerConfig(bf16=True, params_dtype=pipeline_dtype=bfloat16)``, the model
   wrapped in megatron's ``Float16Module`` before DDP (as Megatron-LM does), and
   ``OptimizerConfig(bf16=True)``: megatron's ``Float16OptimizerWithFloat16Params`` keeps fp32
-  main parameters and steps on the fp32 ``main_grad`` buffers, which GNMR's monitor reads.
-  Without it everything is fp32. Runs on CPU too (slowly): there megatron's optimizer, which
-  sorts parameters by CUDA type strings (``'torch.cuda.BFloat16Tensor'``), is built while
-  ``Tensor.type()`` names CPU tensors as CUDA ones (``megatron_patches.cpu`` does not cover the
-  fp16/bf16 optimizer).
+  main parameters and steps on copies of the ``main_grad`` buffers, which GNMR attributes
+  through the optimizer's parameter groups. Without it everything is fp32. Runs on CPU too
+  (slowly): ``megatron_patches.cpu`` builds megatron's mixed-precision optimizer there.
 * ``--fp8-format {e4m3,hybrid}``, ``--fp8-recipe {delayed,tensorwise,blockwise,mxfp8}``:
   ``TransformerConfig(fp8=..., fp8_recipe=...)``; need ``--transformer-impl transformer_engine``
   and ``--bf16``.
@@ -697,31 +695,7 @@ def _build_optimizer(args: argparse.Namespace, model: Any) -> Any:
         params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
         use_distributed_optimizer=False,
     )  # fmt: skip
-    with _cpu_param_type_names() if args.cpu and args.bf16 else contextlib.nullcontext():
-        return get_megatron_optimizer(cfg, [model])
-
-
-@contextlib.contextmanager
-def _cpu_param_type_names() -> Iterator[None]:
-    """Within the block, ``Tensor.type()`` names a CPU tensor's type as the CUDA one.
-
-    ``Float16OptimizerWithFloat16Params.__init__`` (megatron-core 0.16) sorts the parameters by
-    ``param.type()`` against ``'torch.cuda.BFloat16Tensor'`` / ``'torch.cuda.FloatTensor'`` and
-    raises on anything else; on CPU the names lack ``.cuda``. Nothing else in that constructor
-    reads ``type()``, and ``megatron_patches.cpu`` does not cover the fp16/bf16 optimizer.
-    """
-    original = torch.Tensor.type
-
-    def type_(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kw: Any) -> Any:
-        if dtype is None and not kw and self.device.type == "cpu":
-            return original(self).replace("torch.", "torch.cuda.", 1)
-        return original(self, dtype, non_blocking, **kw)
-
-    torch.Tensor.type = type_  # type: ignore[assignment,method-assign]
-    try:
-        yield
-    finally:
-        torch.Tensor.type = original  # type: ignore[method-assign]
+    return get_megatron_optimizer(cfg, [model])  # bf16 on CPU: megatron_patches.cpu
 
 
 def _layer_params(model: torch.nn.Module) -> dict[int, list[torch.nn.Parameter]]:
@@ -837,7 +811,9 @@ def _iteration(run: _Run, iteration: int) -> None:
     )  # fmt: skip
     _inject_spikes(run, iteration)
     decided = _decisions(run)
-    ok, grad_norm, _ = run.optimizer.step()  # GNMR scores and plans inside (megatron_patches)
+    ok, grad_norm, _ = run.optimizer.step()  # GNMR collects the step's norms inside
+    if run.gnmr is not None:  # this program logs every decision: take it now, not lazily
+        run.gnmr.settle()
     if not ok:
         logger.warning("iteration %d: megatron skipped the update", iteration)
     decision = run.gnmr.runtime.last_decision if _decisions(run) > decided else None

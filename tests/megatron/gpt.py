@@ -2,9 +2,12 @@
 
 Every rank builds the full model with a fixed seed, then the parallel model of its layout, and
 copies the full weights in: a ``tensor_model_parallel`` parameter takes its chunk along
-``partition_dim``; a pipeline stage's ``decoder.layers.<i>`` is global layer ``layer_number - 1``.
-So the parallel run and the single-process run hold exactly the same model, and their gradients
-can be compared slice for slice. Requires megatron-core and ``megatron_patches.cpu``.
+``partition_dim``; a pipeline stage's (or virtual-pipeline chunk's) ``decoder.layers.<i>`` is
+global layer ``layer_number - 1``, the number megatron's own offsets give it; a bf16 model gets
+the fp32 weights rounded to bf16. So the parallel run and the single-process run hold the same
+model, and their gradients can be compared slice for slice. Requires megatron-core and
+``megatron_patches.cpu``. ``tests/megatron/settings.py`` builds the full set of layouts
+(bf16, distributed optimizer, sequence parallel, virtual pipeline) on top of this module.
 """
 
 from __future__ import annotations
@@ -16,31 +19,46 @@ MODEL = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidd
 VOCAB, SEQ, MICRO_BATCH, NUM_MICRO, SEED = 128, 16, 2, 2, 1234
 
 
-def build_gpt(tp: int, pp: int):
-    """The GPTModel of this rank's stage (gelu MLP: its fc1 splits contiguously over TP)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
+def gpt_config(tp: int, pp: int, **fields):
+    """The tiny model's ``TransformerConfig`` for a TP x PP layout (``fields`` override/extend)."""
     from megatron_patches import cpu_transformer_config
 
-    config = cpu_transformer_config(
+    return cpu_transformer_config(
         **MODEL,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         activation_func=torch.nn.functional.gelu,
+        **fields,
     )
+
+
+def build_gpt(tp: int, pp: int, *, config=None, vp_stage: int | None = None):
+    """The GPTModel of this rank's stage (gelu MLP: its fc1 splits contiguously over TP).
+
+    ``config``: a ready ``gpt_config(...)`` (default: ``gpt_config(tp, pp)``). ``vp_stage``: the
+    virtual pipeline chunk to build (None without virtual pipelining); the chunk's layers then
+    carry their global ``layer_number`` from megatron's own offsets.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    config = gpt_config(tp, pp) if config is None else config
+    stage = {} if vp_stage is None else {"vp_stage": vp_stage}
+    first = ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    last = ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     return GPTModel(
         config,
         transformer_layer_spec=get_gpt_layer_local_spec(),
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
-        pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(),
+        pre_process=first,
+        post_process=last,
         share_embeddings_and_output_weights=False,
         position_embedding_type="learned_absolute",
+        **stage,
     )
 
 
@@ -85,6 +103,7 @@ def tp_slice(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp: int) -> 
 
 
 def copy_full_weights(model, full, tp_rank: int, tp: int) -> None:
+    """Copy the full model's weights into ``model`` (a stage or chunk; cast to its dtype)."""
     from gnmr_dist.distributed.units import global_param_names
 
     source, names = dict(full.named_parameters()), global_param_names(model)
@@ -117,11 +136,20 @@ def parallel_model(tp: int, pp: int, full):
 
 
 def train_step(model, step: int = 0) -> float | None:
-    """One forward/backward over NUM_MICRO micro-batches with megatron's schedule."""
+    """One forward/backward over NUM_MICRO micro-batches with megatron's schedule.
+
+    Starts like Megatron-LM's ``train_step``: the grad buffer zeroed and every parameter's
+    ``.grad`` cleared (what ``optimizer.zero_grad()`` does). After ``optimizer.step()`` a fp32
+    parameter's ``.grad`` *is* its ``main_grad``; left in place, the next backward accumulates
+    into the buffer through ``.grad`` and again through DDP's hook (first micro-batch counted
+    twice).
+    """
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     model.zero_grad_buffer()
+    for param in model.parameters():
+        param.grad = None
     dp_rank = ps.get_data_parallel_rank()
     data = iter([micro_batch(dp_rank, m, step) for m in range(NUM_MICRO)])
     losses = get_forward_backward_func()(
