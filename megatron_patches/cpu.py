@@ -9,7 +9,8 @@ fp32 grad-norm / clipping helpers) fail on a handful of hard-wired CUDA calls. T
 redirects exactly those, reversibly, and refuses to do anything when CUDA is available: it is
 never active on a GPU.
 
-Checked against megatron-core 0.16.1, 0.17.1 and 0.19.2 (``SUPPORTED_MEGATRON_VERSIONS``). What
+Checked against megatron-core 0.16.1, 0.17.1 and 0.19.2 (the version table,
+:data:`megatron_patches.versions.SERIES`; ``SUPPORTED_MEGATRON_VERSIONS`` is its keys). What
 is patched, and why:
 
 * ``torch.cuda.current_device`` -> ``torch.device("cpu")``. Megatron calls it at run time
@@ -21,8 +22,8 @@ is patched, and why:
 * ``torch.cuda.synchronize`` -> no-op. ``p2p_communication`` calls it after batched
   send/recv (``batch_p2p_sync``); CPU ops are synchronous, and without CUDA the original
   can only raise.
-* From 0.19 only (``_CURRENT_STREAM_SINCE``): ``torch.cuda.current_stream`` -> a stream stand-in
-  whose waits are no-ops. 0.19's ``start_grad_sync`` fetches the current stream on every grad
+* Where the table says ``grad_sync_current_stream`` (0.19): ``torch.cuda.current_stream`` -> a
+  stream stand-in whose waits are no-ops. 0.19's ``start_grad_sync`` fetches the current stream on every grad
   sync, to wait for CUDA-graph weight-gradient events; without CUDA the original can only raise.
 * The CUDA RNG in ``tensor_parallel.random``: ``_get_cuda_rng_state`` / ``_set_cuda_rng_state``
   read and write the CPU default generator; ``CudaRNGStatesTracker.add`` seeds its named states
@@ -107,6 +108,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from megatron_patches.versions import SERIES
+
 __all__ = [
     "SUPPORTED_MEGATRON_VERSIONS",
     "cpu_compat",
@@ -118,9 +121,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MEGATRON_VERSIONS: tuple[str, ...] = ("0.16", "0.17", "0.19")
-"""megatron-core ``major.minor`` series whose sources these patches were checked against
-(0.16.1, 0.17.1, 0.19.2; 0.18 was not checked)."""
+SUPPORTED_MEGATRON_VERSIONS: tuple[str, ...] = tuple(SERIES)
+"""megatron-core ``major.minor`` series whose sources these patches were checked against: the
+keys of the version table (0.16.1, 0.17.1, 0.19.2; 0.18 was not checked)."""
 
 _MISSING = object()
 _LOCK = threading.Lock()
@@ -458,29 +461,15 @@ def _megatron_version() -> str:
 
 
 def _check_version(version: str) -> None:
-    """Raise unless ``version`` belongs to a series listed in ``SUPPORTED_MEGATRON_VERSIONS``."""
+    """Raise unless ``version`` belongs to a series of the version table."""
     series = ".".join(version.split(".")[:2])
-    if series not in SUPPORTED_MEGATRON_VERSIONS:
+    if series not in SERIES:
         raise RuntimeError(
             f"megatron_patches.cpu was checked against megatron-core "
-            f"{', '.join(v + '.x' for v in SUPPORTED_MEGATRON_VERSIONS)}; found {version}. "
-            f"Verify the patched call sites against its sources, then add {series!r} to "
-            f"SUPPORTED_MEGATRON_VERSIONS."
+            f"{', '.join(v + '.x' for v in SERIES)}; found {version}. "
+            f"Verify the patched call sites against its sources, then add a {series!r} row to "
+            f"megatron_patches.versions.SERIES."
         )
-
-
-def _series(version: str) -> tuple[int, int]:
-    major, minor = version.split(".")[:2]
-    return int(major), int(minor)
-
-
-_CURRENT_STREAM_SINCE = (0, 19)
-"""First series whose grad sync asks for ``torch.cuda.current_stream()`` unconditionally.
-
-From 0.19 ``_ParamAndGradBucketGroup.start_grad_sync`` fetches the current stream on every call
-(to wait for CUDA-graph weight-gradient events before reducing); 0.16 and 0.17 touch it only with
-several distributed-optimizer instances and overlapped reduction.
-"""
 
 
 def _patch_plan(version: str | None = None) -> list[tuple[Any, str, Any]]:
@@ -500,7 +489,9 @@ def _patch_plan(version: str | None = None) -> list[tuple[Any, str, Any]]:
     from megatron.core.transformer import utils as transformer_utils
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    series = _series(_megatron_version() if version is None else version)
+    version = _megatron_version() if version is None else version
+    _check_version(version)
+    series = ".".join(version.split(".")[:2])
     cpu_torch = _CpuTorch()
     seed = _cpu_manual_seed(mrandom.model_parallel_cuda_manual_seed)
     clip = _cpu_clip_grad_by_total_norm(clip_grads.clip_grad_by_total_norm_fp32)
@@ -544,7 +535,7 @@ def _patch_plan(version: str | None = None) -> list[tuple[Any, str, Any]]:
         ),
         (WrappedTorchNorm, "__new__", _cpu_torch_norm_new(WrappedTorchNorm.__new__)),
     ]
-    if series >= _CURRENT_STREAM_SINCE:
+    if SERIES[series].grad_sync_current_stream:
         plan.append((torch.cuda, "current_stream", _cpu_current_stream))
     for owner, name, _ in plan:
         if not hasattr(owner, name):

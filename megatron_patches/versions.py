@@ -17,6 +17,11 @@ test-only installs). What the table records, per ``major.minor``:
 * ``has_training``: the wheel ships Megatron-LM's ``megatron/training`` (0.17+).
 * ``te_quant_params``: megatron's TE linears read ``self.te_quant_params`` on every forward
   (0.16-0.19), so one projection can be put on a high-precision recipe with no context patch.
+* ``grad_sync_current_stream``: DDP's ``start_grad_sync`` asks for ``torch.cuda.current_stream()``
+  on every grad sync (0.19: to wait for CUDA-graph weight-gradient events), which
+  :mod:`megatron_patches.cpu` must then stand in for.
+
+:mod:`megatron_patches.cpu` gates on the same table (``SUPPORTED_MEGATRON_VERSIONS`` is its keys).
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ class SeriesInfo:
     """The wheel ships ``megatron.training`` (Megatron-LM's training loop)."""
     te_quant_params: bool
     """TE linears honour a per-module ``te_quant_params`` on every forward."""
+    grad_sync_current_stream: bool
+    """DDP's grad sync calls ``torch.cuda.current_stream()`` unconditionally."""
 
 
 _OPTIMIZER = "megatron.core.optimizer.optimizer"
@@ -53,17 +60,17 @@ SERIES: dict[str, SeriesInfo] = {
     "0.16": SeriesInfo(
         series="0.16", checked="0.16.1", grads_for_norm="get_main_grads_for_grad_norm",
         norm_may_be_tensor=False, norm_call_sites=(_OPTIMIZER, _LAYER_WISE),
-        has_training=False, te_quant_params=True,
+        has_training=False, te_quant_params=True, grad_sync_current_stream=False,
     ),
     "0.17": SeriesInfo(
         series="0.17", checked="0.17.1", grads_for_norm="get_main_grads_for_grad_norm",
         norm_may_be_tensor=True, norm_call_sites=(_OPTIMIZER, _LAYER_WISE),
-        has_training=True, te_quant_params=True,
+        has_training=True, te_quant_params=True, grad_sync_current_stream=False,
     ),
     "0.19": SeriesInfo(
         series="0.19", checked="0.19.2", grads_for_norm="get_grads_for_grad_norm",
         norm_may_be_tensor=True, norm_call_sites=(_OPTIMIZER, _LAYER_WISE),
-        has_training=True, te_quant_params=True,
+        has_training=True, te_quant_params=True, grad_sync_current_stream=True,
     ),
 }  # fmt: skip
 """The supported series. 0.18 is absent: it was never read nor tested here."""

@@ -28,6 +28,7 @@ norm absolute (measured <= 3.3e-3 relative on parameters above 1e-3 of the globa
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import subprocess
 import sys
@@ -111,9 +112,12 @@ def test_version_gate_names_the_version(monkeypatch):
 
     assert cpu.SUPPORTED_MEGATRON_VERSIONS == ("0.16", "0.17", "0.19")
     monkeypatch.setattr(package_info, "__version__", "0.18.0")
-    with pytest.raises(RuntimeError, match=r"0\.19\.x; found 0\.18\.0.*'0\.18'"):
+    with pytest.raises(RuntimeError, match=r"0\.19\.x; found 0\.18\.0.*'0\.18' row"):
         enable_cpu_compat()
-    monkeypatch.setattr(cpu, "SUPPORTED_MEGATRON_VERSIONS", ("0.16", "0.17", "0.18", "0.19"))
+    from megatron_patches import versions
+
+    row = dataclasses.replace(versions.SERIES["0.16"], series="0.18", checked="0.18.0")
+    monkeypatch.setitem(versions.SERIES, "0.18", row)  # the one table every gate reads
     enable_cpu_compat()
     assert is_cpu_compat_enabled()
 
