@@ -23,8 +23,9 @@ is patched, and why:
   send/recv (``batch_p2p_sync``); CPU ops are synchronous, and without CUDA the original
   can only raise.
 * Where the table says ``grad_sync_current_stream`` (0.19): ``torch.cuda.current_stream`` -> a
-  stream stand-in whose waits are no-ops. 0.19's ``start_grad_sync`` fetches the current stream on every grad
-  sync, to wait for CUDA-graph weight-gradient events; without CUDA the original can only raise.
+  stream stand-in whose waits are no-ops. 0.19's ``start_grad_sync`` fetches the current stream
+  on every grad sync, to wait for CUDA-graph weight-gradient events; without CUDA the original
+  can only raise.
 * The CUDA RNG in ``tensor_parallel.random``: ``_get_cuda_rng_state`` / ``_set_cuda_rng_state``
   read and write the CPU default generator; ``CudaRNGStatesTracker.add`` seeds its named states
   on a private CPU generator, and ``CudaRNGStatesTracker.fork`` swaps them in and out of the CPU
