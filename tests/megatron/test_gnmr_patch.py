@@ -235,3 +235,57 @@ def test_attribution_guard_can_warn_once_instead():
     assert errors == [] and steps == 3
     errors, steps = multiproc.run(_guard_worker, 1, None, "error")[0]
     assert errors == [] and steps == 3  # the real mapping passes the guard every step
+
+
+def _paths_worker(rank, world, arm):
+    """One step of the distributed optimizer (DP2, fp32) under one of GNMR's three norm paths."""
+    import warnings
+
+    from megatron.core import parallel_state as ps
+
+    import megatron_patches
+    from megatron_patches import enable_cpu_compat
+    from tests.megatron import settings
+
+    warnings.filterwarnings("ignore")
+    enable_cpu_compat()
+    with settings.full_layout():
+        full = settings.full_model()
+    if arm == "no-clip":
+        settings.CLIP_GRAD = 0.0  # megatron then computes no norm in a plain optimizer's step
+    chunks, chained = settings.build(settings.SETTINGS_BY_NAME["distopt-fp32-dp2"], full)
+    opt = chained.chained_optimizers[0] if arm == "no-clip" else chained
+    handle = megatron_patches.apply(chunks, {"max_active": 1}, optimizer=opt,
+                                    fused_norm=arm != "unfused")  # fmt: skip
+    settings.train_step(chunks, 0)
+    with multiproc.CollectiveSpy() as spy:
+        _, megatron_norm, _ = opt.step()
+    handle.settle()
+    norms = handle.runtime.last_norms
+    megatron_patches.remove()
+    ps.destroy_model_parallel()
+    return (
+        norms.norms.tolist(),
+        norms.global_norm,
+        float(megatron_norm),
+        spy.calls,
+        len(norms.norms),
+    )
+
+
+def test_unfused_and_no_clip_paths_read_the_same_pre_clip_gradients():
+    jobs = [(_paths_worker, 2, (arm,)) for arm in ("fused", "unfused", "no-clip")]
+    fused, unfused, no_clip = (
+        run[0] for run in multiproc.run_jobs(jobs, preload=("megatron_patches",))
+    )
+    units = fused[4]
+    for other in (unfused, no_clip):
+        assert other[0] == pytest.approx(fused[0], rel=1e-6)  # the same per-unit norms
+        assert other[1] == pytest.approx(fused[1], rel=1e-6)  # pre-clip global norm (> clip 1.0)
+    assert fused[1] > 1.0 and unfused[2] == fused[2] == pytest.approx(fused[1], rel=1e-6)
+    assert no_clip[2] == 0.0  # megatron computed no norm; GNMR read the same gradients itself
+    grad_norm_reduces = lambda calls: [c for c in calls if c[0] == "all_reduce"]  # noqa: E731
+    assert ("all_reduce", units + 3) in grad_norm_reduces(fused[3])
+    assert ("all_reduce", 1) not in grad_norm_reduces(fused[3])  # megatron's rides along
+    assert {("all_reduce", units + 2), ("all_reduce", 1)} <= set(grad_norm_reduces(unfused[3]))
+    assert grad_norm_reduces(no_clip[3]) == [("all_reduce", units + 3)]  # GNMR's own, one
