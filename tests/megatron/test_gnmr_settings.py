@@ -344,13 +344,17 @@ def _resume_worker(rank, world, ckpt: str, resume: bool):
 
 
 @pytest.mark.slow
-def test_distributed_optimizer_checkpoint_resumes_at_another_dp_size(tmp_path):
+@pytest.mark.parametrize("version", ["0.16.1", "0.17.1", "0.19.2"])
+def test_distributed_optimizer_checkpoint_resumes_at_another_dp_size(tmp_path, version):
     """DP2 saves at step 3; DP1 and DP2 resume from that checkpoint and decide as DP2 did."""
+    from tests.megatron import settings
+
+    sys_path = settings.version_sys_path(version)
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     jobs = [(_resume_worker, 2, (str(ckpt), False))]
     jobs += [(_resume_worker, world, (str(ckpt), True)) for world in (1, 2)]
-    uninterrupted, dp1, dp2 = multiproc.run_jobs(jobs, preload=PRELOAD)
+    uninterrupted, dp1, dp2 = multiproc.run_jobs(jobs, sys_path_prepend=sys_path, preload=PRELOAD)
     expected = uninterrupted[0][RESUME_AT:]
     assert dp2[0] == expected and dp2[1] == uninterrupted[1][RESUME_AT:]  # same layout: bitwise
     got = dp1[0]
