@@ -25,6 +25,24 @@ excluded); arms run one after another, or with ``run_experiment(..., interleave=
 of each arm in turn (every arm then samples the same stretch of machine load), so compare them
 within one run of a command only. ``Arm.save_to`` keeps an arm's final weights (a base model
 that ``Setup.init_from`` loads in a later experiment).
+
+``Arm(probe_every=N)`` (any arm with a backend) runs the recovery-gap probe
+(:class:`gnmr_dist.distributed.probe.RecoveryProbe`) on every N-th step, after the step's plan is
+applied and before its forward, on the same weights and batch: two extra forward/backward
+passes, every unit on the low-cost and on the recovery path. The step itself is unchanged (same
+RNG, plan, gradients and decisions as without the probe) and its recorded time excludes the
+probe, whose own time is kept apart (``ArmResult.probe_ms``). Each probe step records the
+controller's risk at that step (scored from the same gradient the probe measured), the sets
+below, and their selection figures (:func:`gnmr_dist.telemetry.selection.set_figures`: precision
+against the top-|set| grad / update gaps and the share of the squared gaps covered):
+
+- ``risk_topk``: the top ``probe_k`` units by this step's risk (precision@k of the risk);
+- ``active``: the units that ran the recovery path during the step (the plan);
+- ``decided``: the controller's new active set (chosen from this step's risk, runs next step);
+- ``random``: ``probe_k`` eligible units drawn with a generator seeded by ``Setup.seed``;
+- ``first_last``: the units of the first and the last layer (Megatron's recipe);
+- ``oracle_grad`` / ``oracle_update``: the top ``probe_k`` by measured grad / update gap (the
+  upper bound of any k-set: a precision of 1 and the largest share, checked at every probe).
 """
 
 from __future__ import annotations
@@ -44,8 +62,10 @@ from torch import nn
 
 from gnmr_dist.backends import get_backend
 from gnmr_dist.cli.ds_pretrain import next_token_loss
-from gnmr_dist.core import GNMRConfig
+from gnmr_dist.core import Decision, GNMRConfig
 from gnmr_dist.distributed import GNMRRuntime, UnitRegistry
+from gnmr_dist.distributed.probe import ProbeResult, RecoveryProbe
+from gnmr_dist.telemetry.selection import set_figures, spearman, top_k
 
 logger = logging.getLogger("benchmarks.harness")
 
@@ -94,12 +114,23 @@ class Arm:
     """Write the arm's final ``state_dict`` here (a base checkpoint for a later experiment)."""
     controller: dict[str, Any] = field(default_factory=dict)
     """GNMR policy keys this arm overrides (its exceedances are then on its own thresholds)."""
+    probe_every: int = 0
+    """Run the recovery-gap probe on every step divisible by this (0: never)."""
+    probe_k: int = 3
+    """Size of the risk's top-k, random and oracle sets graded on probe steps."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if (self.policy == "full") != (self.backend is None):
             raise ValueError(f"arm {self.name}: 'full' runs without a backend, the others with one")
+        if self.probe_every < 0 or self.probe_k < 1:
+            raise ValueError(
+                f"arm {self.name}: probe_every ({self.probe_every}) must be >= 0 and probe_k "
+                f"({self.probe_k}) >= 1"
+            )
+        if self.probe_every and self.backend is None:
+            raise ValueError(f"arm {self.name}: the probe needs a backend (two paths to compare)")
 
 
 @dataclass
@@ -124,6 +155,12 @@ class ArmResult:
     """Per unit: steps after warm-up with risk > 1 (eligible units; 0 for the others)."""
     unit_recoveries: list[int] = field(default_factory=list)
     """Per unit: steps after warm-up whose forward ran the recovery path."""
+    probes: list[dict[str, Any]] = field(default_factory=list)
+    """One record per probe step (:func:`probe_record`); empty without ``Arm.probe_every``."""
+    probe_summary: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Mean of every probe figure over the probe steps (:func:`summarize_probes`)."""
+    probe_ms: float = 0.0
+    """Median wall time of one probe (two forward/backward passes) in milliseconds."""
 
 
 # ====================================================================== model and data
@@ -250,6 +287,16 @@ class ArmRun:
         self.clipped = 0
         self.unit_exceed = torch.zeros(self.registry.num_units, dtype=torch.int64)
         self.unit_recovered = torch.zeros(self.registry.num_units, dtype=torch.int64)
+        self.probe: RecoveryProbe | None = None
+        self.probes: list[dict[str, Any]] = []
+        self.probe_times: list[float] = []
+        if arm.probe_every and self.backend is not None:
+            if arm.probe_k > self.registry.num_units:
+                raise ValueError(f"arm {arm.name}: probe_k ({arm.probe_k}) > units "
+                                 f"({self.registry.num_units})")  # fmt: skip
+            self.probe = RecoveryProbe(self.registry, self.backend, self.opt)
+            self.probe_gen = torch.Generator().manual_seed(setup.seed)
+            self.first_last = layer_units(self.registry, (0, setup.layers - 1))
 
     def step(self, step: int, train: Batches) -> None:
         """Optimizer step ``step`` (1-based) on batch ``step - 1``; timed without evaluation."""
@@ -258,7 +305,9 @@ class ArmRun:
         active = self.fixed if self.fixed is not None else self.runtime.plan.active
         if backend is not None:
             backend.apply(active, step)
-        loss = lm_loss(self.model, train(step - 1))
+        batch = train(step - 1)
+        probed = self._measure(step, batch)
+        loss = lm_loss(self.model, batch)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         decision = self.runtime.step()
@@ -268,7 +317,10 @@ class ArmRun:
         torch.nn.utils.clip_grad_norm_(self.params, min(setup.clip, limit or math.inf))
         self.opt.step()
         self.sched.step()
-        self.times.append(time.perf_counter() - t0)
+        self.times.append(time.perf_counter() - t0 - (probed[1] if probed else 0.0))
+        if probed is not None:
+            self.probe_times.append(probed[1])
+            self._record_probe(step, probed[0], decision, active)
         self.losses.append(float(loss.detach()))
         if step > self.cfg.warmup_steps:
             over = (decision.risk > 1.0) & self.elig
@@ -284,6 +336,24 @@ class ArmRun:
         if step == setup.steps and self.arm.save_to is not None:
             save_state(self.model, self.arm.save_to)
 
+    def _measure(self, step: int, batch: torch.Tensor) -> tuple[ProbeResult, float] | None:
+        """The probe's result and its wall time on probe steps (before the step's forward)."""
+        if self.probe is None or step % self.arm.probe_every:
+            return None
+        t0 = time.perf_counter()
+        result = self.probe.measure(lambda: lm_loss(self.model, batch))
+        return result, time.perf_counter() - t0
+
+    def _record_probe(
+        self, step: int, result: ProbeResult, decision: Decision, active: frozenset[int]
+    ) -> None:
+        k = self.arm.probe_k
+        eligible = torch.nonzero(self.elig).flatten()
+        draw = eligible[torch.randperm(len(eligible), generator=self.probe_gen)[:k]]
+        sets = {"active": active, "decided": frozenset(decision.active),
+                "random": frozenset(draw.tolist()), "first_last": self.first_last}  # fmt: skip
+        self.probes.append(probe_record(step, result, decision.risk, sets, k))
+
     def result(self) -> ArmResult:
         """The measurements so far (after the last step: the arm's result)."""
         held = self.eval_losses[-1]
@@ -295,8 +365,60 @@ class ArmRun:
             units=self.registry.num_units, max_active=self.arm.max_active,
             clipped_steps=self.clipped, active_per_step=self.actives,
             unit_names=list(self.registry.names), unit_exceedances=self.unit_exceed.tolist(),
-            unit_recoveries=self.unit_recovered.tolist(),
+            unit_recoveries=self.unit_recovered.tolist(), probes=self.probes,
+            probe_summary=summarize_probes(self.probes),
+            probe_ms=1e3 * statistics.median(self.probe_times) if self.probe_times else 0.0,
         )  # fmt: skip
+
+
+def probe_record(
+    step: int,
+    result: ProbeResult,
+    risk: torch.Tensor,
+    sets: dict[str, frozenset[int]],
+    k: int,
+) -> dict[str, Any]:
+    """One probe step: the gaps, the graded sets and their figures (JSON-ready).
+
+    ``sets`` are the policy's sets of this step; the risk's top-``k`` and the two oracle top-``k``
+    sets are added. Raises ``RuntimeError`` if the grad-gap oracle does not have precision 1 and
+    the largest grad-gap share of the k-sets (a self-check of the probe's and selection's maths).
+    """
+    g, up = result.grad_gap, result.update_gap
+    sets = {"risk_topk": top_k(risk, k), **sets, "oracle_grad": top_k(g, k),
+            "oracle_update": top_k(up, k)}  # fmt: skip
+    figures = {name: set_figures(s, g, up) for name, s in sets.items()}
+    oracle = figures["oracle_grad"]
+    best = max(f["share_grad"] for n, f in figures.items() if len(sets[n]) == k)
+    if oracle["precision_grad"] != 1.0 or oracle["share_grad"] < best - 1e-12:
+        raise RuntimeError(f"step {step}: the grad-gap oracle is not the best k-set: {figures}")
+    return {
+        "step": step, "k": k, "risk": risk.tolist(), "grad_gap": g.tolist(),
+        "update_gap": up.tolist(), "grad_low_norm": result.grad_low_norm.tolist(),
+        "grad_high_norm": result.grad_high_norm.tolist(), "loss_low": result.loss_low,
+        "loss_high": result.loss_high, "sets": {n: sorted(s) for n, s in sets.items()},
+        "figures": figures,
+        "spearman": {"risk_grad": spearman(risk, g), "risk_update": spearman(risk, up)},
+    }  # fmt: skip
+
+
+def summarize_probes(probes: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Mean of every figure over the probe steps where it is defined (NaN: never defined)."""
+    rows = [(name, fig) for p in probes for name, fig in p["figures"].items()]
+    rows += [("spearman", p["spearman"]) for p in probes]
+    out: dict[str, dict[str, list[float]]] = {}
+    for name, fig in rows:
+        for key, value in fig.items():
+            out.setdefault(name, {}).setdefault(key, []).append(value)
+    return {
+        name: {key: _mean_defined(values) for key, values in fig.items()}
+        for name, fig in out.items()
+    }
+
+
+def _mean_defined(values: Sequence[float]) -> float:
+    defined = [v for v in values if not math.isnan(v)]
+    return statistics.fmean(defined) if defined else math.nan
 
 
 def run_arm(setup: Setup, arm: Arm, train: Batches, heldout: Batches) -> ArmResult:

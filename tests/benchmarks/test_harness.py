@@ -6,6 +6,7 @@ Tiny models (2 layers x 32) and a few steps each, so the whole file runs in seco
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from benchmarks.harness import (
     ZClip,
     build_model,
     layer_units,
+    lm_loss,
     run_arm,
     run_experiment,
     save_state,
@@ -25,7 +27,9 @@ from benchmarks.harness import (
     targets,
     with_budget,
 )
+from gnmr_dist.backends import get_backend
 from gnmr_dist.distributed import UnitRegistry
+from gnmr_dist.telemetry.selection import gap_share, precision_at_k, spearman, top_k
 
 PROJECTIONS = (
     "self_attn.q_proj",
@@ -214,3 +218,72 @@ def test_targets_say_met_or_missed_from_the_numbers():
     assert lines[2] == "- g recovery rate 5.00% vs budget 10.71% (3 of 28 units)"
     assert lines[3].startswith("- exceedance rate below the seed's 0.2%: 2 of 3 arms")
     assert lines[4] == "- step time g / lo: 1.050 (target <= 1.03) -> MISSED"
+
+
+# ---------------------------------------------------------------------------- probe
+
+
+def test_probing_changes_nothing_in_training_and_grades_every_set(data):
+    setup = tiny(layers=3, steps=4)
+    plain = run_arm(setup, q_arm("g", "gnmr", max_active=2), *data)
+    probed = run_arm(setup, replace(q_arm("g", "gnmr", max_active=2), probe_every=2), *data)
+    for key in ("losses", "eval_losses", "active_per_step", "unit_recoveries", "unit_exceedances"):
+        assert getattr(probed, key) == getattr(plain, key), key
+    assert plain.probes == [] and plain.probe_summary == {} and plain.probe_ms == 0.0
+    assert [p["step"] for p in probed.probes] == [2, 4] and probed.probe_ms > 0
+    units = 21
+    first_last = {i for i, n in enumerate(probed.unit_names) if ".layers.1." not in n}
+    for p in probed.probes:
+        grad, update, risk = (torch.tensor(p[k], dtype=torch.float64)
+                              for k in ("grad_gap", "update_gap", "risk"))  # fmt: skip
+        assert grad.shape == (units,) and bool((grad > 0).all()) and bool((update > 0).all())
+        sets, figures = p["sets"], p["figures"]
+        assert set(sets["first_last"]) == first_last and len(sets["random"]) == 3
+        assert sets["risk_topk"] == sorted(top_k(risk, 3))
+        assert figures["risk_topk"]["precision_grad"] == precision_at_k(risk, grad, 3)
+        assert figures["risk_topk"]["precision_update"] == precision_at_k(risk, update, 3)
+        assert figures["first_last"]["share_grad"] == gap_share(first_last, grad)
+        # the oracle: precision 1 and the largest share of any 3-set
+        assert figures["oracle_grad"]["precision_grad"] == 1.0
+        assert figures["oracle_update"]["precision_update"] == 1.0
+        best = figures["oracle_grad"]["share_grad"]
+        assert best >= max(figures[n]["share_grad"] for n in ("risk_topk", "random"))
+        assert p["spearman"]["risk_grad"] == spearman(risk, grad)
+    mean = sum(p["figures"]["random"]["share_grad"] for p in probed.probes) / 2
+    assert probed.probe_summary["random"]["share_grad"] == pytest.approx(mean)
+
+
+def test_a_probe_step_measures_the_steps_own_batch_and_weights(data):
+    """Step 1 of a static arm against two twins of the initial model on batch 0."""
+    setup = tiny(steps=1)
+    train, heldout = data
+    arm = replace(q_arm("s", "static"), probe_every=1)
+    (probe,) = run_arm(setup, arm, train, heldout).probes
+    grads = {}
+    for path, plan in (("low", ()), ("high", None)):
+        model = build_model(setup)
+        registry = UnitRegistry.from_model(model, granularity="operator")
+        backend = get_backend("act_quant", low_cost=arm.low_cost)
+        backend.wrap(registry.local_modules)
+        backend.apply(range(registry.num_units) if plan is None else plan, step=1)
+        lm_loss(model, train(0)).backward()
+        grads[path] = [p.grad.double() for p in registry.params]
+        slots = registry.param_slots.tolist()
+    grad_gap = torch.zeros(registry.num_units, dtype=torch.float64)
+    update_gap = torch.zeros(registry.num_units, dtype=torch.float64)
+    for lo, hi, s in zip(grads["low"], grads["high"], slots, strict=True):
+        if s < registry.num_units:  # AdamW's first step: v_hat = g_high^2, eps = 1e-8
+            grad_gap[s] += (lo - hi).square().sum()
+            update_gap[s] += ((lo - hi) / (hi.abs() + 1e-8)).square().sum()
+    got = torch.tensor(probe["grad_gap"], dtype=torch.float64)
+    assert torch.allclose(got, grad_gap.sqrt(), rtol=1e-6, atol=0)
+    got = torch.tensor(probe["update_gap"], dtype=torch.float64)
+    assert torch.allclose(got, update_gap.sqrt(), rtol=1e-6, atol=0)
+    assert probe["sets"]["active"] == []  # the static arm recovers nothing
+
+
+def test_a_probe_needs_a_backend_and_a_sane_k():
+    with pytest.raises(ValueError, match="the probe needs a backend"):
+        Arm("f", "full", probe_every=2)
+    with pytest.raises(ValueError, match=r"probe_k \(0\) >= 1"):
+        Arm("g", "gnmr", backend="act_quant", probe_every=2, probe_k=0)

@@ -1,0 +1,277 @@
+r"""The recovery-gap probe: what the low-cost path does to each unit's gradient, measured.
+
+GNMR chooses which units to move to the recovery path from gradient norms alone. Whether it
+chose well is a question about something it never sees: how far each unit's gradient on the
+low-cost path is from the one it would have on the recovery path. On a *probe step* the probe
+measures exactly that, on the step's own weights and batch, with two extra forward/backward
+passes through the backend's own switch:
+
+    pass L: plan = {}                 (every unit on the low-cost path)   -> g_low
+    pass H: plan = all eligible units (every unit on the recovery path)   -> g_high
+
+    gap_u         = || g_low,u - g_high,u ||_2
+    update_gap_u  = || (g_low,u - g_high,u) / (sqrt(v_hat_u) + eps) ||_2      (elementwise /)
+
+``v_hat = exp_avg_sq / (1 - beta2^step)`` is Adam's bias-corrected second moment from the
+optimizer's state before this step (``max_exp_avg_sq`` with ``amsgrad``), and ``eps`` its group's
+epsilon, so the update gap is the gradient gap as Adam/AdamW scale it into a weight update (up to
+the learning rate and the first-moment factor, which are the same for every unit). On the first
+step the state is empty and ``v_hat = g_high^2``, which is what Adam's first step uses
+(``v_1 = (1 - beta2) g^2``, bias-corrected: ``g^2``). A parameter whose optimizer group has no
+``betas``/``eps`` (SGD) or that the optimizer does not hold, and every parameter when
+``optimizer=None``, is not normalised: its update gap is its gradient gap.
+
+Both passes start from the same torch RNG state (CPU, and CUDA when initialised), so dropout
+draws the same masks and the passes differ only by the paths; afterwards the RNG state, the
+backend's plan and its step report are exactly what they were before. Gradients come from
+``torch.autograd.grad`` on the units' parameters, so ``.grad`` (and megatron's ``main_grad``),
+post-accumulate-grad hooks and hooks on the ``AccumulateGrad`` nodes (the ones DDP and ZeRO
+reduce through) are untouched. Hooks registered with ``param.register_hook`` do run: they see
+the probe's gradients as they see any autograd pass.
+
+Sums of squares add over any split of a gradient's elements, so, as in the monitor, each rank
+sums the squares it holds into per-unit slots and the ``4 x U`` vector (gap, update gap, low
+norm, high norm) is summed over ``group`` in ONE all-reduce. Data-parallel replicas are
+different: each holds the *whole* gradient of part of the batch, and the gap of the averaged
+gradient is not a sum of the replicas' squared gaps. With ``dp_group`` the probe therefore first
+sums ``g_low`` and ``g_high`` themselves over the replicas (one all-reduce of twice the units'
+gradient, as much traffic as two data-parallel gradient reductions); the closure must then return
+a loss whose gradients *sum* over the replicas to the step's gradient, i.e. the local mean loss
+times ``local batch / global batch`` (``/ world`` for equal shards), as gradient accumulation
+scales micro-batches.
+
+Cost per probe step: two extra forward and backward passes (autograd graphs freed after each),
+the units' gradients twice over in memory, one small all-reduce (plus the data-parallel one).
+Nothing happens on other steps. Backends whose plan change has side effects (``te_fp8``'s amax
+history) see two extra plan changes per probe step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from gnmr_dist.distributed.comm import Group, all_reduce_sum
+from gnmr_dist.distributed.monitor import IndexCache, sum_of_squares_by_slot
+from gnmr_dist.distributed.units import UnitRegistry
+
+__all__ = ["ProbeResult", "RecoveryProbe", "SwitchableBackend"]
+
+_LOW_COST, _RECOVERY = "low_cost", "recovery"  # the path names of gnmr_dist.backends.base
+
+
+class _Report(Protocol):
+    @property
+    def step(self) -> int: ...
+    @property
+    def planned(self) -> frozenset[int]: ...
+    @property
+    def ran(self) -> Mapping[int, frozenset[str]]: ...
+
+
+class SwitchableBackend(Protocol):
+    """What the probe uses of a precision backend (:class:`gnmr_dist.backends.PrecisionBackend`)."""
+
+    def apply(self, active: Iterable[int], step: int) -> None: ...
+    def report(self) -> _Report: ...
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """One probe step's measurements, identical on every rank of the probe's groups."""
+
+    step: int
+    """The optimizer step the backend's plan was applied for."""
+    grad_gap: torch.Tensor
+    """float64 [U]: ``||g_low,u - g_high,u||``."""
+    update_gap: torch.Tensor
+    """float64 [U]: ``||(g_low,u - g_high,u) / (sqrt(v_hat) + eps)||``."""
+    grad_low_norm: torch.Tensor
+    """float64 [U]: ``||g_low,u||``, every unit on the low-cost path."""
+    grad_high_norm: torch.Tensor
+    """float64 [U]: ``||g_high,u||``, every eligible unit on the recovery path."""
+    loss_low: float
+    """This rank's closure loss with every unit on the low-cost path."""
+    loss_high: float
+    """This rank's closure loss with every eligible unit on the recovery path."""
+
+
+def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    initialised = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    cuda = torch.cuda.get_rng_state_all() if initialised else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
+
+
+class RecoveryProbe:
+    """Measures every unit's recovery gap on demand (see the module docstring for the maths).
+
+    Args:
+        registry: the model's units; the probe differentiates this rank's counted parameters of
+            every unit that require a gradient (a LoRA unit: its adapters).
+        backend: the backend that wrapped the registry's local modules.
+        optimizer: the optimizer whose per-parameter normalisation the update gap applies
+            (Adam/AdamW or any optimizer with Adam's ``exp_avg_sq``/``betas``/``eps``); ``None``:
+            none (update gap = gradient gap).
+        group: ranks across which the units' gradient *elements* are split (tensor x pipeline,
+            as the monitor's); ``None``: no communication.
+        dp_group: data-parallel replicas, each holding the gradient of part of the batch;
+            ``None``: this rank's closure sees the whole batch.
+    """
+
+    def __init__(
+        self,
+        registry: UnitRegistry,
+        backend: SwitchableBackend,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        group: Group | None = None,
+        dp_group: Group | None = None,
+    ) -> None:
+        self.registry, self.backend, self.optimizer = registry, backend, optimizer
+        self.group, self.dp_group = group, dp_group
+        u = registry.num_units
+        pairs = [
+            (p, s)
+            for p, s in zip(registry.params, registry.param_slots.tolist(), strict=True)
+            if s < u and p.requires_grad
+        ]
+        self.params = [p for p, _ in pairs]
+        self._slots = [s for _, s in pairs]
+        self._recover_all = tuple(int(i) for i in torch.nonzero(registry.eligible).flatten())
+        self._device = self.params[0].device if self.params else torch.device("cpu")
+        self._index_cache: IndexCache = {}
+
+    def measure(self, closure: Callable[[], torch.Tensor]) -> ProbeResult:
+        """Run the two passes of ``closure`` and return every unit's gaps.
+
+        ``closure()`` runs the step's forward (inside any context the step's own forward needs,
+        e.g. the backend's ``step_context()``) on the step's batch and returns its scalar loss.
+        Call ``measure`` after the backend's ``apply`` for the step and before the step's own
+        forward: the backend's report must still be empty so that re-applying the plan restores
+        it exactly. Activation checkpointing must be non-reentrant (``torch.autograd.grad``).
+        """
+        before = self.backend.report()
+        if before.ran:
+            raise RuntimeError(
+                f"RecoveryProbe.measure at step {before.step}: units {sorted(before.ran)} already "
+                "ran a forward since the backend's apply(); call measure() after apply() and "
+                "before the step's own forward, so that its plan and report can be restored"
+            )
+        rng = _rng_state()
+        try:
+            low, loss_low = self._pass(closure, (), before.step, rng)
+            high, loss_high = self._pass(closure, self._recover_all, before.step, rng)
+        finally:
+            self.backend.apply(before.planned, before.step)
+            _set_rng_state(rng)
+        if self.dp_group is not None:
+            low, high = self._sum_over_replicas(low, high)
+        return self._result(before.step, low, high, loss_low, loss_high)
+
+    def _pass(
+        self,
+        closure: Callable[[], torch.Tensor],
+        plan: Sequence[int],
+        step: int,
+        rng: tuple[torch.Tensor, list[torch.Tensor] | None],
+    ) -> tuple[list[torch.Tensor], float]:
+        """Gradients of the units' parameters with ``plan`` forced (zeros where unused)."""
+        self.backend.apply(plan, step)
+        _set_rng_state(rng)
+        with torch.enable_grad():
+            loss = closure()
+            params = self.params  # a rank holding no unit (an embedding-only stage) has none
+            grads = torch.autograd.grad(loss, params, allow_unused=True) if params else ()
+        self._check_paths(_RECOVERY if plan else _LOW_COST)
+        out = [
+            torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads, strict=True)
+        ]
+        return out, float(loss.detach())
+
+    def _check_paths(self, want: str) -> None:
+        """Every forward of the pass ran ``want`` (an eligible unit on it, at least)."""
+        eligible = set(self._recover_all)
+        wrong = sorted(
+            u
+            for u, paths in self.backend.report().ran.items()
+            if (want == _LOW_COST and _RECOVERY in paths)
+            or (want == _RECOVERY and u in eligible and _LOW_COST in paths)
+        )
+        if wrong:
+            raise RuntimeError(
+                f"RecoveryProbe: units {wrong} did not run the {want} path during its pass; "
+                "something changed the backend's plan inside the closure (a lazy before_forward "
+                "hook?)"
+            )
+
+    def _sum_over_replicas(
+        self, low: list[torch.Tensor], high: list[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``g_low`` and ``g_high`` summed over ``dp_group``: one flat all-reduce."""
+        tensors = low + high
+        if not tensors:
+            return low, high
+        dtype = tensors[0].dtype
+        for t in tensors[1:]:
+            dtype = torch.promote_types(dtype, t.dtype)
+        flat = all_reduce_sum(torch.cat([t.reshape(-1).to(dtype) for t in tensors]), self.dp_group)
+        parts = [
+            p.view_as(t)
+            for p, t in zip(torch.split(flat, [t.numel() for t in tensors]), tensors, strict=True)
+        ]
+        return parts[: len(low)], parts[len(low) :]
+
+    def _result(
+        self,
+        step: int,
+        low: list[torch.Tensor],
+        high: list[torch.Tensor],
+        loss_low: float,
+        loss_high: float,
+    ) -> ProbeResult:
+        diff = torch._foreach_sub(low, high) if low else []
+        scaled = [
+            d if den is None else d / den
+            for d, den in zip(diff, self._denominators(high), strict=True)
+        ]
+        u = self.registry.num_units
+        sums = torch.stack(
+            [
+                sum_of_squares_by_slot(ts, self._slots, u, self._device, self._index_cache)
+                for ts in (diff, scaled, low, high)
+            ]
+        )
+        norms = all_reduce_sum(sums, self.group).cpu().sqrt()
+        return ProbeResult(step, norms[0], norms[1], norms[2], norms[3], loss_low, loss_high)
+
+    def _denominators(self, high: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """Per parameter ``sqrt(v_hat) + eps`` (Adam-like groups), else ``None`` (identity)."""
+        if self.optimizer is None:
+            return [None] * len(high)
+        groups = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
+        return [
+            _adam_denominator(g, groups.get(id(p)), self.optimizer.state.get(p, {}))
+            for p, g in zip(self.params, high, strict=True)
+        ]
+
+
+def _adam_denominator(
+    g_high: torch.Tensor, group: Mapping[str, Any] | None, state: Mapping[str, Any]
+) -> torch.Tensor | None:
+    if group is None or "betas" not in group or "eps" not in group:
+        return None
+    v = state.get("max_exp_avg_sq" if group.get("amsgrad") else "exp_avg_sq")
+    if v is None:  # first step: Adam's v_hat_1 = g^2
+        v_hat = g_high.square()
+    else:
+        v_hat = v.to(g_high.dtype) / (1.0 - float(group["betas"][1]) ** float(state["step"]))
+    return v_hat.sqrt_().add_(float(group["eps"]))

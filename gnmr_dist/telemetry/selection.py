@@ -1,0 +1,110 @@
+r"""Selection quality: how well a set of units, or a score, matches the measured recovery gap.
+
+The recovery-gap probe (:mod:`gnmr_dist.distributed.probe`) measures, per unit u, the gap
+``gap_u >= 0`` between its gradient on the low-cost path and on the recovery path. These pure
+functions grade a selection against it. ``top_k(x, k)`` is the set of the k largest entries,
+ties broken by id ascending (as the controller orders its candidates); NaN counts as ``+inf``
+(the controller's reading of a non-finite value).
+
+    precision_at_k(s, gap, k) = |top_k(s, k)  ∩  top_k(gap, k)| / k
+    set_precision(A, gap, k)  = |A  ∩  top_k(gap, k)| / k                  (k = |A| by default)
+    gap_share(A, gap)         = sum_{u in A} gap_u^2  /  sum_u gap_u^2
+    spearman(s, gap)          = Pearson correlation of the average ranks of s and of gap
+
+Precision by chance is ``k / U`` for precision@k. The squared gaps add because units hold
+disjoint parameters: ``sum_u gap_u^2 = ||g_low - g_high||^2``, so ``gap_share(A)`` is the share
+of the whole squared gradient error that recovering A would remove if the units' errors did not
+interact (exact for ``act_quant``, whose error in unit u's gradient comes from u's own saved
+activation only; a first-order picture for backends that also round the backward's ``dx``).
+Undefined figures are NaN: the precision of an empty set, the share of a zero total gap, the
+rank correlation of a constant vector.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection
+
+import torch
+
+__all__ = ["gap_share", "precision_at_k", "set_figures", "set_precision", "spearman", "top_k"]
+
+
+def _as_vector(values: torch.Tensor, name: str) -> torch.Tensor:
+    v = torch.as_tensor(values).detach().to("cpu", torch.float64)
+    if v.dim() != 1 or v.numel() == 0:
+        raise ValueError(f"{name} must be a non-empty 1-D vector, got shape {tuple(v.shape)}")
+    return torch.where(torch.isnan(v), torch.full_like(v, math.inf), v)
+
+
+def _check_k(k: int, n: int) -> None:
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:
+        raise ValueError(f"k must be an integer in [1, {n}] (the number of units), got {k!r}")
+
+
+def top_k(values: torch.Tensor, k: int) -> frozenset[int]:
+    """Ids of the ``k`` largest values, ties broken by id ascending (NaN as ``+inf``)."""
+    v = _as_vector(values, "values")
+    _check_k(k, v.numel())
+    order = torch.sort(v, descending=True, stable=True).indices
+    return frozenset(int(i) for i in order[:k])
+
+
+def precision_at_k(scores: torch.Tensor, gaps: torch.Tensor, k: int) -> float:
+    """``|top_k(scores) ∩ top_k(gaps)| / k``: how many of the k highest scores are top-k gaps."""
+    if torch.as_tensor(scores).numel() != torch.as_tensor(gaps).numel():
+        raise ValueError("scores and gaps must have one entry per unit each")
+    return len(top_k(scores, k) & top_k(gaps, k)) / k
+
+
+def set_precision(chosen: Collection[int], gaps: torch.Tensor, k: int | None = None) -> float:
+    """``|chosen ∩ top_k(gaps)| / k`` with ``k = len(chosen)`` by default; NaN for ``k = 0``."""
+    k = len(chosen) if k is None else k
+    if k == 0:
+        return math.nan
+    return len(set(chosen) & top_k(gaps, k)) / k
+
+
+def gap_share(chosen: Collection[int], gaps: torch.Tensor) -> float:
+    """``sum of gaps^2 over chosen / sum over all``: the squared gap ``chosen`` covers."""
+    g2 = _as_vector(gaps, "gaps").square()
+    total = float(g2.sum())
+    if total == 0.0:
+        return math.nan
+    ids = sorted(set(chosen))
+    if ids and not 0 <= ids[0] <= ids[-1] < g2.numel():
+        raise ValueError(f"chosen ids must be in [0, {g2.numel() - 1}], got {ids}")
+    return float(g2[ids].sum()) / total if ids else 0.0
+
+
+def average_ranks(values: torch.Tensor) -> torch.Tensor:
+    """float64 1-based ranks, ties sharing the mean of their positions (NaN as ``+inf``)."""
+    v = _as_vector(values, "values")
+    _, inverse, counts = torch.unique(v, sorted=True, return_inverse=True, return_counts=True)
+    ends = torch.cumsum(counts, 0).double()
+    ranks: torch.Tensor = (ends - (counts.double() - 1) / 2)[inverse]
+    return ranks
+
+
+def spearman(scores: torch.Tensor, gaps: torch.Tensor) -> float:
+    """Spearman's rho: the Pearson correlation of :func:`average_ranks` of the two vectors."""
+    a, b = average_ranks(scores), average_ranks(gaps)
+    if a.numel() != b.numel():
+        raise ValueError("scores and gaps must have one entry per unit each")
+    a, b = a - a.mean(), b - b.mean()
+    den = math.sqrt(float(a.square().sum()) * float(b.square().sum()))
+    return float((a * b).sum()) / den if den > 0 else math.nan
+
+
+def set_figures(
+    chosen: Collection[int], grad_gap: torch.Tensor, update_gap: torch.Tensor
+) -> dict[str, float]:
+    """:func:`set_precision` (k = ``len(chosen)``) and :func:`gap_share` of ``chosen`` against
+    the gradient gap and the update gap: keys ``precision_grad``, ``precision_update``,
+    ``share_grad``, ``share_update``."""
+    return {
+        "precision_grad": set_precision(chosen, grad_gap),
+        "precision_update": set_precision(chosen, update_gap),
+        "share_grad": gap_share(chosen, grad_gap),
+        "share_update": gap_share(chosen, update_gap),
+    }
