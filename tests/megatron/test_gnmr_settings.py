@@ -365,3 +365,62 @@ def test_distributed_optimizer_checkpoint_resumes_at_another_dp_size(tmp_path, v
     for (_, _, risk), (_, _, want) in zip(got, expected, strict=True):
         # DP1 sums the same micro-batches in another order than DP2's reduce-scatter
         assert risk == pytest.approx(want, rel=1e-5)
+
+
+# ---------------------------------------------------------------------- no host sync (0.17+)
+
+
+def _tensor_norm_worker(rank, world):
+    """megatron 0.17+ returns the norm as a tensor when TE's tensor-scale kernel exists."""
+    import warnings
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer import clip_grads
+
+    import megatron_patches
+    from megatron_patches import enable_cpu_compat, series_info
+    from tests.megatron import settings
+
+    warnings.filterwarnings("ignore")
+    enable_cpu_compat()
+    with settings.full_layout():
+        full = settings.full_model()
+    chunks, opt = settings.build(settings.SETTINGS_BY_NAME["fp32-dp2"], full)
+    handle = megatron_patches.apply(chunks, BLOCK, optimizer=opt)
+    settings.train_step(chunks, 0)
+    opt.prepare_grads()
+    leaf = opt.chained_optimizers[0]
+    grads = list(getattr(leaf, handle.info.grads_for_norm)())
+    group = leaf.get_grad_stats_parallel_group()
+    clip_grads.multi_tensor_scale_tensor_impl = object()  # TE's kernel "exists": tensor return
+    original = clip_grads.get_grad_norm_fp32
+    expected = original(grads, 2.0, group)
+    handle.begin_step()
+    item = torch.Tensor.item
+    if series_info().norm_may_be_tensor:  # 0.16 itself calls .item(); 0.17+ must not
+        torch.Tensor.item = None  # any host sync in the call would raise
+    try:
+        got = handle.norm_with_units(grads, group, original)
+    finally:
+        torch.Tensor.item = item
+    handle.collecting = False
+    megatron_patches.remove()
+    ps.destroy_model_parallel()
+    return (
+        series_info().norm_may_be_tensor,
+        type(expected).__name__,
+        type(got).__name__,
+        (float(got) == float(expected)),
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", ["0.16.1", "0.17.1", "0.19.2"])
+def test_fused_norm_returns_what_megatron_returns_without_a_host_sync(version):
+    from tests.megatron import settings
+
+    sys_path = settings.version_sys_path(version)
+    runs = multiproc.run_jobs([(_tensor_norm_worker, 2, ())], sys_path_prepend=sys_path)
+    for tensor_series, expected, got, same in runs[0]:
+        want = "Tensor" if tensor_series else "float"
+        assert (expected, got, same) == (want, want, True)
