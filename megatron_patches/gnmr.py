@@ -39,6 +39,13 @@ When megatron computes no norm in a step (``clip_grad == 0`` with a plain optimi
 gradients are read at the start of ``step_with_ready_grads`` (prepared, unscaled, not
 clipped) with one all-reduce of GNMR's own.
 
+**The error term (DESIGN.md 2.1, ``gnmr.gamma``).** The backend's per-unit error sums ``B(u)``
+(linear in the output gradients: divided by megatron's loss scale, times DDP's ``1/dp``) ride
+the first clip-norm all-reduce of the step as U more numbers. That group spans the
+data-parallel ranks only with the distributed optimizer; with the plain optimizer the DP
+partials are summed first, in one extra all-reduce of U values over DP (the one collective the
+term adds there). The controller receives ``e = B / n``.
+
 **The guard.** A mapping that misses leaves the units at zero and the rest slot holding the
 whole gradient: the controller would score 1.0 forever and never act. Every step, after the
 reduction, an unattributed gradient, units at zero under a positive total, or a rest share above
@@ -75,7 +82,7 @@ from torch import nn
 from gnmr_dist.core import Decision
 from gnmr_dist.distributed import Plan
 from gnmr_dist.distributed.monitor import IndexCache, UnitNorms, index_tensor
-from gnmr_dist.integrations.session import IntegrationSession
+from gnmr_dist.integrations.session import IntegrationSession, check_error_source, error_source
 from megatron_patches.versions import SeriesInfo, megatron_series, series_info
 
 __all__ = ["MegatronGNMR", "apply", "current", "megatron_series", "remove"]
@@ -232,12 +239,16 @@ class MegatronGNMR(IntegrationSession):
         self.runtime = GNMRRuntime(
             self.registry, block.policy, group=ps.get_model_parallel_group(),
             check_group=dist.group.WORLD, check_consistency=block.check_consistency,
+            error_fn=error_source(block, backend, self.registry.num_units),
         )  # fmt: skip
+        self._dp_group = ps.get_data_parallel_group(with_context_parallel=True)
+        self._error_scale = 1.0 / dist.get_world_size(self._dp_group)
         self.attribution = GradAttribution(
             self.registry.slot_of_param, self.registry.num_units, optimizer
         )
         self._index_cache: IndexCache = {}
         self._sums: torch.Tensor | None = None
+        self._errors: torch.Tensor | None = None
         self._host: torch.Tensor | None = None
         self._ready: Any = None
         self._total_sq: torch.Tensor | None = None
@@ -262,6 +273,9 @@ class MegatronGNMR(IntegrationSession):
         device = grads[0].device if grads else _device_of(self.model)
         total, per_tensor = self._l2(clip_grads, grads, device)
         units = self._by_slot(grads, per_tensor, device)
+        errors = self._local_errors(group, device)  # once per step, section 2.1 only
+        if errors is not None:
+            units = torch.cat([units, errors])
         total_sq = total.float() ** 2.0
         result = None
         if self.fused or original is None:  # one all-reduce, carrying the units along
@@ -274,8 +288,35 @@ class MegatronGNMR(IntegrationSession):
             dist.all_reduce(units, op=dist.ReduceOp.SUM, group=group)
             result = original(grads, 2.0, group)
             total_sq = torch.as_tensor(result, dtype=torch.float, device=device).reshape(1) ** 2
+        if errors is not None:
+            units, self._errors = units[: -errors.numel()], units[-errors.numel() :]
         self._accumulate(units, total_sq)
         return result
+
+    def _local_errors(self, group: Any, device: torch.device) -> torch.Tensor | None:
+        """float32 [U]: this rank's section 2.1 error sums ``B(u)``, in the reduced gradient's
+        units, for the first norm call of a step (``None`` without ``gnmr.gamma`` or later).
+
+        ``B`` is linear in the output gradients, so megatron's loss scale (fp16) is divided out
+        and the DP mean of DDP (``1/dp``) applied. The clip-norm group spans the data-parallel
+        ranks only with the distributed optimizer; with the plain optimizer the DP partials are
+        summed first: one extra all-reduce of U values over DP, the one collective the error
+        term adds there.
+        """
+        if not self.runtime.uses_errors or self._errors is not None:
+            return None
+        errors = self.runtime.monitor.local_error_sums().to(device)  # times error_scale
+        errors = errors * self._error_scale / self._loss_scale(device)
+        dp = dist.get_world_size(self._dp_group)
+        if dp > 1 and not _spans(group, self._dp_group):
+            dist.all_reduce(errors, op=dist.ReduceOp.SUM, group=self._dp_group)
+        return errors.float()
+
+    def _loss_scale(self, device: torch.device) -> torch.Tensor:
+        scale = self.optimizer.get_loss_scale() if self.optimizer is not None else None
+        if scale is None:
+            return torch.ones(1, dtype=torch.float64, device=device)
+        return torch.as_tensor(scale, device=device).to(torch.float64).reshape(-1)[:1]
 
     def _l2(
         self, clip_grads: Any, grads: list[torch.Tensor], device: torch.device
@@ -314,7 +355,8 @@ class MegatronGNMR(IntegrationSession):
     def _start_host_copy(self) -> None:
         """Copy the step's sums to the host without waiting (CUDA: pinned buffer + event)."""
         assert self._sums is not None and self._total_sq is not None
-        vector = torch.cat([self._sums, self._total_sq])
+        parts = [self._sums, self._total_sq]
+        vector = torch.cat(parts if self._errors is None else [*parts, self._errors])
         if vector.device.type != "cuda":
             self._host, self._ready = vector, None
             return
@@ -361,6 +403,7 @@ class MegatronGNMR(IntegrationSession):
         """An optimizer step starts: settle the last decision, collect this step's norms."""
         self.settle()
         self._sums, self._total_sq, self._host, self._ready = None, None, None, None
+        self._errors = None
         self.collecting = True
 
     def after_step(self, update_successful: bool) -> None:
@@ -394,10 +437,14 @@ class MegatronGNMR(IntegrationSession):
             self._ready.synchronize()
         assert self._host is not None
         vector = self._host.to(device="cpu", dtype=torch.float64)
-        self._check_attribution(vector[:-1])
-        norms = vector[:-3].sqrt()
-        total = float(vector[-1].sqrt())
-        self.runtime.observe(UnitNorms(norms, float(vector[-3].sqrt()), global_norm=total))
+        u = self.registry.num_units
+        sums, total, errors = vector[: u + 2], float(vector[u + 2].sqrt()), vector[u + 3 :]
+        self._check_attribution(sums)
+        norms = UnitNorms(
+            sums[:u].sqrt(), float(sums[u].sqrt()), global_norm=total,
+            error_sums=errors if errors.numel() else None,
+        )  # fmt: skip
+        self.runtime.observe(norms)
         self._apply_plan()
 
     def _check_attribution(self, sums: torch.Tensor) -> None:
@@ -455,6 +502,12 @@ class MegatronGNMR(IntegrationSession):
                 restore(state["other"])
 
         rsm.state_save_func, rsm.state_restore_func = state_save, state_restore
+
+
+def _spans(group: Any, dp_group: Any) -> bool:
+    """Whether ``group`` contains every rank of this rank's ``dp_group``."""
+    ranks = set(dist.get_process_group_ranks(group)) if group is not None else None
+    return ranks is None or set(dist.get_process_group_ranks(dp_group)) <= ranks
 
 
 def _device_of(chunks: Sequence[nn.Module]) -> torch.device:
@@ -564,6 +617,7 @@ def apply(
     backend = None
     if block.backend is not None:
         backend = get_backend(block.backend, low_cost=block.low_cost, recovery=block.recovery)
+    check_error_source(block, backend)  # gnmr.gamma needs a backend that reports error sums
     handle = MegatronGNMR(chunks, block, backend, fused=fused_norm, optimizer=optimizer, info=info)
     _install(handle, optimizer, info)
     return handle

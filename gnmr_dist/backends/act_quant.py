@@ -20,6 +20,16 @@ bf16: the saving is real memory, measured in ``benchmarks/act_memory.py``. The l
 Projections that read the same input (q/k/v, gate/up) share one packed copy, as they share one
 saved tensor without the backend. Coarser groups and fewer bits make the low-cost path worse:
 ``group_size`` and ``bits`` are the stress knobs of the activation-quantization experiment.
+
+Error score (``gnmr.gamma``, DESIGN.md section 2.1; after ``track_errors``)
+---------------------------------------------------------------------------
+Only the saved ``x`` is rounded, so per GEMM the backend reports ``||dy||_F ||x - x_hat||_F``
+(``x_hat = unpack(pack(x))`` at the *low-cost* bits), summed into ``B(u)``. ``||x - x_hat||`` is
+taken in the forward from the pack's own codes (one fused multiply-add, a subtraction and a
+norm over ``x``; projections that share an input share it), ``||dy||`` in the backward (one norm
+of ``dy``). A unit on the recovery path re-quantizes its ``x`` at the low-cost bits once more,
+only to measure it (no bit packing, nothing kept): the shadow that DESIGN.md asks for. No GEMM,
+no host sync; with tracking off nothing of this runs.
 """
 
 from __future__ import annotations
@@ -32,10 +42,13 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from gnmr_dist.backends.base import LOW_COST, PrecisionBackend
+from gnmr_dist.backends.base import LOW_COST, GemmProbe, PrecisionBackend, frobenius
 from gnmr_dist.backends.options import parse_options
 
-__all__ = ["ActQuantBackend", "ActQuantOptions", "PackedActivation", "pack", "unpack"]
+__all__ = [
+    "ActQuantBackend", "ActQuantOptions", "PackedActivation", "pack", "quantization_error",
+    "unpack",
+]  # fmt: skip
 
 _BITS = (2, 4, 8, 16, 32)
 
@@ -72,6 +85,8 @@ class PackedActivation:
     dtype: torch.dtype
     """dtype of the original tensor (restored by :func:`unpack`)."""
     bits: int
+    error: torch.Tensor | None = None
+    """0-dim ``||x - unpack(self)||_F`` when packed with ``with_error=True``, else ``None``."""
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.codes, self.lo, self.scale) if t is not None]
@@ -86,23 +101,75 @@ def _grouped(x: torch.Tensor, group_size: int) -> torch.Tensor:
     return rows.reshape(rows.shape[0], -1, group_size)
 
 
-def pack(x: torch.Tensor, bits: int, group_size: int) -> PackedActivation:
-    """Compress ``x`` to ``bits`` bits per value with per-group min/scale (see module doc)."""
-    if bits == 32:
-        return PackedActivation(x, None, None, x.shape, x.dtype, bits)
-    if bits == 16:
-        return PackedActivation(x.to(torch.bfloat16), None, None, x.shape, x.dtype, bits)
+def _quantize_groups(
+    x: torch.Tensor, bits: int, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(lo, scale, steps, codes)`` of ``x`` at ``bits`` bits: ``steps = (x_g - lo) / scale``
+    and ``codes = round(steps)`` (fp32 integers), both ``[rows, groups, group_size]``."""
     g = _grouped(x, group_size)
     lo = g.amin(dim=-1, keepdim=True)
     span = g.amax(dim=-1, keepdim=True) - lo
     levels = (1 << bits) - 1
     scale = torch.where(span > 0, span / levels, torch.ones_like(span))
-    codes = torch.round((g - lo) / scale).clamp_(0, levels).to(torch.uint8)
+    steps = (g - lo) / scale
+    return lo, scale, steps, torch.round(steps).clamp_(0, levels)
+
+
+def _group_error(
+    features: int, scale: torch.Tensor, steps: torch.Tensor, codes: torch.Tensor
+) -> torch.Tensor:
+    """``||x - (lo + scale * codes)||_F`` as ``||scale_g * ||steps_g - codes_g|| ||`` over groups.
+
+    Two passes over ``x`` (a subtraction, in place on ``steps``, and per-group norms) instead of
+    rebuilding ``x_hat``; the zero padding of the last group is left out.
+    """
+    d = steps.sub_(codes)
+    pad = d.shape[1] * d.shape[2] - features
+    if pad:
+        d[:, -1, d.shape[2] - pad :] = 0
+    per_group = torch.linalg.vector_norm(d, dim=-1)
+    return frobenius(per_group * scale.squeeze(-1))
+
+
+def _cast_error(x: torch.Tensor, x_hat: torch.Tensor) -> torch.Tensor:
+    """``||x - x_hat||_F`` with ``x_hat`` cast back to ``x``'s dtype, as :func:`unpack` does."""
+    wide = torch.promote_types(x.dtype, torch.float32)
+    return frobenius(x.to(wide) - x_hat.to(x.dtype).to(wide))
+
+
+def quantization_error(x: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """0-dim ``||x - unpack(pack(x, bits, group_size))||_F``, without packing anything.
+
+    Exact for fp32 ``x``; below 16 bits the final cast of ``x_hat`` to a narrower ``x`` dtype
+    (bf16) is not included.
+    """
+    if bits == 32:
+        return torch.zeros((), dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
+    if bits == 16:
+        return _cast_error(x, x.to(torch.bfloat16))
+    _, scale, steps, codes = _quantize_groups(x, bits, group_size)
+    return _group_error(x.shape[-1], scale, steps, codes)
+
+
+def pack(
+    x: torch.Tensor, bits: int, group_size: int, *, with_error: bool = False
+) -> PackedActivation:
+    """Compress ``x`` to ``bits`` bits per value with per-group min/scale (see module doc).
+
+    ``with_error``: also measure ``||x - unpack(result)||_F`` from the codes (``.error``).
+    """
+    if bits >= 16:
+        error = quantization_error(x, bits, group_size) if with_error else None
+        codes = x if bits == 32 else x.to(torch.bfloat16)
+        return PackedActivation(codes, None, None, x.shape, x.dtype, bits, error)
+    lo, scale, steps, codes_f = _quantize_groups(x, bits, group_size)
+    error = _group_error(x.shape[-1], scale, steps, codes_f) if with_error else None
+    codes = codes_f.to(torch.uint8)
     per_byte = 8 // bits
     codes = codes.reshape(*codes.shape[:-1], -1, per_byte)
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=x.device)
     packed = (codes << shifts).sum(dim=-1, dtype=torch.uint8)
-    return PackedActivation(packed, lo, scale, x.shape, x.dtype, bits)
+    return PackedActivation(packed, lo, scale, x.shape, x.dtype, bits, error)
 
 
 def unpack(p: PackedActivation) -> torch.Tensor:
@@ -127,10 +194,12 @@ class ActQuantLinearFn(torch.autograd.Function):
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         packed: PackedActivation,
+        probe: GemmProbe | None = None,
     ) -> torch.Tensor:
         ctx.save_for_backward(weight, *packed.tensors())
         ctx.packed_meta = (packed.shape, packed.dtype, packed.bits, packed.lo is not None)
         ctx.has_bias = bias is not None
+        ctx.probe = probe
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -145,9 +214,11 @@ class ActQuantLinearFn(torch.autograd.Function):
             dx = dy2.mm(weight.to(dy2.dtype)).reshape(*dy.shape[:-1], weight.shape[1])
         if ctx.needs_input_grad[1]:
             dw = dy2.t().mm(x_hat.reshape(-1, x_hat.shape[-1]).to(dy2.dtype))
+            if ctx.probe is not None:
+                ctx.probe.record(frobenius(dy2))
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(dim=0)
-        return dx, dw, db, None
+        return dx, dw, db, None, None
 
 
 def act_quant_linear(
@@ -156,14 +227,16 @@ def act_quant_linear(
     bias: torch.Tensor | None,
     options: ActQuantOptions,
     packed: PackedActivation | None = None,
+    probe: GemmProbe | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` saving ``x`` for backward as ``options`` says.
 
-    ``packed`` is ``x`` already packed with ``options`` (projections that share an input).
+    ``packed`` is ``x`` already packed with ``options`` (projections that share an input);
+    ``probe`` (its ``x_err`` filled in) receives ``||dy||`` in the weight-gradient backward.
     """
     if packed is None:
         packed = pack(x.detach(), options.bits, options.group_size)
-    return ActQuantLinearFn.apply(x, weight, bias, packed)  # type: ignore[no-any-return]
+    return ActQuantLinearFn.apply(x, weight, bias, packed, probe)  # type: ignore[no-any-return]
 
 
 class ActQuantBackend(PrecisionBackend):
@@ -174,6 +247,7 @@ class ActQuantBackend(PrecisionBackend):
     """
 
     name = "act_quant"
+    reports_errors = True
 
     def __init__(
         self, *, low_cost: dict[str, Any] | None = None, recovery: dict[str, Any] | None = None
@@ -183,24 +257,52 @@ class ActQuantBackend(PrecisionBackend):
         rec = {"bits": 8, **(recovery or {})}
         self.recovery = parse_options(ActQuantOptions, rec, "gnmr.recovery")
         self._last_pack: tuple[Any, int, Any, Any] = (None, 0, None, None)
+        self._last_shadow: tuple[Any, int, Any] = (None, 0, None)
 
     def _gemm_fn(self, op: nn.Module, path: str) -> Any:
         options = self.low_cost if path == LOW_COST else self.recovery
 
         def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-            return act_quant_linear(x, weight, bias, options, self._shared_pack(x, options))
+            probe = self._error_probe() if weight.requires_grad else None
+            packed = self._shared_pack(
+                x, options, with_error=probe is not None and path == LOW_COST
+            )
+            if probe is not None:
+                probe.x_err = packed.error if path == LOW_COST else self._shadow_error(x)
+            return act_quant_linear(x, weight, bias, options, packed, probe)
 
         return gemm
 
-    def _shared_pack(self, x: torch.Tensor, options: ActQuantOptions) -> PackedActivation:
+    @staticmethod
+    def _same(ref: Any, version: int, x: torch.Tensor) -> bool:
+        return ref is not None and ref() is x and version == x._version
+
+    def _shared_pack(
+        self, x: torch.Tensor, options: ActQuantOptions, with_error: bool = False
+    ) -> PackedActivation:
         """Pack ``x`` once for consecutive projections of the same input (q/k/v, gate/up).
 
         One slot, keyed on the tensor's identity (a weak reference, so a freed tensor whose
-        memory is reused never matches) and its in-place version counter.
+        memory is reused never matches) and its in-place version counter; a pack measured
+        ``with_error`` serves requests without too.
         """
         ref, version, opts, packed = self._last_pack
-        if ref is not None and ref() is x and version == x._version and opts == options:
+        measured = packed is not None and packed.error is not None
+        if self._same(ref, version, x) and opts == options and (measured or not with_error):
             return packed  # type: ignore[no-any-return]
-        packed = pack(x.detach(), options.bits, options.group_size)
+        packed = pack(x.detach(), options.bits, options.group_size, with_error=with_error)
         self._last_pack = (weakref.ref(x), x._version, options, packed)
         return packed
+
+    def _shadow_error(self, x: torch.Tensor) -> torch.Tensor:
+        """``||x - Q_low(x)||_F`` for a unit on the recovery path, once per shared input."""
+        low = self.low_cost
+        ref, version, opts, packed = self._last_pack
+        if self._same(ref, version, x) and opts == low and packed.error is not None:
+            return packed.error  # type: ignore[no-any-return]
+        ref, version, error = self._last_shadow
+        if self._same(ref, version, x):
+            return error  # type: ignore[no-any-return]
+        error = quantization_error(x.detach(), low.bits, low.group_size)
+        self._last_shadow = (weakref.ref(x), x._version, error)
+        return error

@@ -11,11 +11,37 @@ A precision backend owns the low-cost and the recovery path of every unit it wra
 * :meth:`PrecisionBackend.report` says which path each unit's operators actually ran during the
   step, counted in the forwards themselves, so tests and logs see what happened rather than what
   was asked for.
+* :meth:`PrecisionBackend.error_sums` (after :meth:`PrecisionBackend.track_errors`) returns this
+  rank's per-unit partial sums ``B(u)`` of DESIGN.md section 2.1's damage score, accumulated
+  since the last :meth:`apply` (see below).
 
 Custom autograd functions save the path they ran in the forward, so the backward of a step uses
 the forward's precision even if the plan changes before it runs.
 
 The controller never imports a backend; the integrations wire the two together.
+
+Error sums (DESIGN.md section 2.1)
+----------------------------------
+A linear's weight gradient is ``dW = dy^T x``. A low-cost path computes it, in effect, as
+``Q(dy)^T Q(x)`` (each backend rounds some of the two factors), and to first order
+
+    ||Q(dy)^T Q(x) - dy^T x||_F  <=  ||dy||_F ||x - Q(x)||_F  +  ||Q(dy) - dy||_F ||x||_F
+
+(a backend drops the term of a factor it does not round). ``B(u)`` is that bound summed over
+every GEMM of unit u's operators on this rank since the last :meth:`apply`: every micro-batch's
+backward, so it grows with the micro-batches as the accumulated gradient does. Each norm is one
+``torch.linalg.vector_norm`` of a tensor the backend has at hand anyway (its quantized copy, or
+``dy`` in the backward); the GEMMs only append their 0-dim norms, and :meth:`error_sums`
+multiplies and scatters them into a float64 ``[U]`` vector in a few kernels: no host sync, no
+extra GEMM. A unit on the recovery path is measured *in shadow*: the low-cost rounding is
+applied once more to the same ``x`` (in the forward) and ``dy`` (in a hook on the output's
+gradient) only to measure it, so ``B(u)`` is what the low-cost path would have done to that
+unit's gradient this step. The runtime divides the reduced ``B(u)`` by ``n_t(u)`` to get the
+dimensionless ``e_t(u)``.
+
+Measuring is off until :meth:`track_errors` is called, so runs without ``gnmr.gamma`` pay
+nothing. :meth:`error_sums` returns ``None`` for a backend that reports no error (the base class
+default; ``te_fp8`` for now). Units the backend does not wrap read 0.
 """
 
 from __future__ import annotations
@@ -34,8 +60,10 @@ from gnmr_dist.distributed.units import is_operator
 __all__ = [
     "LOW_COST",
     "RECOVERY",
+    "GemmProbe",
     "PrecisionBackend",
     "StepReport",
+    "frobenius",
     "is_megatron_linear",
     "operators_of",
 ]
@@ -66,6 +94,96 @@ class StepReport:
     def low_cost(self) -> frozenset[int]:
         """Units whose forwards ran the low-cost path."""
         return frozenset(u for u, paths in self.ran.items() if LOW_COST in paths)
+
+
+def frobenius(t: torch.Tensor) -> torch.Tensor:
+    """0-dim ``||t||_F`` on ``t``'s device, accumulated in fp32 at least (no host sync)."""
+    wide = torch.float64 if t.dtype == torch.float64 else torch.float32
+    norm: torch.Tensor = torch.linalg.vector_norm(t, dtype=wide if t.dtype != wide else None)
+    return norm
+
+
+class _ErrorSums:
+    """This rank's ``B(u)`` since the last reset, kept as the GEMMs' 0-dim factor norms.
+
+    Each GEMM appends its terms ``(unit, a, b)`` (``B(unit) += a * b``): a list append, no
+    kernel. :meth:`total` multiplies and scatters them all at once (two stacks, one product,
+    one ``index_add_``, the index cached on the device): a handful of kernels per step however
+    many GEMMs and micro-batches ran, and no host sync. Past :data:`FOLD_AT` terms (many
+    micro-batches, or no ``apply`` for a long time) they are folded into a running vector.
+    """
+
+    FOLD_AT = 4096
+
+    def __init__(self, num_units: int) -> None:
+        self.num_units = num_units
+        self._terms: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        self._folded: torch.Tensor | None = None
+        self._index: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
+
+    def add(self, unit: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """``B(unit) += a * b`` (0-dim tensors on one device), evaluated in :meth:`total`."""
+        self._terms.append((unit, a, b))
+        if len(self._terms) >= self.FOLD_AT:
+            self._folded = self.total(a.device)
+            self._terms = []
+
+    def total(self, device: torch.device) -> torch.Tensor:
+        """A float64 ``[U]`` tensor on ``device`` (zeros before the first GEMM)."""
+        out = torch.zeros(self.num_units, dtype=torch.float64, device=device)
+        if self._folded is not None:
+            out.add_(self._folded.to(device))
+        if not self._terms:
+            return out
+        units, a, b = zip(*self._terms, strict=True)
+        terms = torch.stack(a).double() * torch.stack(b).double()
+        out.index_add_(0, self._index_of(units, device), terms.to(device))
+        return out
+
+    def _index_of(self, units: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """The unit ids as a device tensor, copied from the host once per distinct sequence."""
+        key = (device, units)
+        if key not in self._index:
+            if len(self._index) > 64:  # the sequence repeats every step; never grow unbounded
+                self._index.clear()
+            self._index[key] = torch.tensor(units, dtype=torch.int64, device=device)
+        return self._index[key]
+
+    def reset(self) -> None:
+        self._terms, self._folded = [], None
+
+
+@dataclass
+class GemmProbe:
+    """The error bound of one GEMM call of one unit, filled in its forward, added in its backward.
+
+    ``x_err = ||x - Q(x)||_F`` and ``x_norm = ||x||_F`` are 0-dim device tensors (``None``: the
+    term is dropped); :meth:`record` adds ``||dy|| x_err + dy_err x_norm`` to ``B(unit)``.
+    """
+
+    sink: _ErrorSums
+    unit: int
+    x_err: torch.Tensor | None = None
+    """``||x - Q(x)||_F`` (``None`` when the backend does not round ``x``)."""
+    x_norm: torch.Tensor | None = None
+    """``||x||_F`` (only needed when the backend rounds ``dy``)."""
+
+    def record(self, dy_norm: torch.Tensor, dy_err: torch.Tensor | None = None) -> None:
+        """Add ``||dy|| ||x - Q(x)|| + ||Q(dy) - dy|| ||x||`` to the unit's sum (terms whose
+        factors are ``None`` are dropped)."""
+        if self.x_err is not None:
+            self.sink.add(self.unit, dy_norm, self.x_err)
+        if dy_err is not None and self.x_norm is not None:
+            self.sink.add(self.unit, dy_err, self.x_norm)
+
+    def record_output_grad(self, y: torch.Tensor) -> None:
+        """Record ``||dy|| x_err`` from a hook on the GEMM's output ``y`` (shadow measurement of
+        a path that has no backward of its own to read ``dy`` in). The hook only reads."""
+
+        def hook(dy: torch.Tensor) -> None:
+            self.record(frobenius(dy))
+
+        y.register_hook(hook)  # type: ignore[no-untyped-call]
 
 
 Gemm = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
@@ -102,12 +220,16 @@ class PrecisionBackend:
     """
 
     name: ClassVar[str] = ""
+    reports_errors: ClassVar[bool] = False
+    """Whether :meth:`error_sums` reports section 2.1's ``B(u)`` (``False``: it returns None)."""
 
     def __init__(self) -> None:
         self._wrapped: dict[int, list[nn.Module]] = {}
         self._recover: frozenset[int] = frozenset()
         self._step = 0
         self._ran: dict[int, set[str]] = {}
+        self._errors: _ErrorSums | None = None
+        self._unit: int | None = None  # the unit whose switched forward is running
         self.before_forward: Callable[[], None] | None = None
         """Called by the next switched forward, then cleared by its owner: an integration that
         takes its decision lazily (megatron-core, no host sync after the step) sets it."""
@@ -161,14 +283,59 @@ class PrecisionBackend:
         """Ids of the units this backend wrapped."""
         return frozenset(self._wrapped)
 
+    def track_errors(self, num_units: int | None) -> None:
+        """Start (or, with ``None``, stop) accumulating ``B(u)`` for unit ids ``0..num_units-1``.
+
+        ``num_units`` is the registry's ``num_units`` (all units of the model, not only those
+        this rank wraps). Off by default: without it the paths do no extra work. A backend that
+        does not report errors (:attr:`reports_errors` false) ignores the call.
+        """
+        if num_units is None or not self.reports_errors:
+            self._errors = None
+            return
+        wrapped = max(self._wrapped, default=-1) + 1
+        if isinstance(num_units, bool) or not isinstance(num_units, int) or num_units < wrapped:
+            raise ValueError(
+                f"track_errors: num_units must be an integer >= {wrapped} (one more than the "
+                f"largest wrapped unit id), got {num_units!r}"
+            )
+        self._errors = _ErrorSums(num_units)
+
+    def error_sums(self, device: torch.device) -> torch.Tensor | None:
+        """float64 ``[U]`` on ``device``: this rank's ``B(u)`` since the last :meth:`apply`.
+
+        ``None`` when the backend reports no error (the base default). A reporting backend needs
+        :meth:`track_errors` first (a ``RuntimeError`` says so). No host sync.
+        """
+        if not self.reports_errors:
+            return None
+        if self._errors is None:
+            raise RuntimeError(
+                f"the {self.name} backend measures no error sums yet: call "
+                "backend.track_errors(registry.num_units) before training (gnmr.gamma)"
+            )
+        return self._errors.total(device)
+
+    def _error_probe(self) -> GemmProbe | None:
+        """A :class:`GemmProbe` for the GEMM the running unit is about to do, or ``None`` when
+        nothing is measured (tracking off, no grad mode)."""
+        if self._errors is None or self._unit is None or not torch.is_grad_enabled():
+            return None
+        return GemmProbe(self._errors, self._unit)
+
     # ------------------------------------------------------------------ per step
 
     def apply(self, active: Iterable[int], step: int) -> None:
-        """Set the plan for optimizer step ``step``: ``active`` units run the recovery path."""
+        """Set the plan for optimizer step ``step``: ``active`` units run the recovery path.
+
+        Also starts a new step for :meth:`report` and zeroes the error sums.
+        """
         recover = frozenset(int(u) for u in active)
         self._on_plan_change(self._recover, recover)
         self._recover, self._step = recover, step
         self._ran = {}
+        if self._errors is not None:
+            self._errors.reset()
 
     def _on_plan_change(self, before: frozenset[int], after: frozenset[int]) -> None:
         """Hook for backends that keep per-unit state across path changes (TE amax history)."""
@@ -195,7 +362,11 @@ class PrecisionBackend:
                 self.before_forward()
             path = RECOVERY if uid in self._recover else LOW_COST
             self._ran.setdefault(uid, set()).add(path)
-            return (high if path == RECOVERY else low)(*args, **kwargs)
+            outer, self._unit = self._unit, uid
+            try:
+                return (high if path == RECOVERY else low)(*args, **kwargs)
+            finally:
+                self._unit = outer
 
         return switching
 

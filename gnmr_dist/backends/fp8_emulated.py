@@ -35,19 +35,33 @@ plain ``F.linear``.
 
 On the CPU the rounding costs a few elementwise passes per GEMM (see the step-time check in
 ``tests/backends/test_fp8_emulated.py``); nothing is faster than fp32, it only behaves like FP8.
+
+Error score (``gnmr.gamma``, DESIGN.md section 2.1; after ``track_errors``)
+---------------------------------------------------------------------------
+Both factors of the weight gradient are rounded, so per GEMM the backend reports
+
+    ||dy||_F ||x - Q_M(x)||_F + ||Q_M(dy) - dy||_F ||x||_F
+
+with the wgrad GEMM's own quantizers (tiles along M, the low-cost formats; a term whose format
+is ``fp32`` is dropped), summed into ``B(u)``. On the low-cost path the backward already holds
+``Q_M(x)`` and ``Q_M(dy)``: the score costs two subtractions and four norms per GEMM. A unit on
+the recovery path is measured in shadow: ``Q_M(x)`` at the low-cost format once in the forward
+and ``Q_M(dy)`` once in a hook on the output gradient, only to take the norms. The rounding of
+``W`` does not enter the weight gradient and is not scored. No GEMM, no host sync.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from gnmr_dist.backends.base import LOW_COST, RECOVERY, PrecisionBackend
+from gnmr_dist.backends.base import LOW_COST, RECOVERY, GemmProbe, PrecisionBackend
 from gnmr_dist.backends.numerics import (
     FORMATS,
     GRANULARITIES,
@@ -145,6 +159,7 @@ class Fp8LinearFn(torch.autograd.Function):
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         spec: LinearQuantSpec,
+        probe: GemmProbe | None = None,
     ) -> torch.Tensor:
         acc = _acc_dtype(x, weight, bias)
         x2 = x.reshape(-1, x.shape[-1])
@@ -154,7 +169,7 @@ class Fp8LinearFn(torch.autograd.Function):
             y = y + bias.to(acc)
         w_saved = wq if spec.weight_transposable else weight
         ctx.save_for_backward(x, w_saved)
-        ctx.spec, ctx.acc, ctx.has_bias = spec, acc, bias is not None
+        ctx.spec, ctx.acc, ctx.has_bias, ctx.probe = spec, acc, bias is not None, probe
         ctx.w_dtype, ctx.b_dtype = weight.dtype, None if bias is None else bias.dtype
         return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
@@ -173,16 +188,77 @@ class Fp8LinearFn(torch.autograd.Function):
             dyq_m = spec.act(dy2, spec.grad_format, dim=0).to(acc)
             xq_m = spec.act(x.reshape(-1, x.shape[-1]), spec.x_format, dim=0).to(acc)
             dw = dyq_m.t().mm(xq_m).to(ctx.w_dtype)
+            if ctx.probe is not None:
+                _record_wgrad_error(ctx.probe, spec, x, dy2, xq_m, dyq_m, acc)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.to(acc).sum(dim=0).to(ctx.b_dtype)
-        return dx, dw, db, None
+        return dx, dw, db, None, None
+
+
+@dataclass
+class _InputNorms:
+    """``||x - Q_M(x)||`` and ``||x||`` of one forward input, taken once for all the GEMMs that
+    read it (q/k/v, gate/up)."""
+
+    x_err: torch.Tensor | None = None
+    x_norm: torch.Tensor | None = None
+    done: bool = False
+
+    def fill(self, spec: LinearQuantSpec, x2: torch.Tensor, xq_m: torch.Tensor) -> None:
+        """Measure from ``x2`` and its wgrad quantization ``xq_m`` (both flat, one dtype)."""
+        if self.done:
+            return
+        want_err, want_norm = not spec.x_format.is_identity, not spec.grad_format.is_identity
+        tensors = [xq_m - x2] if want_err else []
+        norms = torch._foreach_norm([*tensors, x2] if want_norm else tensors)
+        self.x_err = norms[0] if want_err else None
+        self.x_norm = norms[-1] if want_norm else None
+        self.done = True
+
+
+@dataclass
+class _Fp8Probe(GemmProbe):
+    """A :class:`GemmProbe` whose ``x`` norms are shared with the GEMMs of the same input."""
+
+    shared: _InputNorms = field(default_factory=_InputNorms)
+
+    def record_dy(self, spec: LinearQuantSpec, dy2: torch.Tensor, dyq_m: torch.Tensor) -> None:
+        """``||dy||`` and ``||Q_M(dy) - dy||`` (one fused norm call), then the bound."""
+        self.x_err, self.x_norm = self.shared.x_err, self.shared.x_norm
+        if spec.grad_format.is_identity:
+            self.record(torch.linalg.vector_norm(dy2))
+            return
+        dy_norm, dy_err = torch._foreach_norm([dy2, dyq_m - dy2])
+        self.record(dy_norm, dy_err)
+
+
+def _record_wgrad_error(
+    probe: GemmProbe,
+    spec: LinearQuantSpec,
+    x: torch.Tensor,
+    dy2: torch.Tensor,
+    xq_m: torch.Tensor,
+    dyq_m: torch.Tensor,
+    acc: torch.dtype,
+) -> None:
+    """``||dy|| ||x - Q_M(x)|| + ||Q_M(dy) - dy|| ||x||`` of one wgrad GEMM, from its operands."""
+    assert isinstance(probe, _Fp8Probe)
+    probe.shared.fill(spec, x.reshape(-1, x.shape[-1]).to(acc), xq_m)
+    probe.record_dy(spec, dy2.to(acc), dyq_m)
 
 
 def fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spec: LinearQuantSpec
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    spec: LinearQuantSpec,
+    probe: GemmProbe | None = None,
 ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` with its three GEMMs' inputs quantized as ``spec`` says."""
-    return Fp8LinearFn.apply(x, weight, bias, spec)  # type: ignore[no-untyped-call,no-any-return]
+    """``F.linear(x, weight, bias)`` with its three GEMMs' inputs quantized as ``spec`` says.
+
+    ``probe`` receives the wgrad GEMM's error bound in the backward (module docstring).
+    """
+    return Fp8LinearFn.apply(x, weight, bias, spec, probe)  # type: ignore[no-untyped-call,no-any-return]
 
 
 class Fp8EmulatedBackend(PrecisionBackend):
@@ -193,6 +269,7 @@ class Fp8EmulatedBackend(PrecisionBackend):
     """
 
     name = "fp8_emulated"
+    reports_errors = True
 
     def __init__(
         self,
@@ -208,13 +285,49 @@ class Fp8EmulatedBackend(PrecisionBackend):
             LOW_COST: LinearQuantSpec.from_options(self.low_cost),
             RECOVERY: LinearQuantSpec.from_options(self.recovery),
         }
+        self._last_input: tuple[Any, int, _InputNorms] = (None, 0, _InputNorms())
 
     def _gemm_fn(self, op: nn.Module, path: str) -> Callable[..., torch.Tensor]:
-        spec = self.specs[path]
+        spec, low = self.specs[path], self.specs[LOW_COST]
 
         def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-            if spec.is_identity:
-                return F.linear(x, weight, bias)
-            return fp8_linear(x, weight, bias, spec)
+            probe = None
+            if weight.requires_grad and not low.is_identity:
+                probe = self._probe(x)
+            if path == LOW_COST and probe is not None:
+                return fp8_linear(x, weight, bias, spec, probe)
+            y = F.linear(x, weight, bias) if spec.is_identity else fp8_linear(x, weight, bias, spec)
+            if probe is not None and y.requires_grad:
+                self._shadow(probe, x, y)
+            return y
 
         return gemm
+
+    def _probe(self, x: torch.Tensor) -> _Fp8Probe | None:
+        """A probe for the running unit, sharing ``x``'s norms with the last GEMM of the same
+        ``x`` (one slot keyed on its identity and version, as ``act_quant``'s shared pack)."""
+        base = self._error_probe()
+        if base is None:
+            return None
+        ref, version, shared = self._last_input
+        if ref is None or ref() is not x or version != x._version:
+            shared = _InputNorms()
+            self._last_input = (weakref.ref(x), x._version, shared)
+        return _Fp8Probe(base.sink, base.unit, shared=shared)
+
+    def _shadow(self, probe: _Fp8Probe, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Measure the low-cost wgrad error of a recovered GEMM: ``x`` now, ``dy`` in a hook."""
+        low = self.specs[LOW_COST]
+        x2 = x.detach().reshape(-1, x.shape[-1])
+        x2 = x2.to(torch.promote_types(x2.dtype, torch.float32))
+        if not probe.shared.done:
+            xq_m = low.act(x2, low.x_format, dim=0) if not low.x_format.is_identity else x2
+            probe.shared.fill(low, x2, xq_m.to(x2.dtype))
+
+        def hook(dy: torch.Tensor) -> None:
+            dy2 = dy.reshape(-1, dy.shape[-1])
+            dy2 = dy2.to(torch.promote_types(dy2.dtype, torch.float32))
+            dyq_m = dy2 if low.grad_format.is_identity else low.act(dy2, low.grad_format, dim=0)
+            probe.record_dy(low, dy2, dyq_m.to(dy2.dtype))
+
+        y.register_hook(hook)

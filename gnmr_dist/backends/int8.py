@@ -40,6 +40,19 @@ The int8 weight is cached per module and re-quantized when the weight's identity
 (``data_ptr``, its in-place version counter, dtype, shape): optimizer steps, ``copy_`` under
 ``no_grad``, ``load_state_dict`` and adapter merges are all seen. Writes through ``.data`` carry a
 separate version counter by PyTorch's design and are not: call :meth:`Int8Backend.invalidate`.
+
+Error score (``gnmr.gamma``, DESIGN.md section 2.1; after ``track_errors``)
+---------------------------------------------------------------------------
+Of the weight-gradient product ``dy^T x`` the low-cost path rounds only ``x`` (``dy`` is never
+quantized; ``W``'s rounding does not enter ``dW``), so per GEMM the backend reports
+``||dy||_F ||x - dequant(x_q)||_F``, with the per-token (or per-tensor) codes the forward
+computed: the error of the weight gradient that the forward's integer input implies (a frozen
+base computes no ``dW``; the score still measures how far the product's input was moved).
+Cost: one dequantize, a subtraction and a norm over ``x`` in the forward, one norm of ``dy`` in
+the backward. A unit on the recovery path re-quantizes its ``x`` once in the forward only to
+measure it, and takes ``||dy||`` in a hook on its output's gradient (shadow). A GEMM whose
+output needs no gradient (the frozen first projections of a LoRA model, whose input carries no
+gradient either) has no backward and reports 0. No GEMM, no host sync.
 """
 
 from __future__ import annotations
@@ -55,7 +68,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from gnmr_dist.backends.base import RECOVERY, PrecisionBackend
+from gnmr_dist.backends.base import RECOVERY, GemmProbe, PrecisionBackend, frobenius
 from gnmr_dist.backends.options import parse_options
 
 __all__ = [
@@ -184,9 +197,13 @@ class W8A8LinearFn(torch.autograd.Function):
         w_scale: torch.Tensor,
         quantize: Quantizer,
         gemm: Gemm,
+        probe: GemmProbe | None = None,
     ) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         x_q, x_scale = quantize(x2)
+        if probe is not None:
+            probe.x_err = frobenius(x2.to(x_scale.dtype) - dequantize(x_q, x_scale))
+        ctx.probe = probe
         y = gemm(x_q, w_q).to(x_scale.dtype) * (x_scale * w_scale.t())
         if bias is not None:
             y = y + bias.to(y.dtype)
@@ -200,6 +217,8 @@ class W8A8LinearFn(torch.autograd.Function):
         w_q, w_scale, x = ctx.saved_tensors
         x_shape, x_dtype, w_dtype, b_dtype = ctx.meta
         dy2 = dy.reshape(-1, dy.shape[-1]).to(w_scale.dtype)
+        if ctx.probe is not None:
+            ctx.probe.record(frobenius(dy2))
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             dx = (dy2 @ dequantize(w_q, w_scale)).reshape(x_shape).to(x_dtype)
@@ -207,7 +226,7 @@ class W8A8LinearFn(torch.autograd.Function):
             dw = (dy2.t() @ x.reshape(-1, x.shape[-1]).to(dy2.dtype)).to(w_dtype)
         if b_dtype is not None and ctx.needs_input_grad[2]:
             db = dy2.sum(dim=0).to(b_dtype)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------- modules
@@ -283,6 +302,7 @@ class Int8Backend(PrecisionBackend):
     """
 
     name = "int8"
+    reports_errors = True
 
     def __init__(
         self,
@@ -318,9 +338,7 @@ class Int8Backend(PrecisionBackend):
     def _forward_fn(self, op: nn.Module, path: str) -> Callable[..., torch.Tensor]:
         lin = _as_linear(op)
         if path == RECOVERY:
-            if self.recovery.dtype == "bf16":
-                return lambda x: _bf16_linear(lin, x)
-            return lambda x: F.linear(x, lin.weight, lin.bias)
+            return self._recovery_forward(lin)
         cache = _WeightCache(lin, self.low_cost.weight_granularity)
         self._caches.append(cache)
         act = self.low_cost.act_granularity
@@ -330,7 +348,29 @@ class Int8Backend(PrecisionBackend):
 
         def forward(input: torch.Tensor) -> torch.Tensor:  # nn.Linear.forward's signature
             w_q, w_scale = cache.get()
-            args = (input, lin.weight, lin.bias, w_q, w_scale, quantize, int8_gemm)
+            probe = None
+            if input.requires_grad or lin.weight.requires_grad:
+                probe = self._error_probe()
+            args = (input, lin.weight, lin.bias, w_q, w_scale, quantize, int8_gemm, probe)
             return W8A8LinearFn.apply(*args)  # type: ignore[no-untyped-call, no-any-return]
+
+        return forward
+
+    def _recovery_forward(self, lin: nn.Linear) -> Callable[..., torch.Tensor]:
+        """BF16 (or the module's own) forward, measuring the low-cost error in shadow."""
+        act = self.low_cost.act_granularity
+
+        def forward(input: torch.Tensor) -> torch.Tensor:
+            if self.recovery.dtype == "bf16":
+                y = _bf16_linear(lin, input)
+            else:
+                y = F.linear(input, lin.weight, lin.bias)
+            probe = self._error_probe() if y.requires_grad else None
+            if probe is not None:
+                x2 = input.detach().reshape(-1, input.shape[-1])
+                x_q, x_scale = quantize_symmetric(x2, act)
+                probe.x_err = frobenius(x2.to(x_scale.dtype) - dequantize(x_q, x_scale))
+                probe.record_output_grad(y)
+            return y
 
         return forward

@@ -4,7 +4,9 @@ A trace holds the exact per-unit norms of a run. Replaying it through a controll
 settings shows, before a big run, how often units would exceed the thresholds and how much of
 the model would sit on the recovery path, without touching a GPU. With the recorded settings the
 replay reproduces the recorded decisions exactly (the controller is deterministic), which the
-command checks and reports.
+command checks and reports. A trace recorded with ``gnmr.gamma`` (DESIGN.md section 2.1) also holds
+each step's error scores; they are passed back to the controller, so ``--gamma`` re-tunes that
+threshold too.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 import torch
 
 from gnmr_dist.core import GNMRConfig, GNMRController
-from gnmr_dist.telemetry import read_trace
+from gnmr_dist.telemetry import read_errors, read_trace
 
 
 @dataclass(frozen=True)
@@ -41,15 +43,25 @@ def replay(
     eligible: Sequence[bool],
     units: Sequence[str],
     recorded: Sequence[Sequence[int]] | None = None,
+    errors: torch.Tensor | None = None,
 ) -> ReplaySummary:
-    """Run ``norms`` ([steps, U]) through a controller and summarise what it chose."""
+    """Run ``norms`` ([steps, U]) through a controller and summarise what it chose.
+
+    ``errors`` ([steps, U], the recorded error scores) are required with ``config.gamma`` set
+    and ignored without it.
+    """
+    if config.gamma is not None and errors is None:
+        raise ValueError(
+            "gnmr.gamma is set but the trace holds no error scores (it was recorded without the "
+            "section 2.1 term): replay it without gamma"
+        )
     ctrl = GNMRController(norms.shape[1], config, eligible=list(eligible))
     n_elig = max(1, sum(bool(e) for e in eligible))
     counts = torch.zeros(norms.shape[1], dtype=torch.int64)
     exceed = active = scored = nonfinite = 0
     same = 0
     for i, row in enumerate(norms):
-        d = ctrl.step(row)
+        d = ctrl.step(row) if config.gamma is None else ctrl.step(row, errors=errors[i])
         counts[list(d.active)] += 1
         nonfinite += int(d.telemetry.num_nonfinite > 0)
         same += int(recorded is not None and tuple(recorded[i]) == d.active)
@@ -90,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-steps", type=int)
     p.add_argument("--alpha", type=_threshold, help="number or JSON schedule")
     p.add_argument("--beta", type=_threshold, help="number or JSON schedule")
+    p.add_argument(
+        "--gamma", type=_threshold, help="number or JSON schedule (traces with error scores)"
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     return p
 
@@ -98,14 +113,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         header, norms, records = read_trace(args.trace)
+        errors = read_errors(args.trace, records, len(header.units))
         given = {k: getattr(args, k, None) for k in GNMRConfig.field_names()}
         overrides = {k: v for k, v in given.items() if v is not None}
         config = replace(header.config, **overrides)
+        recorded = [r["active"] for r in records] if not overrides else None
+        s = replay(norms, config, header.eligible, header.units, recorded, errors)
     except (OSError, ValueError) as err:
         print(f"gnmr-replay: {err}", file=sys.stderr)
         return 2
-    recorded = [r["active"] for r in records] if not overrides else None
-    s = replay(norms, config, header.eligible, header.units, recorded)
     if args.json:
         print(json.dumps({**s.__dict__, "config": config.to_dict()}))
         return 0

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from gnmr_dist.core import GNMRConfig, GNMRController
-from gnmr_dist.telemetry import read_trace
+from gnmr_dist.telemetry import read_errors, read_trace
 
 __all__ = ["draw_report", "main"]
 
@@ -69,12 +69,24 @@ def short_names(units: Sequence[str]) -> list[str]:
     return out
 
 
-def _replay_risk(norms: torch.Tensor, config: GNMRConfig, eligible: Sequence[bool]) -> Any:
-    """Risk [steps, U] and the replayed active sets, from the recorded norms."""
+def _replay_risk(
+    norms: torch.Tensor,
+    config: GNMRConfig,
+    eligible: Sequence[bool],
+    errors: torch.Tensor | None = None,
+) -> Any:
+    """Risk [steps, U] and the replayed active sets, from the recorded norms (and error scores,
+    which a trace recorded with ``gnmr.gamma`` holds)."""
+    if config.gamma is not None and errors is None:
+        raise ValueError("the trace's config sets gnmr.gamma but its records hold no errors")
     ctrl = GNMRController(norms.shape[1], config, eligible=list(eligible))
     risks, actives = [], []
-    for row in norms:
-        d = ctrl.step(row)
+    for i, row in enumerate(norms):
+        d = (
+            ctrl.step(row)
+            if errors is None or config.gamma is None
+            else ctrl.step(row, errors=errors[i])
+        )
         risks.append(d.risk)
         actives.append(d.active)
     return torch.stack(risks), actives
@@ -294,7 +306,8 @@ def draw_report(
     if not records:
         raise ValueError(f"{trace}: the trace has a header but no step records")
     figure_cls, integer_locator = _import_matplotlib()
-    risk, _ = _replay_risk(norms, header.config, header.eligible)
+    errors = read_errors(trace, records, len(header.units))
+    risk, _ = _replay_risk(norms, header.config, header.eligible, errors)
     s = summarise(header, norms, records, risk)
     steps = list(range(1, len(records) + 1))
     loss, loss_label = _loss_series(records, norms)

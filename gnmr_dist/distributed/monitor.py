@@ -15,6 +15,14 @@ global gradient norm: the number gradient clipping needs, for free.
 
 Replicated parameters must be counted once (the registry drops them on TP ranks > 0), and the
 vector is accumulated in float64 so that adding ten thousand squared shard norms loses nothing.
+
+With DESIGN.md section 2.1's error term (``error_fn``, set by the runtime when ``gnmr.gamma`` is
+set) the local vector is ``[U + 1 sums of squares, U error sums B(u)]``: the backend's partial
+bounds of the low-cost weight-gradient error, which add over ranks and micro-batches like the
+gradients they bound. The same ONE all-reduce carries both (2U + 1 float64 values, no second
+collective). ``error_scale`` puts them in the units of the reduced gradient: ``1/dp`` where the
+framework averages gradients over ``dp`` data-parallel ranks and the group sums the ranks'
+partials (DeepSpeed). Without ``error_fn`` the vector is exactly the U + 1 sums of squares.
 """
 
 from __future__ import annotations
@@ -30,11 +38,13 @@ from gnmr_dist.distributed.comm import Group, all_reduce_sum, all_reduce_sum_asy
 from gnmr_dist.distributed.units import UnitRegistry
 
 __all__ = [
-    "GradNormMonitor", "IndexCache", "UnitNorms", "default_grad", "index_tensor",
-    "sum_of_squares_by_slot",
+    "ErrorFn", "GradNormMonitor", "IndexCache", "UnitNorms", "default_grad", "index_tensor",
+    "sum_of_squares_by_slot", "unit_norms_from_total",
 ]  # fmt: skip
 
 GradFn = Callable[[nn.Parameter], torch.Tensor | None]
+ErrorFn = Callable[[torch.device], torch.Tensor | None]
+"""``device -> float64 [U]``: this rank's error sums ``B(u)`` (a backend's ``error_sums``)."""
 
 
 def default_grad(param: nn.Parameter) -> torch.Tensor | None:
@@ -53,6 +63,19 @@ class UnitNorms:
     """L2 norm of every parameter outside all units."""
     global_norm: float
     """L2 norm of the whole (de-duplicated) gradient."""
+    error_sums: torch.Tensor | None = None
+    """float64 [U] on the host: the reduced error sums ``B(u)`` (section 2.1), in the units of
+    the reduced gradient; ``None`` when the monitor carries no error term."""
+
+    def relative_errors(self) -> torch.Tensor | None:
+        """float64 [U]: ``e_t(u) = B(u) / n_t(u)`` (0 when both are 0, +inf when ``B > 0 = n``).
+
+        The dimensionless score the controller's ``errors=`` takes; ``None`` without error sums.
+        """
+        if self.error_sums is None:
+            return None
+        b, n = self.error_sums.to(torch.float64), self.norms.to(torch.float64)
+        return torch.where((b == 0) & (n == 0), torch.zeros_like(b), b / n)
 
 
 def _norm_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -112,6 +135,10 @@ class GradNormMonitor:
             own piece). ``None``: no communication.
         grad_fn: returns the gradient (or gradient shard) of a parameter; default
             :func:`default_grad`.
+        error_fn: this rank's section 2.1 error sums (``backend.error_sums``); ``None``: the
+            vector carries norms only.
+        error_scale: factor applied to the local error sums before the reduction (``1/dp``
+            under data-parallel gradient averaging whose partials the group sums).
     """
 
     def __init__(
@@ -120,13 +147,24 @@ class GradNormMonitor:
         *,
         group: Group | None = None,
         grad_fn: GradFn | None = None,
+        error_fn: ErrorFn | None = None,
+        error_scale: float = 1.0,
     ) -> None:
+        if not (math.isfinite(error_scale) and error_scale > 0):
+            raise ValueError(f"error_scale must be a finite number > 0, got {error_scale!r}")
         self.registry = registry
         self.group = group
         self.grad_fn = grad_fn or default_grad
+        self.error_fn = error_fn
+        self.error_scale = float(error_scale)
         self._slots = registry.param_slots.tolist()
         self._device = self._pick_device()
         self._index_cache: IndexCache = {}
+
+    @property
+    def device(self) -> torch.device:
+        """Where the local vector is built (the device of the registry's parameters)."""
+        return self._device
 
     def _pick_device(self) -> torch.device:
         params = self.registry.params
@@ -143,30 +181,67 @@ class GradNormMonitor:
         u = self.registry.num_units + 1
         return sum_of_squares_by_slot(grads, slots, u, self._device, self._index_cache)
 
+    def local_error_sums(self) -> torch.Tensor:
+        """float64 [U]: this rank's error sums times ``error_scale`` (before the all-reduce)."""
+        if self.error_fn is None:
+            raise RuntimeError("this monitor has no error_fn (the section 2.1 term is off)")
+        sums = self.error_fn(self._device)
+        u = self.registry.num_units
+        if sums is None or tuple(sums.shape) != (u,):
+            got = None if sums is None else list(sums.shape)
+            raise ValueError(
+                f"gnmr.gamma: error_fn must return the float64 [{u}] error sums of this rank's "
+                f"units (the backend's error_sums), got {got}; a backend that reports no error "
+                "returns None: leave gnmr.gamma unset with it"
+            )
+        return sums.to(device=self._device, dtype=torch.float64) * self.error_scale
+
     def start(self, grad_scale: float = 1.0) -> Callable[[], UnitNorms]:
         """Compute the local sums and start their all-reduce; the returned call finishes it.
 
         ``grad_scale``: the factor the gradients currently carry (an fp16 loss scale not yet
-        divided out); the squared sums are divided by its square before the reduction. Starting
-        before and finishing after the optimizer step overlaps the collective with the step.
+        divided out); the squared sums are divided by its square before the reduction, the error
+        sums (linear in the output gradients) by it. Starting before and finishing after the
+        optimizer step overlaps the collective with the step. With ``error_fn`` the one
+        all-reduce carries ``[U + 1 sums of squares, U error sums]``.
         """
         local = self.local_sum_of_squares()
         if grad_scale != 1.0:
             local.div_(float(grad_scale) ** 2)
+        u = None
+        if self.error_fn is not None:
+            errors = self.local_error_sums()
+            if grad_scale != 1.0:
+                errors.div_(float(grad_scale))
+            local, u = torch.cat([local, errors]), self.registry.num_units
         wait = all_reduce_sum_async(local, self.group)
-        return lambda: unit_norms_from_total(wait())
+        return lambda: unit_norms_from_total(wait(), u)
 
     def compute(self) -> UnitNorms:
         """Per-unit and global norms, identical on every rank of ``group`` (one all-reduce)."""
         return self.start()()
 
 
-def unit_norms_from_total(total: torch.Tensor) -> UnitNorms:
-    """Square roots of a reduced [U + 1] vector of sums of squares (copied to the host once)."""
+def unit_norms_from_total(total: torch.Tensor, num_units: int | None = None) -> UnitNorms:
+    """:class:`UnitNorms` of a reduced vector (copied to the host once).
+
+    ``num_units=None``: ``total`` is the [U + 1] sums of squares. ``num_units=U``: it is
+    ``[U + 1 sums of squares, U error sums]`` (the monitor's vector with the error term).
+    """
     total = total.cpu()
+    errors = None
+    if num_units is not None:
+        if total.numel() != 2 * num_units + 1:
+            raise ValueError(
+                f"expected 2U + 1 = {2 * num_units + 1} values (U={num_units}), got {total.numel()}"
+            )
+        total, errors = total[: num_units + 1], total[num_units + 1 :]
     norms = total.sqrt()
     return UnitNorms(
-        norms=norms[:-1], rest_norm=float(norms[-1]), global_norm=math.sqrt(float(total.sum()))
+        norms=norms[:-1],
+        rest_norm=float(norms[-1]),
+        global_norm=math.sqrt(float(total.sum())),
+        error_sums=errors,
     )
 
 

@@ -7,6 +7,12 @@ the recovery path for the whole next step, every micro-batch, pipeline stage and
 recomputation included. Every rank runs the same controller on the same reduced vector, so every
 rank holds the same plan without further communication.
 
+With ``gnmr.gamma`` set (DESIGN.md section 2.1) the runtime also needs an error source,
+``error_fn`` (the precision backend's ``error_sums``): the monitor then reduces the error sums
+``B(u)`` in the same all-reduce as the norms, and the controller receives ``e_t(u) = B(u) /
+n_t(u)`` (:meth:`UnitNorms.relative_errors`). Without ``gamma`` the error source is ignored:
+the same single U + 1 all-reduce, bit-identical decisions.
+
 An optional check (``check_consistency=True``) proves that claim at run time: one all-gather of a
 hash of each rank's decision, and a ``RuntimeError`` naming the ranks that disagree. It costs a
 second collective per step, so it is meant for bring-up and tests, not for production runs.
@@ -22,7 +28,7 @@ from typing import Any
 
 from gnmr_dist.core import Decision, GNMRConfig, GNMRController
 from gnmr_dist.distributed.comm import Group, all_gather_objects
-from gnmr_dist.distributed.monitor import GradFn, GradNormMonitor, UnitNorms
+from gnmr_dist.distributed.monitor import ErrorFn, GradFn, GradNormMonitor, UnitNorms
 from gnmr_dist.distributed.units import UnitRegistry
 
 __all__ = ["GNMRRuntime", "Plan", "check_same_decision", "decision_digest"]
@@ -51,6 +57,23 @@ def decision_digest(decision: Decision) -> str:
     h.update(repr((decision.step, decision.active, decision.candidates)).encode())
     h.update(decision.risk.numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def _check_error_source(error_fn: ErrorFn | None, monitor: GradNormMonitor) -> None:
+    """With ``gnmr.gamma`` set: an error source that reports, or a ``ValueError`` saying why not."""
+    if error_fn is None:
+        raise ValueError(
+            "gnmr.gamma is set, so the runtime needs per-unit error sums (DESIGN.md section 2.1): "
+            "pass error_fn=backend.error_sums after backend.track_errors(registry.num_units), "
+            "with a precision backend that reports them (act_quant, fp8_emulated, int8); without "
+            "one (no backend, or te_fp8) leave gnmr.gamma unset"
+        )
+    if error_fn(monitor.device) is None:
+        raise ValueError(
+            "gnmr.gamma is set but the precision backend reports no error sums (its error_sums "
+            "returned None; te_fp8 does not report them yet): use act_quant, fp8_emulated or "
+            "int8, or leave gnmr.gamma unset"
+        )
 
 
 def check_same_decision(decision: Decision, group: Group | None) -> None:
@@ -83,6 +106,11 @@ class GNMRRuntime:
         grad_fn: how to read a parameter's gradient shard.
         check_group: ranks whose decisions must agree, for the optional check.
         check_consistency: hash-compare the decision across ``check_group`` every step.
+        error_fn: ``device -> float64 [U]`` error sums of this rank (``backend.error_sums``,
+            after ``backend.track_errors(registry.num_units)``); required with ``gnmr.gamma``,
+            ignored without it.
+        error_scale: factor on the local error sums before the reduction, the integration's
+            gradient averaging factor (``1/dp`` for DeepSpeed's data-parallel mean).
     """
 
     def __init__(
@@ -95,19 +123,20 @@ class GNMRRuntime:
         grad_fn: GradFn | None = None,
         check_group: Group | None = None,
         check_consistency: bool = False,
+        error_fn: ErrorFn | None = None,
+        error_scale: float = 1.0,
     ) -> None:
         self.registry = registry
-        self.monitor = GradNormMonitor(registry, group=group, grad_fn=grad_fn)
         self.controller = controller or GNMRController(
             registry.num_units, config, eligible=registry.eligible
         )
-        if self.controller.config.gamma is not None:
-            raise ValueError(
-                "gnmr.gamma: the section 2.1 error term needs per-unit error scores reduced with "
-                "the norms, and no integration feeds them to the runtime yet (the controller "
-                "alone takes them: GNMRController.step(norms, errors=...)); leave gnmr.gamma "
-                "unset here"
-            )
+        self.uses_errors = self.controller.config.gamma is not None
+        self.monitor = GradNormMonitor(
+            registry, group=group, grad_fn=grad_fn, error_scale=error_scale,
+            error_fn=error_fn if self.uses_errors else None,
+        )  # fmt: skip
+        if self.uses_errors:
+            _check_error_source(error_fn, self.monitor)
         if self.controller.num_units != registry.num_units:
             raise ValueError(
                 f"controller has {self.controller.num_units} units, "
@@ -124,8 +153,22 @@ class GNMRRuntime:
         return self.observe(self.monitor.compute())
 
     def observe(self, norms: UnitNorms) -> Decision:
-        """Feed already-reduced norms to the controller and publish the next plan."""
-        decision = self.controller.step(norms.norms)
+        """Feed already-reduced norms to the controller and publish the next plan.
+
+        With ``gnmr.gamma`` set, ``norms.error_sums`` must hold the reduced ``B(u)``; the
+        controller gets ``errors = B / n`` (:meth:`UnitNorms.relative_errors`).
+        """
+        if not self.uses_errors:
+            decision = self.controller.step(norms.norms)
+        else:
+            errors = norms.relative_errors()
+            if errors is None:
+                raise ValueError(
+                    "gnmr.gamma is set but these norms carry no error sums: build UnitNorms with "
+                    "error_sums= (the reduced B(u) of the backend's error_sums, DESIGN.md "
+                    "section 2.1), or use the runtime's monitor, which reduces them with the norms"
+                )
+            decision = self.controller.step(norms.norms, errors=errors)
         if self.check_consistency:
             check_same_decision(decision, self.check_group)
         self.last_norms, self.last_decision = norms, decision

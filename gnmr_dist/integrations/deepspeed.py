@@ -13,7 +13,12 @@ Same arguments and return value as ``deepspeed.initialize``. With a ``"gnmr"`` b
    step was applied (no overflow skip), feeds the controller and applies its plan to the next
    step. A skipped step leaves the controller's history untouched;
 4. enters the backend's step context around every forward (TE's FP8 region; no-op otherwise);
-5. saves the controller state next to every DeepSpeed checkpoint (``<dir>/<tag>/gnmr_state.pt``,
+5. with ``"gamma"`` in the block (DESIGN.md section 2.1), turns on the backend's error sums and
+   reduces them in the same all-reduce, scaled by ``1/dp`` (DeepSpeed averages the gradients
+   over the data-parallel ranks, so the error bounds of each rank's micro-batches are averaged
+   the same way); the controller gets ``e = B / n``. A backend that reports none (``te_fp8``)
+   or no backend is refused with ``"gamma"`` set, before DeepSpeed starts;
+6. saves the controller state next to every DeepSpeed checkpoint (``<dir>/<tag>/gnmr_state.pt``,
    plain tensors) and restores it in ``load_checkpoint`` with ``torch.load(weights_only=True)``.
 
 ``engine.gnmr`` is the :class:`DeepSpeedGNMR` runtime (controller, registry, backend, last
@@ -40,7 +45,7 @@ from gnmr_dist.core import Decision
 from gnmr_dist.distributed import GNMRRuntime, UnitNorms, UnitRegistry
 from gnmr_dist.integrations.config import GNMRBlock
 from gnmr_dist.integrations.deepspeed_grads import grad_piece_fn
-from gnmr_dist.integrations.session import IntegrationSession
+from gnmr_dist.integrations.session import IntegrationSession, check_error_source, error_source
 from gnmr_dist.telemetry import TraceHeader, TraceWriter
 
 __all__ = ["STATE_FILE", "DeepSpeedGNMR", "initialize", "load_ds_config"]
@@ -89,6 +94,7 @@ def initialize(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
         raise ValueError("gnmr_dist.deepspeed.initialize needs a model")
     _check_supported(model, params.get("mpu"), ds_config)
     backend = _build_backend(block)
+    check_error_source(block, backend)
     if not dist.is_initialized():
         deepspeed.init_distributed()
     registry = _registry(model, block, backend)
@@ -160,10 +166,12 @@ class DeepSpeedGNMR(IntegrationSession):
         block: GNMRBlock,
     ) -> None:
         self.engine, self.registry, self.backend, self.block = engine, registry, backend, block
+        dp = dist.get_world_size(engine.data_parallel_group)
         self.runtime = GNMRRuntime(
             registry, block.policy, group=engine.data_parallel_group,
             grad_fn=grad_piece_fn(engine), check_group=dist.group.WORLD,
             check_consistency=block.check_consistency,
+            error_fn=error_source(block, backend, registry.num_units), error_scale=1.0 / dp,
         )  # fmt: skip
         self.skipped = 0
         self._trace: TraceWriter | None = None

@@ -1,4 +1,10 @@
-"""What every framework integration holds: the runtime, the backend and the skipped-step count."""
+"""What every framework integration holds: the runtime, the backend and the skipped-step count.
+
+Also the wiring of DESIGN.md section 2.1's error term that every integration shares:
+:func:`check_error_source` refuses ``gnmr.gamma`` with a backend that reports no error sums
+(before the framework starts), :func:`error_source` turns the backend's measuring on and returns
+the ``error_fn`` for :class:`~gnmr_dist.distributed.GNMRRuntime`.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +14,37 @@ from typing import Any
 from gnmr_dist.backends import PrecisionBackend
 from gnmr_dist.core import Decision, GNMRController
 from gnmr_dist.distributed import GNMRRuntime, Plan
+from gnmr_dist.distributed.monitor import ErrorFn
+from gnmr_dist.integrations.config import GNMRBlock
 
-__all__ = ["IntegrationSession"]
+__all__ = ["IntegrationSession", "check_error_source", "error_source"]
+
+
+def check_error_source(block: GNMRBlock, backend: PrecisionBackend | None) -> None:
+    """``ValueError`` when ``gnmr.gamma`` is set and ``backend`` reports no error sums."""
+    if block.policy.gamma is None or (backend is not None and backend.reports_errors):
+        return
+    raise ValueError(
+        f"gnmr.gamma is set but gnmr.backend={block.backend!r} reports no per-unit error sums "
+        "(the section 2.1 error term; act_quant, fp8_emulated and int8 report them, te_fp8 does "
+        "not yet); choose one of those backends or leave gnmr.gamma unset"
+    )
+
+
+def error_source(
+    block: GNMRBlock, backend: PrecisionBackend | None, num_units: int
+) -> ErrorFn | None:
+    """The runtime's ``error_fn``: ``backend.error_sums`` with measuring on, or ``None``.
+
+    ``None`` without ``gnmr.gamma`` (nothing is measured, nothing extra is reduced). With it,
+    checks the backend (:func:`check_error_source`) and calls
+    ``backend.track_errors(num_units)``; call it after ``backend.wrap`` and before training.
+    """
+    check_error_source(block, backend)
+    if block.policy.gamma is None or backend is None:
+        return None
+    backend.track_errors(num_units)
+    return backend.error_sums
 
 
 class IntegrationSession:

@@ -9,6 +9,11 @@ Line 1 is a header, every further line one optimizer step::
 Norms are the exact per-unit global norms the controller received, so ``gnmr-replay`` can run the
 same controller with other settings and reproduce, or re-tune, every decision. Non-finite norms
 are written as JSON's ``NaN``/``Infinity`` tokens (Python's ``json`` reads them back).
+
+With ``gnmr.gamma`` set (DESIGN.md section 2.1) a record also holds ``"errors"``: the error scores
+``e_t(u)`` the controller scored (``Decision.error``, non-finite ones as ``Infinity``), which a
+replay passes back (:func:`read_errors`). Records without the key are those of runs without the
+term; the format version is unchanged.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch
 
 from gnmr_dist.core import Decision, GNMRConfig
 
-__all__ = ["TraceHeader", "TraceReader", "TraceWriter", "read_trace"]
+__all__ = ["TraceHeader", "TraceReader", "TraceWriter", "read_errors", "read_trace"]
 
 FORMAT = "gnmr-trace"
 VERSION = 1
@@ -82,16 +87,18 @@ class TraceWriter:
     def write(
         self, norms: torch.Tensor, decision: Decision, extra: Mapping[str, Any] | None = None
     ) -> None:
-        """Record the norms the controller saw at ``decision.step`` and what it chose."""
-        self._write(
-            {
-                "step": decision.step,
-                "norms": norms.double().cpu().tolist(),
-                "active": list(decision.active),
-                "telemetry": decision.telemetry.as_dict(),
-                "extra": dict(extra or {}),
-            }
-        )
+        """Record the norms (and error scores) the controller saw at ``decision.step`` and what
+        it chose."""
+        record: dict[str, Any] = {
+            "step": decision.step,
+            "norms": norms.double().cpu().tolist(),
+            "active": list(decision.active),
+            "telemetry": decision.telemetry.as_dict(),
+            "extra": dict(extra or {}),
+        }
+        if decision.error is not None:
+            record["errors"] = decision.error.tolist()
+        self._write(record)
 
     def close(self) -> None:
         self._fh.close()
@@ -160,3 +167,24 @@ def read_trace(path: str | Path) -> tuple[TraceHeader, torch.Tensor, list[dict[s
         raise ValueError(f"{path}: steps {bad[:5]} have a norms vector of the wrong length (U={u})")
     norms = torch.tensor(rows, dtype=torch.float64).reshape(len(records), u)
     return reader.header, norms, records
+
+
+def read_errors(
+    path: str | Path, records: Sequence[Mapping[str, Any]], units: int
+) -> torch.Tensor | None:
+    """float64 ``[steps, U]`` of the recorded error scores, or ``None`` when no record has them.
+
+    Raises ``ValueError`` when only some records carry them or a vector has the wrong length.
+    """
+    have = [r for r in records if "errors" in r]
+    if not have:
+        return None
+    if len(have) != len(records):
+        missing = [r["step"] for r in records if "errors" not in r][:5]
+        raise ValueError(f"{path}: steps {missing} have no error scores while others do")
+    bad = [r["step"] for r in records if len(r["errors"]) != units]
+    if bad:
+        raise ValueError(
+            f"{path}: steps {bad[:5]} have an errors vector of the wrong length (U={units})"
+        )
+    return torch.tensor([r["errors"] for r in records], dtype=torch.float64).reshape(-1, units)

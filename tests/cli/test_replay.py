@@ -9,8 +9,8 @@ import torch
 
 from gnmr_dist import GNMRController
 from gnmr_dist.cli.replay import main
-from gnmr_dist.telemetry import TraceWriter, read_trace
-from tests.cli.traces import ELIGIBLE, record_trace
+from gnmr_dist.telemetry import TraceWriter, read_errors, read_trace
+from tests.cli.traces import ELIGIBLE, GAMMA_CFG, record_trace
 
 UNITS = [f"layers.{i // 2}.{'qkv' if i % 2 == 0 else 'fc'}" for i in range(6)]
 
@@ -97,3 +97,32 @@ def test_trace_with_a_repeated_step_is_refused(tmp_path):
     path.write_text("\n".join([*lines, lines[-1]]) + "\n")
     with pytest.raises(ValueError, match="a step is missing or repeated"):
         read_trace(path)
+
+
+def test_error_scores_are_traced_and_replayed(tmp_path, capsys):
+    """DESIGN.md 2.1: the scored e_t rides the trace and the replay passes it back."""
+    path = tmp_path / "trace.jsonl"
+    cfg, decisions = record_trace(path, UNITS, steps=40, cfg=GAMMA_CFG)
+    header, _, records = read_trace(path)
+    assert header.config == cfg and cfg.gamma == 0.5
+    errors = read_errors(path, records, 6)
+    assert torch.equal(errors, torch.stack([d.error for d in decisions]))
+    assert errors[35, 1] == float("inf")
+    assert any(3 in d.active for d in decisions[10:25])  # selected on its error alone
+    assert main([str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["matches_recorded"] == 40
+    assert main([str(path), "--gamma", "100", "--json"]) == 0  # a looser error threshold
+    loose = json.loads(capsys.readouterr().out)
+    assert loose["config"]["gamma"] == 100.0 and loose["matches_recorded"] is None
+
+    plain = tmp_path / "plain.jsonl"
+    record(plain, steps=5)
+    assert read_errors(plain, read_trace(plain)[2], 6) is None
+    assert main([str(plain), "--gamma", "0.5"]) == 2
+    assert "the trace holds no error scores" in capsys.readouterr().err
+    lines = path.read_text().splitlines()
+    first = json.loads(lines[1])
+    del first["errors"]
+    path.write_text("\n".join([lines[0], json.dumps(first), *lines[2:]]) + "\n")
+    assert main([str(path)]) == 2
+    assert "steps [1] have no error scores while others do" in capsys.readouterr().err

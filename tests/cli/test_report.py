@@ -8,7 +8,7 @@ pytest.importorskip("matplotlib")
 from matplotlib.image import imread
 
 from gnmr_dist.cli.report import draw_report, main, short_names
-from tests.cli.traces import CFG, record_trace
+from tests.cli.traces import CFG, GAMMA_CFG, record_trace
 
 UNITS = [f"model.layers.{i // 2}.{'qkv' if i % 2 == 0 else 'fc'}" for i in range(6)]
 
@@ -73,3 +73,12 @@ def test_report_errors_are_clear(tmp_path, capsys):
     assert main([str(empty)]) == 2
     assert "no step records" in capsys.readouterr().err
     assert not (tmp_path / "report.png").exists()
+
+
+def test_report_of_a_trace_with_error_scores(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    _, decisions = record_trace(trace, UNITS, steps=30, cfg=GAMMA_CFG)
+    s = draw_report(trace, tmp_path / "r.png")
+    scored = [d for d in decisions if d.step > CFG.warmup_steps]
+    want = sum(d.telemetry.num_exceed_eligible for d in scored) / (len(scored) * 5)
+    assert s["exceedance_rate"] == pytest.approx(want) and s["config"]["gamma"] == 0.5

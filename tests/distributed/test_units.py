@@ -114,10 +114,3 @@ def test_runtime_state_round_trip_and_unit_mismatch():
     other = GNMRRuntime(UnitRegistry.from_model(Toy(layers=3)))
     with pytest.raises(ValueError, match="saved for 4 units, this model has 6"):
         other.load_state_dict(a.state_dict())
-
-
-def test_runtime_refuses_the_error_term_it_cannot_feed():
-    from gnmr_dist.core import GNMRConfig
-
-    with pytest.raises(ValueError, match=r"gnmr\.gamma: the section 2\.1 error term needs"):
-        GNMRRuntime(UnitRegistry.from_model(Toy(layers=1)), GNMRConfig(gamma=0.5))

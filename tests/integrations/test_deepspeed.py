@@ -101,6 +101,64 @@ def test_unit_norms_every_zero_stage_and_dtype():
             assert torch.allclose(a["norms"], want, rtol=1e-5, atol=0), cfg
 
 
+GAS = 2
+"""Micro-batches per optimizer step in the error-sum test (DeepSpeed divides each loss by it)."""
+
+
+def _errors_worker(rank, world):
+    import gnmr_dist.deepspeed as gds
+
+    dsc.no_shm_build()
+    cfg = dsc.ds_config(1, "fp32", {**GNMR, "gamma": 0.5}, gradient_accumulation_steps=GAS)
+    engine, *_ = gds.initialize(model=dsc.llama(), config=cfg)
+    for m in range(GAS):
+        tokens = dsc.batch(1 + m, rank)
+        engine.backward(engine(input_ids=tokens, labels=tokens).loss)
+        if m == GAS - 1:  # the boundary: what the hook reduces, read once more under a spy
+            with multiproc.CollectiveSpy() as spy:
+                got = engine.gnmr.runtime.monitor.compute()
+        engine.step()
+    d = engine.gnmr.last_decision
+    names = engine.gnmr.registry.names
+    return {"names": names, "norms": got.norms, "sums": got.error_sums, "calls": spy.calls,
+            "error": d.error, "active": d.active}  # fmt: skip
+
+
+def reference_error_sums() -> tuple[torch.Tensor, torch.Tensor]:
+    """One process, no DeepSpeed: both ranks' micro-batches, the loss averaged over all four."""
+    from gnmr_dist.backends import get_backend
+    from gnmr_dist.distributed import GradNormMonitor, UnitRegistry
+
+    model = dsc.llama()
+    registry = UnitRegistry.from_model(model)
+    backend = get_backend("act_quant")
+    backend.wrap(registry.local_modules)
+    backend.track_errors(registry.num_units)
+    backend.apply((), step=1)
+    batches = [dsc.batch(1 + m, r) for r in range(2) for m in range(GAS)]
+    losses = [model(input_ids=b, labels=b).loss for b in batches]
+    (sum(losses) / len(losses)).backward()
+    got = GradNormMonitor(registry, error_fn=backend.error_sums).compute()
+    return got.norms, got.error_sums
+
+
+def test_error_sums_are_summed_over_dp_ranks_and_scaled_by_one_over_dp():
+    """ZeRO-1, 2 ranks x 2 micro-batches: the reduced B(u) equals one process's B on all four
+    micro-batches with the averaged loss; e = B / n reaches the controller; one all-reduce."""
+    a, b = multiproc.run(_errors_worker, 2)
+    ref_norms, ref_sums = reference_error_sums()
+    u = len(dsc.unit_names())
+    assert a["names"] == tuple(dsc.unit_names())
+    for r in (a, b):
+        assert r["calls"] == [("all_reduce", 2 * u + 1)]  # norms and errors in one collective
+        assert torch.allclose(r["sums"], ref_sums, rtol=1e-6, atol=0)
+        assert torch.allclose(r["norms"], ref_norms, rtol=1e-5, atol=0)
+        assert torch.allclose(r["error"], r["sums"] / r["norms"], rtol=1e-12, atol=0)
+        assert torch.allclose(r["error"], ref_sums / ref_norms, rtol=1e-5, atol=0)
+    assert torch.equal(a["sums"], b["sums"]) and a["active"] == b["active"]
+    assert bool((ref_sums > 0).all())
+
+
 def _spike_worker(rank, world, spike_step, steps):
     import gnmr_dist.deepspeed as gds
 

@@ -56,6 +56,10 @@ def test_invalid_blocks_name_the_key(block, match):
         ),
         ({"backend": "nope"}, r"unknown backend 'nope'"),
         ({"max_active": -3}, r"gnmr\.max_active"),
+        (
+            {"gamma": 0.5},  # no backend: nothing measures the section 2.1 error sums
+            r"gnmr\.gamma is set but gnmr\.backend=None reports no per-unit error sums",
+        ),
     ],
 )
 def test_initialize_fails_before_any_training_or_process_group(block, match):
@@ -148,3 +152,23 @@ def test_disabled_block_is_plain_deepspeed_and_any_linear_model_works():
     has_gnmr, names, steps = multiproc.run(_plain_worker, 1)[0]
     assert has_gnmr is False
     assert names == ("layers.0.0", "layers.1.0", "layers.2.0") and steps == 3
+
+
+def test_gamma_turns_the_backends_error_sums_on_only_when_set():
+    from gnmr_dist.backends import PrecisionBackend, get_backend
+    from gnmr_dist.integrations.session import error_source
+
+    backend = get_backend("int8")
+    backend.wrap({0: nn.Linear(4, 4)})
+    assert error_source(GNMRBlock.from_dict({"backend": "int8"}), backend, 2) is None
+    with pytest.raises(RuntimeError, match="track_errors"):
+        backend.error_sums(torch.device("cpu"))  # gamma unset: nothing is measured
+    fn = error_source(GNMRBlock.from_dict({"backend": "int8", "gamma": 1.0}), backend, 2)
+    assert torch.equal(fn(torch.device("cpu")), torch.zeros(2, dtype=torch.float64))
+
+    class Silent(PrecisionBackend):  # reports nothing, as te_fp8 today
+        name = "silent"
+
+    with pytest.raises(ValueError, match=r"gnmr\.backend='te_fp8' reports no per-unit error"):
+        error_source(GNMRBlock.from_dict({"backend": "te_fp8", "gamma": 1.0}), Silent(), 2)
+    assert Silent().error_sums(torch.device("cpu")) is None

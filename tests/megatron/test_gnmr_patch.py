@@ -289,3 +289,11 @@ def test_unfused_and_no_clip_paths_read_the_same_pre_clip_gradients():
     assert ("all_reduce", 1) not in grad_norm_reduces(fused[3])  # megatron's rides along
     assert {("all_reduce", units + 2), ("all_reduce", 1)} <= set(grad_norm_reduces(unfused[3]))
     assert grad_norm_reduces(no_clip[3]) == [("all_reduce", units + 3)]  # GNMR's own, one
+
+
+def test_error_term_without_a_reporting_backend_is_refused_before_patching():
+    import megatron_patches
+
+    with pytest.raises(ValueError, match=r"gnmr\.gamma is set but gnmr\.backend=None"):
+        megatron_patches.apply(torch.nn.Linear(2, 2), {"gamma": 0.5})  # (te_fp8 needs CUDA)
+    assert megatron_patches.current() is None

@@ -424,3 +424,67 @@ def test_fused_norm_returns_what_megatron_returns_without_a_host_sync(version):
     for tensor_series, expected, got, same in runs[0]:
         want = "Tensor" if tensor_series else "float"
         assert (expected, got, same) == (want, want, True)
+
+
+# ---------------------------------------------------------------------- the error term (2.1)
+
+ERROR_BLOCK = {**BLOCK, "backend": "act_quant", "gamma": 0.5, "low_cost": {"bits": 2}}
+
+
+def _error_worker(rank, world, name):
+    """One step with gnmr.gamma: the reduced error sums, errors, decisions and collectives."""
+    import warnings
+
+    from megatron.core import parallel_state as ps
+
+    import megatron_patches
+    from megatron_patches import enable_cpu_compat
+    from tests.megatron import settings
+
+    warnings.filterwarnings("ignore")
+    enable_cpu_compat()
+    with settings.full_layout():
+        full = settings.full_model()
+    setting = settings.SETTINGS_BY_NAME[name] if world > 1 else settings.Setting("dp1", dp=1)
+    chunks, opt = settings.build(setting, full)
+    handle = megatron_patches.apply(chunks, ERROR_BLOCK, optimizer=opt)
+    if world == 1:
+        _dp_train_step(chunks, 0, as_dp=2)
+    else:
+        settings.train_step(chunks, 0)
+    with multiproc.CollectiveSpy() as spy:
+        opt.step()
+    decision = handle.last_decision
+    norms = handle.runtime.last_norms
+    out = {
+        "sums": norms.error_sums.tolist(), "norms": norms.norms.tolist(),
+        "error": decision.error.tolist(), "calls": spy.calls, "units": handle.registry.names,
+    }  # fmt: skip
+    megatron_patches.remove()
+    ps.destroy_model_parallel()
+    return out
+
+
+@pytest.mark.slow
+def test_error_sums_are_summed_over_dp_and_scaled_like_the_gradient():
+    names = ("fp32-dp2", "distopt-fp32-dp2")
+    jobs = [(_error_worker, 1, ("dp1",))] + [(_error_worker, 2, (n,)) for n in names]
+    single, plain, distopt = multiproc.run_jobs(jobs, preload=PRELOAD)
+    ref = single[0]
+    u = len(ref["units"])
+    assert max(ref["sums"]) > 0
+    for run in (plain, distopt):
+        for r in run:  # every rank holds the same reduced vector
+            assert r["sums"] == run[0]["sums"] and r["error"] == run[0]["error"]
+            assert r["sums"] == pytest.approx(ref["sums"], rel=1e-5)  # DP2 = DP1 on all batches
+            assert r["error"] == pytest.approx(
+                [b / n for b, n in zip(r["sums"], r["norms"], strict=True)], rel=1e-12
+            )
+    reduces = lambda r: [c for c in r["calls"] if c[0] == "all_reduce"]  # noqa: E731
+    # plain optimizer: the clip norm's group is model-parallel, the DP partials take one more
+    assert reduces(plain[0]) == [("all_reduce", u), ("all_reduce", 2 * u + 3)]
+    # distributed optimizer: everything rides megatron's one clip-norm all-reduce
+    assert ("all_reduce", 2 * u + 3) in reduces(distopt[0])
+    assert ("all_reduce", u) not in reduces(distopt[0]) and ("all_reduce", 1) not in reduces(
+        distopt[0]
+    )

@@ -1,0 +1,129 @@
+"""DESIGN.md section 2.1 in the runtime: error sums ride the norms' all-reduce, e = B / n."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gnmr_dist import GNMRConfig
+from gnmr_dist.distributed import GNMRRuntime, GradNormMonitor, UnitNorms, UnitRegistry
+from tests import multiproc
+from tests.distributed.test_monitor import layout_groups
+from tests.distributed.toy import Toy, full_model_with_grads, shard
+
+
+def rank_errors(rank: int, units: int, step: int) -> torch.Tensor:
+    """A rank's made-up local error sums: different on every rank and step, unit 3 large."""
+    g = torch.Generator().manual_seed(100 * step + rank)
+    b = torch.rand(units, generator=g, dtype=torch.float64)
+    b[3] *= 50
+    return b
+
+
+def _reduce_worker(rank, world, steps):
+    tp_group, tp_rank, _ = layout_groups(world, world)
+    local = shard(full_model_with_grads(), world, tp_rank, 1, 0)
+    reg = UnitRegistry.from_model(local, group=dist.group.WORLD, tp_group=tp_group)
+    u = reg.num_units
+    step = [0]
+
+    def error_fn(device):
+        return rank_errors(rank, u, step[0]).to(device)
+
+    out = {}
+    for gamma in (None, 0.5):
+        cfg = GNMRConfig(warmup_steps=0, max_active=1, gamma=gamma)
+        runtime = GNMRRuntime(
+            reg, cfg, group=dist.group.WORLD, error_fn=error_fn, error_scale=1 / world
+        )
+        rows = []
+        for t in range(1, steps + 1):
+            step[0] = t
+            with multiproc.CollectiveSpy(p2p=True) as spy:
+                d = runtime.step()
+            n = runtime.last_norms
+            rows.append((spy.calls, n.norms, n.error_sums, d.error, d.active, d.risk))
+        out[gamma] = rows
+    return u, out
+
+
+def test_one_all_reduce_carries_both_and_the_controller_gets_b_over_n():
+    world, steps = 2, 3
+    results = multiproc.run(_reduce_worker, world, steps)
+    for u, out in results:
+        for calls, _, sums, error, _, _ in out[None]:
+            assert calls == [("all_reduce", u + 1)]  # gamma unset: the vector of before
+            assert sums is None and error is None
+        for t, (calls, norms, sums, error, active, risk) in enumerate(out[0.5], start=1):
+            assert calls == [("all_reduce", 2 * u + 1)]  # one collective, 2U + 1 values
+            want = sum(rank_errors(r, u, t) for r in range(world)) / world  # sum x 1/dp
+            assert torch.allclose(sums, want, rtol=1e-12, atol=0)
+            assert torch.allclose(error, want / norms, rtol=1e-12, atol=0)
+            assert torch.equal(risk, torch.maximum(risk, error / 0.5))
+            assert active == (3,)  # the unit whose error is 50x the others'
+    (_, a), (_, b) = results
+    for ra, rb in zip(a[0.5], b[0.5], strict=True):  # every rank decides on the same vector
+        assert torch.equal(ra[2], rb[2]) and torch.equal(ra[5], rb[5])
+
+
+def _grads(model, t):
+    g = torch.Generator().manual_seed(t)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=g) * (1 + 4 * (t == 7))
+
+
+def test_without_gamma_the_error_source_is_ignored_and_decisions_are_bit_identical():
+    model = Toy()
+    reg = UnitRegistry.from_model(model)
+    cfg = GNMRConfig(warmup_steps=2, max_active=2)
+    plain = GNMRRuntime(reg, cfg)
+    fed = GNMRRuntime(reg, cfg, error_fn=lambda d: torch.ones(reg.num_units), error_scale=0.5)
+    assert fed.monitor.error_fn is None and not fed.uses_errors
+    for t in range(1, 12):
+        _grads(model, t)
+        a, b = plain.step(), fed.step()
+        assert a.active == b.active and torch.equal(a.risk, b.risk) and b.error is None
+        assert fed.last_norms.error_sums is None
+
+
+def test_gamma_needs_an_error_source_that_reports():
+    reg = UnitRegistry.from_model(Toy(layers=1))
+    cfg = GNMRConfig(gamma=0.5)
+    with pytest.raises(ValueError, match=r"gnmr\.gamma is set, so the runtime needs per-unit"):
+        GNMRRuntime(reg, cfg)
+    with pytest.raises(ValueError, match=r"gnmr\.gamma is set but the precision backend reports"):
+        GNMRRuntime(reg, cfg, error_fn=lambda device: None)
+    runtime = GNMRRuntime(reg, cfg, error_fn=lambda device: torch.zeros(reg.num_units))
+    norms = torch.ones(reg.num_units, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"these norms carry no error sums"):
+        runtime.observe(UnitNorms(norms, 1.0, 1.0))
+    wrong = GNMRRuntime(reg, cfg, error_fn=lambda device: torch.zeros(reg.num_units + 1))
+    with pytest.raises(ValueError, match=r"error_fn must return the float64 \[2\] error sums"):
+        wrong.step()
+    with pytest.raises(ValueError, match="error_scale must be a finite number > 0"):
+        GradNormMonitor(reg, error_scale=0.0)
+
+
+def test_relative_errors_and_the_fp16_loss_scale():
+    n = torch.tensor([2.0, 0.0, 0.0, math.nan], dtype=torch.float64)
+    b = torch.tensor([1.0, 0.0, 3.0, 1.0], dtype=torch.float64)
+    e = UnitNorms(n, 0.0, 0.0, error_sums=b).relative_errors()
+    assert e[:3].tolist() == [0.5, 0.0, math.inf] and math.isnan(e[3])
+    assert UnitNorms(n, 0.0, 0.0).relative_errors() is None
+
+    model = full_model_with_grads()
+    reg = UnitRegistry.from_model(model)
+    sums = torch.arange(1.0, reg.num_units + 1, dtype=torch.float64)
+    loss_scale = [1.0]  # B is linear in dy, which carries the loss scale
+    monitor = GradNormMonitor(reg, error_fn=lambda device: sums * loss_scale[0], error_scale=0.25)
+    clean = monitor.compute()
+    loss_scale[0] = 8.0
+    for p in model.parameters():
+        p.grad.mul_(8.0)  # an fp16 loss scale of 8 on the gradients and on every dy
+    scaled = monitor.start(grad_scale=8.0)()
+    assert torch.equal(clean.error_sums, sums * 0.25)
+    assert torch.allclose(scaled.error_sums, clean.error_sums, rtol=1e-15)
+    assert torch.allclose(scaled.norms, clean.norms, rtol=1e-12)
