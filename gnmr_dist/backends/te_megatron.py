@@ -37,6 +37,7 @@ from typing import Any
 from torch import nn
 
 from gnmr_dist.backends.base import LOW_COST, RECOVERY
+from gnmr_dist.distributed.units import MEGATRON_TE_LINEARS
 
 __all__ = [
     "MEGATRON_TE_LINEARS",
@@ -47,20 +48,6 @@ __all__ = [
     "module_recipe",
     "quant_params_switch",
 ]
-
-MEGATRON_TE_LINEARS = frozenset(
-    {
-        "TELinear",
-        "TEColumnParallelLinear",
-        "TERowParallelLinear",
-        "TELayerNormColumnParallelLinear",
-        "TEGroupedLinear",
-        "TEColumnParallelGroupedLinear",
-        "TERowParallelGroupedLinear",
-    }
-)
-"""megatron-core classes whose forward reads ``self.te_quant_params`` (0.16-0.19); subclasses
-(0.19's ``TELMHeadColumnParallelLinear``) are matched through their MRO."""
 
 _RECIPE_FIELDS = frozenset(
     {

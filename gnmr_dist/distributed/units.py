@@ -37,6 +37,7 @@ from torch import nn
 from gnmr_dist.distributed.comm import Group, all_gather_objects, group_rank
 
 __all__ = [
+    "MEGATRON_TE_LINEARS",
     "OPERATOR_TYPES",
     "UnitRegistry",
     "global_param_name",
@@ -47,12 +48,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-OPERATOR_TYPES = frozenset(
+MEGATRON_TE_LINEARS = frozenset(
     {
-        # megatron-core
-        "ColumnParallelLinear",
-        "RowParallelLinear",
-        # megatron-core wrappers of Transformer Engine
         "TELinear",
         "TEColumnParallelLinear",
         "TERowParallelLinear",
@@ -60,6 +57,17 @@ OPERATOR_TYPES = frozenset(
         "TEGroupedLinear",
         "TEColumnParallelGroupedLinear",
         "TERowParallelGroupedLinear",
+    }
+)
+"""megatron-core's wrappers of Transformer Engine linears: their forward reads
+``self.te_quant_params`` (0.16-0.19); subclasses (0.19's ``TELMHeadColumnParallelLinear``) are
+matched through their MRO by the ``te_fp8`` backend."""
+
+OPERATOR_TYPES = MEGATRON_TE_LINEARS | frozenset(
+    {
+        # megatron-core
+        "ColumnParallelLinear",
+        "RowParallelLinear",
         # Transformer Engine
         "Linear",
         "LayerNormLinear",

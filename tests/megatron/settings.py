@@ -26,13 +26,15 @@ import contextlib
 import math
 import os
 import sys
-from collections.abc import Iterator
+import traceback
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from tests import multiproc
 from tests.megatron import gpt
 
 MEGATRON_VERSIONS = ("0.16.1", "0.17.1", "0.19.2")
@@ -450,3 +452,75 @@ def reference(full, dp: int, steps: int) -> Reference:
                 torch._foreach_mul_([p.grad for p in params], coeff)
             opt.step()
     return Reference(losses, grads, initial)
+
+
+# --------------------------------------------------------------------------- running the matrix
+
+
+def matrix_params():
+    """``pytest.param(name, version)`` for every setting on every release (marked slow)."""
+    import pytest
+
+    return [
+        pytest.param(s.name, v, id=f"{s.name}-mcore{v}", marks=pytest.mark.slow)
+        for v in MEGATRON_VERSIONS
+        for s in SETTINGS
+    ]
+
+
+class ReleaseRuns:
+    """Every setting run once per release by ``worker(rank, world, names, *args)``, cached.
+
+    One process per release imports megatron (``preload``) and forks every rank of every world
+    size from it (``multiproc.run_jobs``). The worker returns ``{setting name: result}`` plus
+    metadata keys (at least ``"version"``: the megatron-core it imported); a setting's failure
+    may be its result as a traceback string.
+    """
+
+    def __init__(self, worker: Callable[..., dict], *args: object, preload: tuple[str, ...]):
+        self.worker, self.args, self.preload = worker, args, preload
+        self._runs: dict[str, dict] = {}
+
+    def release(self, version: str) -> dict:
+        """``{"by_setting": {name: [per-rank result]}, "meta": {key: sorted values}}``."""
+        import pytest
+
+        sys_path = version_sys_path(version)  # skips (locally) or fails (CI) if missing
+        if version not in self._runs:
+            self._runs[version] = self._run(sys_path)
+        if "error" in self._runs[version]:
+            pytest.fail(
+                f"megatron-core {version}: the workers failed\n{self._runs[version]['error']}"
+            )
+        return self._runs[version]
+
+    def _run(self, sys_path: list[str]) -> dict:
+        worlds = sorted({s.world for s in SETTINGS})
+        names = [[s.name for s in SETTINGS if s.world == w] for w in worlds]
+        jobs = [(self.worker, w, (n, *self.args)) for w, n in zip(worlds, names, strict=True)]
+        try:
+            runs = multiproc.run_jobs(jobs, sys_path_prepend=sys_path, preload=self.preload)
+        except Exception:
+            return {"error": traceback.format_exc()}
+        results = [r for run in runs for r in run]
+        return {
+            "by_setting": {
+                n: [r[n] for r in run] for run in runs for n in run[0] if n in SETTINGS_BY_NAME
+            },
+            "meta": {
+                k: sorted({r[k] for r in results}) for k in results[0] if k not in SETTINGS_BY_NAME
+            },
+        }
+
+    def ranks(self, version: str, name: str) -> list:
+        """Every rank's result for setting ``name`` on ``version`` (fails on a worker error)."""
+        import pytest
+
+        release = self.release(version)
+        imported = release["meta"]["version"]
+        assert imported == [version], f"workers imported megatron-core {imported}"
+        ranks = release["by_setting"][name]
+        failed = [r for r in ranks if isinstance(r, str)]
+        if failed:
+            pytest.fail(f"{name} on megatron-core {version}:\n{failed[0]}")
+        return ranks

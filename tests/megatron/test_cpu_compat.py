@@ -49,7 +49,6 @@ from megatron_patches import (
     enable_cpu_compat,
     is_cpu_compat_enabled,
 )
-from tests import multiproc
 
 
 @pytest.fixture
@@ -303,55 +302,27 @@ def _settings_worker(rank, world, names):
     return results
 
 
-_RUNS: dict[str, dict] = {}
-"""Per release: ``{"by_setting": {name: [per-rank result]}, "versions": [...], "seconds": s}``."""
-
-
-def _run_release(version: str) -> dict:
-    """Every setting on ``version``: one process imports megatron, every rank is forked from it."""
-    from tests.megatron import settings
-
-    sys_path = settings.version_sys_path(version)  # skips (locally) or fails (CI) if missing
-    if version not in _RUNS:
-        worlds = sorted({s.world for s in settings.SETTINGS})
-        names = [[s.name for s in settings.SETTINGS if s.world == w] for w in worlds]
-        jobs = [(_settings_worker, w, (n,)) for w, n in zip(worlds, names, strict=True)]
-        start = time.perf_counter()
-        try:
-            runs = multiproc.run_jobs(jobs, sys_path_prepend=sys_path, preload=PRELOAD)
-        except Exception:
-            _RUNS[version] = {"error": traceback.format_exc()}
-        else:
-            _RUNS[version] = {
-                "by_setting": {
-                    n: [r[n] for r in run] for run in runs for n in run[0] if n != "version"
-                },
-                "versions": sorted({r["version"] for run in runs for r in run}),
-                "seconds": time.perf_counter() - start,
-            }
-    if "error" in _RUNS[version]:
-        pytest.fail(f"megatron-core {version}: the workers failed\n{_RUNS[version]['error']}")
-    return _RUNS[version]
-
-
 def _ranks(version: str, name: str) -> list[dict]:
-    release = _run_release(version)
-    assert release["versions"] == [version], f"workers imported megatron-core {release['versions']}"
-    ranks = release["by_setting"][name]
-    failed = [r for r in ranks if isinstance(r, str)]
-    if failed:
-        pytest.fail(f"{name} on megatron-core {version}:\n{failed[0]}")
-    return ranks
+    return _releases().ranks(version, name)
+
+
+def _releases():
+    """The matrix runs, built once (the settings module imports torch.distributed helpers)."""
+    global _RUNS
+    if _RUNS is None:
+        from tests.megatron.settings import ReleaseRuns
+
+        _RUNS = ReleaseRuns(_settings_worker, preload=PRELOAD)
+    return _RUNS
+
+
+_RUNS = None
 
 
 def _matrix_params():
-    from tests.megatron.settings import MEGATRON_VERSIONS, SETTINGS
+    from tests.megatron.settings import matrix_params
 
-    return [
-        pytest.param(s.name, v, id=f"{s.name}-mcore{v}", marks=pytest.mark.slow)
-        for v in MEGATRON_VERSIONS
-        for s in SETTINGS
-    ]
+    return matrix_params()
 
 
 @pytest.mark.parametrize("name, version", _matrix_params())

@@ -131,58 +131,24 @@ def _gnmr_worker(rank, world, names, backend_names):
 
 
 BACKEND_SETTINGS = ("tp2-sp", "pp2-vpp2")
-_RUNS: dict[str, dict] = {}
-
-
-def _run_release(version: str) -> dict:
-    from tests.megatron import settings
-
-    sys_path = settings.version_sys_path(version)  # skips (locally) or fails (CI) if missing
-    if version not in _RUNS:
-        worlds = sorted({s.world for s in settings.SETTINGS})
-        names = [[s.name for s in settings.SETTINGS if s.world == w] for w in worlds]
-        jobs = [
-            (_gnmr_worker, w, (n, BACKEND_SETTINGS)) for w, n in zip(worlds, names, strict=True)
-        ]
-        try:
-            runs = multiproc.run_jobs(jobs, sys_path_prepend=sys_path, preload=PRELOAD)
-        except Exception:
-            _RUNS[version] = {"error": traceback.format_exc()}
-        else:
-            _RUNS[version] = {
-                "by_setting": {
-                    n: [r[n] for r in run]
-                    for run in runs
-                    for n in run[0]
-                    if n not in ("version", "series")
-                },
-                "versions": sorted({r["version"] for run in runs for r in run}),
-                "series": sorted({r["series"] for run in runs for r in run}),
-            }
-    if "error" in _RUNS[version]:
-        pytest.fail(f"megatron-core {version}: the workers failed\n{_RUNS[version]['error']}")
-    return _RUNS[version]
+_RUNS = None
 
 
 def _ranks(version: str, name: str) -> list[dict]:
-    release = _run_release(version)
-    assert release["versions"] == [version], f"workers imported megatron-core {release['versions']}"
-    assert release["series"] == [version]  # the version table's row was checked on this release
-    ranks = release["by_setting"][name]
-    failed = [r for r in ranks if isinstance(r, str)]
-    if failed:
-        pytest.fail(f"{name} on megatron-core {version}:\n{failed[0]}")
+    global _RUNS
+    if _RUNS is None:
+        from tests.megatron.settings import ReleaseRuns
+
+        _RUNS = ReleaseRuns(_gnmr_worker, BACKEND_SETTINGS, preload=PRELOAD)
+    ranks = _RUNS.ranks(version, name)
+    assert _RUNS.release(version)["meta"]["series"] == [version]  # the table row's release
     return ranks
 
 
 def _params():
-    from tests.megatron.settings import MEGATRON_VERSIONS, SETTINGS
+    from tests.megatron.settings import matrix_params
 
-    return [
-        pytest.param(s.name, v, id=f"{s.name}-mcore{v}", marks=pytest.mark.slow)
-        for v in MEGATRON_VERSIONS
-        for s in SETTINGS
-    ]
+    return matrix_params()
 
 
 def reference_unit_norms(squares: dict[str, float], units: tuple[str, ...]) -> torch.Tensor:
