@@ -13,23 +13,15 @@ import pytest
 import torch
 
 from gnmr_dist import GNMRConfig, GNMRController
+from tests.core.test_controller import make as make_controller
 
 INF = math.inf
 NAN = math.nan
 
 
 def make(u, **kw):
-    base = {
-        "max_active": 1,
-        "lock_steps": 2,
-        "window": 4,
-        "alpha": 1.5,
-        "beta": 2.0,
-        "warmup_steps": 0,
-        "gamma": 0.5,
-    }
-    base.update(kw)
-    return GNMRController(u, GNMRConfig(**base))
+    """test_controller's small controller, with the section 2.1 term on (gamma 0.5)."""
+    return make_controller(u, **{"gamma": 0.5, **kw})
 
 
 def run(ctrl, norms, errors):
