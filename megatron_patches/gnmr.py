@@ -453,7 +453,7 @@ class MegatronGNMR(IntegrationSession):
         if why is None:
             return
         step = self.runtime.controller.step_count + 1
-        message = f"gnmr: per-unit attribution failed at step {step}: {why}"
+        message = f"gnmr: per-unit attribution failed at step {step} ({self.setting()}): {why}"
         if guard.action == "error":
             raise RuntimeError(
                 message + ". Set gnmr.attribution.action='warn' to continue regardless."
@@ -461,6 +461,19 @@ class MegatronGNMR(IntegrationSession):
         if not self._warned:
             self._warned = True
             logger.warning("%s (gnmr.attribution.action='warn': warned once)", message)
+
+    def setting(self) -> str:
+        """The megatron setting the attribution runs under, for messages."""
+        ddp = getattr(self.model[0], "ddp_config", None)
+        leaves = sorted({type(o).__name__ for o in leaf_optimizers(self.optimizer)}) if (
+            self.optimizer is not None
+        ) else []  # fmt: skip
+        return (
+            f"megatron-core {self.info.checked.rsplit('.', 1)[0]}.x, optimizer {leaves}, "
+            f"use_distributed_optimizer={getattr(ddp, 'use_distributed_optimizer', None)}, "
+            f"grad_reduce_in_fp32={getattr(ddp, 'grad_reduce_in_fp32', None)}, "
+            f"{len(self.model)} model chunk(s)"
+        )
 
     @property
     def plan(self) -> Plan:

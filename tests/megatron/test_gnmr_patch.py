@@ -226,7 +226,10 @@ def _guard_worker(rank, world, breakage, action):
 )
 def test_attribution_guard_fires_on_a_broken_mapping(breakage, message, caplog):
     errors, steps = multiproc.run(_guard_worker, 1, breakage, "error")[0]
-    assert len(errors) == 1 and message in errors[0] and "at step 1" in errors[0]
+    assert (
+        len(errors) == 1 and message in errors[0] and "at step 1 (megatron-core 0.16.x" in errors[0]
+    )
+    assert "optimizer ['FP32Optimizer'], use_distributed_optimizer=False" in errors[0]
     assert "gnmr.attribution.action='warn'" in errors[0] and steps == 0
 
 
