@@ -358,10 +358,7 @@ class PrecisionBackend:
         low, high = make(op, LOW_COST), make(op, RECOVERY)
 
         def switching(*args: Any, **kwargs: Any) -> Any:
-            if self.before_forward is not None:
-                self.before_forward()
-            path = RECOVERY if uid in self._recover else LOW_COST
-            self._ran.setdefault(uid, set()).add(path)
+            path = self._begin_forward(uid, self.path_of)
             outer, self._unit = self._unit, uid
             try:
                 return (high if path == RECOVERY else low)(*args, **kwargs)
@@ -369,6 +366,15 @@ class PrecisionBackend:
                 self._unit = outer
 
         return switching
+
+    def _begin_forward(self, uid: int, path_of: Callable[[int], str]) -> str:
+        """Where every switched forward starts: take a lazily pending plan (``before_forward``),
+        then read the unit's path under it and count it for :meth:`report`."""
+        if self.before_forward is not None:
+            self.before_forward()
+        path = path_of(uid)
+        self._ran.setdefault(uid, set()).add(path)
+        return path
 
     def step_context(self) -> contextlib.AbstractContextManager[Any]:
         """The region the training loop enters around each step's forward (TE's FP8 autocast).

@@ -581,8 +581,7 @@ class TEFp8Backend(PrecisionBackend):
         forward = types.MethodType(type(op).forward, op)
 
         def counted(*args: Any, **kwargs: Any) -> Any:  # megatron's forward opens the region
-            path = switch.path()
-            self._ran.setdefault(uid, set()).add(path)
+            path = self._begin_forward(uid, lambda _: switch.path())
             out = forward(*args, **kwargs)
             if path == RECOVERY:
                 switch.check_recovered()

@@ -942,3 +942,19 @@ def test_a_forward_that_ignores_te_quant_params_is_caught(mcore):
         pytest.raises(RuntimeError, match=r"ran FP8 although its te_quant_params asked for BF16"),
     ):
         layer(torch.ones(1, 8))
+
+
+def test_megatron_operator_takes_a_lazily_pending_plan_before_its_forward(mcore):
+    """megatron_patches decides after the step and applies the plan at the next forward
+    (``backend.before_forward``): a te_quant_params unit must take it before reading its path."""
+    rec, _, make = mcore()
+    layer = make("TERowParallelLinear", seed=0)
+    be = TEFp8Backend(low_cost={"recipe": "tensorwise"})
+    be.wrap({0: layer})
+    be.apply(set(), step=1)
+    be.before_forward = lambda: (setattr(be, "before_forward", None), be.apply({0}, step=2))
+    recipe = rec.recipe.Float8CurrentScaling(fp8_format=rec.recipe.Format.HYBRID)
+    with megatron_fp8(rec, recipe):
+        call(layer, torch.randn(4, 8, generator=torch.Generator().manual_seed(3)))
+    assert be.before_forward is None
+    assert be.report().step == 2 and be.report().ran == {0: {RECOVERY}} and not be.fp8_ran(0)
