@@ -26,7 +26,6 @@ import argparse
 import contextlib
 import json
 import os
-import socket
 import statistics
 import time
 from collections.abc import Iterator
@@ -36,15 +35,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from benchmarks.overhead import free_port
+
 RESULTS = Path(__file__).parent / "results" / "megatron_norm.json"
 
 
 @contextlib.contextmanager
 def single_rank_world() -> Iterator[None]:
     """A gloo process group of one rank (megatron's parallel state needs one)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:

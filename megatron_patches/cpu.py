@@ -109,7 +109,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from megatron_patches.versions import SERIES
+from megatron_patches.versions import SERIES, series_of
 
 __all__ = [
     "SUPPORTED_MEGATRON_VERSIONS",
@@ -463,7 +463,7 @@ def _megatron_version() -> str:
 
 def _check_version(version: str) -> None:
     """Raise unless ``version`` belongs to a series of the version table."""
-    series = ".".join(version.split(".")[:2])
+    series = series_of(version)
     if series not in SERIES:
         raise RuntimeError(
             f"megatron_patches.cpu was checked against megatron-core "
@@ -492,7 +492,7 @@ def _patch_plan(version: str | None = None) -> list[tuple[Any, str, Any]]:
 
     version = _megatron_version() if version is None else version
     _check_version(version)
-    series = ".".join(version.split(".")[:2])
+    series = series_of(version)
     cpu_torch = _CpuTorch()
     seed = _cpu_manual_seed(mrandom.model_parallel_cuda_manual_seed)
     clip = _cpu_clip_grad_by_total_norm(clip_grads.clip_grad_by_total_norm_fp32)

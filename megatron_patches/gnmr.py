@@ -147,35 +147,24 @@ class GradAttribution:
     Slots ``0..U-1`` are units, ``U`` the rest (parameters outside every unit), ``U + 1`` the
     unattributed bucket: a gradient that is no main parameter's, or a main parameter the
     optimizer structures do not pair with a model parameter. The guard refuses any mass there.
+    The pairing is built once, at :func:`apply` (the optimizer's parameter groups are fixed).
     """
 
     def __init__(self, slot_of_param: dict[int, int], num_units: int, optimizer: Any) -> None:
-        self.num_units = num_units
-        self.unattributed = num_units + 1
-        self.optimizer = optimizer
-        self._slot_of_param = slot_of_param
-        self._main_slots: dict[int, int] = {}
-        self._mains: list[nn.Parameter] = []
-        self.rebuild()
-
-    def rebuild(self) -> None:
-        """Pair every main parameter with its model parameter's slot (once, and on change)."""
-        self._main_slots, self._mains = {}, []
-        if self.optimizer is None:
-            return
-        for leaf in leaf_optimizers(self.optimizer):
+        unattributed = num_units + 1
+        self.unattributed = unattributed
+        self._mains: list[tuple[nn.Parameter, int]] = []
+        for leaf in leaf_optimizers(optimizer) if optimizer is not None else ():
             model_of = main_to_model(leaf)
             for main in leaf.get_parameters():
                 model = model_of.get(id(main))
-                slot = self._slot_of_param.get(id(model), self.unattributed)
-                self._main_slots[id(main)] = slot if model is not None else self.unattributed
-                self._mains.append(main)
+                slot = unattributed if model is None else slot_of_param.get(id(model))
+                self._mains.append((main, unattributed if slot is None else slot))
 
     def slots(self, grads: Sequence[torch.Tensor]) -> list[int]:
         """The slot of each gradient of one clip-norm call."""
         by_grad: dict[int, int] = {}
-        for main in self._mains:
-            slot = self._main_slots[id(main)]
+        for main, slot in self._mains:
             for attr in ("grad", "decoupled_grad"):
                 grad = getattr(main, attr, None)
                 if grad is not None:
@@ -236,13 +225,14 @@ class MegatronGNMR(IntegrationSession):
         )  # fmt: skip
         if backend is not None:
             backend.wrap(self.registry.local_modules)
+        self._dp_group = ps.get_data_parallel_group(with_context_parallel=True)
+        self._dp = dist.get_world_size(self._dp_group)
         self.runtime = GNMRRuntime(
             self.registry, block.policy, group=ps.get_model_parallel_group(),
             check_group=dist.group.WORLD, check_consistency=block.check_consistency,
             error_fn=error_source(block, backend, self.registry.num_units),
+            error_scale=1.0 / self._dp,  # DDP's data-parallel mean
         )  # fmt: skip
-        self._dp_group = ps.get_data_parallel_group(with_context_parallel=True)
-        self._error_scale = 1.0 / dist.get_world_size(self._dp_group)
         self.attribution = GradAttribution(
             self.registry.slot_of_param, self.registry.num_units, optimizer
         )
@@ -270,7 +260,7 @@ class MegatronGNMR(IntegrationSession):
         """
         from megatron.core.optimizer import clip_grads
 
-        device = grads[0].device if grads else _device_of(self.model)
+        device = grads[0].device if grads else self.runtime.monitor.device
         total, per_tensor = self._l2(clip_grads, grads, device)
         units = self._by_slot(grads, per_tensor, device)
         errors = self._local_errors(group, device)  # once per step, section 2.1 only
@@ -305,10 +295,9 @@ class MegatronGNMR(IntegrationSession):
         """
         if not self.runtime.uses_errors or self._errors is not None:
             return None
-        errors = self.runtime.monitor.local_error_sums().to(device)  # times error_scale
-        errors = errors * self._error_scale / self._loss_scale(device)
-        dp = dist.get_world_size(self._dp_group)
-        if dp > 1 and not _spans(group, self._dp_group):
+        errors = self.runtime.monitor.local_error_sums().to(device)  # times 1/dp
+        errors = errors / self._loss_scale(device)
+        if self._dp > 1 and not _spans(group, self._dp_group):
             dist.all_reduce(errors, op=dist.ReduceOp.SUM, group=self._dp_group)
         return errors.float()
 
@@ -521,13 +510,6 @@ def _spans(group: Any, dp_group: Any) -> bool:
     """Whether ``group`` contains every rank of this rank's ``dp_group``."""
     ranks = set(dist.get_process_group_ranks(group)) if group is not None else None
     return ranks is None or set(dist.get_process_group_ranks(dp_group)) <= ranks
-
-
-def _device_of(chunks: Sequence[nn.Module]) -> torch.device:
-    for chunk in chunks:
-        for p in chunk.parameters():
-            return p.device
-    return torch.device("cpu")
 
 
 # ---------------------------------------------------------------------- the patches

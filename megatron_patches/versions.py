@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["SERIES", "SeriesInfo", "megatron_series", "series_info", "supported_series"]
+__all__ = ["SERIES", "SeriesInfo", "megatron_series", "series_info", "series_of"]
 
 
 @dataclass(frozen=True)
@@ -76,16 +76,16 @@ SERIES: dict[str, SeriesInfo] = {
 """The supported series. 0.18 is absent: it was never read nor tested here."""
 
 
+def series_of(version: str) -> str:
+    """``major.minor`` of a version string (``"0.19.2+abc"`` -> ``"0.19"``)."""
+    return ".".join(version.split(".")[:2])
+
+
 def megatron_series() -> str:
     """The installed megatron-core's ``major.minor``."""
     from megatron.core import package_info
 
-    return ".".join(str(package_info.__version__).split(".")[:2])
-
-
-def supported_series() -> tuple[str, ...]:
-    """The series in :data:`SERIES`, oldest first."""
-    return tuple(SERIES)
+    return series_of(str(package_info.__version__))
 
 
 def series_info(series: str | None = None, *, what: str = "megatron_patches") -> SeriesInfo:

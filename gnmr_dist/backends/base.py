@@ -55,6 +55,7 @@ from typing import Any, ClassVar, cast
 import torch
 from torch import nn
 
+from gnmr_dist.distributed.monitor import IndexCache, index_tensor
 from gnmr_dist.distributed.units import is_operator
 
 __all__ = [
@@ -119,7 +120,7 @@ class _ErrorSums:
         self.num_units = num_units
         self._terms: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         self._folded: torch.Tensor | None = None
-        self._index: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
+        self._index: dict[torch.device, IndexCache] = {}
 
     def add(self, unit: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """``B(unit) += a * b`` (0-dim tensors on one device), evaluated in :meth:`total`."""
@@ -142,12 +143,10 @@ class _ErrorSums:
 
     def _index_of(self, units: tuple[int, ...], device: torch.device) -> torch.Tensor:
         """The unit ids as a device tensor, copied from the host once per distinct sequence."""
-        key = (device, units)
-        if key not in self._index:
-            if len(self._index) > 64:  # the sequence repeats every step; never grow unbounded
-                self._index.clear()
-            self._index[key] = torch.tensor(units, dtype=torch.int64, device=device)
-        return self._index[key]
+        cache = self._index.setdefault(device, {})
+        if len(cache) > 64:  # the sequence repeats every step; never grow unbounded
+            cache.clear()
+        return index_tensor(units, device, cache)
 
     def reset(self) -> None:
         self._terms, self._folded = [], None
@@ -437,14 +436,16 @@ class PrecisionBackend:
                     f"the {self.name} backend runs megatron linears without gradient-accumulation "
                     "fusion; set gradient_accumulation_fusion=False or use te_fp8"
                 )
-            from megatron.core.tensor_parallel import mappings
+            if sequence_parallel or allreduce_dgrad:  # (imported only when TP moves data)
+                from megatron.core.tensor_parallel import mappings
 
-            if sequence_parallel:
-                input = mappings.gather_from_sequence_parallel_region(
-                    input, tensor_parallel_output_grad=True, group=tp_group
+                input = (
+                    mappings.gather_from_sequence_parallel_region(
+                        input, tensor_parallel_output_grad=True, group=tp_group
+                    )
+                    if sequence_parallel
+                    else mappings.copy_to_tensor_model_parallel_region(input, group=tp_group)
                 )
-            elif allreduce_dgrad:
-                input = mappings.copy_to_tensor_model_parallel_region(input, group=tp_group)
             return gemm(input, weight, bias)
 
         return forward_impl

@@ -243,7 +243,8 @@ def _record_wgrad_error(
 ) -> None:
     """``||dy|| ||x - Q_M(x)|| + ||Q_M(dy) - dy|| ||x||`` of one wgrad GEMM, from its operands."""
     assert isinstance(probe, _Fp8Probe)
-    probe.shared.fill(spec, x.reshape(-1, x.shape[-1]).to(acc), xq_m)
+    if not probe.shared.done:  # projections of one input share its norms: cast it once
+        probe.shared.fill(spec, x.reshape(-1, x.shape[-1]).to(acc), xq_m)
     probe.record_dy(spec, dy2.to(acc), dyq_m)
 
 
@@ -318,9 +319,9 @@ class Fp8EmulatedBackend(PrecisionBackend):
     def _shadow(self, probe: _Fp8Probe, x: torch.Tensor, y: torch.Tensor) -> None:
         """Measure the low-cost wgrad error of a recovered GEMM: ``x`` now, ``dy`` in a hook."""
         low = self.specs[LOW_COST]
-        x2 = x.detach().reshape(-1, x.shape[-1])
-        x2 = x2.to(torch.promote_types(x2.dtype, torch.float32))
-        if not probe.shared.done:
+        if not probe.shared.done:  # projections of one input share its norms: cast it once
+            x2 = x.detach().reshape(-1, x.shape[-1])
+            x2 = x2.to(torch.promote_types(x2.dtype, torch.float32))
             xq_m = low.act(x2, low.x_format, dim=0) if not low.x_format.is_identity else x2
             probe.shared.fill(low, x2, xq_m.to(x2.dtype))
 

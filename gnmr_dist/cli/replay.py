@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from gnmr_dist.core import GNMRConfig, GNMRController
+from gnmr_dist.core import Decision, GNMRConfig, GNMRController
 from gnmr_dist.telemetry import read_errors, read_trace
 
 
@@ -37,6 +37,31 @@ class ReplaySummary:
     top_units: list[tuple[str, int]]
 
 
+def decisions(
+    norms: torch.Tensor,
+    config: GNMRConfig,
+    eligible: Sequence[bool],
+    errors: torch.Tensor | None = None,
+) -> Iterator[Decision]:
+    """A fresh controller's decision for every row of ``norms`` ([steps, U]).
+
+    ``errors`` ([steps, U], the recorded error scores) are required with ``config.gamma`` set
+    and ignored without it.
+    """
+    if config.gamma is not None and errors is None:
+        raise ValueError(
+            "gnmr.gamma is set but the trace holds no error scores (it was recorded without the "
+            "section 2.1 term): replay it without gamma"
+        )
+    ctrl = GNMRController(norms.shape[1], config, eligible=list(eligible))
+    for i, row in enumerate(norms):
+        yield (
+            ctrl.step(row)
+            if errors is None or config.gamma is None
+            else ctrl.step(row, errors=errors[i])
+        )
+
+
 def replay(
     norms: torch.Tensor,
     config: GNMRConfig,
@@ -50,18 +75,11 @@ def replay(
     ``errors`` ([steps, U], the recorded error scores) are required with ``config.gamma`` set
     and ignored without it.
     """
-    if config.gamma is not None and errors is None:
-        raise ValueError(
-            "gnmr.gamma is set but the trace holds no error scores (it was recorded without the "
-            "section 2.1 term): replay it without gamma"
-        )
-    ctrl = GNMRController(norms.shape[1], config, eligible=list(eligible))
     n_elig = max(1, sum(bool(e) for e in eligible))
     counts = torch.zeros(norms.shape[1], dtype=torch.int64)
     exceed = active = scored = nonfinite = 0
     same = 0
-    for i, row in enumerate(norms):
-        d = ctrl.step(row) if config.gamma is None else ctrl.step(row, errors=errors[i])
+    for i, d in enumerate(decisions(norms, config, eligible, errors)):
         counts[list(d.active)] += 1
         nonfinite += int(d.telemetry.num_nonfinite > 0)
         same += int(recorded is not None and tuple(recorded[i]) == d.active)

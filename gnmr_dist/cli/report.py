@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from gnmr_dist.core import GNMRConfig, GNMRController
+from gnmr_dist.cli.replay import decisions
+from gnmr_dist.core import GNMRConfig
 from gnmr_dist.telemetry import read_errors, read_trace
 
 __all__ = ["draw_report", "main"]
@@ -77,16 +78,8 @@ def _replay_risk(
 ) -> Any:
     """Risk [steps, U] and the replayed active sets, from the recorded norms (and error scores,
     which a trace recorded with ``gnmr.gamma`` holds)."""
-    if config.gamma is not None and errors is None:
-        raise ValueError("the trace's config sets gnmr.gamma but its records hold no errors")
-    ctrl = GNMRController(norms.shape[1], config, eligible=list(eligible))
     risks, actives = [], []
-    for i, row in enumerate(norms):
-        d = (
-            ctrl.step(row)
-            if errors is None or config.gamma is None
-            else ctrl.step(row, errors=errors[i])
-        )
+    for d in decisions(norms, config, eligible, errors):
         risks.append(d.risk)
         actives.append(d.active)
     return torch.stack(risks), actives

@@ -238,6 +238,7 @@ class UnitRegistry:
         params: Sequence[nn.Parameter],
         param_slots: Sequence[int],
         param_names: Sequence[str],
+        slot_of_param: dict[int, int] | None = None,
     ) -> None:
         self.names = tuple(names)
         self.num_units = len(self.names)
@@ -247,12 +248,14 @@ class UnitRegistry:
         self.param_slots = torch.tensor(list(param_slots), dtype=torch.int64)
         self.param_names = tuple(param_names)
         self.index = {n: i for i, n in enumerate(self.names)}
-        self.slot_of_param: dict[int, int] = {
-            id(p): int(s) for p, s in zip(self.params, self.param_slots.tolist(), strict=True)
-        }
+        counted = zip(self.params, self.param_slots.tolist(), strict=True)
+        self.slot_of_param: dict[int, int] = (
+            dict(slot_of_param) if slot_of_param is not None else {id(p): s for p, s in counted}
+        )
         """``id(parameter) -> slot`` for EVERY local parameter, counted or not (the rest slot
-        for those outside all units): what framework glue uses to attribute a gradient that the
-        framework itself has already filtered (megatron's clip-norm list)."""
+        for those outside all units; :meth:`from_model` passes them all, a registry built by
+        hand defaults to its counted parameters): what framework glue uses to attribute a
+        gradient that the framework itself has already filtered (megatron's clip-norm list)."""
 
     @classmethod
     def from_model(
@@ -334,9 +337,10 @@ class UnitRegistry:
                 params.append(param)
                 slots.append(slot)
                 pnames.append(_globalize(pname, layers))
-        registry = cls(names, eligible, local_modules, params, slots, pnames)
-        registry.slot_of_param = {id(p): s for p, s in every}
-        return registry
+        return cls(
+            names, eligible, local_modules, params, slots, pnames,
+            slot_of_param={id(p): s for p, s in every},
+        )  # fmt: skip
 
     def unit_params(self, unit: int) -> list[nn.Parameter]:
         """This rank's counted parameters of ``unit`` (``num_units`` for the rest bucket)."""

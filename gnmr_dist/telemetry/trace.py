@@ -161,12 +161,18 @@ def read_trace(path: str | Path) -> tuple[TraceHeader, torch.Tensor, list[dict[s
     steps = [r["step"] for r in records]
     if steps != list(range(1, len(steps) + 1)):
         raise ValueError(f"{path}: steps are not 1, 2, 3, ... (a step is missing or repeated)")
-    rows: Sequence[Sequence[float]] = [r["norms"] for r in records]
-    bad = [r["step"] for r in records if len(r["norms"]) != u]
+    return reader.header, _matrix(path, records, "norms", "a norms", u), records
+
+
+def _matrix(
+    path: str | Path, records: Sequence[Mapping[str, Any]], key: str, what: str, u: int
+) -> torch.Tensor:
+    """float64 ``[steps, U]`` of one per-unit vector of every record, lengths checked."""
+    bad = [r["step"] for r in records if len(r[key]) != u]
     if bad:
-        raise ValueError(f"{path}: steps {bad[:5]} have a norms vector of the wrong length (U={u})")
-    norms = torch.tensor(rows, dtype=torch.float64).reshape(len(records), u)
-    return reader.header, norms, records
+        raise ValueError(f"{path}: steps {bad[:5]} have {what} vector of the wrong length (U={u})")
+    rows: Sequence[Sequence[float]] = [r[key] for r in records]
+    return torch.tensor(rows, dtype=torch.float64).reshape(len(records), u)
 
 
 def read_errors(
@@ -182,9 +188,4 @@ def read_errors(
     if len(have) != len(records):
         missing = [r["step"] for r in records if "errors" not in r][:5]
         raise ValueError(f"{path}: steps {missing} have no error scores while others do")
-    bad = [r["step"] for r in records if len(r["errors"]) != units]
-    if bad:
-        raise ValueError(
-            f"{path}: steps {bad[:5]} have an errors vector of the wrong length (U={units})"
-        )
-    return torch.tensor([r["errors"] for r in records], dtype=torch.float64).reshape(-1, units)
+    return _matrix(path, records, "errors", "an errors", units)

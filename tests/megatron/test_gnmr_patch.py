@@ -202,7 +202,7 @@ def _guard_worker(rank, world, breakage, action):
     if breakage == "rest":  # the old bug: every gradient missed, so it lands in the rest slot
         handle.attribution.slots = lambda grads: [rest] * len(grads)
     elif breakage == "unattributed":  # main parameters the optimizer structures do not pair
-        handle.attribution._main_slots = dict.fromkeys(handle.attribution._main_slots, rest + 1)
+        handle.attribution._mains = [(main, rest + 1) for main, _ in handle.attribution._mains]
     errors = []
     for step in range(1, 4):
         gpt.train_step(model, step)
