@@ -12,7 +12,21 @@ batches in the same order (one process; CPU), and differs only in its precision 
   the recovery path, every other unit on the low-cost path;
 - ``zclip``: the low-cost path everywhere plus a ZClip-style global gradient-norm spike guard
   (an EMA of the global norm's mean and variance; a norm whose z-score exceeds ``z_thresh`` is
-  clipped to ``mean + z_thresh * std``; Kumar et al., 2025), the global guard users pick today.
+  clipped to ``mean + z_thresh * std``; Kumar et al., 2025), the global guard users pick today;
+- ``random``: ``max_active`` eligible units on the recovery path, re-drawn every step (a
+  generator seeded by ``Setup.seed``): the control every budgeted policy must beat;
+- ``oracle``: every step, the recovery-gap probe measures every unit's gap on the step's own
+  weights and batch first, and the ``max_active`` eligible units with the largest gap
+  (``Arm.oracle_by``: gradient or update gap) run the recovery path: the upper bound of any
+  selection at that budget (it costs two extra forward/backward passes per step).
+
+``gnmr`` with ``controller={"gamma": ...}`` is GNMR with DESIGN.md section 2.1's error term: the
+backend tracks its error sums and the runtime hands the controller their relative score.
+
+``Setup.faults`` inject local, transient trouble by construction (:class:`Fault`): one input
+channel (or the whole input) of one projection multiplied by a factor for a window of steps,
+in every arm alike (probe passes included), so that the true gradient changes the same way and
+only the precision policy differs.
 
 Every arm runs the GNMR monitor and controller (GNMR's own policy), so exceedance rates -- the
 fraction of eligible unit-steps whose risk ``max(GNMR/alpha_t, dGNMR/beta_t)`` is above 1 after
@@ -70,7 +84,7 @@ from gnmr_dist.telemetry.selection import set_figures, spearman, top_k
 logger = logging.getLogger("benchmarks.harness")
 
 RESULTS = Path(__file__).resolve().parent / "results"
-POLICIES = ("full", "static", "recovery", "gnmr", "first_last", "zclip")
+POLICIES = ("full", "static", "recovery", "gnmr", "first_last", "zclip", "random", "oracle")
 
 
 @dataclass(frozen=True)
@@ -99,6 +113,25 @@ class Setup:
     lora_rank: int = 0
     gnmr: dict[str, Any] = field(default_factory=dict)
     """GNMR policy (``GNMRConfig`` keys) shared by every arm; ``max_active`` is per arm."""
+    faults: tuple[Fault, ...] = ()
+    """Injected input faults, the same in every arm."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Multiply the input of one projection by ``scale`` for steps ``start <= t < stop``.
+
+    ``module`` is the projection's module path (``model.layers.2.mlp.up_proj``); ``channel`` one
+    input feature (an outlier channel, as LLM activations grow them), ``None`` every feature (an
+    activation spike). The hook acts on the forward of the training step and of the probe's
+    passes alike; evaluations run without it.
+    """
+
+    module: str
+    scale: float
+    start: int
+    stop: int
+    channel: int | None = None
 
 
 @dataclass(frozen=True)
@@ -118,6 +151,8 @@ class Arm:
     """Run the recovery-gap probe on every step divisible by this (0: never)."""
     probe_k: int = 3
     """Size of the risk's top-k, random and oracle sets graded on probe steps."""
+    oracle_by: str = "grad"
+    """``oracle`` policy: rank units by the measured ``"grad"`` or ``"update"`` gap."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -129,8 +164,12 @@ class Arm:
                 f"arm {self.name}: probe_every ({self.probe_every}) must be >= 0 and probe_k "
                 f"({self.probe_k}) >= 1"
             )
-        if self.probe_every and self.backend is None:
+        if (self.probe_every or self.policy == "oracle") and self.backend is None:
             raise ValueError(f"arm {self.name}: the probe needs a backend (two paths to compare)")
+        if self.policy in ("random", "oracle") and self.max_active < 1:
+            raise ValueError(f"arm {self.name}: policy {self.policy} needs max_active >= 1")
+        if self.oracle_by not in ("grad", "update"):
+            raise ValueError(f"arm {self.name}: oracle_by must be 'grad' or 'update'")
 
 
 @dataclass
@@ -268,7 +307,16 @@ class ArmRun:
         self.cfg = GNMRConfig.from_dict(
             {**setup.gnmr, **arm.controller, "max_active": arm.max_active}
         )
-        self.runtime = GNMRRuntime(self.registry, self.cfg)
+        uses_errors = self.cfg.gamma is not None
+        self.scored = (
+            self.backend is not None
+            and self.backend.reports_errors
+            and (uses_errors or arm.probe_every > 0)
+        )
+        if self.scored:
+            self.backend.track_errors(self.registry.num_units)
+        error_fn = self.backend.error_sums if uses_errors and self.backend is not None else None
+        self.runtime = GNMRRuntime(self.registry, self.cfg, error_fn=error_fn)
         self.fixed = _fixed_active(arm, self.registry, setup.layers)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=setup.lr, weight_decay=setup.weight_decay)
@@ -290,27 +338,35 @@ class ArmRun:
         self.probe: RecoveryProbe | None = None
         self.probes: list[dict[str, Any]] = []
         self.probe_times: list[float] = []
-        if arm.probe_every and self.backend is not None:
+        self.draw_gen = torch.Generator().manual_seed(setup.seed + 1)
+        self.first_last = layer_units(self.registry, (0, setup.layers - 1))
+        if (arm.probe_every or arm.policy == "oracle") and self.backend is not None:
             if arm.probe_k > self.registry.num_units:
                 raise ValueError(f"arm {arm.name}: probe_k ({arm.probe_k}) > units "
                                  f"({self.registry.num_units})")  # fmt: skip
             self.probe = RecoveryProbe(self.registry, self.backend, self.opt)
             self.probe_gen = torch.Generator().manual_seed(setup.seed)
-            self.first_last = layer_units(self.registry, (0, setup.layers - 1))
+        self.current_step = 0
+        install_faults(self.model, setup.faults, lambda: self.current_step)
 
     def step(self, step: int, train: Batches) -> None:
         """Optimizer step ``step`` (1-based) on batch ``step - 1``; timed without evaluation."""
         setup, backend = self.setup, self.backend
         t0 = time.perf_counter()
-        active = self.fixed if self.fixed is not None else self.runtime.plan.active
+        self.current_step = step
+        active = self._planned()
         if backend is not None:
             backend.apply(active, step)
         batch = train(step - 1)
         probed = self._measure(step, batch)
+        if self.arm.policy == "oracle" and probed is not None and backend is not None:
+            active = self._oracle_set(probed[0])
+            backend.apply(active, step)
         loss = lm_loss(self.model, batch)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         decision = self.runtime.step()
+        scores = self._error_scores() if probed is not None and self._records(step) else None
         norm = self.runtime.last_norms.global_norm
         limit = self.guard.limit(norm) if self.guard is not None else None
         self.clipped += limit is not None
@@ -320,7 +376,8 @@ class ArmRun:
         self.times.append(time.perf_counter() - t0 - (probed[1] if probed else 0.0))
         if probed is not None:
             self.probe_times.append(probed[1])
-            self._record_probe(step, probed[0], decision, active)
+            if self._records(step):
+                self._record_probe(step, probed[0], decision, active, scores or {})
         self.losses.append(float(loss.detach()))
         if step > self.cfg.warmup_steps:
             over = (decision.risk > 1.0) & self.elig
@@ -336,23 +393,66 @@ class ArmRun:
         if step == setup.steps and self.arm.save_to is not None:
             save_state(self.model, self.arm.save_to)
 
+    def _planned(self) -> frozenset[int]:
+        """This step's recovery set before any measurement (the oracle's comes after its probe)."""
+        if self.fixed is not None:
+            return self.fixed
+        if self.arm.policy == "random":
+            return self._draw(self.arm.max_active, self.draw_gen)
+        if self.arm.policy == "oracle":
+            return frozenset()
+        return self.runtime.plan.active
+
+    def _draw(self, k: int, gen: torch.Generator) -> frozenset[int]:
+        eligible = torch.nonzero(self.elig).flatten()
+        return frozenset(eligible[torch.randperm(len(eligible), generator=gen)[:k]].tolist())
+
+    def _oracle_set(self, result: ProbeResult) -> frozenset[int]:
+        gap = result.grad_gap if self.arm.oracle_by == "grad" else result.update_gap
+        ranked = torch.where(self.elig, gap, torch.full_like(gap, -1.0))
+        return top_k(ranked, self.arm.max_active)
+
+    def _records(self, step: int) -> bool:
+        return self.arm.probe_every > 0 and step % self.arm.probe_every == 0
+
     def _measure(self, step: int, batch: torch.Tensor) -> tuple[ProbeResult, float] | None:
-        """The probe's result and its wall time on probe steps (before the step's forward)."""
-        if self.probe is None or step % self.arm.probe_every:
+        """The probe's result and its wall time on probe steps (before the step's forward);
+        every step for the oracle, which selects by it."""
+        if self.probe is None or not (self.arm.policy == "oracle" or self._records(step)):
             return None
         t0 = time.perf_counter()
         result = self.probe.measure(lambda: lm_loss(self.model, batch))
         return result, time.perf_counter() - t0
 
+    def _error_scores(self) -> dict[str, torch.Tensor]:
+        """Candidate error scores of this step's low-cost path (after backward, before the
+        optimizer step): the bound ``B(u)``, ``B / n`` and ``B`` scaled as Adam scales it
+        (:func:`adam_inverse_rms`)."""
+        if not self.scored or self.backend is None or self.runtime.last_norms is None:
+            return {}
+        bound = self.backend.error_sums(torch.device("cpu"))
+        if bound is None:
+            return {}
+        norms = self.runtime.last_norms
+        n = norms.norms
+        rel = torch.where((bound == 0) & (n == 0), torch.zeros_like(bound), bound / n)
+        return {"error_bound": bound, "error_relative": rel,
+                "error_global": bound / max(norms.global_norm, 1e-30),
+                "error_adam": bound * adam_inverse_rms(self.registry, self.opt)}  # fmt: skip
+
     def _record_probe(
-        self, step: int, result: ProbeResult, decision: Decision, active: frozenset[int]
+        self,
+        step: int,
+        result: ProbeResult,
+        decision: Decision,
+        active: frozenset[int],
+        scores: dict[str, torch.Tensor],
     ) -> None:
         k = self.arm.probe_k
-        eligible = torch.nonzero(self.elig).flatten()
-        draw = eligible[torch.randperm(len(eligible), generator=self.probe_gen)[:k]]
         sets = {"active": active, "decided": frozenset(decision.active),
-                "random": frozenset(draw.tolist()), "first_last": self.first_last}  # fmt: skip
-        self.probes.append(probe_record(step, result, decision.risk, sets, k))
+                "random": self._draw(k, self.probe_gen), "first_last": self.first_last}  # fmt: skip
+        sets.update({f"{name}_topk": top_k(score, k) for name, score in scores.items()})
+        self.probes.append(probe_record(step, result, decision.risk, sets, k, scores))
 
     def result(self) -> ArmResult:
         """The measurements so far (after the last step: the arm's result)."""
@@ -377,6 +477,7 @@ def probe_record(
     risk: torch.Tensor,
     sets: dict[str, frozenset[int]],
     k: int,
+    scores: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     """One probe step: the gaps, the graded sets and their figures (JSON-ready).
 
@@ -397,8 +498,9 @@ def probe_record(
         "update_gap": up.tolist(), "grad_low_norm": result.grad_low_norm.tolist(),
         "grad_high_norm": result.grad_high_norm.tolist(), "loss_low": result.loss_low,
         "loss_high": result.loss_high, "sets": {n: sorted(s) for n, s in sets.items()},
-        "figures": figures,
-        "spearman": {"risk_grad": spearman(risk, g), "risk_update": spearman(risk, up)},
+        "figures": figures, "scores": {n: v.tolist() for n, v in (scores or {}).items()},
+        "spearman": {f"{n}_{gap}": spearman(v, x) for n, v in {"risk": risk, **(scores or {})}
+                     .items() for gap, x in (("grad", g), ("update", up))},
     }  # fmt: skip
 
 
@@ -429,6 +531,51 @@ def run_arm(setup: Setup, arm: Arm, train: Batches, heldout: Batches) -> ArmResu
     return run.result()
 
 
+def adam_inverse_rms(registry: UnitRegistry, opt: torch.optim.Optimizer) -> torch.Tensor:
+    r"""float64 [U]: ``c_u = sqrt(mean over u's elements of 1 / (sqrt(v_hat) + eps)^2)``.
+
+    If a unit's gradient error ``d`` is spread over its elements independently of Adam's
+    second moment, ``E ||d / (sqrt(v_hat) + eps)||^2 = ||d||^2 mean(1 / (sqrt(v_hat) + eps)^2)``,
+    so ``B(u) c_u`` bounds the update gap as ``B(u)`` bounds the gradient gap. Read from the
+    optimizer state before this step's update (an element without state yet counts as 0).
+    """
+    sums = torch.zeros(registry.num_units, dtype=torch.float64)
+    counts = torch.zeros(registry.num_units, dtype=torch.float64)
+    groups = {id(p): g for g in opt.param_groups for p in g["params"]}
+    for p, slot in zip(registry.params, registry.param_slots.tolist(), strict=True):
+        state, group = opt.state.get(p, {}), groups.get(id(p))
+        if slot >= registry.num_units or group is None or "exp_avg_sq" not in state:
+            continue
+        v_hat = state["exp_avg_sq"].double() / (1.0 - group["betas"][1] ** float(state["step"]))
+        sums[slot] += float((v_hat.sqrt() + group["eps"]).reciprocal().square().sum())
+        counts[slot] += p.numel()
+    return torch.where(counts > 0, (sums / counts.clamp(min=1)).sqrt(), torch.zeros_like(sums))
+
+
+def install_faults(model: nn.Module, faults: Sequence[Fault], step: Callable[[], int]) -> None:
+    """Forward pre-hooks applying ``faults`` while ``model.training`` and the step is in window."""
+    modules = dict(model.named_modules())
+    for fault in faults:
+        if fault.module not in modules:
+            near = [n for n in modules if n.endswith(fault.module.split(".")[-1])][:4]
+            raise ValueError(f"fault module {fault.module!r} is not in the model; e.g. {near}")
+        modules[fault.module].register_forward_pre_hook(_fault_hook(fault, step, model))
+
+
+def _fault_hook(fault: Fault, step: Callable[[], int], model: nn.Module) -> Callable[..., Any]:
+    def hook(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        if not (model.training and fault.start <= step() < fault.stop):
+            return None
+        x = args[0]
+        if fault.channel is None:
+            return (x * fault.scale, *args[1:])
+        factor = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+        factor[fault.channel] = fault.scale
+        return (x * factor, *args[1:])
+
+    return hook
+
+
 def save_state(model: nn.Module, path: str | Path) -> None:
     """Write ``model.state_dict()`` to ``path`` (loadable by ``Setup.init_from``)."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -442,7 +589,7 @@ def _fixed_active(arm: Arm, registry: UnitRegistry, layers: int) -> frozenset[in
         return frozenset(range(registry.num_units))
     if arm.policy == "first_last":
         return layer_units(registry, (0, layers - 1))
-    return None  # gnmr: the controller's plan
+    return None  # gnmr, random, oracle: chosen every step
 
 
 def _cosine(warmup: int, total: int) -> Callable[[int], float]:

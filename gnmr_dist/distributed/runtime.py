@@ -10,8 +10,9 @@ rank holds the same plan without further communication.
 With ``gnmr.gamma`` set (DESIGN.md section 2.1) the runtime also needs an error source,
 ``error_fn`` (the precision backend's ``error_sums``): the monitor then reduces the error sums
 ``B(u)`` in the same all-reduce as the norms, and the controller receives ``e_t(u) = B(u) /
-n_t(u)`` (:meth:`UnitNorms.relative_errors`). Without ``gamma`` the error source is ignored:
-the same single U + 1 all-reduce, bit-identical decisions.
+G_t``, the bound over the global gradient norm (:meth:`UnitNorms.relative_errors`). Without
+``gamma`` the error source is ignored: the same single U + 1 all-reduce, bit-identical
+decisions.
 
 An optional check (``check_consistency=True``) proves that claim at run time: one all-gather of a
 hash of each rank's decision, and a ``RuntimeError`` naming the ranks that disagree. It costs a
@@ -156,7 +157,7 @@ class GNMRRuntime:
         """Feed already-reduced norms to the controller and publish the next plan.
 
         With ``gnmr.gamma`` set, ``norms.error_sums`` must hold the reduced ``B(u)``; the
-        controller gets ``errors = B / n`` (:meth:`UnitNorms.relative_errors`).
+        controller gets ``errors = B / G`` (:meth:`UnitNorms.relative_errors`).
         """
         if not self.uses_errors:
             decision = self.controller.step(norms.norms)

@@ -15,9 +15,12 @@ from benchmarks.harness import (
     Arm,
     ArmResult,
     Batches,
+    Fault,
     Setup,
     ZClip,
+    adam_inverse_rms,
     build_model,
+    install_faults,
     layer_units,
     lm_loss,
     run_arm,
@@ -287,3 +290,91 @@ def test_a_probe_needs_a_backend_and_a_sane_k():
         Arm("f", "full", probe_every=2)
     with pytest.raises(ValueError, match=r"probe_k \(0\) >= 1"):
         Arm("g", "gnmr", backend="act_quant", probe_every=2, probe_k=0)
+
+
+# ---------------------------------------------------------------------------- issue 13's arms
+
+
+def test_random_arm_redraws_k_eligible_units_every_step_reproducibly(data):
+    setup = tiny(steps=4)
+    arm = q_arm("r", "random", max_active=2)
+    a, b = run_arm(setup, arm, *data), run_arm(setup, arm, *data)
+    assert a.active_per_step == [2, 2, 2, 2]
+    assert sum(a.unit_recoveries) == 2 * 4  # the backend ran exactly the drawn units
+    assert a.unit_recoveries == b.unit_recoveries and a.losses == b.losses
+    assert sum(1 for c in a.unit_recoveries if c) > 2  # re-drawn: more than one set over the run
+    with pytest.raises(ValueError, match="policy random needs max_active >= 1"):
+        q_arm("r", "random")
+
+
+def test_oracle_arm_recovers_the_k_largest_gaps_measured_on_the_step_itself(data):
+    setup = tiny(steps=3)
+    arm = replace(q_arm("o", "oracle", max_active=3), probe_every=1)
+    result = run_arm(setup, arm, *data)
+    assert result.active_per_step == [3, 3, 3] and len(result.probes) == 3
+    for p in result.probes:
+        assert p["sets"]["active"] == sorted(top_k(torch.tensor(p["grad_gap"]), 3))
+        assert p["figures"]["active"]["precision_grad"] == 1.0
+    by_update = run_arm(setup, replace(arm, oracle_by="update"), *data)
+    for p in by_update.probes:
+        assert p["sets"]["active"] == sorted(top_k(torch.tensor(p["update_gap"]), 3))
+    with pytest.raises(ValueError, match="oracle_by must be"):
+        replace(arm, oracle_by="loss")
+
+
+def test_a_fault_scales_one_input_channel_inside_its_window_only():
+    setup = tiny(steps=1)
+    model = build_model(setup)
+    step = [0]
+    fault = Fault("model.layers.1.mlp.up_proj", 100.0, start=2, stop=4, channel=5)
+    install_faults(model, [fault], lambda: step[0])
+    seen = []
+    up = model.model.layers[1].mlp.up_proj
+    up.register_forward_pre_hook(lambda _m, args: seen.append(args[0].detach().clone()))
+    tokens = torch.randint(0, 258, (1, 8))
+    for step[0] in (1, 2, 3, 4):
+        model(tokens)
+    model.eval()
+    step[0] = 2
+    model(tokens)
+    before, inside, inside2, after, evaluated = seen
+    assert torch.equal(after, before) and torch.equal(evaluated, before)
+    for x in (inside, inside2):
+        assert torch.allclose(x[..., 5], 100 * before[..., 5])
+        assert torch.equal(torch.cat([x[..., :5], x[..., 6:]], -1),
+                           torch.cat([before[..., :5], before[..., 6:]], -1))  # fmt: skip
+    with pytest.raises(ValueError, match=r"fault module 'model\.layers\.9\.mlp\.up_proj' is not"):
+        install_faults(model, [replace(fault, module="model.layers.9.mlp.up_proj")], lambda: 0)
+
+
+def test_adam_inverse_rms_against_the_optimizer_state_written_out():
+    setup = tiny(steps=1)
+    model = build_model(setup)
+    registry = UnitRegistry.from_model(model, granularity="operator")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-6)
+    assert torch.equal(adam_inverse_rms(registry, opt), torch.zeros(registry.num_units))
+    for _ in range(2):
+        opt.zero_grad()
+        lm_loss(model, torch.randint(0, 258, (2, 8))).backward()
+        opt.step()
+    want = torch.zeros(registry.num_units, dtype=torch.float64)
+    count = torch.zeros(registry.num_units, dtype=torch.float64)
+    for p, s in zip(registry.params, registry.param_slots.tolist(), strict=True):
+        if s < registry.num_units:
+            v_hat = opt.state[p]["exp_avg_sq"].double() / (1 - 0.95**2)
+            want[s] += (1 / (v_hat.sqrt() + 1e-6) ** 2).sum()
+            count[s] += p.numel()
+    assert torch.allclose(adam_inverse_rms(registry, opt), (want / count).sqrt(), rtol=1e-12)
+
+
+def test_probe_records_grade_the_error_scores_of_the_steps_own_forward(data):
+    setup = tiny(steps=2)
+    result = run_arm(setup, replace(q_arm("s", "static"), probe_every=1), *data)
+    for p in result.probes:
+        bound = torch.tensor(p["scores"]["error_bound"], dtype=torch.float64)
+        assert bool((bound > 0).all())
+        ratio = torch.tensor(p["scores"]["error_global"], dtype=torch.float64) / bound
+        assert torch.allclose(ratio, ratio[0].expand_as(ratio), rtol=1e-12)  # B / G: one G
+        for name in ("error_bound", "error_global", "error_relative", "error_adam"):
+            assert p["sets"][f"{name}_topk"] == sorted(top_k(torch.tensor(p["scores"][name]), 3))
+            assert f"{name}_update" in p["spearman"]

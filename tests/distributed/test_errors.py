@@ -1,4 +1,4 @@
-"""DESIGN.md section 2.1 in the runtime: error sums ride the norms' all-reduce, e = B / n."""
+"""DESIGN.md section 2.1 in the runtime: error sums ride the norms' all-reduce, e = B / G."""
 
 from __future__ import annotations
 
@@ -45,23 +45,23 @@ def _reduce_worker(rank, world, steps):
             with multiproc.CollectiveSpy(p2p=True) as spy:
                 d = runtime.step()
             n = runtime.last_norms
-            rows.append((spy.calls, n.norms, n.error_sums, d.error, d.active, d.risk))
+            rows.append((spy.calls, n.global_norm, n.error_sums, d.error, d.active, d.risk))
         out[gamma] = rows
     return u, out
 
 
-def test_one_all_reduce_carries_both_and_the_controller_gets_b_over_n():
+def test_one_all_reduce_carries_both_and_the_controller_gets_b_over_the_global_norm():
     world, steps = 2, 3
     results = multiproc.run(_reduce_worker, world, steps)
     for u, out in results:
         for calls, _, sums, error, _, _ in out[None]:
             assert calls == [("all_reduce", u + 1)]  # gamma unset: the vector of before
             assert sums is None and error is None
-        for t, (calls, norms, sums, error, active, risk) in enumerate(out[0.5], start=1):
+        for t, (calls, global_norm, sums, error, active, risk) in enumerate(out[0.5], start=1):
             assert calls == [("all_reduce", 2 * u + 1)]  # one collective, 2U + 1 values
             want = sum(rank_errors(r, u, t) for r in range(world)) / world  # sum x 1/dp
             assert torch.allclose(sums, want, rtol=1e-12, atol=0)
-            assert torch.allclose(error, want / norms, rtol=1e-12, atol=0)
+            assert torch.allclose(error, want / global_norm, rtol=1e-12, atol=0)
             assert torch.equal(risk, torch.maximum(risk, error / 0.5))
             assert active == (3,)  # the unit whose error is 50x the others'
     (_, a), (_, b) = results
@@ -108,10 +108,12 @@ def test_gamma_needs_an_error_source_that_reports():
 
 
 def test_relative_errors_and_the_fp16_loss_scale():
-    n = torch.tensor([2.0, 0.0, 0.0, math.nan], dtype=torch.float64)
-    b = torch.tensor([1.0, 0.0, 3.0, 1.0], dtype=torch.float64)
-    e = UnitNorms(n, 0.0, 0.0, error_sums=b).relative_errors()
-    assert e[:3].tolist() == [0.5, 0.0, math.inf] and math.isnan(e[3])
+    n = torch.tensor([2.0, 0.0, 5.0, 1.0], dtype=torch.float64)  # the units' norms play no part
+    b = torch.tensor([1.0, 0.0, 3.0, math.nan], dtype=torch.float64)
+    e = UnitNorms(n, 0.0, 4.0, error_sums=b).relative_errors()
+    assert e[:3].tolist() == [0.25, 0.0, 0.75] and math.isnan(e[3])
+    e = UnitNorms(n, 0.0, 0.0, error_sums=b[:3]).relative_errors()  # G = 0
+    assert e.tolist() == [math.inf, 0.0, math.inf]
     assert UnitNorms(n, 0.0, 0.0).relative_errors() is None
 
     model = full_model_with_grads()

@@ -121,10 +121,11 @@ def _errors_worker(rank, world):
     d = engine.gnmr.last_decision
     names = engine.gnmr.registry.names
     return {"names": names, "norms": got.norms, "sums": got.error_sums, "calls": spy.calls,
+            "global": got.global_norm,
             "error": d.error, "active": d.active}  # fmt: skip
 
 
-def reference_error_sums() -> tuple[torch.Tensor, torch.Tensor]:
+def reference_error_sums() -> tuple[torch.Tensor, torch.Tensor, float]:
     """One process, no DeepSpeed: both ranks' micro-batches, the loss averaged over all four."""
     from gnmr_dist.backends import get_backend
     from gnmr_dist.distributed import GradNormMonitor, UnitRegistry
@@ -139,22 +140,22 @@ def reference_error_sums() -> tuple[torch.Tensor, torch.Tensor]:
     losses = [model(input_ids=b, labels=b).loss for b in batches]
     (sum(losses) / len(losses)).backward()
     got = GradNormMonitor(registry, error_fn=backend.error_sums).compute()
-    return got.norms, got.error_sums
+    return got.norms, got.error_sums, got.global_norm
 
 
 def test_error_sums_are_summed_over_dp_ranks_and_scaled_by_one_over_dp():
     """ZeRO-1, 2 ranks x 2 micro-batches: the reduced B(u) equals one process's B on all four
-    micro-batches with the averaged loss; e = B / n reaches the controller; one all-reduce."""
+    micro-batches with the averaged loss; e = B / G reaches the controller; one all-reduce."""
     a, b = multiproc.run(_errors_worker, 2)
-    ref_norms, ref_sums = reference_error_sums()
+    ref_norms, ref_sums, ref_global = reference_error_sums()
     u = len(dsc.unit_names())
     assert a["names"] == tuple(dsc.unit_names())
     for r in (a, b):
         assert r["calls"] == [("all_reduce", 2 * u + 1)]  # norms and errors in one collective
         assert torch.allclose(r["sums"], ref_sums, rtol=1e-6, atol=0)
         assert torch.allclose(r["norms"], ref_norms, rtol=1e-5, atol=0)
-        assert torch.allclose(r["error"], r["sums"] / r["norms"], rtol=1e-12, atol=0)
-        assert torch.allclose(r["error"], ref_sums / ref_norms, rtol=1e-5, atol=0)
+        assert torch.allclose(r["error"], r["sums"] / r["global"], rtol=1e-12, atol=0)
+        assert torch.allclose(r["error"], ref_sums / ref_global, rtol=1e-5, atol=0)
     assert torch.equal(a["sums"], b["sums"]) and a["active"] == b["active"]
     assert bool((ref_sums > 0).all())
 
