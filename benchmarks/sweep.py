@@ -39,7 +39,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import RESULTS, Arm, ArmResult, Batches, Setup, run_arm
+from benchmarks.harness import RESULTS, Arm, ArmResult, Batches, Setup, run_arm, summarize_probes
 from benchmarks.regimes import REGIMES, Regime
 
 logger = logging.getLogger("benchmarks.sweep")
@@ -167,9 +167,12 @@ def interval(values: Sequence[float]) -> tuple[float, float]:
 
 
 def summarize(
-    records: dict[tuple[str, int], dict[str, Any]], seeds: Sequence[int]
+    records: dict[tuple[str, int], dict[str, Any]],
+    seeds: Sequence[int],
+    window: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
-    """Per arm: held-out loss, share of the static gap closed, paired difference to random-k."""
+    """Per arm: held-out loss, share of the static gap closed, paired difference to random-k,
+    selection figures (and, with a fault ``window``, the same figures inside it)."""
     names = list(dict.fromkeys(name for name, _ in records))
     loss = {n: [records[(n, s)]["heldout_loss"] for s in seeds] for n in names}
     out: dict[str, Any] = {}
@@ -187,6 +190,8 @@ def summarize(
             row["vs_first_last"] = _paired(loss[n], loss["first+last"])
         row["recovery_rate"] = statistics.fmean(records[(n, s)]["recovery_rate"] for s in seeds)
         row["selection"] = _selection(records, n, seeds)
+        if window is not None:
+            row["selection_fault"] = _selection(records, n, seeds, window)
         out[n] = row
     return out
 
@@ -202,12 +207,20 @@ def _budget_of(name: str) -> int | None:
 
 
 def _selection(
-    records: dict[tuple[str, int], dict[str, Any]], name: str, seeds: Sequence[int]
+    records: dict[tuple[str, int], dict[str, Any]],
+    name: str,
+    seeds: Sequence[int],
+    window: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
-    """Per graded set: seed means (interval over seeds) of precision and share vs both gaps."""
+    """Per graded set: seed means (interval over seeds) of precision and share vs both gaps,
+    over every probe step or over those in ``window`` (``start <= step < stop``)."""
     per_seed: dict[str, dict[str, list[float]]] = {}
     for s in seeds:
-        summary = records[(name, s)].get("probe_summary") or {}
+        record = records[(name, s)]
+        summary = record.get("probe_summary") or {}
+        if window is not None:
+            inside = [p for p in record["probes"] if window[0] <= p["step"] < window[1]]
+            summary = summarize_probes(inside)
         for set_name, figs in summary.items():
             for key, value in figs.items():
                 if not math.isnan(value):
@@ -263,11 +276,11 @@ SELECTION_SETS = (
 FIGURES = ("precision_grad", "precision_update", "share_grad", "share_update")
 
 
-def selection_table(summary: dict[str, Any], arms: Sequence[str]) -> str:
+def selection_table(summary: dict[str, Any], arms: Sequence[str], key: str = "selection") -> str:
     rows = ["| arm | set | precision vs grad gap | vs update gap | share of grad gap^2 | "
             "share of update gap^2 |", "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for arm in arms:
-        sel = summary.get(arm, {}).get("selection", {})
+        sel = summary.get(arm, {}).get(key, {})
         for set_name in SELECTION_SETS:
             f = sel.get(set_name)
             if not f:
@@ -330,7 +343,9 @@ def main() -> None:
     t0 = time.perf_counter()
     records = run_sweep(regime, seeds, budgets, a.jobs, a.fresh,
                         [x.strip() for x in a.arms.split(",") if x.strip()])  # fmt: skip
-    summary = summarize(records, seeds)
+    faults = regime.setup.faults
+    window = (min(f.start for f in faults), max(f.stop for f in faults)) if faults else None
+    summary = summarize(records, seeds, window)
     name = f"sweep_{regime.name}"
     out = {"regime": regime.name, "description": regime.description, "setup": asdict(regime.setup),
            "seeds": seeds, "budgets": budgets, "summary": _jsonable(summary),
@@ -344,6 +359,10 @@ def main() -> None:
     print()
     probed = ["low-cost"] + [n for n in summary if n.startswith(("GNMR", "oracle"))]
     print(selection_table(summary, probed))
+    if window is not None:
+        print(f"\nthe same on the probe steps inside the fault window, steps {window[0]}-"
+              f"{window[1] - 1}:")  # fmt: skip
+        print(selection_table(summary, probed, "selection_fault"))
 
 
 def _jsonable(x: Any) -> Any:

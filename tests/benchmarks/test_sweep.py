@@ -1,0 +1,56 @@
+"""benchmarks/sweep.py: the statistics and verdicts the README's selection tables rest on."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+
+from benchmarks import sweep
+from benchmarks.regimes import REGIMES
+
+
+def test_interval_is_the_student_t_half_width():
+    mean, half = sweep.interval([1.0, 2.0, 3.0])
+    assert mean == 2.0
+    assert half == pytest.approx(4.303 * statistics.stdev([1.0, 2.0, 3.0]) / math.sqrt(3))
+    assert math.isnan(sweep.interval([5.0])[1])
+
+
+def _record(loss: float, rate: float = 0.0) -> dict:
+    return {"heldout_loss": loss, "recovery_rate": rate, "probe_summary": {}, "probes": []}
+
+
+def test_summary_pairs_every_policy_with_random_k_seed_by_seed():
+    seeds = (1, 2, 3)
+    losses = {
+        "low-cost": (3.0, 3.2, 3.1),
+        "recovery": (2.0, 2.2, 2.1),
+        "first+last": (2.5, 2.7, 2.6),
+        "random 14": (2.9, 3.1, 3.0),
+        "GNMR 14": (2.8, 3.0, 2.9),  # 0.1 better than random on every seed: beats it
+        "oracle 14": (2.95, 3.0, 3.1),  # mixed: not better by more than the interval
+    }
+    records = {(n, s): _record(v[i]) for n, v in losses.items() for i, s in enumerate(seeds)}
+    summary = sweep.summarize(records, seeds)
+    m, h = summary["GNMR 14"]["vs_random"]
+    assert m == pytest.approx(-0.1) and h == pytest.approx(0.0, abs=1e-12)
+    assert summary["first+last"]["closed"][0] == pytest.approx(0.5)
+    assert summary["recovery"]["closed"][0] == pytest.approx(1.0)
+    assert summary["GNMR 14"]["vs_first_last"][0] == pytest.approx(0.3)
+    assert summary["GNMR 14"]["per_seed"] == [2.8, 3.0, 2.9]
+    (line,) = sweep.verdicts(summary, [14])
+    assert "beats random-k: GNMR -0.1000" in line
+    assert "not better than random-k: oracle" in line
+    assert "vs first+last: GNMR +0.3000" in line
+
+
+def test_every_regime_builds_its_arms_and_names_budgets():
+    for regime in REGIMES.values():
+        arms = sweep.make_arms(regime, sweep.BUDGETS)
+        names = [a.name for a in arms]
+        assert len(names) == len(set(names)) == 3 + 4 * len(sweep.BUDGETS)
+        assert {sweep._budget_of(n) for n in names} == {None, *sweep.BUDGETS}
+        gated = [a for a in arms if a.name.startswith("GNMR+e")]
+        assert all(a.controller == {"gamma": regime.gamma} for a in gated)
