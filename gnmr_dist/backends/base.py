@@ -382,6 +382,15 @@ class PrecisionBackend:
         """
         return contextlib.nullcontext()
 
+    def measuring(self) -> contextlib.AbstractContextManager[None]:
+        """The region of passes that measure rather than train (the recovery-gap probe's):
+        state that training passes update (amax histories) is read but not updated inside,
+        and plan changes made inside have no side effect on it.
+
+        Default: a ``nullcontext`` (a backend without such state has nothing to freeze).
+        """
+        return contextlib.nullcontext()
+
     def _forward_fn(self, op: nn.Module, path: str) -> Callable[..., Any]:
         """The forward of operator ``op`` on ``path`` (called with the module's own arguments).
 

@@ -26,6 +26,12 @@ Options (one block per path, parsed strictly):
     granularity  "tensor" | "row" | "block" | "none" or None
                  (None = "block" for FP8/FP6, "none" for bf16/fp16/fp32: a plain cast)
     block        tile length along the reduction dimension (default 128)
+    scaling      "current" (default: each call scales by its own tensor's amax) | "delayed"
+                 (Transformer Engine's recipe, below; needs "granularity": "tensor")
+    amax_history_len   delayed only: steps of amax history H, int >= 1 (default 16; TE's
+                       ``DelayedScaling`` default is 1024, set it to match TE)
+    amax_compute_algo  delayed only: "max" over the history (default, as TE) | "most_recent"
+    margin             delayed only: binades of headroom, int >= 0 (default 0, as TE)
 
 Defaults: low-cost ``{"format": "e4m3"}`` (e4m3 for x, W and dy with 1x128 / 128x128 blocks, as
 DeepSeek-V3: fine-grained scales make e5m2's extra range for gradients unnecessary; set
@@ -48,12 +54,60 @@ is ``fp32`` is dropped), summed into ``B(u)``. On the low-cost path the backward
 the recovery path is measured in shadow: ``Q_M(x)`` at the low-cost format once in the forward
 and ``Q_M(dy)`` once in a hook on the output gradient, only to take the norms. The rounding of
 ``W`` does not enter the weight gradient and is not scored. No GEMM, no host sync.
+
+Delayed scaling (``"scaling": "delayed"``, TE's ``DelayedScaling``)
+-------------------------------------------------------------------
+Current scaling divides every tensor by its own ``amax / max_value``. Transformer Engine's
+default recipe on Hopper scales by the past instead: every operator keeps, per GEMM input
+(``x``, ``W``, ``dy``) and per path, the amaxes of its last ``H = amax_history_len`` steps, and
+step t quantizes with
+
+    a_t     = max(amax_{t-H}, ..., amax_{t-1})     ("max")   or   amax_{t-1}   ("most_recent")
+    scale_t = a_t * 2^margin / max_value           (TE's scale is the inverse, fp8_max/a_t/2^m)
+    Q(x)    = clamp(round(x / scale_t), +-max_value) * scale_t
+
+(:func:`~gnmr_dist.backends.numerics.quantize_dequantize_scaled`). ``amax_t = max|x|`` over the
+step's calls joins the history when the next step's plan is applied. So a spike
+(``amax_t >> a_t``) saturates at ``+-max_value * scale_t`` until it is in the history, and once
+it is, its amax keeps the scale too large for up to H steps ("max"): small values fall into the
+subnormals or flush to zero until the spike leaves the window. Per-tensor scales only: one
+history per tensor (``"granularity": "tensor"``, refused otherwise).
+
+Choices, where TE leaves room:
+
+* One history entry per optimizer step (:meth:`Fp8EmulatedBackend.apply`), the max over the
+  step's calls. All forwards of a step (micro-batches, activation recomputation) read one scale
+  as they read one plan, so a recomputed forward reproduces the first bit for bit and adds
+  nothing new. TE pushes one entry per autocast region, one micro-batch in Megatron: the same
+  with one micro-batch per step. Forwards under ``no_grad`` (evaluation) count too;
+  run them inside :meth:`Fp8EmulatedBackend.measuring` to keep them out.
+* An empty history (first step, after a reset) scales each call by its own amax (current
+  scaling, margin included). TE starts from scale 1 and its first amax sets the second step's
+  scale; from the second step on the two agree, without TE's unscaled first step.
+* A unit whose plan returns it to the low-cost path resets its low-cost histories (DESIGN.md:
+  a stale history must not overflow the first step back); one that enters the recovery path
+  resets the recovery path's (when that path is delayed too). While a unit runs recovery its
+  low-cost histories are frozen: the shadow error measurement quantizes with their scale but
+  records nothing.
+* Inside :meth:`Fp8EmulatedBackend.measuring` (the recovery-gap probe's passes) histories are
+  read, never recorded, committed or reset, so a probe does not change the training run.
+* A scale that is 0 or not finite (all-zero tensor, inf in the history) falls back to 1 (TE
+  keeps its previous scale).
+* Not checkpointed: the backend has no ``state_dict``, so a restarted run re-seeds every
+  history from the current amax, as on a return from recovery.
+
+Cost: per GEMM input one amax (as per-tensor current scaling) and one ``maximum``; per history
+and step one reduction over H values (cached for the step) and, at ``apply``, one fused copy of
+all the step's amaxes; H floats per history on the parameter's device. No host sync: amaxes and
+scales stay tensors, positions and counts are Python integers.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,15 +121,46 @@ from gnmr_dist.backends.numerics import (
     GRANULARITIES,
     FloatFormat,
     quantize_dequantize,
+    quantize_dequantize_scaled,
 )
 from gnmr_dist.backends.options import parse_options
+from gnmr_dist.core.validation import check_nonnegative_int, check_positive_int
 
-__all__ = ["Fp8EmulatedBackend", "Fp8LinearFn", "Fp8Options", "LinearQuantSpec", "fp8_linear"]
+__all__ = [
+    "AmaxHistory",
+    "DelayedRecipe",
+    "DelayedScales",
+    "Fp8EmulatedBackend",
+    "Fp8LinearFn",
+    "Fp8Options",
+    "LinearQuantSpec",
+    "fp8_linear",
+]
+
+logger = logging.getLogger(__name__)
+
+SCALINGS = ("current", "delayed")
+"""``"current"``: each call's own amax; ``"delayed"``: the amax history of earlier steps."""
+
+AMAX_ALGOS = ("max", "most_recent")
+"""How delayed scaling reads its history (TE's ``amax_compute_algo``)."""
 
 
 def _check_choice(field: str, value: Any, allowed: tuple[str, ...] | list[str]) -> None:
     if value not in allowed:
         raise ValueError(f"{field} must be one of {list(allowed)}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class DelayedRecipe:
+    """Delayed scaling's settings, named as TE's ``DelayedScaling`` fields."""
+
+    amax_history_len: int = 16
+    """Steps of amax history H (TE's default: 1024)."""
+    amax_compute_algo: str = "max"
+    """``"max"`` over the history or its ``"most_recent"`` entry (TE's default: max)."""
+    margin: int = 0
+    """``scale = a * 2^margin / max_value``: ``margin`` binades of headroom (TE's default: 0)."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +175,14 @@ class Fp8Options:
     """Scale groups: tensor, row, block or none; ``None`` = block for FP8/FP6, none otherwise."""
     block: int = 128
     """Tile length along the reduction dim: 1 x block for x and dy, block x block for W."""
+    scaling: str = "current"
+    """``"current"`` (each call's own amax) or ``"delayed"`` (TE's recipe; per tensor only)."""
+    amax_history_len: int | None = None
+    """Delayed only: steps of amax history, >= 1 (``None`` = 16; TE's default is 1024)."""
+    amax_compute_algo: str | None = None
+    """Delayed only: ``"max"`` or ``"most_recent"`` (``None`` = max, as TE)."""
+    margin: int | None = None
+    """Delayed only: binades of headroom, >= 0 (``None`` = 0, as TE)."""
 
     def __post_init__(self) -> None:
         _check_choice("format", self.format, sorted(FORMATS))
@@ -100,6 +193,46 @@ class Fp8Options:
         b = self.block
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
             raise ValueError(f"block must be an integer >= 1, got {b!r}")
+        _check_choice("scaling", self.scaling, SCALINGS)
+        if self.scaling == "delayed":
+            self._check_delayed()
+        else:
+            self._refuse_delayed_only()
+
+    def _check_delayed(self) -> None:
+        if self.granularity != "tensor":
+            shown = "None (= 'block')" if self.granularity is None else repr(self.granularity)
+            raise ValueError(
+                f"scaling 'delayed' keeps one amax history per tensor and needs per-tensor "
+                f'scales, got granularity {shown}; set "granularity": "tensor" (or "scaling": '
+                '"current")'
+            )
+        if self.amax_history_len is not None:
+            check_positive_int(self.amax_history_len, "amax_history_len")
+        if self.amax_compute_algo is not None:
+            _check_choice("amax_compute_algo", self.amax_compute_algo, AMAX_ALGOS)
+        if self.margin is not None:
+            check_nonnegative_int(self.margin, "margin")
+
+    def _refuse_delayed_only(self) -> None:
+        for name in ("amax_history_len", "amax_compute_algo", "margin"):
+            if getattr(self, name) is not None:
+                raise ValueError(
+                    f"{name} applies only to delayed scaling (scaling is {self.scaling!r}); "
+                    f'add "scaling": "delayed" and "granularity": "tensor", or remove {name}'
+                )
+
+    @property
+    def delayed(self) -> DelayedRecipe | None:
+        """The delayed-scaling settings with defaults filled in; ``None`` for current scaling."""
+        if self.scaling != "delayed":
+            return None
+        d = DelayedRecipe()
+        return DelayedRecipe(
+            d.amax_history_len if self.amax_history_len is None else self.amax_history_len,
+            d.amax_compute_algo if self.amax_compute_algo is None else self.amax_compute_algo,
+            d.margin if self.margin is None else self.margin,
+        )
 
 
 @dataclass(frozen=True)
@@ -114,6 +247,8 @@ class LinearQuantSpec:
     """tensor, row, block or none."""
     block: int = 128
     """Tile length along the reduction dimension."""
+    delayed: DelayedRecipe | None = None
+    """Delayed scaling's settings (per tensor); ``None``: current scaling."""
 
     @classmethod
     def from_options(cls, options: Fp8Options) -> LinearQuantSpec:
@@ -121,7 +256,7 @@ class LinearQuantSpec:
         fmt = FORMATS[options.format]
         grad = FORMATS[options.grad_format or options.format]
         granularity = options.granularity or ("block" if fmt.scaled or grad.scaled else "none")
-        return cls(fmt, grad, granularity, options.block)
+        return cls(fmt, grad, granularity, options.block, options.delayed)
 
     @property
     def is_identity(self) -> bool:
@@ -143,6 +278,135 @@ class LinearQuantSpec:
         return self.granularity != "row"
 
 
+def _scale_of(amax: torch.Tensor, fmt: FloatFormat, margin: int) -> torch.Tensor:
+    """``amax * 2^margin / max_value`` (0-dim fp32), 1 where that is 0 or not finite.
+
+    Divided first, as :func:`~gnmr_dist.backends.numerics.quantize_dequantize` does, so an empty
+    history's scale equals current per-tensor scaling's bit for bit (``2^margin`` is exact).
+    """
+    scale = amax / fmt.max_value
+    if margin:
+        scale = scale * 2.0**margin
+    return torch.where((scale > 0) & torch.isfinite(scale), scale, torch.ones_like(scale))
+
+
+class AmaxHistory:
+    """Delayed scaling of one GEMM input (one of x / W / dy of one operator on one path).
+
+    A ring of the last H steps' amaxes (``[H]`` fp32 on the input's device, made at the first
+    commit); :meth:`quantize` reads it, :meth:`commit` adds the finished step's amax (module
+    docstring, "Delayed scaling").
+    """
+
+    def __init__(self, fmt: FloatFormat, recipe: DelayedRecipe) -> None:
+        self.fmt, self.recipe = fmt, recipe
+        self.history: torch.Tensor | None = None
+        """The ring buffer; entries ``[0, filled)`` are valid until it wraps."""
+        self.filled = 0
+        """Steps committed since the last reset, at most H (0: empty, use the call's amax)."""
+        self.step_amax: torch.Tensor | None = None
+        """Max ``|x|`` of this step's recorded calls, not yet committed (``None``: none ran)."""
+        self._pos = 0
+        self._scale: torch.Tensor | None = None  # this step's scale: the history is constant
+
+    def quantize(self, t: torch.Tensor, *, record: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(Q(t), scale)`` with this step's delayed scale; ``record`` folds ``amax(t)`` into
+        :attr:`step_amax`. An ``fp32`` input is returned as it is (its scale is 1)."""
+        if self.fmt.is_identity:
+            return t, torch.ones((), device=t.device)
+        amax = _amax(t) if record or self.filled == 0 else None
+        scale = self.scale(amax)
+        if record:
+            assert amax is not None
+            step = self.step_amax
+            self.step_amax = amax if step is None else torch.maximum(step, amax)
+        return quantize_dequantize_scaled(t, self.fmt, scale), scale
+
+    def scale(self, amax: torch.Tensor | None = None) -> torch.Tensor:
+        """This step's 0-dim scale: from the history, or from ``amax`` while it is empty."""
+        if self.filled == 0:
+            if amax is None:
+                raise ValueError("an empty amax history needs the current amax to scale by")
+            return _scale_of(amax, self.fmt, self.recipe.margin)
+        if self._scale is None:
+            self._scale = _scale_of(self._history_amax(), self.fmt, self.recipe.margin)
+        return self._scale
+
+    def _history_amax(self) -> torch.Tensor:
+        """``a_t``: the max of the valid entries, or the most recent one."""
+        assert self.history is not None
+        if self.recipe.amax_compute_algo == "most_recent":
+            return self.history[(self._pos - 1) % self.recipe.amax_history_len]
+        return self.history[: self.filled].amax()
+
+    def next_slot(self) -> torch.Tensor:
+        """The 0-dim view :meth:`commit` writes :attr:`step_amax` into (history made here)."""
+        assert self.step_amax is not None
+        if self.history is None:
+            h = self.recipe.amax_history_len
+            self.history = torch.zeros(h, dtype=torch.float32, device=self.step_amax.device)
+        return self.history[self._pos]
+
+    def advance(self) -> None:
+        """After :attr:`step_amax` was written into :meth:`next_slot`: a new step begins."""
+        self._pos = (self._pos + 1) % self.recipe.amax_history_len
+        self.filled = min(self.filled + 1, self.recipe.amax_history_len)
+        self.step_amax, self._scale = None, None
+
+    def commit(self) -> None:
+        """Add this step's amax to the history (nothing when no call was recorded)."""
+        commit_all([self])
+
+    def reset(self) -> None:
+        """Forget everything: the next call scales by its own amax."""
+        self.filled, self._pos, self.step_amax, self._scale = 0, 0, None, None
+
+
+def _amax(t: torch.Tensor) -> torch.Tensor:
+    """0-dim fp32 ``max |t|`` (0 for an empty tensor), on ``t``'s device."""
+    if t.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=t.device)
+    return t.detach().abs().amax().float()
+
+
+def commit_all(histories: Iterable[AmaxHistory]) -> None:
+    """:meth:`AmaxHistory.commit` of many histories with one fused copy."""
+    ran = [h for h in histories if h.step_amax is not None]
+    if not ran:
+        return
+    torch._foreach_copy_([h.next_slot() for h in ran], [h.step_amax for h in ran])  # type: ignore[misc]
+    for h in ran:
+        h.advance()
+
+
+@dataclass
+class DelayedScales:
+    """One operator's delayed-scaling state on one path: a history per GEMM input."""
+
+    x: AmaxHistory
+    w: AmaxHistory
+    dy: AmaxHistory
+
+    @classmethod
+    def of(cls, spec: LinearQuantSpec) -> DelayedScales:
+        """Empty histories for ``spec`` (a delayed spec)."""
+        if spec.delayed is None:
+            raise ValueError("DelayedScales.of needs a spec with delayed scaling")
+        r = spec.delayed
+        x, w, dy = (AmaxHistory(f, r) for f in (spec.x_format, spec.x_format, spec.grad_format))
+        return cls(x, w, dy)
+
+    @property
+    def histories(self) -> tuple[AmaxHistory, AmaxHistory, AmaxHistory]:
+        """``(x, w, dy)``."""
+        return self.x, self.w, self.dy
+
+    def reset(self) -> None:
+        """Reset the three histories (the next call of each scales by its own amax)."""
+        for h in self.histories:
+            h.reset()
+
+
 def _acc_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
     """fp32 accumulation, float64 when an input is float64 (gradcheck)."""
     wide = any(t is not None and t.dtype == torch.float64 for t in tensors)
@@ -160,16 +424,25 @@ class Fp8LinearFn(torch.autograd.Function):
         bias: torch.Tensor | None,
         spec: LinearQuantSpec,
         probe: GemmProbe | None = None,
+        scales: DelayedScales | None = None,
+        record: bool = True,
     ) -> torch.Tensor:
         acc = _acc_dtype(x, weight, bias)
         x2 = x.reshape(-1, x.shape[-1])
-        wq = spec.weight(weight, dim=-1).to(acc)
-        y = spec.act(x2, spec.x_format, dim=-1).to(acc).mm(wq.t())
+        ctx.x_scale = None
+        if scales is None:
+            wq = spec.weight(weight, dim=-1).to(acc)
+            xq = spec.act(x2, spec.x_format, dim=-1)
+        else:  # one tensor scale serves every GEMM: Q_K(x) = Q_M(x), Q_K(W) = Q_N(W)
+            wq = scales.w.quantize(weight, record=record)[0].to(acc)
+            xq, ctx.x_scale = scales.x.quantize(x2, record=record)
+        y = xq.to(acc).mm(wq.t())
         if bias is not None:
             y = y + bias.to(acc)
         w_saved = wq if spec.weight_transposable else weight
         ctx.save_for_backward(x, w_saved)
         ctx.spec, ctx.acc, ctx.has_bias, ctx.probe = spec, acc, bias is not None, probe
+        ctx.scales, ctx.record = scales, record
         ctx.w_dtype, ctx.b_dtype = weight.dtype, None if bias is None else bias.dtype
         return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
@@ -180,19 +453,37 @@ class Fp8LinearFn(torch.autograd.Function):
         acc: torch.dtype = ctx.acc
         dy2 = dy.reshape(-1, dy.shape[-1])
         dx = dw = db = None
+        dyq_t = _delayed_dy(ctx, dy2)  # None: current scaling, per GEMM below
         if ctx.needs_input_grad[0]:
             wq = w_saved if spec.weight_transposable else spec.weight(w_saved, dim=0)
-            dyq = spec.act(dy2, spec.grad_format, dim=-1).to(acc)
-            dx = dyq.mm(wq.to(acc)).to(x.dtype).reshape(x.shape)
+            dyq = spec.act(dy2, spec.grad_format, dim=-1) if dyq_t is None else dyq_t
+            dx = dyq.to(acc).mm(wq.to(acc)).to(x.dtype).reshape(x.shape)
         if ctx.needs_input_grad[1]:
-            dyq_m = spec.act(dy2, spec.grad_format, dim=0).to(acc)
-            xq_m = spec.act(x.reshape(-1, x.shape[-1]), spec.x_format, dim=0).to(acc)
+            dyq_m = (spec.act(dy2, spec.grad_format, dim=0) if dyq_t is None else dyq_t).to(acc)
+            xq_m = _wgrad_x(ctx, x.reshape(-1, x.shape[-1])).to(acc)
             dw = dyq_m.t().mm(xq_m).to(ctx.w_dtype)
             if ctx.probe is not None:
                 _record_wgrad_error(ctx.probe, spec, x, dy2, xq_m, dyq_m, acc)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.to(acc).sum(dim=0).to(ctx.b_dtype)
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None, None
+
+
+def _delayed_dy(ctx: Any, dy2: torch.Tensor) -> torch.Tensor | None:
+    """``Q(dy)`` at this step's delayed scale (both GEMMs: one tensor scale), recorded once;
+    ``None`` under current scaling or when no input needs a gradient."""
+    if ctx.scales is None or not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
+        return None
+    scales: DelayedScales = ctx.scales
+    return scales.dy.quantize(dy2, record=ctx.record)[0]
+
+
+def _wgrad_x(ctx: Any, x2: torch.Tensor) -> torch.Tensor:
+    """``Q_M(x)`` for wgrad: the spec's tiles along M, or the forward's own delayed scale."""
+    spec: LinearQuantSpec = ctx.spec
+    if ctx.scales is None:
+        return spec.act(x2, spec.x_format, dim=0)
+    return quantize_dequantize_scaled(x2, spec.x_format, ctx.x_scale)
 
 
 @dataclass
@@ -254,19 +545,25 @@ def fp8_linear(
     bias: torch.Tensor | None,
     spec: LinearQuantSpec,
     probe: GemmProbe | None = None,
+    *,
+    scales: DelayedScales | None = None,
+    record: bool = True,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with its three GEMMs' inputs quantized as ``spec`` says.
 
     ``probe`` receives the wgrad GEMM's error bound in the backward (module docstring).
+    ``scales``: the operator's delayed-scaling histories (``None``: current scaling); with
+    ``record`` this call's amaxes of x, W and (in the backward) dy join the step's.
     """
-    return Fp8LinearFn.apply(x, weight, bias, spec, probe)  # type: ignore[no-untyped-call,no-any-return]
+    return Fp8LinearFn.apply(x, weight, bias, spec, probe, scales, record)  # type: ignore[no-untyped-call,no-any-return]
 
 
 class Fp8EmulatedBackend(PrecisionBackend):
     """Emulated FP8/FP6 GEMMs on the low-cost path, bf16 (or any format) on recovery.
 
     Options: ``low_cost`` / ``recovery`` blocks of :class:`Fp8Options`; defaults
-    ``{"format": "e4m3"}`` (1x128 / 128x128 block scales) and ``{"format": "bf16"}``.
+    ``{"format": "e4m3"}`` (1x128 / 128x128 block scales) and ``{"format": "bf16"}``. A path with
+    ``"scaling": "delayed"`` keeps amax histories per operator (module docstring).
     """
 
     name = "fp8_emulated"
@@ -287,19 +584,81 @@ class Fp8EmulatedBackend(PrecisionBackend):
             RECOVERY: LinearQuantSpec.from_options(self.recovery),
         }
         self._last_input: tuple[Any, int, _InputNorms] = (None, 0, _InputNorms())
+        self._delayed: dict[int, dict[str, DelayedScales]] = {}  # id(operator) -> path -> state
+        self._measuring = False
+
+    # ------------------------------------------------------------------ delayed scaling
+
+    def apply(self, active: Iterable[int], step: int) -> None:
+        """Commit the finished step's amaxes to the delayed-scaling histories (not inside
+        :meth:`measuring`), then set the plan as :meth:`PrecisionBackend.apply` does."""
+        if not self._measuring:
+            commit_all(h for d in self._all_delayed() for h in d.histories)
+        super().apply(active, step)
+
+    def _all_delayed(self) -> Iterator[DelayedScales]:
+        for paths in self._delayed.values():
+            yield from paths.values()
+
+    def _on_plan_change(self, before: frozenset[int], after: frozenset[int]) -> None:
+        """A unit entering a path starts that path's histories afresh (not inside
+        :meth:`measuring`): back from recovery, a stale low-cost history must not overflow."""
+        if self._measuring or not self._delayed:
+            return
+        entering = [(u, LOW_COST) for u in before - after] + [(u, RECOVERY) for u in after - before]
+        reset = 0
+        for uid, path in entering:
+            for op in self._wrapped.get(uid, ()):
+                state = self._delayed.get(id(op), {}).get(path)
+                if state is not None:
+                    state.reset()
+                    reset += 1
+        if reset:
+            logger.debug("%s: reset the amax histories of %d operators", self.name, reset)
+
+    @contextlib.contextmanager
+    def measuring(self) -> Iterator[None]:
+        """Histories are read but not recorded, committed or reset inside (probe passes,
+        evaluation): what runs inside does not change the training run's scales."""
+        outer, self._measuring = self._measuring, True
+        try:
+            yield
+        finally:
+            self._measuring = outer
+
+    def delayed_scales(self, op: nn.Module, path: str = LOW_COST) -> DelayedScales | None:
+        """The delayed-scaling state of wrapped operator ``op`` on ``path`` (``None``: that path
+        uses current scaling)."""
+        if self.specs[path].delayed is None:
+            return None
+        paths = self._delayed.setdefault(id(op), {})
+        if path not in paths:
+            paths[path] = DelayedScales.of(self.specs[path])
+        return paths[path]
+
+    def unwrap(self) -> None:
+        """Remove every installed forward and drop the delayed-scaling state."""
+        super().unwrap()
+        self._delayed.clear()
+
+    # ------------------------------------------------------------------ forwards
 
     def _gemm_fn(self, op: nn.Module, path: str) -> Callable[..., torch.Tensor]:
         spec, low = self.specs[path], self.specs[LOW_COST]
+        scales, low_scales = self.delayed_scales(op, path), self.delayed_scales(op, LOW_COST)
 
         def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-            probe = None
+            probe, record = None, not self._measuring
             if weight.requires_grad and not low.is_identity:
                 probe = self._probe(x)
             if path == LOW_COST and probe is not None:
-                return fp8_linear(x, weight, bias, spec, probe)
-            y = F.linear(x, weight, bias) if spec.is_identity else fp8_linear(x, weight, bias, spec)
+                return fp8_linear(x, weight, bias, spec, probe, scales=scales, record=record)
+            if spec.is_identity:
+                y = F.linear(x, weight, bias)
+            else:
+                y = fp8_linear(x, weight, bias, spec, scales=scales, record=record)
             if probe is not None and y.requires_grad:
-                self._shadow(probe, x, y)
+                self._shadow(probe, x, y, low_scales)
             return y
 
         return gemm
@@ -316,19 +675,35 @@ class Fp8EmulatedBackend(PrecisionBackend):
             self._last_input = (weakref.ref(x), x._version, shared)
         return _Fp8Probe(base.sink, base.unit, shared=shared)
 
-    def _shadow(self, probe: _Fp8Probe, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Measure the low-cost wgrad error of a recovered GEMM: ``x`` now, ``dy`` in a hook."""
+    def _shadow(
+        self, probe: _Fp8Probe, x: torch.Tensor, y: torch.Tensor, low_scales: DelayedScales | None
+    ) -> None:
+        """Measure the low-cost wgrad error of a recovered GEMM: ``x`` now, ``dy`` in a hook.
+
+        Under delayed scaling both use the low-cost histories' scales and record nothing: the
+        unit's low-cost histories are frozen while it runs recovery.
+        """
         low = self.specs[LOW_COST]
         if not probe.shared.done:  # projections of one input share its norms: cast it once
             x2 = x.detach().reshape(-1, x.shape[-1])
             x2 = x2.to(torch.promote_types(x2.dtype, torch.float32))
-            xq_m = low.act(x2, low.x_format, dim=0) if not low.x_format.is_identity else x2
-            probe.shared.fill(low, x2, xq_m.to(x2.dtype))
+            probe.shared.fill(low, x2, _low_cost_q(low, low_scales, x2, "x").to(x2.dtype))
 
         def hook(dy: torch.Tensor) -> None:
             dy2 = dy.reshape(-1, dy.shape[-1])
             dy2 = dy2.to(torch.promote_types(dy2.dtype, torch.float32))
-            dyq_m = dy2 if low.grad_format.is_identity else low.act(dy2, low.grad_format, dim=0)
-            probe.record_dy(low, dy2, dyq_m.to(dy2.dtype))
+            probe.record_dy(low, dy2, _low_cost_q(low, low_scales, dy2, "dy").to(dy2.dtype))
 
-        y.register_hook(hook)
+        y.register_hook(hook)  # type: ignore[no-untyped-call]
+
+
+def _low_cost_q(
+    low: LinearQuantSpec, scales: DelayedScales | None, t: torch.Tensor, role: str
+) -> torch.Tensor:
+    """The low-cost wgrad quantization ``Q_M`` of ``t`` (role ``"x"`` or ``"dy"``), for the
+    shadow measurement: the spec's tiles along M, or the frozen delayed scale (not recorded)."""
+    if scales is not None:
+        history = scales.x if role == "x" else scales.dy
+        return history.quantize(t, record=False)[0]
+    fmt = low.x_format if role == "x" else low.grad_format
+    return t if fmt.is_identity else low.act(t, fmt, dim=0)

@@ -66,6 +66,7 @@ __all__ = [
     "FloatFormat",
     "get_format",
     "quantize_dequantize",
+    "quantize_dequantize_scaled",
     "round_to_format",
     "sqnr_db",
 ]
@@ -254,6 +255,22 @@ def quantize_dequantize(
         return _quantize_2d(x, fmt, (tc, tr))
     moved = x.movedim(dim, -1)
     return quantize_dequantize(moved, fmt, granularity, block=block).movedim(-1, dim)
+
+
+def quantize_dequantize_scaled(
+    x: torch.Tensor, fmt: FloatFormat | str, scale: torch.Tensor
+) -> torch.Tensor:
+    """``round_to_format(x / scale, fmt) * scale`` with a given 0-dim (or broadcastable) ``scale``.
+
+    Nothing checks that ``x / scale`` fits the format: what exceeds ``max_value`` saturates to
+    ``+-max_value * scale`` and what falls below the smallest subnormal flushes to zero. With
+    ``scale = amax(|x|) / max_value`` it equals ``quantize_dequantize(x, fmt, "tensor")``
+    bit for bit. ``fp32`` returns ``x`` itself; other formats return fp32.
+    """
+    fmt = get_format(fmt)
+    if fmt.is_identity:
+        return x
+    return round_to_format(x.float() / scale, fmt) * scale
 
 
 def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:

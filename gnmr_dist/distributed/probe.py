@@ -42,12 +42,16 @@ scales micro-batches.
 
 Cost per probe step: two extra forward and backward passes (autograd graphs freed after each),
 the units' gradients twice over in memory, one small all-reduce (plus the data-parallel one).
-Nothing happens on other steps. Backends whose plan change has side effects (``te_fp8``'s amax
-history) see two extra plan changes per probe step.
+Nothing happens on other steps. The passes and the restoring plan change run inside the
+backend's ``measuring()`` context when it has one: state that training passes update (the
+delayed-scaling amax histories of ``fp8_emulated``) is read but not updated there, so the probe
+does not change the training run. Backends without it whose plan change has side effects
+(``te_fp8``'s amax history) see two extra plan changes per probe step.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -73,7 +77,12 @@ class _Report(Protocol):
 
 
 class SwitchableBackend(Protocol):
-    """What the probe uses of a precision backend (:class:`gnmr_dist.backends.PrecisionBackend`)."""
+    """What the probe uses of a precision backend (:class:`gnmr_dist.backends.PrecisionBackend`).
+
+    Optional: ``measuring() -> AbstractContextManager[None]``, entered around the probe's passes
+    and its restoring ``apply`` (state that training passes update is read but not updated
+    inside); a backend without it is used as it is.
+    """
 
     def apply(self, active: Iterable[int], step: int) -> None: ...
     def report(self) -> _Report: ...
@@ -167,12 +176,13 @@ class RecoveryProbe:
                 "before the step's own forward, so that its plan and report can be restored"
             )
         rng = _rng_state()
-        try:
-            low, loss_low = self._pass(closure, (), before.step, rng)
-            high, loss_high = self._pass(closure, self._recover_all, before.step, rng)
-        finally:
-            self.backend.apply(before.planned, before.step)
-            _set_rng_state(rng)
+        with getattr(self.backend, "measuring", contextlib.nullcontext)():
+            try:
+                low, loss_low = self._pass(closure, (), before.step, rng)
+                high, loss_high = self._pass(closure, self._recover_all, before.step, rng)
+            finally:
+                self.backend.apply(before.planned, before.step)
+                _set_rng_state(rng)
         if self.dp_group is not None:
             low, high = self._sum_over_replicas(low, high)
         return self._result(before.step, low, high, loss_low, loss_high)
