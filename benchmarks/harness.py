@@ -61,6 +61,7 @@ against the top-|set| grad / update gaps and the share of the squared gaps cover
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -74,7 +75,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gnmr_dist.backends import get_backend
+from gnmr_dist.backends import PrecisionBackend, get_backend
 from gnmr_dist.cli.ds_pretrain import next_token_loss
 from gnmr_dist.core import Decision, GNMRConfig
 from gnmr_dist.distributed import GNMRRuntime, UnitRegistry
@@ -119,12 +120,14 @@ class Setup:
 
 @dataclass(frozen=True)
 class Fault:
-    """Multiply the input of one projection by ``scale`` for steps ``start <= t < stop``.
+    """Multiply the input of one projection by ``scale * growth^(t - start)`` for steps
+    ``start <= t < stop``.
 
     ``module`` is the projection's module path (``model.layers.2.mlp.up_proj``); ``channel`` one
     input feature (an outlier channel, as LLM activations grow them), ``None`` every feature (an
-    activation spike). The hook acts on the forward of the training step and of the probe's
-    passes alike; evaluations run without it.
+    activation spike); ``growth > 1`` makes the spike rise geometrically, so that a scale taken
+    from past amaxes (delayed scaling) lags it at every step of the window. The hook acts on the
+    forward of the training step and of the probe's passes alike; evaluations run without it.
     """
 
     module: str
@@ -132,6 +135,11 @@ class Fault:
     start: int
     stop: int
     channel: int | None = None
+    growth: float = 1.0
+
+    def factor(self, step: int) -> float:
+        """The multiplier at ``step`` (inside the window)."""
+        return self.scale * self.growth ** (step - self.start)
 
 
 @dataclass(frozen=True)
@@ -248,9 +256,14 @@ def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return next_token_loss(model, tokens)
 
 
-def evaluate(model: nn.Module, heldout: Batches, batches: int) -> float:
+def evaluate(
+    model: nn.Module, heldout: Batches, batches: int, backend: PrecisionBackend | None = None
+) -> float:
+    """Mean held-out loss; inside the backend's ``measuring()`` (evaluation leaves training
+    state such as delayed-scaling amax histories alone)."""
     model.eval()
-    with torch.no_grad():
+    measuring = backend.measuring() if backend is not None else contextlib.nullcontext()
+    with torch.no_grad(), measuring:
         losses = [float(lm_loss(model, heldout(i))) for i in range(batches)]
     model.train()
     return sum(losses) / len(losses)
@@ -389,7 +402,9 @@ class ArmRun:
         self.actives.append(len(active))
         if step % setup.eval_every == 0 or step == setup.steps:
             self.eval_steps.append(step)
-            self.eval_losses.append(evaluate(self.model, self.heldout, setup.eval_batches))
+            self.eval_losses.append(
+                evaluate(self.model, self.heldout, setup.eval_batches, self.backend)
+            )
         if step == setup.steps and self.arm.save_to is not None:
             save_state(self.model, self.arm.save_to)
 
@@ -564,13 +579,14 @@ def install_faults(model: nn.Module, faults: Sequence[Fault], step: Callable[[],
 
 def _fault_hook(fault: Fault, step: Callable[[], int], model: nn.Module) -> Callable[..., Any]:
     def hook(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-        if not (model.training and fault.start <= step() < fault.stop):
+        t = step()
+        if not (model.training and fault.start <= t < fault.stop):
             return None
         x = args[0]
         if fault.channel is None:
-            return (x * fault.scale, *args[1:])
+            return (x * fault.factor(t), *args[1:])
         factor = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
-        factor[fault.channel] = fault.scale
+        factor[fault.channel] = fault.factor(t)
         return (x * factor, *args[1:])
 
     return hook

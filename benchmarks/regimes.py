@@ -14,6 +14,13 @@ on the embedded corpus with one precision backend; what differs is where the dam
   outlier features LLM activations grow). Its 1 x 128 tiles then take their scale from the
   outlier, so the rest of every token row of that input rounds to FP6's few levels near 0,
   in that one projection, for that window only.
+- ``delayed``: the failure Transformer Engine users meet -- per-tensor FP8 e4m3 with TE's
+  delayed scaling (the scale comes from the max of the last 16 steps' amaxes) on the low-cost
+  path, bf16 on the recovery path, and two activation spikes that rise x2 per step for 8 steps
+  (steps 40-47 in ``layers.1.mlp.down_proj``, 90-97 in ``layers.2.self_attn.o_proj``): the
+  history lags a rising spike at every step, so the spiking input saturates at e4m3's max, in
+  one projection, for those steps (and rounds coarser for the 16 steps its amax stays in the
+  history).
 
 Each regime names the GNMR policy of issue 8's experiments and the error-term threshold
 ``gamma`` of its ``GNMR+e`` arms (chosen as said in :attr:`Regime.gamma`'s docstring).
@@ -32,6 +39,17 @@ from benchmarks.exp_fp6_fp8 import policy as fp6_policy
 from benchmarks.harness import Fault, Setup
 
 __all__ = ["REGIMES", "Regime"]
+
+FP8_DELAYED = {"format": "e4m3", "granularity": "tensor", "scaling": "delayed",
+               "amax_history_len": 16, "amax_compute_algo": "max"}  # fmt: skip
+"""TE's delayed-scaling recipe (per-tensor e4m3 for x, W and dy, scale from the max of the last
+16 steps' amaxes): a spike saturates until the history catches up."""
+
+DELAYED_SPIKES = (
+    Fault("model.layers.1.mlp.down_proj", 2.0, 40, 48, growth=2.0),
+    Fault("model.layers.2.self_attn.o_proj", 2.0, 90, 98, growth=2.0),
+)
+"""Two activation spikes rising x2 per step (x2 .. x256) for 8 steps, each in one projection."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +98,12 @@ REGIMES = {
             Setup(steps=150, eval_every=50, gnmr=fp6_policy(),
                   faults=(Fault("model.layers.2.mlp.up_proj", 100.0, 60, 110, channel=7),)),
             "fp8_emulated", dict(FP6_BLOCK), dict(FP8_BLOCK), gamma=0.04,
+        ),
+        Regime(
+            "delayed", "per-tensor FP8 e4m3 with TE's delayed scaling / bf16, two rising "
+            "activation spikes (x2 per step for 8 steps) in one projection each (fp8_emulated)",
+            Setup(steps=150, eval_every=50, gnmr=fp6_policy(), faults=DELAYED_SPIKES),
+            "fp8_emulated", dict(FP8_DELAYED), {"format": "bf16"}, gamma=0.04,
         ),
     )
 }  # fmt: skip

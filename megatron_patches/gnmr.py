@@ -44,7 +44,7 @@ clipped) with one all-reduce of GNMR's own.
 the first clip-norm all-reduce of the step as U more numbers. That group spans the
 data-parallel ranks only with the distributed optimizer; with the plain optimizer the DP
 partials are summed first, in one extra all-reduce of U values over DP (the one collective the
-term adds there). The controller receives ``e = B / n``.
+term adds there). The controller receives ``e = B / G`` (``G``: the global gradient norm).
 
 **The guard.** A mapping that misses leaves the units at zero and the rest slot holding the
 whole gradient: the controller would score 1.0 forever and never act. Every step, after the
@@ -82,7 +82,12 @@ from torch import nn
 from gnmr_dist.core import Decision
 from gnmr_dist.distributed import Plan
 from gnmr_dist.distributed.monitor import IndexCache, UnitNorms, index_tensor
-from gnmr_dist.integrations.session import IntegrationSession, check_error_source, error_source
+from gnmr_dist.integrations.session import (
+    IntegrationSession,
+    check_error_source,
+    error_source,
+    refuse_probe,
+)
 from megatron_patches.versions import SeriesInfo, megatron_series, series_info
 
 __all__ = ["MegatronGNMR", "apply", "current", "megatron_series", "remove"]
@@ -602,6 +607,7 @@ def apply(
     from gnmr_dist.integrations.config import GNMRBlock
 
     block = block if isinstance(block, GNMRBlock) else GNMRBlock.from_dict(block)
+    refuse_probe(block, "megatron_patches.apply")
     chunks = list(model) if isinstance(model, Sequence) else [model]
     handle = current()
     if handle is not None and [id(c) for c in handle.model] == [id(c) for c in chunks]:

@@ -14,6 +14,16 @@ A trace stores norms, not risk: the risk is recomputed by replaying the norms th
 ``GNMRController`` with the recorded config, which reproduces the run exactly (the controller is
 deterministic), so the heatmap shows the scores the run's decisions were made from. The rates
 use the same definition as ``gnmr-replay``: per eligible unit-step after warm-up.
+
+A trace recorded with ``gnmr.probe`` also gets a printed "selection quality" section: over the
+probe steps, the mean (and the number of steps where it is defined) of the precision against the
+top gaps and of the share of the squared gap covered, for the gradient gap and the update gap
+(``n/a`` where the run could not measure it), of the risk's top-k, the plan that ran, the new
+decision, the error scores' top-k (a trace with ``errors``), the first and last layers' units (by
+the layer number in the unit names), a random k-set (its exact expectation) and the oracle (the
+top-k by the gap: the upper bound), with the median probe time (and the median step time when
+the records carry ``extra.step_ms``). The figures are
+:func:`gnmr_dist.telemetry.selection.probe_figures`'s.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,6 +42,8 @@ import torch
 from gnmr_dist.cli.replay import decisions
 from gnmr_dist.core import GNMRConfig
 from gnmr_dist.telemetry import read_errors, read_trace
+from gnmr_dist.telemetry.selection import first_last_units, probe_figures
+from gnmr_dist.telemetry.trace import read_probes
 
 __all__ = ["draw_report", "main"]
 
@@ -122,6 +135,91 @@ def summarise(
         "_recovery": recovery,
         "_active": active,
     }
+
+
+SELECTION_ROWS = {
+    "risk_topk": "risk top-k",
+    "active": "active (ran the step)",
+    "decided": "decided (next step)",
+    "error_topk": "error-score top-k",
+    "first_last": "first+last layers",
+    "random": "random k (expected)",
+    "oracle": "oracle (upper bound)",
+}
+"""The rows of the selection-quality section, in order, by :func:`probe_figures` row name."""
+
+
+def selection_quality(
+    trace: Path, header: Any, records: list[dict[str, Any]], risk: torch.Tensor, errors: Any
+) -> dict[str, Any] | None:
+    """Mean figures over the probe steps by row (``None`` for a trace without probe records).
+
+    Each row maps figure -> ``(mean, steps where defined)``; also ``probe_steps``, ``k``,
+    ``update_gap`` (whether any probe measured it), ``probe_ms`` and ``step_ms`` (medians;
+    ``step_ms`` ``None`` without ``extra.step_ms``).
+    """
+    probes = read_probes(trace, records, len(header.units))
+    if not probes:
+        return None
+    first_last = first_last_units(header.units)
+    values: dict[str, dict[str, list[float]]] = {}
+    for p in probes:
+        sets = {"active": p.sets["active"], "decided": p.sets["decided"]}
+        if first_last:
+            sets["first_last"] = first_last
+        figures = probe_figures(
+            p.grad_gap, p.update_gap, risk[p.step - 1], sets, p.k,
+            errors=errors[p.step - 1] if errors is not None else None, eligible=header.eligible,
+        )  # fmt: skip
+        for row, fig in figures.items():
+            for key, value in fig.items():
+                values.setdefault(row, {}).setdefault(key, []).append(value)
+    rows = {
+        row: {key: _mean_defined(v) for key, v in fig.items()}
+        for row, fig in sorted(values.items(), key=lambda kv: list(SELECTION_ROWS).index(kv[0]))
+    }
+    steps = [float(r["extra"]["step_ms"]) for r in records if "step_ms" in (r.get("extra") or {})]
+    return {
+        "probe_steps": len(probes),
+        "k": sorted({p.k for p in probes}),
+        "update_gap": any(p.update_gap is not None for p in probes),
+        "rows": rows,
+        "probe_ms": statistics.median(p.probe_ms for p in probes),
+        "step_ms": statistics.median(steps) if steps else None,
+    }
+
+
+def _mean_defined(values: Sequence[float]) -> tuple[float, int]:
+    defined = [v for v in values if not math.isnan(v)]
+    return (statistics.fmean(defined) if defined else math.nan), len(defined)
+
+
+def format_selection_quality(q: dict[str, Any]) -> str:
+    """The printed section of :func:`selection_quality`."""
+    ks = ", ".join(str(k) for k in q["k"])
+    cols = ("precision_grad", "share_grad", "precision_update", "share_update")
+    lines = [
+        f"selection quality ({q['probe_steps']} probe steps, k = {ks}; mean [steps defined])",
+        "  prec@k: share of the set in the top-|set| gaps; share: of the squared gap covered",
+        f"  {'set':<22}{'prec@k grad':>16}{'share grad':>16}{'prec@k update':>16}"
+        f"{'share update':>16}",
+    ]
+    for row, fig in q["rows"].items():
+        cells = "".join(f"{_cell(*fig[c]):>16}" for c in cols)
+        lines.append(f"  {SELECTION_ROWS[row]:<22}{cells}")
+    if not q["update_gap"]:
+        lines.append(
+            "  update gap: n/a (no per-parameter Adam state to read: DeepSpeed ZeRO 1-2, bf16)"
+        )
+    probe = f"probe time: median {q['probe_ms']:.1f} ms"
+    if q["step_ms"]:
+        probe += f", step time median {q['step_ms']:.1f} ms ({q['probe_ms'] / q['step_ms']:.2g}x)"
+    lines.append(f"  {probe}")
+    return "\n".join(lines)
+
+
+def _cell(mean: float, n: int) -> str:
+    return "n/a" if n == 0 else f"{mean:.3f} [{n}]"
 
 
 def _import_matplotlib() -> Any:
@@ -292,7 +390,8 @@ def draw_report(
     Raises ``ValueError`` for a missing, empty or invalid trace and ``ImportError`` without
     matplotlib. The summary holds ``steps``, ``units``, ``eligible_units``, ``scored_steps``,
     ``exceedance_rate``, ``recovery_rate`` (fractions), ``nonfinite_steps``, ``max_active``,
-    ``config`` and ``out`` (the PNG path).
+    ``config``, ``out`` (the PNG path) and ``selection_quality`` (:func:`selection_quality`,
+    ``None`` without probe records).
     """
     trace = resolve_trace(trace_path)
     header, norms, records = read_trace(trace)
@@ -302,6 +401,7 @@ def draw_report(
     errors = read_errors(trace, records, len(header.units))
     risk, _ = _replay_risk(norms, header.config, header.eligible, errors)
     s = summarise(header, norms, records, risk)
+    s["selection_quality"] = selection_quality(trace, header, records, risk, errors)
     steps = list(range(1, len(records) + 1))
     loss, loss_label = _loss_series(records, norms)
 
@@ -350,6 +450,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"gnmr-report: wrote {s['out']}  ({s['steps']} steps, {s['units']} units; "
         f"exceedance {100 * s['exceedance_rate']:.3f}%, recovery {100 * s['recovery_rate']:.3f}%)"
     )
+    if s["selection_quality"] is not None:
+        print(format_selection_quality(s["selection_quality"]))
     return 0
 
 

@@ -10,7 +10,8 @@
       "log": {"trace": "runs/x/trace.jsonl", "monitor": true, "every": 1},
       "check_consistency": false,
       "on_missing_state": "error",     # error | fresh: a checkpoint without GNMR state
-      "attribution": {"max_rest_share": 0.99, "action": "error"}   # the guard, see below
+      "attribution": {"max_rest_share": 0.99, "action": "error"},  # the guard, see below
+      "probe": {"every": 50, "k": 3}   # the recovery-gap probe, see below (DeepSpeed only)
     }
 
 ``attribution`` is the guard on the per-unit attribution of the gradient (megatron-core): every
@@ -18,6 +19,15 @@ step, the units must receive a share of the squared global norm, the parameters 
 unit (the "rest": embeddings, final norm, output layer) at most ``max_rest_share`` of it (0 < x
 <= 1; 1 disables the share check), and no gradient may be left unattributed. A violation is an
 error naming the cause (``action: "error"``) or one warning (``"warn"``).
+
+``probe`` runs the recovery-gap probe (:mod:`gnmr_dist.distributed.probe`) on every optimizer
+step divisible by ``every`` (>= 1, required): two extra forward/backward passes on that step's
+weights and first micro-batch, every unit on the low-cost and on the recovery path, and records
+each unit's gradient gap (and Adam update gap) in the trace with the selection figures of
+:mod:`gnmr_dist.telemetry.selection` for sets of ``k`` units (>= 1, default 3, at most the number
+of units). Absent or null: no probe. It needs a backend (``backend: null`` has one path, nothing
+to compare) and is refused under megatron-core, ZeRO stage 3 and fp16 loss scaling
+(:mod:`gnmr_dist.integrations.deepspeed` says why).
 
 Every key is checked before anything starts: an unknown key names the closest valid one, a bad
 value names its full path (``gnmr.log.every``) and the allowed range, and the backend's option
@@ -34,7 +44,7 @@ from gnmr_dist.backends import BACKENDS
 from gnmr_dist.core import GNMRConfig
 from gnmr_dist.core.validation import check_keys, check_positive_int, closest
 
-__all__ = ["AttributionGuard", "GNMRBlock", "LogOptions"]
+__all__ = ["AttributionGuard", "GNMRBlock", "LogOptions", "ProbeOptions"]
 
 _UNITS = ("operator", "layer")
 _ON_MISSING = ("error", "fresh")
@@ -89,6 +99,52 @@ class LogOptions:
 
 
 @dataclass(frozen=True)
+class ProbeOptions:
+    """When the recovery-gap probe runs and how many units the graded sets hold (``gnmr.probe``)."""
+
+    every: int
+    """Probe every optimizer step ``t`` with ``t % every == 0`` (GNMR's 1-based step numbers)."""
+    k: int = 3
+    """Size of the risk's top-k (and of the random, error and oracle sets of the report)."""
+
+    KEYS = ("every", "k")
+
+    @classmethod
+    def from_dict(cls, given: Any, path: str) -> ProbeOptions | None:
+        """Parse ``{"every": N, "k": 3}``; ``None`` (absent or null) means no probe."""
+        if given is None:
+            return None
+        if not isinstance(given, Mapping):
+            raise ValueError(
+                f'{path} must be a mapping like {{"every": N, "k": 3}}, or null for no '
+                f"probe; got {given!r}"
+            )
+        check_keys(given, cls.KEYS, path)
+        if "every" not in given:
+            raise ValueError(
+                f'{path} needs "every": N (probe every N-th optimizer step, an integer >= 1); '
+                f"or drop {path} to run without the probe"
+            )
+        every = _probe_int(
+            given["every"], f"{path}.every",
+            f"N: probe every N-th optimizer step; drop {path} to run without the probe",
+        )  # fmt: skip
+        return cls(every, _probe_int(given.get("k", 3), f"{path}.k", "the graded sets' size"))
+
+    def due(self, step: int) -> bool:
+        """Whether optimizer step ``step`` is a probe step."""
+        return step % self.every == 0
+
+    def check_units(self, num_units: int, path: str = "gnmr.probe") -> None:
+        """``ValueError`` unless ``k <= num_units`` (checked once the model's units are known)."""
+        if self.k > num_units:
+            raise ValueError(
+                f"{path}.k ({self.k}) is larger than the number of units ({num_units}): the "
+                f"graded sets hold k units; set {path}.k to at most {num_units}"
+            )
+
+
+@dataclass(frozen=True)
 class GNMRBlock:
     """The parsed ``"gnmr"`` block."""
 
@@ -104,10 +160,13 @@ class GNMRBlock:
     check_consistency: bool = False
     on_missing_state: str = "error"
     attribution: AttributionGuard = field(default_factory=AttributionGuard)
+    probe: ProbeOptions | None = None
+    """The recovery-gap probe (``None``: off, the default)."""
 
     KEYS = (
         "enabled", "backend", "units", "include", "exclude", "low_cost", "recovery", "log",
-        "check_consistency", "on_missing_state", "attribution", *GNMRConfig.field_names(),
+        "check_consistency", "on_missing_state", "attribution", "probe",
+        *GNMRConfig.field_names(),
     )  # fmt: skip
 
     @classmethod
@@ -117,9 +176,17 @@ class GNMRBlock:
             return cls(enabled=False)
         check_keys(block, cls.KEYS, path)
         policy = {k: v for k, v in block.items() if k in GNMRConfig.field_names()}
+        backend = _backend(block.get("backend"), f"{path}.backend")
+        probe = ProbeOptions.from_dict(block.get("probe"), f"{path}.probe")
+        if probe is not None and backend is None:
+            raise ValueError(
+                f"{path}.probe needs a precision backend: with {path}.backend=null (observe "
+                "only) every unit runs one path and there is nothing to compare; set "
+                f"{path}.backend or drop {path}.probe"
+            )
         return cls(
             enabled=_bool(block.get("enabled", True), f"{path}.enabled"),
-            backend=_backend(block.get("backend"), f"{path}.backend"),
+            backend=backend,
             units=_choice(block.get("units", "operator"), _UNITS, f"{path}.units"),
             include=_patterns(block.get("include", ()), f"{path}.include"),
             exclude=_patterns(block.get("exclude", ()), f"{path}.exclude"),
@@ -136,12 +203,19 @@ class GNMRBlock:
             attribution=AttributionGuard.from_dict(
                 _mapping(block.get("attribution"), f"{path}.attribution"), f"{path}.attribution"
             ),
+            probe=probe,
         )
 
 
 def _bool(value: Any, path: str) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{path} must be true or false, got {value!r}")
+    return value
+
+
+def _probe_int(value: Any, path: str, meaning: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{path} must be an integer >= 1 ({meaning}), got {value!r}")
     return value
 
 

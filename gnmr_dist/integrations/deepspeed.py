@@ -16,10 +16,40 @@ Same arguments and return value as ``deepspeed.initialize``. With a ``"gnmr"`` b
 5. with ``"gamma"`` in the block (DESIGN.md section 2.1), turns on the backend's error sums and
    reduces them in the same all-reduce, scaled by ``1/dp`` (DeepSpeed averages the gradients
    over the data-parallel ranks, so the error bounds of each rank's micro-batches are averaged
-   the same way); the controller gets ``e = B / n``. A backend that reports none (``te_fp8``)
-   or no backend is refused with ``"gamma"`` set, before DeepSpeed starts;
+   the same way); the controller gets ``e = B / G`` (``G``: the global gradient norm). A
+   backend that reports none (``te_fp8``) or no backend is refused with ``"gamma"`` set, before
+   DeepSpeed starts;
 6. saves the controller state next to every DeepSpeed checkpoint (``<dir>/<tag>/gnmr_state.pt``,
-   plain tensors) and restores it in ``load_checkpoint`` with ``torch.load(weights_only=True)``.
+   plain tensors) and restores it in ``load_checkpoint`` with ``torch.load(weights_only=True)``;
+7. with ``"probe": {"every": N, "k": 3}``, runs the recovery-gap probe
+   (:class:`gnmr_dist.distributed.probe.RecoveryProbe`) on every optimizer step ``t`` with
+   ``t % N == 0`` (GNMR's step numbers: the step whose plan is applied), inside the wrapped
+   ``engine.forward`` at the first training forward of the step's gradient-accumulation cycle,
+   before that forward and with its arguments: two extra forward/backward passes of
+   ``engine.module`` (inside the backend's ``step_context()`` and DeepSpeed's autocast, as the
+   real forward), every unit on the low-cost and then on the recovery path, differentiated with
+   ``torch.autograd.grad`` (``.grad`` and DeepSpeed's gradient hooks are untouched; the step's
+   RNG, plan, gradients and decisions are those of a run without the probe). The decision
+   record of step ``t`` in the trace gains a ``"probe"`` object (:class:`ProbeRecord`);
+   ``engine.gnmr.last_probe`` holds the last one on every rank.
+
+The probe's loss is what the forward returns: a scalar tensor, an output with ``.loss`` or a
+mapping with ``"loss"`` (a Hugging Face model given ``labels=``); anything else is a
+``RuntimeError`` naming ``gnmr.probe``. Each rank's loss is divided by the data-parallel size and
+the probe sums the two passes' gradients over the data-parallel group, which gives the gradient
+of the global batch's mean loss when the ranks' micro-batches have equal sizes (DeepSpeed's
+``train_micro_batch_size_per_gpu``). With gradient accumulation the probe measures the first
+micro-batch of the step only: the gaps of one micro-batch's gradient, a noisier estimate of the
+step's. Forwards in eval mode or under ``no_grad`` are never probed. The update gap needs Adam's
+per-parameter second moments keyed by the module's own parameters: DeepSpeed 0.19 keeps them so
+only at ZeRO stage 0 with fp32 weights and a torch ``Adam``/``AdamW`` (``"torch_adam": true``;
+``engine.optimizer`` is then the torch optimizer itself). Under bf16 (``FP16_UnfusedOptimizer``
+or ``BF16_Optimizer``: fp32 master copies) and ZeRO 1-2 (flat fp32 partitions) there is no such
+state: the update gap is not recorded (``null`` in the trace, ``n/a`` in ``gnmr-report``).
+Refused before DeepSpeed starts: ZeRO stage 3 (the parameters are partitioned and exist whole
+only inside DeepSpeed's own forward/backward hooks, so ``autograd.grad`` on them is not
+available) and fp16 loss scaling (``fp16``, ``amp``, fp16 ``torch_autocast``: the probe
+differentiates the unscaled loss, whose fp16 gradients would underflow where the step's do not).
 
 ``engine.gnmr`` is the :class:`DeepSpeedGNMR` runtime (controller, registry, backend, last
 decision, telemetry). Without the block, or with ``"enabled": false``, the result is plain
@@ -28,11 +58,13 @@ DeepSpeed.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import json
 import logging
 import os
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -43,12 +75,15 @@ import torch.distributed as dist
 from gnmr_dist.backends import PrecisionBackend, get_backend
 from gnmr_dist.core import Decision
 from gnmr_dist.distributed import GNMRRuntime, UnitNorms, UnitRegistry
+from gnmr_dist.distributed.probe import ProbeResult, RecoveryProbe
 from gnmr_dist.integrations.config import GNMRBlock
 from gnmr_dist.integrations.deepspeed_grads import grad_piece_fn
 from gnmr_dist.integrations.session import IntegrationSession, check_error_source, error_source
 from gnmr_dist.telemetry import TraceHeader, TraceWriter
+from gnmr_dist.telemetry.selection import top_k
+from gnmr_dist.telemetry.trace import ProbeRecord
 
-__all__ = ["STATE_FILE", "DeepSpeedGNMR", "initialize", "load_ds_config"]
+__all__ = ["STATE_FILE", "DeepSpeedGNMR", "initialize", "load_ds_config", "probe_loss"]
 
 logger = logging.getLogger(__name__)
 
@@ -93,11 +128,14 @@ def initialize(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
     if model is None:
         raise ValueError("gnmr_dist.deepspeed.initialize needs a model")
     _check_supported(model, params.get("mpu"), ds_config)
+    _check_probe(block, ds_config)
     backend = _build_backend(block)
     check_error_source(block, backend)
     if not dist.is_initialized():
         deepspeed.init_distributed()
     registry = _registry(model, block, backend)
+    if block.probe is not None:
+        block.probe.check_units(registry.num_units)
     engine, optimizer, loader, scheduler = deepspeed.initialize(**params)
     engine.gnmr = DeepSpeedGNMR(engine, registry, backend, block)
     return engine, optimizer, loader, scheduler
@@ -124,6 +162,79 @@ def _check_supported(model: Any, mpu: Any, ds_config: Mapping[str, Any]) -> None
             f"gnmr: zero_optimization.offload_optimizer.device={offload!r} keeps gradients in "
             "offload buffers the monitor does not read; set it to 'none' or disable the gnmr block"
         )
+
+
+_FP16_NAMES = ("fp16", "float16", "half", "torch.float16")
+
+
+def _check_probe(block: GNMRBlock, ds_config: Mapping[str, Any]) -> None:
+    """Refuse, before DeepSpeed starts, the set-ups the recovery-gap probe cannot measure."""
+    if block.probe is None:
+        return
+    zero = ds_config.get("zero_optimization", {}) or {}
+    if zero.get("stage", 0) == 3:
+        raise NotImplementedError(
+            "gnmr.probe: ZeRO stage 3 partitions the parameters over the data-parallel ranks "
+            "and gathers them only inside DeepSpeed's forward/backward hooks, so the probe's "
+            "torch.autograd.grad passes cannot run on them; use ZeRO stage 0-2 or drop gnmr.probe"
+        )
+    autocast = ds_config.get("torch_autocast") or {}
+    scaled = [key for key in ("fp16", "amp") if (ds_config.get(key) or {}).get("enabled")]
+    if autocast.get("enabled") and str(autocast.get("dtype", "")).lower() in _FP16_NAMES:
+        scaled.append("torch_autocast (dtype fp16)")
+    if scaled:
+        raise NotImplementedError(
+            f"gnmr.probe with {scaled[0]}: the probe differentiates the unscaled loss, whose "
+            "fp16 gradients underflow where the loss-scaled step's do not; train in bf16 or "
+            "fp32, or drop gnmr.probe"
+        )
+
+
+def probe_loss(output: Any) -> torch.Tensor:
+    """The loss in a forward's ``output``: a scalar tensor, ``output.loss`` or ``output["loss"]``.
+
+    Raises ``RuntimeError`` naming ``gnmr.probe``, what the forward returned and the fix.
+    """
+    if isinstance(output, Mapping):
+        loss = output.get("loss")
+    else:
+        loss = output if torch.is_tensor(output) else getattr(output, "loss", None)
+    if torch.is_tensor(loss) and loss.numel() == 1 and loss.is_floating_point():
+        return loss if loss.dim() == 0 else loss.reshape(())
+    raise RuntimeError(
+        f"gnmr.probe: the model's forward returned {_describe(output)}, not a loss. The probe "
+        "differentiates the loss the forward returns: a scalar tensor, or an output with .loss "
+        "or a mapping with 'loss' (a Hugging Face model given labels=). Return the loss from "
+        "forward, or drop the gnmr.probe key"
+    )
+
+
+def _describe(output: Any) -> str:
+    name = type(output).__name__
+    if torch.is_tensor(output):
+        return f"a tensor of shape {tuple(output.shape)}"
+    if isinstance(output, Mapping):
+        return f"a {name} with keys {list(output)} (no tensor 'loss')"
+    if hasattr(output, "loss"):
+        return f"a {name} with loss={type(output.loss).__name__}"
+    return f"a {name}"
+
+
+def _adam_state(engine: Any, registry: UnitRegistry) -> torch.optim.Optimizer | None:
+    """``engine.optimizer`` when it is a torch Adam/AdamW whose state is keyed by the module's
+    own parameters (ZeRO 0, fp32), so the probe can read ``exp_avg_sq``; else ``None``."""
+    opt = engine.optimizer
+    if not isinstance(opt, torch.optim.Adam | torch.optim.AdamW):
+        return None
+    held = {id(p) for group in opt.param_groups for p in group["params"]}
+    return opt if all(id(p) in held for p in registry.params if p.requires_grad) else None
+
+
+def _autocast(engine: Any) -> Any:
+    """DeepSpeed's ``torch_autocast`` region of ``engine.forward`` (0.19)."""
+    from deepspeed.runtime.torch_autocast import autocast_if_enabled
+
+    return autocast_if_enabled(engine)
 
 
 def _build_backend(block: GNMRBlock) -> PrecisionBackend | None:
@@ -176,6 +287,17 @@ class DeepSpeedGNMR(IntegrationSession):
         self.skipped = 0
         self._trace: TraceWriter | None = None
         self._notes: dict[str, float] = {}
+        self.probe: RecoveryProbe | None = None
+        """The recovery-gap probe (``gnmr.probe``; ``None``: off)."""
+        self.last_probe: ProbeRecord | None = None
+        """The last probe step's measurements and graded sets (identical on every rank)."""
+        self._dp = dp
+        self._probe_due = False  # the next training forward opens a cycle whose plan is fresh
+        self._measured: tuple[ProbeResult, float] | None = None
+        adam = _adam_state(engine, registry)
+        self._has_update_gap = adam is not None
+        if block.probe is not None and backend is not None:
+            self.probe = RecoveryProbe(registry, backend, adam, dp_group=engine.data_parallel_group)
         self._install_hooks()
         self._apply_plan()
 
@@ -210,6 +332,7 @@ class DeepSpeedGNMR(IntegrationSession):
             return result
 
         def gnmr_forward(*args: Any, **kwargs: Any) -> Any:
+            self._maybe_probe(args, kwargs)
             if self.backend is None:
                 return forward(*args, **kwargs)
             with self.backend.step_context():
@@ -219,6 +342,49 @@ class DeepSpeedGNMR(IntegrationSession):
         engine.forward = gnmr_forward
         engine.save_checkpoint = lambda *a, **kw: self._save(save, *a, **kw)
         engine.load_checkpoint = lambda *a, **kw: self._load(load, *a, **kw)
+
+    def _apply_plan(self) -> None:
+        super()._apply_plan()
+        self._probe_due = True  # a fresh plan: the next training forward opens the cycle
+
+    def _maybe_probe(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The probe, on a probe step's first training forward of the cycle, before it runs."""
+        if self.probe is None or self.block.probe is None or not self._probe_due:
+            return
+        if not (self.engine.module.training and torch.is_grad_enabled()):
+            return  # an evaluation forward: the cycle has not started
+        self._probe_due = False
+        if not self.block.probe.due(self.runtime.plan.step):
+            return
+        if self.backend is not None and self.backend.report().ran:
+            super()._apply_plan()  # evaluation forwards ran since the plan: a fresh report
+        t0 = time.perf_counter()
+        result = self.probe.measure(lambda: self._probe_loss(args, kwargs))
+        self._measured = (result, 1e3 * (time.perf_counter() - t0))
+
+    def _probe_loss(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+        """The forward as ``engine.forward`` runs it, its loss over the data-parallel size."""
+        context = self.backend.step_context() if self.backend else contextlib.nullcontext()
+        with context, _autocast(self.engine):
+            output = self.engine.module(*args, **kwargs)
+        return probe_loss(output) / self._dp
+
+    def _take_probe(self, decision: Decision, ran: frozenset[int]) -> ProbeRecord | None:
+        """This step's probe as a trace record (``ran``: the plan the step ran), or ``None``."""
+        measured, self._measured = self._measured, None
+        if measured is None or measured[0].step != decision.step or self.block.probe is None:
+            return None
+        r, ms = measured
+        k = self.block.probe.k
+        sets = {"risk_topk": top_k(decision.risk, k), "active": ran,
+                "decided": frozenset(decision.active)}  # fmt: skip
+        self.last_probe = ProbeRecord(
+            step=decision.step, k=k, grad_gap=r.grad_gap,
+            update_gap=r.update_gap if self._has_update_gap else None,
+            grad_low_norm=r.grad_low_norm, grad_high_norm=r.grad_high_norm,
+            loss_low=r.loss_low, loss_high=r.loss_high, sets=sets, probe_ms=ms,
+        )  # fmt: skip
+        return self.last_probe
 
     def _grad_scale(self) -> float:
         """The fp16 loss scale the gradients still carry at the hook (1 for fp32/bf16)."""
@@ -231,15 +397,18 @@ class DeepSpeedGNMR(IntegrationSession):
                 "gnmr: optimizer step skipped (overflow); controller history left untouched, "
                 "plan kept: %s", sorted(self.runtime.plan.active),
             )  # fmt: skip
+            self._measured = None  # the retried step is probed again, on its own batch
             self._apply_plan()
             return
+        ran = self.runtime.plan.active
         decision = self.runtime.observe(norms)
+        probe = self._take_probe(decision, ran)
         self._apply_plan()
-        self._log(norms, decision)
+        self._log(norms, decision, probe)
 
     # ------------------------------------------------------------------ logging
 
-    def _log(self, norms: UnitNorms, decision: Decision) -> None:
+    def _log(self, norms: UnitNorms, decision: Decision, probe: ProbeRecord | None) -> None:
         if dist.get_rank() != 0:
             return
         trace = self._trace_writer()
@@ -247,7 +416,7 @@ class DeepSpeedGNMR(IntegrationSession):
         extra.update(self._notes)
         self._notes = {}
         if trace is not None:
-            trace.write(norms.norms, decision, extra)
+            trace.write(norms.norms, decision, extra, probe=probe)
         monitor = getattr(self.engine, "monitor", None)
         log = self.block.log
         if (

@@ -106,6 +106,7 @@ import torch.distributed as dist
 from gnmr_dist.core import Decision
 from gnmr_dist.distributed.units import global_param_names
 from gnmr_dist.integrations.config import GNMRBlock
+from gnmr_dist.integrations.session import refuse_probe
 
 __all__ = ["TRACKER_FILE", "build_parser", "main", "parse_args", "pretrain"]
 
@@ -413,7 +414,8 @@ def _gnmr_block(args: argparse.Namespace, check_host: bool = True) -> dict[str, 
     if args.trace is not None:
         block["log"] = {**dict(block.get("log") or {}), "trace": args.trace}
     path = f"{args.gnmr_config}: gnmr" if args.gnmr_config else "gnmr"
-    GNMRBlock.from_dict(block, path=path)  # raises ValueError naming the key and the fix
+    parsed = GNMRBlock.from_dict(block, path=path)  # raises ValueError naming the key and the fix
+    refuse_probe(parsed, "gnmr-megatron-pretrain")
     if block.get("backend") is not None and block.get("enabled", True):
         from gnmr_dist.backends import get_backend  # validates the option blocks too
 

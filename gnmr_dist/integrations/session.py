@@ -3,7 +3,8 @@
 Also the wiring of DESIGN.md section 2.1's error term that every integration shares:
 :func:`check_error_source` refuses ``gnmr.gamma`` with a backend that reports no error sums
 (before the framework starts), :func:`error_source` turns the backend's measuring on and returns
-the ``error_fn`` for :class:`~gnmr_dist.distributed.GNMRRuntime`.
+the ``error_fn`` for :class:`~gnmr_dist.distributed.GNMRRuntime`. :func:`refuse_probe` is the
+refusal of ``gnmr.probe`` by the integrations that do not run it (megatron-core).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from gnmr_dist.distributed import GNMRRuntime, Plan
 from gnmr_dist.distributed.monitor import ErrorFn
 from gnmr_dist.integrations.config import GNMRBlock
 
-__all__ = ["IntegrationSession", "check_error_source", "error_source"]
+__all__ = ["IntegrationSession", "check_error_source", "error_source", "refuse_probe"]
 
 
 def check_error_source(block: GNMRBlock, backend: PrecisionBackend | None) -> None:
@@ -28,6 +29,18 @@ def check_error_source(block: GNMRBlock, backend: PrecisionBackend | None) -> No
         f"gnmr.gamma is set but gnmr.backend={block.backend!r} reports no per-unit error sums "
         "(the section 2.1 error term; act_quant, fp8_emulated and int8 report them, te_fp8 does "
         "not yet); choose one of those backends or leave gnmr.gamma unset"
+    )
+
+
+def refuse_probe(block: GNMRBlock, where: str) -> None:
+    """``ValueError`` when ``gnmr.probe`` is set: ``where`` (megatron-core) does not run it."""
+    if block.probe is None or not block.enabled:
+        return
+    raise ValueError(
+        f"{where}: gnmr.probe is supported under DeepSpeed (gnmr_dist.deepspeed) and the "
+        "benchmark harness; megatron-core would need its pipeline schedule run twice more per "
+        "probe step (every unit low-cost, then recovery), which is not implemented: drop the "
+        "gnmr.probe key"
     )
 
 

@@ -18,16 +18,44 @@ interact (exact for ``act_quant``, whose error in unit u's gradient comes from u
 activation only; a first-order picture for backends that also round the backward's ``dx``).
 Undefined figures are NaN: the precision of an empty set, the share of a zero total gap, the
 rank correlation of a constant vector.
+
+:func:`probe_figures` grades, on one probe step, every set a report compares: the risk's top-k,
+the sets the caller names (the plan that ran, the controller's new decision, a static recipe
+such as :func:`first_last_units`), the error scores' top-k, a random k-set and the oracle. The
+random k-set is its exact expectation over the uniform draws of ``m = min(k, E)`` of the ``E``
+eligible units, not a draw: each eligible unit is drawn with probability ``m / E``, so
+
+    E[set_precision] = |top_m(gap) ∩ eligible| / E,     E[gap_share] = (m / E) gap_share(eligible)
+
+(``k / E`` and ``(k / E) gap_share(eligible)`` when the top gaps are all on eligible units). The
+oracle is the top k by the measured gap itself: precision 1 and the largest share of any k-set,
+the upper bound. Without an update gap (``None``: the optimizer's state was not readable) the
+update figures are NaN.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+import re
+from collections.abc import Collection, Mapping, Sequence
 
 import torch
 
-__all__ = ["gap_share", "precision_at_k", "set_figures", "set_precision", "spearman", "top_k"]
+__all__ = [
+    "first_last_units",
+    "gap_share",
+    "layer_number",
+    "precision_at_k",
+    "probe_figures",
+    "random_figures",
+    "set_figures",
+    "set_precision",
+    "spearman",
+    "top_k",
+]
+
+_FIGURES = ("precision_grad", "precision_update", "share_grad", "share_update")
+_INTEGER = re.compile(r"^\d+$")
 
 
 def _as_vector(values: torch.Tensor, name: str) -> torch.Tensor:
@@ -97,14 +125,83 @@ def spearman(scores: torch.Tensor, gaps: torch.Tensor) -> float:
 
 
 def set_figures(
-    chosen: Collection[int], grad_gap: torch.Tensor, update_gap: torch.Tensor
+    chosen: Collection[int], grad_gap: torch.Tensor, update_gap: torch.Tensor | None
 ) -> dict[str, float]:
     """:func:`set_precision` (k = ``len(chosen)``) and :func:`gap_share` of ``chosen`` against
     the gradient gap and the update gap: keys ``precision_grad``, ``precision_update``,
-    ``share_grad``, ``share_update``."""
+    ``share_grad``, ``share_update`` (the update ones NaN when ``update_gap`` is ``None``)."""
     return {
         "precision_grad": set_precision(chosen, grad_gap),
-        "precision_update": set_precision(chosen, update_gap),
+        "precision_update": math.nan if update_gap is None else set_precision(chosen, update_gap),
         "share_grad": gap_share(chosen, grad_gap),
-        "share_update": gap_share(chosen, update_gap),
+        "share_update": math.nan if update_gap is None else gap_share(chosen, update_gap),
     }
+
+
+def random_figures(
+    grad_gap: torch.Tensor, update_gap: torch.Tensor | None, eligible: Sequence[bool], k: int
+) -> dict[str, float]:
+    """The exact expectation of :func:`set_figures` over uniform random ``min(k, E)``-subsets
+    of the ``E`` eligible units (module docstring); NaN everywhere when none is eligible."""
+    elig = frozenset(i for i, e in enumerate(eligible) if e)
+    if not elig:
+        return dict.fromkeys(_FIGURES, math.nan)
+    m = min(k, len(elig))
+    out = {}
+    for kind, gap in (("grad", grad_gap), ("update", update_gap)):
+        if gap is None:
+            out[f"precision_{kind}"] = out[f"share_{kind}"] = math.nan
+            continue
+        out[f"precision_{kind}"] = len(top_k(gap, m) & elig) / len(elig)
+        out[f"share_{kind}"] = m / len(elig) * gap_share(elig, gap)
+    return {key: out[key] for key in _FIGURES}
+
+
+def layer_number(name: str) -> int | None:
+    """The first integer component of a dotted unit name (``model.layers.3.mlp`` -> 3)."""
+    return next((int(p) for p in name.split(".") if _INTEGER.match(p)), None)
+
+
+def first_last_units(names: Sequence[str]) -> frozenset[int]:
+    """Ids of the units in the first and the last layer by :func:`layer_number` (Megatron's
+    static recipe); empty when no name carries a layer number."""
+    layers = [layer_number(n) for n in names]
+    numbered = [x for x in layers if x is not None]
+    if not numbered:
+        return frozenset()
+    ends = {min(numbered), max(numbered)}
+    return frozenset(i for i, x in enumerate(layers) if x in ends)
+
+
+def probe_figures(
+    grad_gap: torch.Tensor,
+    update_gap: torch.Tensor | None,
+    risk: torch.Tensor,
+    sets: Mapping[str, Collection[int]],
+    k: int,
+    *,
+    errors: torch.Tensor | None = None,
+    eligible: Sequence[bool] | None = None,
+) -> dict[str, dict[str, float]]:
+    """Every graded set's :func:`set_figures` on one probe step, by row name.
+
+    Rows: ``risk_topk`` (:func:`top_k` of ``risk``), then ``sets`` in their order, then
+    ``error_topk`` (with ``errors``), ``random`` (with ``eligible``: :func:`random_figures`) and
+    ``oracle`` (precision 1, the share of the top ``k`` by each gap). ``update_gap`` ``None``:
+    the update figures are NaN.
+    """
+    rows = {"risk_topk": top_k(risk, k), **{name: frozenset(s) for name, s in sets.items()}}
+    if errors is not None:
+        rows["error_topk"] = top_k(errors, k)
+    out = {name: set_figures(s, grad_gap, update_gap) for name, s in rows.items()}
+    if eligible is not None:
+        out["random"] = random_figures(grad_gap, update_gap, eligible, k)
+    out["oracle"] = {
+        "precision_grad": 1.0,
+        "precision_update": 1.0 if update_gap is not None else math.nan,
+        "share_grad": gap_share(top_k(grad_gap, k), grad_gap),
+        "share_update": (
+            gap_share(top_k(update_gap, k), update_gap) if update_gap is not None else math.nan
+        ),
+    }
+    return out

@@ -14,6 +14,21 @@ With ``gnmr.gamma`` set (DESIGN.md section 2.1) a record also holds ``"errors"``
 ``e_t(u)`` the controller scored (``Decision.error``, non-finite ones as ``Infinity``), which a
 replay passes back (:func:`read_errors`). Records without the key are those of runs without the
 term; the format version is unchanged.
+
+With ``gnmr.probe`` set, the record of a probe step also holds ``"probe"`` (:class:`ProbeRecord`,
+read back by :func:`read_probes`)::
+
+    "probe": {"k": 3, "grad_gap": [...], "update_gap": [...] or null, "grad_low_norm": [...],
+              "grad_high_norm": [...], "loss_low": 2.31, "loss_high": 2.30, "probe_ms": 41.7,
+              "sets": {"risk_topk": [4, 9, 11], "active": [9], "decided": [4, 9]},
+              "figures": {"risk_topk": {"precision_grad": 0.67, "precision_update": 0.33,
+                                        "share_grad": 0.52, "share_update": 0.31}, ...}}
+
+the per-unit gaps of :class:`gnmr_dist.distributed.probe.ProbeResult` (``update_gap`` null when
+the optimizer's per-parameter state was not readable), the sets graded on that step (the top
+``k`` of the step's risk, the plan that ran the step, the controller's new decision) and their
+:func:`gnmr_dist.telemetry.selection.set_figures` (NaN where undefined: an empty set), and the
+probe's wall time. Records without the key read exactly as before.
 """
 
 from __future__ import annotations
@@ -27,8 +42,17 @@ from typing import IO, Any
 import torch
 
 from gnmr_dist.core import Decision, GNMRConfig
+from gnmr_dist.telemetry.selection import set_figures
 
-__all__ = ["TraceHeader", "TraceReader", "TraceWriter", "read_errors", "read_trace"]
+__all__ = [
+    "ProbeRecord",
+    "TraceHeader",
+    "TraceReader",
+    "TraceWriter",
+    "read_errors",
+    "read_probes",
+    "read_trace",
+]
 
 FORMAT = "gnmr-trace"
 VERSION = 1
@@ -52,6 +76,76 @@ class TraceHeader:
             "config": self.config.to_dict(),
             "meta": dict(self.meta),
         }
+
+
+_PROBE_VECTORS = ("grad_gap", "grad_low_norm", "grad_high_norm")
+_PROBE_KEYS = ("k", *_PROBE_VECTORS, "update_gap", "loss_low", "loss_high", "sets", "probe_ms")
+
+
+@dataclass(frozen=True)
+class ProbeRecord:
+    """One probe step as a trace records it (the ``"probe"`` object; module docstring)."""
+
+    step: int
+    """The optimizer step probed (the decision record's step)."""
+    k: int
+    """Size of the k-sets (``gnmr.probe.k``)."""
+    grad_gap: torch.Tensor
+    """float64 [U]: ``||g_low,u - g_high,u||``."""
+    update_gap: torch.Tensor | None
+    """float64 [U], the gap after Adam's normalisation; ``None``: not measured."""
+    grad_low_norm: torch.Tensor
+    """float64 [U]: every unit on the low-cost path."""
+    grad_high_norm: torch.Tensor
+    """float64 [U]: every eligible unit on the recovery path."""
+    loss_low: float
+    loss_high: float
+    sets: Mapping[str, frozenset[int]]
+    """The graded sets by name (``risk_topk``, ``active``, ``decided``)."""
+    probe_ms: float
+    """Wall time of the probe (both passes and their reductions) in milliseconds."""
+
+    def figures(self) -> dict[str, dict[str, float]]:
+        """:func:`~gnmr_dist.telemetry.selection.set_figures` of every set in :attr:`sets`."""
+        return {n: set_figures(s, self.grad_gap, self.update_gap) for n, s in self.sets.items()}
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``"probe"`` object of the step's record."""
+
+        def vec(t: torch.Tensor | None) -> list[float] | None:
+            return None if t is None else t.double().cpu().tolist()
+
+        return {
+            "k": self.k, "grad_gap": vec(self.grad_gap), "update_gap": vec(self.update_gap),
+            "grad_low_norm": vec(self.grad_low_norm), "grad_high_norm": vec(self.grad_high_norm),
+            "loss_low": float(self.loss_low), "loss_high": float(self.loss_high),
+            "probe_ms": float(self.probe_ms),
+            "sets": {n: sorted(s) for n, s in self.sets.items()}, "figures": self.figures(),
+        }  # fmt: skip
+
+    @classmethod
+    def from_json(cls, step: int, obj: Mapping[str, Any], units: int, where: str) -> ProbeRecord:
+        """Parse a record's ``"probe"`` object; ``ValueError`` naming ``where`` when malformed."""
+        missing = [key for key in _PROBE_KEYS if key not in obj]
+        if missing:
+            raise ValueError(f"{where}: step {step}: the probe record lacks {missing}")
+
+        def vec(key: str) -> torch.Tensor:
+            v = torch.tensor(obj[key], dtype=torch.float64)
+            if v.shape != (units,):
+                raise ValueError(
+                    f"{where}: step {step}: probe {key} has shape {tuple(v.shape)} (U={units})"
+                )
+            return v
+
+        return cls(
+            step=step, k=int(obj["k"]), grad_gap=vec("grad_gap"),
+            update_gap=None if obj["update_gap"] is None else vec("update_gap"),
+            grad_low_norm=vec("grad_low_norm"), grad_high_norm=vec("grad_high_norm"),
+            loss_low=float(obj["loss_low"]), loss_high=float(obj["loss_high"]),
+            sets={n: frozenset(int(i) for i in s) for n, s in obj["sets"].items()},
+            probe_ms=float(obj["probe_ms"]),
+        )  # fmt: skip
 
 
 class TraceWriter:
@@ -85,10 +179,14 @@ class TraceWriter:
         self._fh.flush()
 
     def write(
-        self, norms: torch.Tensor, decision: Decision, extra: Mapping[str, Any] | None = None
+        self,
+        norms: torch.Tensor,
+        decision: Decision,
+        extra: Mapping[str, Any] | None = None,
+        probe: ProbeRecord | None = None,
     ) -> None:
-        """Record the norms (and error scores) the controller saw at ``decision.step`` and what
-        it chose."""
+        """Record the norms (and error scores) the controller saw at ``decision.step``, what it
+        chose and, on a probe step, the probe's measurements (``probe.step`` must match)."""
         record: dict[str, Any] = {
             "step": decision.step,
             "norms": norms.double().cpu().tolist(),
@@ -98,6 +196,12 @@ class TraceWriter:
         }
         if decision.error is not None:
             record["errors"] = decision.error.tolist()
+        if probe is not None:
+            if probe.step != decision.step:
+                raise ValueError(
+                    f"probe of step {probe.step} written with the decision of {decision.step}"
+                )
+            record["probe"] = probe.to_json()
         self._write(record)
 
     def close(self) -> None:
@@ -189,3 +293,18 @@ def read_errors(
         missing = [r["step"] for r in records if "errors" not in r][:5]
         raise ValueError(f"{path}: steps {missing} have no error scores while others do")
     return _matrix(path, records, "errors", "an errors", units)
+
+
+def read_probes(
+    path: str | Path, records: Sequence[Mapping[str, Any]], units: int
+) -> list[ProbeRecord]:
+    """The probe steps' :class:`ProbeRecord` in step order (empty for a trace without probes).
+
+    Raises ``ValueError`` for a probe object that lacks a key or has a vector of the wrong
+    length.
+    """
+    return [
+        ProbeRecord.from_json(int(r["step"]), r["probe"], units, str(path))
+        for r in records
+        if r.get("probe") is not None
+    ]
