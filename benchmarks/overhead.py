@@ -19,7 +19,9 @@ the controller as a fraction of the baseline's step:
 * ``K fixed on recovery``: no GNMR, K units always on the recovery path: the recovery path's own
   cost with the budget full;
 * ``gnmr+e k=K``: ``gnmr k=K`` with DESIGN.md section 2.1's error term (``gamma``): the backend
-  also measures its error sums, which ride the same all-reduce (target <= 1.02, issue 13).
+  also measures its error sums, which ride the same all-reduce (target <= 1.02, issue 13);
+* ``gnmr+e/10 k=K``: the same with ``error_every = 10`` (error sums measured on every 10th step,
+  the score carried forward in between).
 
 Each arm runs forward, backward, (GNMR), ``clip_grad_norm_`` and AdamW. Two backends:
 ``act_quant`` (4-bit / 8-bit saved activations) and ``fp8_emulated`` (FP6 / FP8 GEMM inputs, the
@@ -78,6 +80,9 @@ TARGET = 1.03
 
 ERROR_TARGET = 1.02
 """Step-time ratio GNMR with the error term / low-cost path (issue 13)."""
+
+ERROR_EVERY = 10
+"""``error_every`` of the ``gnmr+e/10`` arm: error sums measured on every 10th step."""
 
 ERROR_GAMMA = 0.3
 """``gamma`` of the ``gnmr+e`` arm (its cost does not depend on the value)."""
@@ -163,6 +168,7 @@ class LocalArm(Arm):
         max_active: int | None,
         fixed: int = 0,
         gamma: float | None = None,
+        error_every: int = 1,
     ) -> None:
         from gnmr_dist.backends import get_backend
         from gnmr_dist.core import GNMRConfig
@@ -179,9 +185,9 @@ class LocalArm(Arm):
             cfg = GNMRConfig.from_dict({**GNMR_POLICY, **extra, "max_active": max_active})
             error_fn = None
             if gamma is not None:
-                self.backend.track_errors(registry.num_units)
+                self.backend.track_errors(registry.num_units, every=error_every)
                 error_fn = self.backend.error_sums
-            self.runtime = GNMRRuntime(registry, cfg, error_fn=error_fn)
+            self.runtime = GNMRRuntime(registry, cfg, error_fn=error_fn, error_every=error_every)
         self.fixed = frozenset(range(fixed))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=setup.lr, weight_decay=setup.weight_decay)
@@ -219,6 +225,7 @@ class DeepSpeedArm(Arm):
         max_active: int | None,
         fixed: int = 0,
         gamma: float | None = None,
+        error_every: int = 1,
         stage: int = 1,
     ) -> None:
         import deepspeed
@@ -235,7 +242,7 @@ class DeepSpeedArm(Arm):
             block = {"backend": backend, **options, **GNMR_POLICY, "max_active": max_active,
                      "log": {"monitor": False}}  # fmt: skip
             if gamma is not None:
-                block["gamma"] = gamma
+                block.update(gamma=gamma, error_every=error_every)
             self.engine, *_ = gds.initialize(model=model, config={**cfg, "gnmr": block})
             self.backend = self.engine.gnmr.backend
             self._time_gnmr(self.engine.gnmr.runtime)
@@ -339,7 +346,9 @@ def step_time_arms(kind: str, setup: Setup, backend: str, budget: int) -> list[A
         cls(f"gnmr k={budget}", setup, backend, options, budget),
         cls(f"{budget} fixed on recovery", setup, backend, options, None, fixed=budget),
         cls(f"gnmr+e k={budget}", setup, backend, options, budget, gamma=ERROR_GAMMA),
-    ]
+        cls(f"gnmr+e/{ERROR_EVERY} k={budget}", setup, backend, options, budget,
+            gamma=ERROR_GAMMA, error_every=ERROR_EVERY),
+    ]  # fmt: skip
 
 
 def free_port() -> int:
@@ -409,7 +418,8 @@ def verdict(where: str, arms: Sequence[dict[str, Any]], budget: int) -> str:
     """The target lines: measured ratio (CPU, paired median, IQR) and GNMR's own work, for GNMR
     (target ``TARGET``) and GNMR with the error term (``ERROR_TARGET``)."""
     lines = []
-    for name, target in ((f"gnmr k={budget}", TARGET), (f"gnmr+e k={budget}", ERROR_TARGET)):
+    for name, target in ((f"gnmr k={budget}", TARGET), (f"gnmr+e k={budget}", ERROR_TARGET),
+                         (f"gnmr+e/{ERROR_EVERY} k={budget}", ERROR_TARGET)):  # fmt: skip
         g = next(a for a in arms if a["arm"] == name)
         lo, hi = g["cpu_iqr"]
         own = 1 + g["own_fraction"]

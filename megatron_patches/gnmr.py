@@ -236,7 +236,7 @@ class MegatronGNMR(IntegrationSession):
             self.registry, block.policy, group=ps.get_model_parallel_group(),
             check_group=dist.group.WORLD, check_consistency=block.check_consistency,
             error_fn=error_source(block, backend, self.registry.num_units),
-            error_scale=1.0 / self._dp,  # DDP's data-parallel mean
+            error_scale=1.0 / self._dp, error_every=block.error_every,  # DDP's mean over DP
         )  # fmt: skip
         self.attribution = GradAttribution(
             self.registry.slot_of_param, self.registry.num_units, optimizer
@@ -298,8 +298,8 @@ class MegatronGNMR(IntegrationSession):
         summed first: one extra all-reduce of U values over DP, the one collective the error
         term adds there.
         """
-        if not self.runtime.uses_errors or self._errors is not None:
-            return None
+        if not self.runtime.errors_due() or self._errors is not None:
+            return None  # no gnmr.gamma, a step gnmr.error_every skips, or taken already
         errors = self.runtime.monitor.local_error_sums().to(device)  # times 1/dp
         errors = errors / self._loss_scale(device)
         if self._dp > 1 and not _spans(group, self._dp_group):

@@ -228,6 +228,7 @@ class PrecisionBackend:
         self._step = 0
         self._ran: dict[int, set[str]] = {}
         self._errors: _ErrorSums | None = None
+        self._error_every = 1
         self._unit: int | None = None  # the unit whose switched forward is running
         self.before_forward: Callable[[], None] | None = None
         """Called by the next switched forward, then cleared by its owner: an integration that
@@ -282,13 +283,19 @@ class PrecisionBackend:
         """Ids of the units this backend wrapped."""
         return frozenset(self._wrapped)
 
-    def track_errors(self, num_units: int | None) -> None:
+    def track_errors(self, num_units: int | None, every: int = 1) -> None:
         """Start (or, with ``None``, stop) accumulating ``B(u)`` for unit ids ``0..num_units-1``.
 
         ``num_units`` is the registry's ``num_units`` (all units of the model, not only those
-        this rank wraps). Off by default: without it the paths do no extra work. A backend that
-        does not report errors (:attr:`reports_errors` false) ignores the call.
+        this rank wraps). Off by default: without it the paths do no extra work. ``every``:
+        measure only during steps ``t`` (the ``step`` of :meth:`apply`) with ``t % every == 0``
+        (``gnmr.error_every``; the runtime carries the last score forward in between); the other
+        steps do no extra work and their sums stay 0. A backend that does not report errors
+        (:attr:`reports_errors` false) ignores the call.
         """
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"track_errors: every must be an integer >= 1, got {every!r}")
+        self._error_every = every
         if num_units is None or not self.reports_errors:
             self._errors = None
             return
@@ -320,6 +327,8 @@ class PrecisionBackend:
         nothing is measured (tracking off, no grad mode)."""
         if self._errors is None or self._unit is None or not torch.is_grad_enabled():
             return None
+        if self._step % self._error_every:
+            return None  # gnmr.error_every: not a measured step
         return GemmProbe(self._errors, self._unit)
 
     # ------------------------------------------------------------------ per step

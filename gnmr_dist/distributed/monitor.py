@@ -204,20 +204,25 @@ class GradNormMonitor:
             )
         return sums.to(device=self._device, dtype=torch.float64) * self.error_scale
 
-    def start(self, grad_scale: float = 1.0) -> Callable[[], UnitNorms]:
+    def start(
+        self, grad_scale: float = 1.0, *, with_errors: bool | None = None
+    ) -> Callable[[], UnitNorms]:
         """Compute the local sums and start their all-reduce; the returned call finishes it.
 
         ``grad_scale``: the factor the gradients currently carry (an fp16 loss scale not yet
         divided out); the squared sums are divided by its square before the reduction, the error
         sums (linear in the output gradients) by it. Starting before and finishing after the
         optimizer step overlaps the collective with the step. With ``error_fn`` the one
-        all-reduce carries ``[U + 1 sums of squares, U error sums]``.
+        all-reduce carries ``[U + 1 sums of squares, U error sums]``; ``with_errors=False``
+        leaves the error sums out this step (``gnmr.error_every``: a step the backend did not
+        measure; :meth:`GNMRRuntime.errors_due` says which), ``None`` includes them whenever
+        there is an ``error_fn``.
         """
         local = self.local_sum_of_squares()
         if grad_scale != 1.0:
             local.div_(float(grad_scale) ** 2)
         u = None
-        if self.error_fn is not None:
+        if self.error_fn is not None and with_errors is not False:
             errors = self.local_error_sums()
             if grad_scale != 1.0:
                 errors.div_(float(grad_scale))
@@ -225,9 +230,9 @@ class GradNormMonitor:
         wait = all_reduce_sum_async(local, self.group)
         return lambda: unit_norms_from_total(wait(), u)
 
-    def compute(self) -> UnitNorms:
+    def compute(self, *, with_errors: bool | None = None) -> UnitNorms:
         """Per-unit and global norms, identical on every rank of ``group`` (one all-reduce)."""
-        return self.start()()
+        return self.start(with_errors=with_errors)()
 
 
 def unit_norms_from_total(total: torch.Tensor, num_units: int | None = None) -> UnitNorms:

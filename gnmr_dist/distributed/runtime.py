@@ -27,6 +27,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from gnmr_dist.core import Decision, GNMRConfig, GNMRController
 from gnmr_dist.distributed.comm import Group, all_gather_objects
 from gnmr_dist.distributed.monitor import ErrorFn, GradFn, GradNormMonitor, UnitNorms
@@ -112,6 +114,11 @@ class GNMRRuntime:
             ignored without it.
         error_scale: factor on the local error sums before the reduction, the integration's
             gradient averaging factor (``1/dp`` for DeepSpeed's data-parallel mean).
+        error_every: measure the error sums only on steps ``t`` with ``t % error_every == 0``
+            (``gnmr.error_every``; the backend's ``track_errors(U, every=...)`` must say the
+            same) and carry the last score ``e`` forward in between, as DESIGN.md section 2.1
+            allows; the steps in between reduce the U + 1 vector only. Before the first measured
+            step (and after a resume, until the next one) ``e = 0``: the term is silent.
     """
 
     def __init__(
@@ -126,7 +133,12 @@ class GNMRRuntime:
         check_consistency: bool = False,
         error_fn: ErrorFn | None = None,
         error_scale: float = 1.0,
+        error_every: int = 1,
     ) -> None:
+        if isinstance(error_every, bool) or not isinstance(error_every, int) or error_every < 1:
+            raise ValueError(f"gnmr.error_every must be an integer >= 1, got {error_every!r}")
+        self.error_every = error_every
+        self._last_errors: torch.Tensor | None = None
         self.registry = registry
         self.controller = controller or GNMRController(
             registry.num_units, config, eligible=registry.eligible
@@ -149,26 +161,38 @@ class GNMRRuntime:
         self.last_decision: Decision | None = None
         self.last_norms: UnitNorms | None = None
 
+    def errors_due(self) -> bool:
+        """Whether the step being scored now carries measured error sums (``gnmr.gamma`` set
+        and the step a multiple of ``error_every``): the ``with_errors`` of the monitor."""
+        step = self.controller.step_count + 1
+        return self.uses_errors and step % self.error_every == 0
+
     def step(self) -> Decision:
         """Score this step's gradients (one all-reduce) and set the plan for the next step."""
-        return self.observe(self.monitor.compute())
+        return self.observe(self.monitor.compute(with_errors=self.errors_due()))
 
     def observe(self, norms: UnitNorms) -> Decision:
         """Feed already-reduced norms to the controller and publish the next plan.
 
-        With ``gnmr.gamma`` set, ``norms.error_sums`` must hold the reduced ``B(u)``; the
-        controller gets ``errors = B / G`` (:meth:`UnitNorms.relative_errors`).
+        With ``gnmr.gamma`` set, ``norms.error_sums`` must hold the reduced ``B(u)`` on the steps
+        :meth:`errors_due` names; the controller gets ``errors = B / G``
+        (:meth:`UnitNorms.relative_errors`), on the other steps the last one.
         """
         if not self.uses_errors:
             decision = self.controller.step(norms.norms)
         else:
             errors = norms.relative_errors()
+            if errors is None and not self.errors_due():  # carried forward (error_every)
+                errors = self._last_errors
+                if errors is None:
+                    errors = torch.zeros(self.registry.num_units, dtype=torch.float64)
             if errors is None:
                 raise ValueError(
                     "gnmr.gamma is set but these norms carry no error sums: build UnitNorms with "
                     "error_sums= (the reduced B(u) of the backend's error_sums, DESIGN.md "
                     "section 2.1), or use the runtime's monitor, which reduces them with the norms"
                 )
+            self._last_errors = errors
             decision = self.controller.step(norms.norms, errors=errors)
         if self.check_consistency:
             check_same_decision(decision, self.check_group)

@@ -11,7 +11,8 @@
       "check_consistency": false,
       "on_missing_state": "error",     # error | fresh: a checkpoint without GNMR state
       "attribution": {"max_rest_share": 0.99, "action": "error"},  # the guard, see below
-      "probe": {"every": 50, "k": 3}   # the recovery-gap probe, see below (DeepSpeed only)
+      "probe": {"every": 50, "k": 3},  # the recovery-gap probe, see below (DeepSpeed only)
+      "error_every": 1                 # with gamma: measure the error sums every N-th step
     }
 
 ``attribution`` is the guard on the per-unit attribution of the gradient (megatron-core): every
@@ -162,10 +163,13 @@ class GNMRBlock:
     attribution: AttributionGuard = field(default_factory=AttributionGuard)
     probe: ProbeOptions | None = None
     """The recovery-gap probe (``None``: off, the default)."""
+    error_every: int = 1
+    """Measure the section 2.1 error sums every this many steps, carrying the score forward in
+    between (needs ``gamma``; 1: every step)."""
 
     KEYS = (
         "enabled", "backend", "units", "include", "exclude", "low_cost", "recovery", "log",
-        "check_consistency", "on_missing_state", "attribution", "probe",
+        "check_consistency", "on_missing_state", "attribution", "probe", "error_every",
         *GNMRConfig.field_names(),
     )  # fmt: skip
 
@@ -204,7 +208,18 @@ class GNMRBlock:
                 _mapping(block.get("attribution"), f"{path}.attribution"), f"{path}.attribution"
             ),
             probe=probe,
+            error_every=_error_every(block, path),
         )
+
+
+def _error_every(block: Mapping[str, Any], path: str) -> int:
+    every = check_positive_int(block.get("error_every", 1), f"{path}.error_every")
+    if every != 1 and block.get("gamma") is None:
+        raise ValueError(
+            f"{path}.error_every={every} needs {path}.gamma (the error term it paces); set "
+            f"{path}.gamma or drop {path}.error_every"
+        )
+    return every
 
 
 def _bool(value: Any, path: str) -> bool:

@@ -283,6 +283,7 @@ class DeepSpeedGNMR(IntegrationSession):
             grad_fn=grad_piece_fn(engine), check_group=dist.group.WORLD,
             check_consistency=block.check_consistency,
             error_fn=error_source(block, backend, registry.num_units), error_scale=1.0 / dp,
+            error_every=block.error_every,
         )  # fmt: skip
         self.skipped = 0
         self._trace: TraceWriter | None = None
@@ -326,7 +327,9 @@ class DeepSpeedGNMR(IntegrationSession):
         def take_model_step(*args: Any, **kwargs: Any) -> Any:
             # local sums now (gradients final, not yet unscaled/clipped/consumed); the one
             # all-reduce runs while the optimizer steps
-            finish = self.runtime.monitor.start(grad_scale=self._grad_scale())
+            finish = self.runtime.monitor.start(
+                grad_scale=self._grad_scale(), with_errors=self.runtime.errors_due()
+            )
             result = take_step(*args, **kwargs)
             self._after_step(finish())
             return result

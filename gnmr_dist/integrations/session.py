@@ -51,12 +51,13 @@ def error_source(
 
     ``None`` without ``gnmr.gamma`` (nothing is measured, nothing extra is reduced). With it,
     checks the backend (:func:`check_error_source`) and calls
-    ``backend.track_errors(num_units)``; call it after ``backend.wrap`` and before training.
+    ``backend.track_errors(num_units, every=block.error_every)``; call it after ``backend.wrap``
+    and before training, and give the runtime the same ``error_every``.
     """
     check_error_source(block, backend)
     if block.policy.gamma is None or backend is None:
         return None
-    backend.track_errors(num_units)
+    backend.track_errors(num_units, every=block.error_every)
     return backend.error_sums
 
 

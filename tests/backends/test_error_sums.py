@@ -275,3 +275,24 @@ def test_many_micro_batches_without_apply_are_folded_not_kept(monkeypatch):
     assert float(backend.error_sums(CPU)[1]) == pytest.approx(want, rel=1e-6)
     backend.apply((), step=2)
     assert not bool(backend.error_sums(CPU).any())
+
+
+@pytest.mark.parametrize("key", ["act_quant", "fp8_emulated", "int8"])
+def test_error_every_measures_only_on_its_steps_and_does_no_work_between(key, monkeypatch):
+    backend, lin = one_unit(key)
+    backend.track_errors(3, every=2)
+    backend.apply((), step=1)  # not a multiple of 2: no measurement
+    made = []
+    real = type(backend)._error_probe
+    monkeypatch.setattr(type(backend), "_error_probe", lambda self: made.append(real(self)))
+    gemm(lin, seed=1)
+    assert made and all(p is None for p in made)  # every GEMM asked, none measured
+    monkeypatch.undo()
+    assert torch.equal(backend.error_sums(CPU), torch.zeros(3, dtype=torch.float64))
+    backend.apply((), step=2)
+    x, dy = gemm(lin, seed=2)
+    assert float(backend.error_sums(CPU)[1]) == pytest.approx(
+        reference_bound(backend, x, dy), rel=1e-6
+    )
+    with pytest.raises(ValueError, match="every must be an integer >= 1"):
+        backend.track_errors(3, every=0)

@@ -129,3 +129,30 @@ def test_relative_errors_and_the_fp16_loss_scale():
     assert torch.equal(clean.error_sums, sums * 0.25)
     assert torch.allclose(scaled.error_sums, clean.error_sums, rtol=1e-15)
     assert torch.allclose(scaled.norms, clean.norms, rtol=1e-12)
+
+
+def test_error_every_measures_on_its_steps_and_carries_the_score_between():
+    model = full_model_with_grads()
+    reg = UnitRegistry.from_model(model)
+    u = reg.num_units
+    step = [0]
+    cfg = GNMRConfig(warmup_steps=0, max_active=1, gamma=0.5)
+    runtime = GNMRRuntime(
+        reg, cfg, error_fn=lambda device: rank_errors(0, u, step[0]).to(device), error_every=3
+    )
+    seen = {}
+    for t in range(1, 8):
+        step[0] = t
+        assert runtime.errors_due() == (t % 3 == 0)
+        d = runtime.step()
+        n = runtime.last_norms
+        assert (n.error_sums is None) == (t % 3 != 0)  # the U + 1 vector between measurements
+        seen[t] = d.error
+    zero = torch.zeros(u, dtype=torch.float64)
+    assert torch.equal(seen[1], zero) and torch.equal(seen[2], zero)  # nothing measured yet
+    for measured, carried in ((3, (4, 5)), (6, (7,))):
+        assert torch.allclose(seen[measured], rank_errors(0, u, measured) / n.global_norm)
+        for t in carried:
+            assert torch.equal(seen[t], seen[measured])
+    with pytest.raises(ValueError, match=r"gnmr\.error_every must be an integer >= 1"):
+        GNMRRuntime(reg, cfg, error_fn=lambda device: zero, error_every=0)

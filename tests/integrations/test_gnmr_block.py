@@ -40,11 +40,18 @@ def test_defaults_and_full_block():
         ({"enabled": "yes"}, r"gnmr\.enabled must be true or false"),
         ({"on_missing_state": "ignore"}, r"gnmr\.on_missing_state must be one of"),
         ({"window": 0}, r"gnmr\.window must be an integer >= 1"),
+        ({"error_every": 0, "gamma": 1.0}, r"gnmr\.error_every must be an integer >= 1"),
+        ({"error_every": 4}, r"gnmr\.error_every=4 needs gnmr\.gamma"),
     ],
 )
 def test_invalid_blocks_name_the_key(block, match):
     with pytest.raises(ValueError, match=match):
         GNMRBlock.from_dict(block)
+
+
+def test_error_every_defaults_to_every_step():
+    assert GNMRBlock.from_dict({}).error_every == 1
+    assert GNMRBlock.from_dict({"gamma": 0.5, "error_every": 10}).error_every == 10
 
 
 @pytest.mark.parametrize(

@@ -424,6 +424,7 @@ def _error_worker(rank, world, name):
     norms = handle.runtime.last_norms
     out = {
         "sums": norms.error_sums.tolist(), "norms": norms.norms.tolist(),
+        "global": norms.global_norm,
         "error": decision.error.tolist(), "calls": spy.calls, "units": handle.registry.names,
     }  # fmt: skip
     megatron_patches.remove()
@@ -443,9 +444,7 @@ def test_error_sums_are_summed_over_dp_and_scaled_like_the_gradient():
         for r in run:  # every rank holds the same reduced vector
             assert r["sums"] == run[0]["sums"] and r["error"] == run[0]["error"]
             assert r["sums"] == pytest.approx(ref["sums"], rel=1e-5)  # DP2 = DP1 on all batches
-            assert r["error"] == pytest.approx(
-                [b / n for b, n in zip(r["sums"], r["norms"], strict=True)], rel=1e-12
-            )
+            assert r["error"] == pytest.approx([b / r["global"] for b in r["sums"]], rel=1e-12)
     reduces = lambda r: [c for c in r["calls"] if c[0] == "all_reduce"]  # noqa: E731
     # plain optimizer: the clip norm's group is model-parallel, the DP partials take one more
     assert reduces(plain[0]) == [("all_reduce", u), ("all_reduce", 2 * u + 3)]
@@ -454,3 +453,47 @@ def test_error_sums_are_summed_over_dp_and_scaled_like_the_gradient():
     assert ("all_reduce", u) not in reduces(distopt[0]) and ("all_reduce", 1) not in reduces(
         distopt[0]
     )
+
+
+def _error_every_worker(rank, world):
+    """Three steps with gnmr.error_every = 2 under the distributed optimizer."""
+    import warnings
+
+    from megatron.core import parallel_state as ps
+
+    import megatron_patches
+    from megatron_patches import enable_cpu_compat
+    from tests.megatron import settings
+
+    warnings.filterwarnings("ignore")
+    enable_cpu_compat()
+    with settings.full_layout():
+        full = settings.full_model()
+    chunks, opt = settings.build(settings.SETTINGS_BY_NAME["distopt-fp32-dp2"], full)
+    handle = megatron_patches.apply(chunks, {**ERROR_BLOCK, "error_every": 2}, optimizer=opt)
+    out = []
+    for step in range(3):
+        settings.train_step(chunks, step)
+        with multiproc.CollectiveSpy() as spy:
+            opt.step()
+        decision, norms = handle.last_decision, handle.runtime.last_norms
+        sums = None if norms.error_sums is None else norms.error_sums.tolist()
+        out.append({"sums": sums, "global": norms.global_norm, "error": decision.error.tolist(),
+                    "calls": [c for c in spy.calls if c[0] == "all_reduce"]})  # fmt: skip
+    units = handle.registry.num_units
+    megatron_patches.remove()
+    ps.destroy_model_parallel()
+    return units, out
+
+
+@pytest.mark.slow
+def test_error_every_rides_the_clip_norm_only_on_its_steps_and_carries_e_between():
+    ((u, out), _), = multiproc.run_jobs([(_error_every_worker, 2, ())], preload=PRELOAD)
+    one, two, three = out
+    assert one["sums"] is None and two["sums"] is not None and three["sums"] is None
+    assert one["error"] == [0.0] * u  # nothing measured yet: the term is silent
+    assert two["error"] == pytest.approx([b / two["global"] for b in two["sums"]], rel=1e-12)
+    assert three["error"] == two["error"]  # carried forward
+    assert ("all_reduce", 2 * u + 3) in two["calls"]
+    assert ("all_reduce", 2 * u + 3) not in one["calls"] + three["calls"]
+    assert ("all_reduce", u + 3) in one["calls"] and ("all_reduce", u + 3) in three["calls"]
