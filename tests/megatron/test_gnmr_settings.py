@@ -488,7 +488,7 @@ def _error_every_worker(rank, world):
 
 @pytest.mark.slow
 def test_error_every_rides_the_clip_norm_only_on_its_steps_and_carries_e_between():
-    ((u, out), _), = multiproc.run_jobs([(_error_every_worker, 2, ())], preload=PRELOAD)
+    (((u, out), _),) = multiproc.run_jobs([(_error_every_worker, 2, ())], preload=PRELOAD)
     one, two, three = out
     assert one["sums"] is None and two["sums"] is not None and three["sums"] is None
     assert one["error"] == [0.0] * u  # nothing measured yet: the term is silent
