@@ -159,6 +159,8 @@ class Arm:
     """Run the recovery-gap probe on every step divisible by this (0: never)."""
     probe_k: int = 3
     """Size of the risk's top-k, random and oracle sets graded on probe steps."""
+    probe_steps: tuple[int, ...] = ()
+    """Further steps to probe (and record) besides every ``probe_every``-th: a fault's window."""
     oracle_by: str = "grad"
     """``oracle`` policy: rank units by the measured ``"grad"`` or ``"update"`` gap."""
 
@@ -172,7 +174,8 @@ class Arm:
                 f"arm {self.name}: probe_every ({self.probe_every}) must be >= 0 and probe_k "
                 f"({self.probe_k}) >= 1"
             )
-        if (self.probe_every or self.policy == "oracle") and self.backend is None:
+        probed = self.probe_every or self.probe_steps or self.policy == "oracle"
+        if probed and self.backend is None:
             raise ValueError(f"arm {self.name}: the probe needs a backend (two paths to compare)")
         if self.policy in ("random", "oracle") and self.max_active < 1:
             raise ValueError(f"arm {self.name}: policy {self.policy} needs max_active >= 1")
@@ -324,7 +327,7 @@ class ArmRun:
         self.scored = (
             self.backend is not None
             and self.backend.reports_errors
-            and (uses_errors or arm.probe_every > 0)
+            and (uses_errors or arm.probe_every > 0 or bool(arm.probe_steps))
         )
         if self.scored:
             self.backend.track_errors(self.registry.num_units)
@@ -353,7 +356,7 @@ class ArmRun:
         self.probe_times: list[float] = []
         self.draw_gen = torch.Generator().manual_seed(setup.seed + 1)
         self.first_last = layer_units(self.registry, (0, setup.layers - 1))
-        if (arm.probe_every or arm.policy == "oracle") and self.backend is not None:
+        if (arm.probe_every or arm.probe_steps or arm.policy == "oracle") and self.backend:
             if arm.probe_k > self.registry.num_units:
                 raise ValueError(f"arm {arm.name}: probe_k ({arm.probe_k}) > units "
                                  f"({self.registry.num_units})")  # fmt: skip
@@ -428,7 +431,8 @@ class ArmRun:
         return top_k(ranked, self.arm.max_active)
 
     def _records(self, step: int) -> bool:
-        return self.arm.probe_every > 0 and step % self.arm.probe_every == 0
+        every = self.arm.probe_every
+        return (every > 0 and step % every == 0) or step in self.arm.probe_steps
 
     def _measure(self, step: int, batch: torch.Tensor) -> tuple[ProbeResult, float] | None:
         """The probe's result and its wall time on probe steps (before the step's forward);
@@ -552,7 +556,8 @@ def adam_inverse_rms(registry: UnitRegistry, opt: torch.optim.Optimizer) -> torc
     If a unit's gradient error ``d`` is spread over its elements independently of Adam's
     second moment, ``E ||d / (sqrt(v_hat) + eps)||^2 = ||d||^2 mean(1 / (sqrt(v_hat) + eps)^2)``,
     so ``B(u) c_u`` bounds the update gap as ``B(u)`` bounds the gradient gap. Read from the
-    optimizer state before this step's update (an element without state yet counts as 0).
+    optimizer state before this step's update; a parameter without state yet (before its
+    first step) is left out of the mean, and a unit with none at all gets 0.
     """
     sums = torch.zeros(registry.num_units, dtype=torch.float64)
     counts = torch.zeros(registry.num_units, dtype=torch.float64)

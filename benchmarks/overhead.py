@@ -203,7 +203,7 @@ class LocalArm(Arm):
         t_mon = t_ctl = 0.0
         if self.runtime is not None:
             t1 = time.process_time()
-            norms = self.runtime.monitor.compute()
+            norms = self.runtime.monitor.compute(with_errors=self.runtime.errors_due())
             t2 = time.process_time()
             self.runtime.observe(norms)
             t_mon, t_ctl = t2 - t1, time.process_time() - t2

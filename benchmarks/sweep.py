@@ -50,32 +50,39 @@ PROBE_EVERY = 10
 POLICY_PREFIXES = ("random", "GNMR", "GNMR+e", "oracle")
 
 # two-sided 95% Student-t quantiles by degrees of freedom
-_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
+        10: 2.228, 11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110,
+        18: 2.101, 19: 2.093, 20: 2.086, 25: 2.060, 30: 2.042}  # fmt: skip
 
 
 def make_arms(regime: Regime, budgets: Sequence[int]) -> list[Arm]:
     """The controls and the budgeted policies of one regime (see the module docstring)."""
     q = regime.backend_args()
+    probed = {"probe_every": PROBE_EVERY, "probe_steps": fault_probe_steps(regime)}
     arms = [
-        Arm("low-cost", "static", probe_every=PROBE_EVERY, **q),
+        Arm("low-cost", "static", **probed, **q),
         Arm("recovery", "recovery", **q),
         Arm("first+last", "first_last", **q),
     ]
     for k in budgets:
         arms += [
             Arm(f"random {k}", "random", max_active=k, **q),
-            Arm(f"GNMR {k}", "gnmr", max_active=k, probe_every=PROBE_EVERY, **q),
+            Arm(f"GNMR {k}", "gnmr", max_active=k, **probed, **q),
             Arm(
-                f"GNMR+e {k}",
-                "gnmr",
-                max_active=k,
-                probe_every=PROBE_EVERY,
-                controller=regime.error_policy(),
-                **q,
+                f"GNMR+e {k}", "gnmr", max_active=k, controller=regime.error_policy(), **probed, **q
             ),
             Arm(f"oracle {k}", "oracle", max_active=k, **q),
         ]
     return arms
+
+
+def fault_probe_steps(regime: Regime) -> tuple[int, ...]:
+    """About 10 probe steps inside every fault window (every step of a short one), so that the
+    figures during the faults rest on more than the one or two regular probes they hold."""
+    steps: set[int] = set()
+    for f in regime.setup.faults:
+        steps.update(range(f.start, f.stop, max(1, (f.stop - f.start) // 10)))
+    return tuple(sorted(steps))
 
 
 # ====================================================================== running
@@ -162,27 +169,35 @@ def interval(values: Sequence[float]) -> tuple[float, float]:
     m = statistics.fmean(values)
     if len(values) < 2:
         return m, math.nan
-    t = _T95.get(len(values) - 1, 1.96)
+    df = len(values) - 1
+    t = _T95[max(d for d in _T95 if d <= df)]  # a df between entries takes the lower (wider)
     return m, t * statistics.stdev(values) / math.sqrt(len(values))
 
 
 def summarize(
     records: dict[tuple[str, int], dict[str, Any]],
     seeds: Sequence[int],
-    window: tuple[int, int] | None = None,
+    windows: Sequence[tuple[int, int]] = (),
 ) -> dict[str, Any]:
-    """Per arm: held-out loss, share of the static gap closed, paired difference to random-k,
-    selection figures (and, with a fault ``window``, the same figures inside it)."""
+    """Per arm: held-out loss, paired difference to low-cost, share of the static gap closed
+    (only where the static gap is resolved), paired difference to random-k, selection figures
+    (and the same figures inside each fault window).
+
+    The share closed is ``(mean low-cost - mean arm) / (mean low-cost - mean recovery)``, given
+    only when the paired interval of ``low-cost - recovery`` excludes 0: a ratio over a gap that
+    changes sign between seeds means nothing (:func:`static_gap` says which case it is).
+    """
     names = list(dict.fromkeys(name for name, _ in records))
     loss = {n: [records[(n, s)]["heldout_loss"] for s in seeds] for n in names}
+    static = static_gap(records, seeds)
     out: dict[str, Any] = {}
     for n in names:
         row: dict[str, Any] = {"loss": interval(loss[n]), "per_seed": loss[n]}
-        if "low-cost" in loss and "recovery" in loss:
-            low, rec = loss["low-cost"], loss["recovery"]
-            row["closed"] = interval(
-                [(lo - x) / (lo - r) for lo, r, x in zip(low, rec, loss[n], strict=True)]
-            )
+        if static is not None:
+            low = statistics.fmean(loss["low-cost"])
+            row["vs_low_cost"] = _paired(loss[n], loss["low-cost"])
+            resolved = static[0] - static[1] > 0
+            row["closed"] = (low - row["loss"][0]) / static[0] if resolved else None
         k = _budget_of(n)
         if k is not None and not n.startswith("random") and f"random {k}" in loss:
             row["vs_random"] = _paired(loss[n], loss[f"random {k}"])
@@ -190,10 +205,22 @@ def summarize(
             row["vs_first_last"] = _paired(loss[n], loss["first+last"])
         row["recovery_rate"] = statistics.fmean(records[(n, s)]["recovery_rate"] for s in seeds)
         row["selection"] = _selection(records, n, seeds)
-        if window is not None:
-            row["selection_fault"] = _selection(records, n, seeds, window)
+        row["selection_fault"] = {
+            f"{a}-{b - 1}": _selection(records, n, seeds, (a, b)) for a, b in windows
+        }
         out[n] = row
     return out
+
+
+def static_gap(
+    records: dict[tuple[str, int], dict[str, Any]], seeds: Sequence[int]
+) -> tuple[float, float] | None:
+    """Paired ``low-cost - recovery`` held-out loss (mean, 95% half-width); ``None`` without
+    both static arms. Resolved when ``mean - half > 0``."""
+    if not all(("low-cost", s) in records and ("recovery", s) in records for s in seeds):
+        return None
+    loss = lambda n: [records[(n, s)]["heldout_loss"] for s in seeds]  # noqa: E731
+    return _paired(loss("low-cost"), loss("recovery"))
 
 
 def _paired(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]:
@@ -256,16 +283,21 @@ def verdicts(summary: dict[str, Any], budgets: Sequence[int]) -> list[str]:
 # ====================================================================== output
 
 
+def _pm(pair: Sequence[float] | None, digits: int = 4) -> str:
+    return "-" if pair is None else f"{pair[0]:+.{digits}f} +- {pair[1]:.{digits}f}"
+
+
 def table(summary: dict[str, Any]) -> str:
-    rows = ["| arm | held-out loss (95% CI) | share of static gap closed | vs random-k (paired) "
-            "| recovery |", "| --- | --- | --- | --- | --- |"]  # fmt: skip
+    rows = ["| arm | held-out loss (95% CI) | vs low-cost (paired) | share of static gap closed "
+            "| vs random-k (paired) | recovery |",
+            "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for name, row in summary.items():
         m, h = row["loss"]
-        cm, ch = row.get("closed", (math.nan, math.nan))
-        vr = row.get("vs_random")
-        vs = f"{vr[0]:+.4f} +- {vr[1]:.4f}" if vr else "-"
-        rows.append(f"| {name} | {m:.4f} +- {h:.4f} | {cm:+.2f} +- {ch:.2f} | {vs} | "
-                    f"{100 * row['recovery_rate']:.1f}% |")  # fmt: skip
+        closed = row.get("closed")
+        shut = "n/a" if closed is None else f"{closed:+.2f}"
+        cells = [f"{m:.4f} +- {h:.4f}", _pm(row.get("vs_low_cost")), shut,
+                 _pm(row.get("vs_random")), f"{100 * row['recovery_rate']:.1f}%"]  # fmt: skip
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
@@ -276,11 +308,13 @@ SELECTION_SETS = (
 FIGURES = ("precision_grad", "precision_update", "share_grad", "share_update")
 
 
-def selection_table(summary: dict[str, Any], arms: Sequence[str], key: str = "selection") -> str:
+def selection_table(summary: dict[str, Any], arms: Sequence[str], window: str = "") -> str:
+    """Selection figures of ``arms`` over every probe step, or inside the fault ``window``."""
     rows = ["| arm | set | precision vs grad gap | vs update gap | share of grad gap^2 | "
             "share of update gap^2 |", "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for arm in arms:
-        sel = summary.get(arm, {}).get(key, {})
+        row = summary.get(arm, {})
+        sel = row.get("selection_fault", {}).get(window, {}) if window else row.get("selection", {})
         for set_name in SELECTION_SETS:
             f = sel.get(set_name)
             if not f:
@@ -343,26 +377,32 @@ def main() -> None:
     t0 = time.perf_counter()
     records = run_sweep(regime, seeds, budgets, a.jobs, a.fresh,
                         [x.strip() for x in a.arms.split(",") if x.strip()])  # fmt: skip
-    faults = regime.setup.faults
-    window = (min(f.start for f in faults), max(f.stop for f in faults)) if faults else None
-    summary = summarize(records, seeds, window)
+    windows = [(f.start, f.stop) for f in regime.setup.faults]
+    summary = summarize(records, seeds, windows)
+    static = static_gap(records, seeds)
     name = f"sweep_{regime.name}"
     out = {"regime": regime.name, "description": regime.description, "setup": asdict(regime.setup),
-           "seeds": seeds, "budgets": budgets, "summary": _jsonable(summary),
-           "verdicts": verdicts(summary, budgets), "wall_s": time.perf_counter() - t0}  # fmt: skip
+           "seeds": seeds, "budgets": budgets, "static_gap": static,
+           "summary": _jsonable(summary), "verdicts": verdicts(summary, budgets),
+           "wall_s": time.perf_counter() - t0}  # fmt: skip
     (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=1))
     plot(regime.name, summary, budgets, RESULTS / f"{name}.png")
     print(f"{regime.name}: {regime.description}; seeds {seeds}; {regime.setup.steps} steps")
+    if static is not None:
+        resolved = static[0] - static[1] > 0
+        print(
+            f"static gap (low-cost - recovery, paired): {_pm(static)} -> "
+            f"{'resolved' if resolved else 'NOT resolved: no policy can be told apart'}"
+        )
     print(table(summary))
     print()
     print("\n".join(f"- {v}" for v in out["verdicts"]))
     print()
     probed = ["low-cost"] + [n for n in summary if n.startswith(("GNMR", "oracle"))]
     print(selection_table(summary, probed))
-    if window is not None:
-        print(f"\nthe same on the probe steps inside the fault window, steps {window[0]}-"
-              f"{window[1] - 1}:")  # fmt: skip
-        print(selection_table(summary, probed, "selection_fault"))
+    for a, b in windows:
+        print(f"\nthe same on the probe steps inside the fault window, steps {a}-{b - 1}:")
+        print(selection_table(summary, probed, f"{a}-{b - 1}"))
 
 
 def _jsonable(x: Any) -> Any:

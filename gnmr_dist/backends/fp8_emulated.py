@@ -339,6 +339,16 @@ class AmaxHistory:
             return self.history[(self._pos - 1) % self.recipe.amax_history_len]
         return self.history[: self.filled].amax()
 
+    def finite_step_amax(self) -> torch.Tensor:
+        """:attr:`step_amax`, or where it is not finite the history's amax (0 when empty)."""
+        assert self.step_amax is not None
+        kept = self._history_amax() if self.filled else torch.zeros_like(self.step_amax)
+        return torch.where(torch.isfinite(self.step_amax), self.step_amax, kept)
+
+    def drop_step(self) -> None:
+        """Forget this step's recorded amaxes (a step that is run again, or evaluation)."""
+        self.step_amax = None
+
     def next_slot(self) -> torch.Tensor:
         """The 0-dim view :meth:`commit` writes :attr:`step_amax` into (history made here)."""
         assert self.step_amax is not None
@@ -370,11 +380,16 @@ def _amax(t: torch.Tensor) -> torch.Tensor:
 
 
 def commit_all(histories: Iterable[AmaxHistory]) -> None:
-    """:meth:`AmaxHistory.commit` of many histories with one fused copy."""
+    """:meth:`AmaxHistory.commit` of many histories with one fused copy.
+
+    A non-finite step amax (an overflowed step) is replaced by the history's current amax, so
+    the scale stays what it was, as TE keeps its previous scale; no host sync decides it.
+    """
     ran = [h for h in histories if h.step_amax is not None]
     if not ran:
         return
-    torch._foreach_copy_([h.next_slot() for h in ran], [h.step_amax for h in ran])  # type: ignore[misc]
+    amaxes = [h.finite_step_amax() for h in ran]
+    torch._foreach_copy_([h.next_slot() for h in ran], amaxes)  # type: ignore[misc]
     for h in ran:
         h.advance()
 
@@ -590,10 +605,22 @@ class Fp8EmulatedBackend(PrecisionBackend):
     # ------------------------------------------------------------------ delayed scaling
 
     def apply(self, active: Iterable[int], step: int) -> None:
-        """Commit the finished step's amaxes to the delayed-scaling histories (not inside
-        :meth:`measuring`), then set the plan as :meth:`PrecisionBackend.apply` does."""
+        """Commit the finished step's amaxes to the delayed-scaling histories when ``step``
+        advances (not inside :meth:`measuring`), then set the plan as
+        :meth:`PrecisionBackend.apply` does.
+
+        An ``apply`` that does not advance the step (the same step set again: a step DeepSpeed
+        or megatron skipped and runs again, a plan re-applied after evaluation forwards or by
+        the recovery-gap probe) drops the amaxes recorded since the last one: only the forwards
+        of the step that trains enter the history.
+        """
         if not self._measuring:
-            commit_all(h for d in self._all_delayed() for h in d.histories)
+            histories = [h for d in self._all_delayed() for h in d.histories]
+            if step > self._step:
+                commit_all(histories)
+            else:
+                for h in histories:
+                    h.drop_step()
         super().apply(active, step)
 
     def _all_delayed(self) -> Iterator[DelayedScales]:
@@ -669,6 +696,8 @@ class Fp8EmulatedBackend(PrecisionBackend):
         base = self._error_probe()
         if base is None:
             return None
+        if self.specs[LOW_COST].delayed is not None:  # each operator has its own x scale
+            return _Fp8Probe(base.sink, base.unit)
         ref, version, shared = self._last_input
         if ref is None or ref() is not x or version != x._version:
             shared = _InputNorms()
@@ -680,8 +709,10 @@ class Fp8EmulatedBackend(PrecisionBackend):
     ) -> None:
         """Measure the low-cost wgrad error of a recovered GEMM: ``x`` now, ``dy`` in a hook.
 
-        Under delayed scaling both use the low-cost histories' scales and record nothing: the
-        unit's low-cost histories are frozen while it runs recovery.
+        Under delayed scaling both are scaled by their own amax and nothing is recorded: a
+        unit returning to the low-cost path starts with a reset history, whose first step
+        scales each call by its own amax, so that is what the low-cost path would do now (the
+        frozen history of before the recovery would score a path that never runs again).
         """
         low = self.specs[LOW_COST]
         if not probe.shared.done:  # projections of one input share its norms: cast it once
@@ -701,9 +732,12 @@ def _low_cost_q(
     low: LinearQuantSpec, scales: DelayedScales | None, t: torch.Tensor, role: str
 ) -> torch.Tensor:
     """The low-cost wgrad quantization ``Q_M`` of ``t`` (role ``"x"`` or ``"dy"``), for the
-    shadow measurement: the spec's tiles along M, or the frozen delayed scale (not recorded)."""
-    if scales is not None:
-        history = scales.x if role == "x" else scales.dy
-        return history.quantize(t, record=False)[0]
+    shadow measurement: the spec's tiles along M, or, under delayed scaling, the scale of a
+    reset history (``t``'s own amax, the margin applied; nothing recorded)."""
     fmt = low.x_format if role == "x" else low.grad_format
+    if scales is not None:
+        if fmt.is_identity:
+            return t
+        margin = (scales.x if role == "x" else scales.dy).recipe.margin
+        return quantize_dequantize_scaled(t, fmt, _scale_of(_amax(t), fmt, margin))
     return t if fmt.is_identity else low.act(t, fmt, dim=0)

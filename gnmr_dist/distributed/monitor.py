@@ -76,14 +76,27 @@ class UnitNorms:
         by the unit's own ``n_t(u)``, keeps the ranking of ``B``, which is what ranks the
         measured gradient gap (issue 13: precision@3 0.81 against 0.31 for ``B / n`` at 2-bit
         saved activations); a unit with a small gradient and a large error is not inflated.
-        0 when ``B = 0 = G``, +inf when ``B > 0 = G``, NaN where either is NaN. The
+        0 when ``B = 0 = G``, +inf when ``B > 0 = G`` or ``B`` is not finite; a non-finite
+        ``G`` (one unit's NaN) is replaced by the norm of the finite parts. The
         dimensionless score the controller's ``errors=`` takes; ``None`` without error sums.
         """
         if self.error_sums is None:
             return None
         b = self.error_sums.to(torch.float64)
-        g = torch.full_like(b, self.global_norm)
-        return torch.where((b == 0) & (g == 0), torch.zeros_like(b), b / g)
+        g = torch.full_like(b, self._finite_global_norm())
+        e = torch.where((b == 0) & (g == 0), torch.zeros_like(b), b / g)
+        return torch.where(torch.isfinite(b), e, torch.full_like(b, math.inf))
+
+    def _finite_global_norm(self) -> float:
+        """``G``, or, when a norm is not finite, the norm of the finite parts only: one unit's
+        NaN gradient must not turn every unit's ``e`` into NaN (the unit itself already scores
+        +inf through its own norm)."""
+        if math.isfinite(self.global_norm):
+            return self.global_norm
+        n = self.norms.to(torch.float64)
+        finite = n[torch.isfinite(n)]
+        rest = self.rest_norm if math.isfinite(self.rest_norm) else 0.0
+        return math.sqrt(float(finite.square().sum()) + rest**2)
 
 
 def _norm_dtype(dtype: torch.dtype) -> torch.dtype:

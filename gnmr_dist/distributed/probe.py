@@ -202,10 +202,28 @@ class RecoveryProbe:
             params = self.params  # a rank holding no unit (an embedding-only stage) has none
             grads = torch.autograd.grad(loss, params, allow_unused=True) if params else ()
         self._check_paths(_RECOVERY if plan else _LOW_COST)
+        self._check_reached(grads)
         out = [
             torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads, strict=True)
         ]
         return out, float(loss.detach())
+
+    def _check_reached(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """Every unit that ran a forward in the pass got a gradient: reentrant activation
+        checkpointing (``torch.utils.checkpoint(use_reentrant=True)``, Hugging Face's default
+        for ``gradient_checkpointing_enable()``, DeepSpeed's own) hides the checkpointed
+        parameters from ``torch.autograd.grad``, which would read as zero gaps."""
+        reached = {s for s, g in zip(self._slots, grads, strict=True) if g is not None}
+        held = set(self._slots)
+        missed = sorted(u for u in self.backend.report().ran if u in held and u not in reached)
+        if missed:
+            names = [self.registry.names[u] for u in missed[:3]]
+            raise RuntimeError(
+                f"RecoveryProbe: units {names} ran a forward but torch.autograd.grad reached none "
+                "of their parameters; with activation checkpointing use the non-reentrant form "
+                "(use_reentrant=False; Hugging Face: gradient_checkpointing_enable("
+                "gradient_checkpointing_kwargs={'use_reentrant': False})) or drop gnmr.probe"
+            )
 
     def _check_paths(self, want: str) -> None:
         """Every forward of the pass ran ``want`` (an eligible unit on it, at least)."""

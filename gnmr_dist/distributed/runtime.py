@@ -181,8 +181,9 @@ class GNMRRuntime:
         if not self.uses_errors:
             decision = self.controller.step(norms.norms)
         else:
-            errors = norms.relative_errors()
-            if errors is None and not self.errors_due():  # carried forward (error_every)
+            due = self.errors_due()
+            errors = norms.relative_errors() if due else None
+            if not due:  # carried forward (error_every); sums reduced anyway are not measured
                 errors = self._last_errors
                 if errors is None:
                     errors = torch.zeros(self.registry.num_units, dtype=torch.float64)
@@ -208,12 +209,17 @@ class GNMRRuntime:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """Controller state plus the unit names and the current plan (``weights_only``-safe)."""
-        return {
+        """Controller state plus the unit names and the current plan (``weights_only``-safe);
+        with ``error_every > 1`` also the carried error score (``last_errors``), so a resumed
+        run decides as an uninterrupted one between two measured steps."""
+        state: dict[str, Any] = {
             "controller": self.controller.state_dict(),
             "unit_names": list(self.registry.names),
             "plan_active": sorted(self.plan.active),
         }
+        if self.uses_errors and self.error_every > 1 and self._last_errors is not None:
+            state["last_errors"] = self._last_errors.clone()
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`; the units must be the same (any parallel layout)."""
@@ -226,5 +232,19 @@ class GNMRRuntime:
                 "match (same model, granularity and include/exclude patterns)."
             )
         self.controller.load_state_dict(state["controller"])
+        self._last_errors = _carried_errors(state.get("last_errors"), self.registry.num_units)
         active = tuple(int(i) for i in state["plan_active"])
         self.plan = self._plan_for(self.controller.step_count + 1, active)
+
+
+def _carried_errors(saved: Any, num_units: int) -> torch.Tensor | None:
+    """A saved ``last_errors`` as float64 [U] (``None``: none saved, e.g. ``error_every = 1``)."""
+    if saved is None:
+        return None
+    errors = torch.as_tensor(saved, dtype=torch.float64).flatten().clone()
+    if errors.numel() != num_units:
+        raise ValueError(
+            f"GNMR state: last_errors holds {errors.numel()} values for {num_units} units; the "
+            "state was saved for another model"
+        )
+    return errors

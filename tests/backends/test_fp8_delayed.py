@@ -10,6 +10,7 @@ whose weight is the identity exposes the quantized input: ``y = Q(x)`` and ``dx 
 from __future__ import annotations
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -302,10 +303,11 @@ def _bound(x, dy, s_x, s_dy, fmt="e4m3"):
     return float(n(dy) * n(x - q(x.float(), s_x)) + n(q(dy.float(), s_dy) - dy) * n(x))
 
 
-def test_a_recovered_units_shadow_uses_its_frozen_low_cost_scale_and_records_nothing():
-    """Steps 1-2 low-cost; steps 3-4 recovered with x and dy x1e4. Both shadow measurements
-    quantize at the scale of steps 1-2 (saturating): had step 3's shadow recorded its amax,
-    step 4's would not saturate."""
+def test_a_recovered_units_shadow_scores_a_return_and_records_nothing():
+    """Steps 1-2 low-cost; steps 3-4 recovered with x and dy x1e4. A return would reset the
+    history, so the shadow scales each call by its own amax (what the first step back does),
+    not by the frozen scale of steps 1-2 (which would saturate and score a path that never
+    runs again); the low-cost histories record nothing meanwhile."""
     torch.manual_seed(0)
     lin = nn.Linear(64, 32)
     backend = Fp8EmulatedBackend(low_cost=delayed(amax_history_len=4))
@@ -322,9 +324,11 @@ def test_a_recovered_units_shadow_uses_its_frozen_low_cost_scale_and_records_not
             amax_x.append(float(x.detach().abs().max()))
             amax_dy.append(float(dy.abs().max()))
         else:
-            s_x = torch.tensor(max(amax_x)) / 448.0
-            s_dy = torch.tensor(max(amax_dy)) / 448.0
+            s_x = x.detach().abs().max() / 448.0
+            s_dy = dy.abs().max() / 448.0
             want = _bound(x.detach(), dy, s_x, s_dy)
+            frozen = _bound(x.detach(), dy, max(amax_x) / 448.0, max(amax_dy) / 448.0)
+            assert frozen > 10 * want  # the frozen scale would have saturated
             assert float(backend.error_sums(CPU)[0]) == pytest.approx(want, rel=1e-5), step
             assert backend.delayed_scales(lin).x.filled == 2
     assert backend.delayed_scales(lin).dy.step_amax is None
@@ -447,3 +451,27 @@ def test_histories_live_on_the_parameters_device():
     hist = backend.delayed_scales(lin).w.history
     assert hist.device == lin.weight.device and hist.shape == (5,)
     assert hist.dtype == torch.float32 and float(hist[0]) == 1.0  # amax of I
+
+
+def test_a_step_applied_again_drops_its_amaxes_and_an_overflow_keeps_the_scale():
+    """apply(t) twice (a skipped step run again, evaluation before the step, the probe's
+    re-apply): the forwards in between do not enter the history. A step whose amax is inf
+    (an overflow) commits the history's own amax instead: the scale stays."""
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32)
+    backend = Fp8EmulatedBackend(low_cost=delayed(amax_history_len=4))
+    backend.wrap({0: lin})
+    hist = backend.delayed_scales(lin).x
+    backend.apply((), 1)
+    lin(randn(16, 64, seed=1))
+    backend.apply((), 2)  # commits step 1
+    assert hist.filled == 1
+    scale = hist.scale().clone()
+    lin(randn(16, 64, seed=2, scale=1e3))  # e.g. an evaluation batch, then the step re-applied
+    backend.apply((), 2)
+    assert hist.filled == 1 and hist.step_amax is None and torch.equal(hist.scale(), scale)
+    x = randn(16, 64, seed=3)
+    x[0, 0] = math.inf
+    lin(x)
+    backend.apply((), 3)  # commits an inf amax: replaced by the history's amax
+    assert hist.filled == 2 and torch.equal(hist.scale(), scale)

@@ -378,3 +378,9 @@ def test_probe_records_grade_the_error_scores_of_the_steps_own_forward(data):
         for name in ("error_bound", "error_global", "error_relative", "error_adam"):
             assert p["sets"][f"{name}_topk"] == sorted(top_k(torch.tensor(p["scores"][name]), 3))
             assert f"{name}_update" in p["spearman"]
+
+
+def test_probe_steps_add_probes_on_the_named_steps(data):
+    setup = tiny(steps=4)
+    result = run_arm(setup, replace(q_arm("s", "static"), probe_every=4, probe_steps=(1, 2)), *data)
+    assert [p["step"] for p in result.probes] == [1, 2, 4]

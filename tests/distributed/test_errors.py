@@ -111,10 +111,14 @@ def test_relative_errors_and_the_fp16_loss_scale():
     n = torch.tensor([2.0, 0.0, 5.0, 1.0], dtype=torch.float64)  # the units' norms play no part
     b = torch.tensor([1.0, 0.0, 3.0, math.nan], dtype=torch.float64)
     e = UnitNorms(n, 0.0, 4.0, error_sums=b).relative_errors()
-    assert e[:3].tolist() == [0.25, 0.0, 0.75] and math.isnan(e[3])
+    assert e.tolist() == [0.25, 0.0, 0.75, math.inf]  # a non-finite B scores +inf
     e = UnitNorms(n, 0.0, 0.0, error_sums=b[:3]).relative_errors()  # G = 0
     assert e.tolist() == [math.inf, 0.0, math.inf]
     assert UnitNorms(n, 0.0, 0.0).relative_errors() is None
+    # one unit's NaN gradient (G = NaN): the others are divided by the norm of the finite parts
+    n_nan = torch.tensor([3.0, math.nan, 4.0], dtype=torch.float64)
+    e = UnitNorms(n_nan, 0.0, math.nan, error_sums=torch.ones(3, dtype=torch.float64))
+    assert e.relative_errors().tolist() == [0.2, 0.2, 0.2]
 
     model = full_model_with_grads()
     reg = UnitRegistry.from_model(model)
@@ -156,3 +160,45 @@ def test_error_every_measures_on_its_steps_and_carries_the_score_between():
             assert torch.equal(seen[t], seen[measured])
     with pytest.raises(ValueError, match=r"gnmr\.error_every must be an integer >= 1"):
         GNMRRuntime(reg, cfg, error_fn=lambda device: zero, error_every=0)
+
+
+def test_a_nan_unit_keeps_the_budget_for_itself_with_the_error_term():
+    """Without G's NaN guard every e would be NaN (+inf risk) and the budget would go to the
+    lowest ids; with it the NaN unit is selected, as without the error term."""
+    cfg = GNMRConfig(warmup_steps=0, max_active=2, gamma=10.0)
+    model = full_model_with_grads()
+    reg = UnitRegistry.from_model(model)
+    runtime = GNMRRuntime(reg, cfg, error_fn=lambda device: torch.zeros(reg.num_units))
+    u = reg.num_units
+    norms = torch.ones(u, dtype=torch.float64)
+    for _ in range(3):
+        runtime.observe(UnitNorms(norms, 1.0, 3.0, error_sums=torch.full((u,), 0.1)))
+    norms[u - 1] = math.nan
+    d = runtime.observe(UnitNorms(norms, 1.0, math.nan, error_sums=torch.full((u,), 0.1)))
+    assert d.active == (u - 1,)
+
+
+def test_the_carried_error_score_survives_a_checkpoint():
+    model = full_model_with_grads()
+    reg = UnitRegistry.from_model(model)
+    u = reg.num_units
+    step = [0]
+    cfg = GNMRConfig(warmup_steps=0, max_active=1, gamma=0.5)
+
+    def make():
+        fn = lambda device: rank_errors(0, u, step[0]).to(device)  # noqa: E731
+        return GNMRRuntime(reg, cfg, error_fn=fn, error_every=4)
+
+    straight, resumed = make(), make()
+    for t in range(1, 6):
+        step[0] = t
+        straight.step()
+        if t == 4:
+            saved = straight.state_dict()
+    assert saved["last_errors"].shape == (u,)
+    resumed.load_state_dict(saved)
+    step[0] = 5
+    d = resumed.step()
+    assert torch.equal(d.error, straight.last_decision.error)  # carried, not 0
+    assert torch.equal(d.risk, straight.last_decision.risk)
+    assert "last_errors" not in GNMRRuntime(reg, cfg, error_fn=make().monitor.error_fn).state_dict()

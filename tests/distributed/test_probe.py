@@ -265,6 +265,26 @@ def test_measure_refuses_once_the_step_has_run_a_forward():
     assert backend.report() == report  # nothing was touched
 
 
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_reentrant_checkpointing_is_refused_not_read_as_zero_gaps(reentrant):
+    """``torch.autograd.grad`` cannot reach parameters inside a reentrant checkpoint: the probe
+    says so instead of reporting gaps of 0 for those units; the non-reentrant form works."""
+    from torch.utils.checkpoint import checkpoint
+
+    model, batch = make_net(), tokens()
+    registry, backend = wrapped(model, "act_quant")
+    inner = model.layers[1].forward
+    model.layers[1].forward = lambda x: checkpoint(inner, x, use_reentrant=reentrant)
+    backend.apply((), step=1)
+    probe = RecoveryProbe(registry, backend)
+    closure = lambda: loss_of(model, batch)  # noqa: E731
+    if reentrant:
+        with pytest.raises(RuntimeError, match=r"use_reentrant=False"):
+            probe.measure(closure)
+    else:
+        assert bool((probe.measure(closure).grad_gap > 0).all())
+
+
 def test_frozen_parameters_are_not_differentiated():
     model, batch = make_net(), tokens()
     registry, backend = wrapped(model, "act_quant")
