@@ -208,6 +208,13 @@ def _check_gnmr(block: Any, path: str, check_host: bool = True) -> None:
     from gnmr_dist.integrations.config import GNMRBlock
 
     parsed = GNMRBlock.from_dict(block, path=path)
+    if parsed.enabled and parsed.probe is not None:
+        raise ValueError(
+            f"{path}.probe: gnmr-ds-pretrain computes its next-token loss outside the model's "
+            "forward, and the probe differentiates the loss the forward returns; use the probe "
+            "from your own DeepSpeed script with a forward that returns the loss (a Hugging Face "
+            f"model given labels=), or drop {path}.probe"
+        )
     if parsed.enabled and parsed.backend is not None:
         try:
             get_backend(parsed.backend, low_cost=parsed.low_cost, recovery=parsed.recovery)

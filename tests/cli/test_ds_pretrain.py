@@ -107,3 +107,14 @@ def test_next_token_loss_is_next_token_cross_entropy():
     want = -sum(logp[b, t, tokens[b, t + 1]] for b in range(3) for t in range(8)) / 24
     assert torch.allclose(next_token_loss(model, tokens).double(), want, rtol=1e-5)
     assert torch.allclose(model(input_ids=tokens, labels=tokens).loss.double(), want, rtol=1e-5)
+
+
+def test_the_probe_is_refused_before_anything_starts(tmp_path, capsys):
+    from gnmr_dist.cli.ds_pretrain import main
+
+    cfg = {"train_micro_batch_size_per_gpu": 1,
+           "gnmr": {"backend": "act_quant", "probe": {"every": 2}}}  # fmt: skip
+    (tmp_path / "c.json").write_text(json.dumps(cfg))
+    with pytest.raises(SystemExit):
+        main(["--config", str(tmp_path / "c.json")])
+    assert "gnmr.probe: gnmr-ds-pretrain computes its next-token loss" in capsys.readouterr().err
