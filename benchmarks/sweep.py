@@ -204,6 +204,8 @@ def summarize(
         if k == 14 and "first+last" in loss:
             row["vs_first_last"] = _paired(loss[n], loss["first+last"])
         row["recovery_rate"] = statistics.fmean(records[(n, s)]["recovery_rate"] for s in seeds)
+        costs = [r["probe_ms"] / r["step_ms"] for s in seeds if (r := records[(n, s)])["probe_ms"]]
+        row["probe_cost"] = statistics.fmean(costs) if costs else None
         row["selection"] = _selection(records, n, seeds)
         row["selection_fault"] = {
             f"{a}-{b - 1}": _selection(records, n, seeds, (a, b)) for a, b in windows
@@ -400,6 +402,12 @@ def main() -> None:
     print()
     probed = ["low-cost"] + [n for n in summary if n.startswith(("GNMR", "oracle"))]
     print(selection_table(summary, probed))
+    costs = [row["probe_cost"] for n, row in summary.items() if n in probed and row["probe_cost"]]
+    if costs:
+        print(
+            f"\none probe (two extra forward/backward passes) costs {min(costs):.2f}-"
+            f"{max(costs):.2f} median steps of its arm"
+        )
     for a, b in windows:
         print(f"\nthe same on the probe steps inside the fault window, steps {a}-{b - 1}:")
         print(selection_table(summary, probed, f"{a}-{b - 1}"))

@@ -19,7 +19,14 @@ def test_interval_is_the_student_t_half_width():
 
 
 def _record(loss: float, rate: float = 0.0) -> dict:
-    return {"heldout_loss": loss, "recovery_rate": rate, "probe_summary": {}, "probes": []}
+    return {
+        "heldout_loss": loss,
+        "recovery_rate": rate,
+        "probe_summary": {},
+        "probes": [],
+        "probe_ms": 0.0,
+        "step_ms": 1.0,
+    }
 
 
 def test_summary_pairs_every_policy_with_random_k_seed_by_seed():
