@@ -326,31 +326,68 @@ def selection_table(summary: dict[str, Any], arms: Sequence[str], window: str = 
     return "\n".join(rows)
 
 
+COMPACT_ROWS = (
+    ("seed GNMR's risk, top-3 (static low-cost arm)", "low-cost", "risk_topk"),
+    ("error score e = B / G, top-3 (static low-cost arm)", "low-cost", "error_global_topk"),
+    ("B scaled as Adam scales it, top-3 (static low-cost arm)", "low-cost", "error_adam_topk"),
+    ("3 random units (static low-cost arm)", "low-cost", "random"),
+    ("GNMR 3: the set that ran recovery", "GNMR 3", "active"),
+    ("GNMR+e 3: its risk, top-3", "GNMR+e 3", "risk_topk"),
+    ("GNMR+e 3: the set that ran recovery", "GNMR+e 3", "active"),
+    ("oracle by gradient gap, top-3", "low-cost", "oracle_grad"),
+    ("oracle by update gap, top-3", "low-cost", "oracle_update"),
+)
+
+
+def compact_selection(summary: dict[str, Any], window: str = "") -> str:
+    """The README's selection table: the k = 3 signals and sets against both measured gaps."""
+    rows = ["| signal or set | precision@3 vs gradient gap | vs update gap | share of the "
+            "gradient gap^2 it covers |", "| --- | --- | --- | --- |"]  # fmt: skip
+    for label, arm, set_name in COMPACT_ROWS:
+        row = summary.get(arm, {})
+        sel = row.get("selection_fault", {}).get(window, {}) if window else row.get("selection", {})
+        f = sel.get(set_name)
+        if not f:
+            continue
+        cells = [_pm(f.get(k), 2) for k in ("precision_grad", "precision_update", "share_grad")]
+        rows.append(f"| {label} | " + " | ".join(c.lstrip("+") for c in cells) + " |")
+    return "\n".join(rows)
+
+
 def plot(regime: str, summary: dict[str, Any], budgets: Sequence[int], path: Path) -> None:
+    """Quality against budget, one curve per policy: held-out loss minus the static low-cost
+    arm's, paired by seed (mean and 95% interval of the per-seed differences: the spread
+    between seeds' trajectories is left out, as the verdicts leave it out)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def point(name: str) -> tuple[float, float]:
+        m, h = summary[name]["vs_low_cost"]
+        return m, 0.0 if math.isnan(h) else h
+
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for policy, marker in zip(POLICY_PREFIXES, "osD^", strict=True):
+    for offset, (policy, marker) in enumerate(zip(POLICY_PREFIXES, "osD^", strict=True)):
         ks = [k for k in budgets if f"{policy} {k}" in summary]
-        if not ks:
+        if not ks or "vs_low_cost" not in summary[f"{policy} {ks[0]}"]:
             continue
-        ms = [summary[f"{policy} {k}"]["loss"] for k in ks]
-        ax.errorbar(ks, [m for m, _ in ms], yerr=[0 if math.isnan(h) else h for _, h in ms],
-                    marker=marker, capsize=3, label=policy)  # fmt: skip
-    for name, style in (("low-cost", "--"), ("recovery", ":")):
-        if name not in summary:
-            continue
-        m, _ = summary[name]["loss"]
-        ax.axhline(m, ls=style, color="gray", label=f"static {name}")
-    if "first+last" in summary:
-        m, h = summary["first+last"]["loss"]
-        ax.errorbar([14], [m], yerr=[0 if math.isnan(h) else h], marker="*", ms=12, color="k",
-                    ls="none", capsize=3, label="first+last (14)")  # fmt: skip
-    ax.set(title=f"{regime}: held-out loss vs recovery budget (mean, 95% CI over seeds)",
-           xlabel="units on the recovery path (of 28)", ylabel="held-out loss")  # fmt: skip
+        pts = [point(f"{policy} {k}") for k in ks]
+        xs = [k * 1.04 ** (offset - 1.5) for k in ks]  # side by side, not on top of each other
+        ax.errorbar(xs, [m for m, _ in pts], yerr=[h for _, h in pts], marker=marker,
+                    capsize=3, label=policy)  # fmt: skip
+    ax.axhline(0.0, ls="--", color="gray", label="static low-cost")
+    if "vs_low_cost" in summary.get("recovery", {}):
+        m, h = point("recovery")
+        ax.axhspan(m - h, m + h, color="gray", alpha=0.15)
+        ax.axhline(m, ls=":", color="gray", label="static recovery (band: 95% CI)")
+    if "vs_low_cost" in summary.get("first+last", {}):
+        m, h = point("first+last")
+        ax.errorbar([14], [m], yerr=[h], marker="*", ms=12, color="k", ls="none", capsize=3,
+                    label="first+last (14)")  # fmt: skip
+    ax.set(title=f"{regime}: held-out loss vs recovery budget, paired by seed",
+           xlabel="units on the recovery path (of 28)",
+           ylabel="held-out loss - static low-cost")  # fmt: skip
     ax.set_xscale("log", base=2)
     ax.set_xticks(list(budgets), [str(k) for k in budgets])
     ax.grid(alpha=0.3)
@@ -402,6 +439,12 @@ def main() -> None:
     print()
     probed = ["low-cost"] + [n for n in summary if n.startswith(("GNMR", "oracle"))]
     print(selection_table(summary, probed))
+    print("\n" + compact_selection(summary))
+    for a, b in windows:
+        print(
+            f"\ninside the fault window, steps {a}-{b - 1}:\n"
+            + compact_selection(summary, f"{a}-{b - 1}")
+        )
     costs = [row["probe_cost"] for n, row in summary.items() if n in probed and row["probe_cost"]]
     if costs:
         print(
