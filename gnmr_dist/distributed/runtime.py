@@ -118,7 +118,7 @@ class GNMRRuntime:
             (``gnmr.error_every``; the backend's ``track_errors(U, every=...)`` must say the
             same) and carry the last score ``e`` forward in between, as DESIGN.md section 2.1
             allows; the steps in between reduce the U + 1 vector only. Before the first measured
-            step (and after a resume, until the next one) ``e = 0``: the term is silent.
+            step ``e = 0`` (the term is silent); :meth:`state_dict` keeps the carried ``e``.
     """
 
     def __init__(
