@@ -135,15 +135,23 @@ def test_relative_errors_and_the_fp16_loss_scale():
     assert torch.allclose(scaled.norms, clean.norms, rtol=1e-12)
 
 
-def test_error_every_measures_on_its_steps_and_carries_the_score_between():
-    model = full_model_with_grads()
-    reg = UnitRegistry.from_model(model)
-    u = reg.num_units
-    step = [0]
+def paced_runtimes(every: int):
+    """``(units, step cell, make)``: ``make()`` builds a runtime with gamma 0.5 and
+    ``error_every=every`` whose error source reads ``rank_errors`` at the step in the cell."""
+    reg = UnitRegistry.from_model(full_model_with_grads())
+    u, step = reg.num_units, [0]
     cfg = GNMRConfig(warmup_steps=0, max_active=1, gamma=0.5)
-    runtime = GNMRRuntime(
-        reg, cfg, error_fn=lambda device: rank_errors(0, u, step[0]).to(device), error_every=3
-    )
+
+    def make() -> GNMRRuntime:
+        fn = lambda device: rank_errors(0, u, step[0]).to(device)  # noqa: E731
+        return GNMRRuntime(reg, cfg, error_fn=fn, error_every=every)
+
+    return u, step, make
+
+
+def test_error_every_measures_on_its_steps_and_carries_the_score_between():
+    u, step, make = paced_runtimes(3)
+    runtime = make()
     seen = {}
     for t in range(1, 8):
         step[0] = t
@@ -159,7 +167,7 @@ def test_error_every_measures_on_its_steps_and_carries_the_score_between():
         for t in carried:
             assert torch.equal(seen[t], seen[measured])
     with pytest.raises(ValueError, match=r"gnmr\.error_every must be an integer >= 1"):
-        GNMRRuntime(reg, cfg, error_fn=lambda device: zero, error_every=0)
+        GNMRRuntime(runtime.registry, runtime.controller.config, error_every=0)
 
 
 def test_a_nan_unit_keeps_the_budget_for_itself_with_the_error_term():
@@ -179,16 +187,7 @@ def test_a_nan_unit_keeps_the_budget_for_itself_with_the_error_term():
 
 
 def test_the_carried_error_score_survives_a_checkpoint():
-    model = full_model_with_grads()
-    reg = UnitRegistry.from_model(model)
-    u = reg.num_units
-    step = [0]
-    cfg = GNMRConfig(warmup_steps=0, max_active=1, gamma=0.5)
-
-    def make():
-        fn = lambda device: rank_errors(0, u, step[0]).to(device)  # noqa: E731
-        return GNMRRuntime(reg, cfg, error_fn=fn, error_every=4)
-
+    u, step, make = paced_runtimes(4)
     straight, resumed = make(), make()
     for t in range(1, 6):
         step[0] = t
@@ -201,4 +200,5 @@ def test_the_carried_error_score_survives_a_checkpoint():
     d = resumed.step()
     assert torch.equal(d.error, straight.last_decision.error)  # carried, not 0
     assert torch.equal(d.risk, straight.last_decision.risk)
-    assert "last_errors" not in GNMRRuntime(reg, cfg, error_fn=make().monitor.error_fn).state_dict()
+    _, _, every_step = paced_runtimes(1)
+    assert "last_errors" not in every_step().state_dict()
