@@ -267,6 +267,23 @@ def build(setting: Setting, full):
     return chunks, get_megatron_optimizer(optimizer_config(setting), chunks)
 
 
+def patched(setting: Setting, block: dict):
+    """``(chunks, optimizer, handle)``: the full model built under ``setting`` on this rank,
+    megatron's CPU compatibility on, and ``megatron_patches.apply`` with the GNMR ``block``
+    (what most GNMR workers start with; warnings silenced)."""
+    import warnings
+
+    import megatron_patches
+    from megatron_patches import enable_cpu_compat
+
+    warnings.filterwarnings("ignore")
+    enable_cpu_compat()
+    with full_layout():
+        full = full_model()
+    chunks, opt = build(setting, full)
+    return chunks, opt, megatron_patches.apply(chunks, block, optimizer=opt)
+
+
 def train_step(chunks, step: int = 0) -> float:
     """Forward/backward of ``gpt.NUM_MICRO`` micro-batches with megatron's schedule.
 

@@ -338,21 +338,14 @@ def test_distributed_optimizer_checkpoint_resumes_at_another_dp_size(tmp_path, v
 
 def _tensor_norm_worker(rank, world):
     """megatron 0.17+ returns the norm as a tensor when TE's tensor-scale kernel exists."""
-    import warnings
-
     from megatron.core import parallel_state as ps
     from megatron.core.optimizer import clip_grads
 
     import megatron_patches
-    from megatron_patches import enable_cpu_compat, series_info
+    from megatron_patches import series_info
     from tests.megatron import settings
 
-    warnings.filterwarnings("ignore")
-    enable_cpu_compat()
-    with settings.full_layout():
-        full = settings.full_model()
-    chunks, opt = settings.build(settings.SETTINGS_BY_NAME["fp32-dp2"], full)
-    handle = megatron_patches.apply(chunks, BLOCK, optimizer=opt)
+    chunks, opt, handle = settings.patched(settings.SETTINGS_BY_NAME["fp32-dp2"], BLOCK)
     settings.train_step(chunks, 0)
     opt.prepare_grads()
     leaf = opt.chained_optimizers[0]
@@ -399,21 +392,13 @@ ERROR_BLOCK = {**BLOCK, "backend": "act_quant", "gamma": 0.5, "low_cost": {"bits
 
 def _error_worker(rank, world, name):
     """One step with gnmr.gamma: the reduced error sums, errors, decisions and collectives."""
-    import warnings
-
     from megatron.core import parallel_state as ps
 
     import megatron_patches
-    from megatron_patches import enable_cpu_compat
     from tests.megatron import settings
 
-    warnings.filterwarnings("ignore")
-    enable_cpu_compat()
-    with settings.full_layout():
-        full = settings.full_model()
     setting = settings.SETTINGS_BY_NAME[name] if world > 1 else settings.Setting("dp1", dp=1)
-    chunks, opt = settings.build(setting, full)
-    handle = megatron_patches.apply(chunks, ERROR_BLOCK, optimizer=opt)
+    chunks, opt, handle = settings.patched(setting, ERROR_BLOCK)
     if world == 1:
         _dp_train_step(chunks, 0, as_dp=2)
     else:
@@ -457,20 +442,13 @@ def test_error_sums_are_summed_over_dp_and_scaled_like_the_gradient():
 
 def _error_every_worker(rank, world):
     """Three steps with gnmr.error_every = 2 under the distributed optimizer."""
-    import warnings
-
     from megatron.core import parallel_state as ps
 
     import megatron_patches
-    from megatron_patches import enable_cpu_compat
     from tests.megatron import settings
 
-    warnings.filterwarnings("ignore")
-    enable_cpu_compat()
-    with settings.full_layout():
-        full = settings.full_model()
-    chunks, opt = settings.build(settings.SETTINGS_BY_NAME["distopt-fp32-dp2"], full)
-    handle = megatron_patches.apply(chunks, {**ERROR_BLOCK, "error_every": 2}, optimizer=opt)
+    setting = settings.SETTINGS_BY_NAME["distopt-fp32-dp2"]
+    chunks, opt, handle = settings.patched(setting, {**ERROR_BLOCK, "error_every": 2})
     out = []
     for step in range(3):
         settings.train_step(chunks, step)
