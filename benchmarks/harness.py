@@ -445,8 +445,8 @@ class ArmRun:
 
     def _error_scores(self) -> dict[str, torch.Tensor]:
         """Candidate error scores of this step's low-cost path (after backward, before the
-        optimizer step): the bound ``B(u)``, ``B / n`` and ``B`` scaled as Adam scales it
-        (:func:`adam_inverse_rms`)."""
+        optimizer step): the bound ``B(u)``, ``B / n``, the controller's ``B / G`` and ``B``
+        scaled as Adam scales it (:func:`adam_inverse_rms`)."""
         if not self.scored or self.backend is None or self.runtime.last_norms is None:
             return {}
         bound = self.backend.error_sums(torch.device("cpu"))
@@ -455,8 +455,8 @@ class ArmRun:
         norms = self.runtime.last_norms
         n = norms.norms
         rel = torch.where((bound == 0) & (n == 0), torch.zeros_like(bound), bound / n)
-        return {"error_bound": bound, "error_relative": rel,
-                "error_global": bound / max(norms.global_norm, 1e-30),
+        e = replace(norms, error_sums=bound).relative_errors()  # the controller's B / G
+        return {"error_bound": bound, "error_relative": rel, "error_global": e,
                 "error_adam": bound * adam_inverse_rms(self.registry, self.opt)}  # fmt: skip
 
     def _record_probe(

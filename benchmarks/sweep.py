@@ -39,7 +39,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import RESULTS, Arm, ArmResult, Batches, Setup, run_arm, summarize_probes
+from benchmarks.harness import RESULTS, Arm, Batches, Setup, run_arm, summarize_probes
 from benchmarks.regimes import REGIMES, Regime
 
 logger = logging.getLogger("benchmarks.sweep")
@@ -103,7 +103,7 @@ def _run_job(payload: tuple[str, dict[str, Any], dict[str, Any], int]) -> str:
     arm = Arm(**arm_d)
     t0 = time.perf_counter()
     result = run_arm(setup, arm, Batches(setup.data, setup), Batches(setup.heldout, setup))
-    record = compact(result)
+    record = asdict(result)
     record.update(seed=seed, wall_s=time.perf_counter() - t0)
     path = _job_path(regime_name, arm.name, seed)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -119,11 +119,6 @@ def _setup_from(setup_d: dict[str, Any], seed: int) -> Setup:
     d = dict(setup_d)
     d["faults"] = tuple(Fault(**f) for f in d.get("faults", ()))
     return replace(Setup(**d), seed=seed)
-
-
-def compact(result: ArmResult) -> dict[str, Any]:
-    """An arm's result as JSON (per-probe gap vectors and error scores included)."""
-    return asdict(result)
 
 
 def run_sweep(
@@ -190,13 +185,13 @@ def summarize(
     names = list(dict.fromkeys(name for name, _ in records))
     loss = {n: [records[(n, s)]["heldout_loss"] for s in seeds] for n in names}
     static = static_gap(records, seeds)
+    resolved = static is not None and static[0] - static[1] > 0
     out: dict[str, Any] = {}
     for n in names:
         row: dict[str, Any] = {"loss": interval(loss[n]), "per_seed": loss[n]}
         if static is not None:
             low = statistics.fmean(loss["low-cost"])
             row["vs_low_cost"] = _paired(loss[n], loss["low-cost"])
-            resolved = static[0] - static[1] > 0
             row["closed"] = (low - row["loss"][0]) / static[0] if resolved else None
         k = _budget_of(n)
         if k is not None and not n.startswith("random") and f"random {k}" in loss:

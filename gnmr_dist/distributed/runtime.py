@@ -181,12 +181,12 @@ class GNMRRuntime:
         if not self.uses_errors:
             decision = self.controller.step(norms.norms)
         else:
-            due = self.errors_due()
-            errors = norms.relative_errors() if due else None
-            if not due:  # carried forward (error_every); sums reduced anyway are not measured
+            if not self.errors_due():  # carried (error_every); sums reduced anyway aren't measured
                 errors = self._last_errors
                 if errors is None:
                     errors = torch.zeros(self.registry.num_units, dtype=torch.float64)
+            else:
+                errors = norms.relative_errors()
             if errors is None:
                 raise ValueError(
                     "gnmr.gamma is set but these norms carry no error sums: build UnitNorms with "
