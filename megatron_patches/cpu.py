@@ -137,6 +137,8 @@ class _Patch(NamedTuple):
 
 
 _APPLIED: list[_Patch] = []
+_TRAINING_ON: list[bool] = []
+"""Non-empty while :mod:`megatron_patches.cpu_training`'s patches are on."""
 
 
 # --------------------------------------------------------------------------- device redirects
@@ -555,6 +557,7 @@ def _apply(owner: Any, name: str, replacement: Any) -> None:
 
 
 def _restore_all() -> None:
+    _TRAINING_ON.clear()
     while _APPLIED:
         patch = _APPLIED.pop()
         if patch.original is _MISSING:
@@ -571,12 +574,18 @@ def is_cpu_compat_enabled() -> bool:
     return bool(_APPLIED)
 
 
-def enable_cpu_compat() -> None:
+def enable_cpu_compat(*, training: bool = False) -> None:
     """Apply the CPU patches to megatron-core (idempotent).
 
+    ``training=True`` also applies :mod:`megatron_patches.cpu_training`, for Megatron-LM's own
+    training loop (``megatron.training.pretrain``); it needs a series whose wheel ships
+    ``megatron.training`` (the version table's ``has_training``: 0.17+). It may be asked for
+    after the core patches are on.
+
     Raises:
-        RuntimeError: CUDA is available (this module is never active on a GPU), or the
-            installed megatron-core is not in ``SUPPORTED_MEGATRON_VERSIONS``.
+        RuntimeError: CUDA is available (this module is never active on a GPU), the installed
+            megatron-core is not in ``SUPPORTED_MEGATRON_VERSIONS``, or ``training`` is asked
+            of a series without ``megatron.training``.
         ImportError: megatron-core is not installed.
     """
     if torch.cuda.is_available():
@@ -585,17 +594,30 @@ def enable_cpu_compat() -> None:
             "Run megatron-core natively on CUDA instead."
         )
     with _LOCK:
-        if _APPLIED:
-            return
         version = _megatron_version()
         _check_version(version)
+        if training and not SERIES[series_of(version)].has_training:
+            raise RuntimeError(
+                f"megatron_patches.cpu: training=True needs megatron.training, which "
+                f"megatron-core {version} does not ship (0.17+ wheels do)"
+            )
+        plan = [] if _APPLIED else _patch_plan()
+        if training and not _TRAINING_ON:
+            from megatron_patches.cpu_training import training_patch_plan
+
+            plan += training_patch_plan()
         try:
-            for owner, name, replacement in _patch_plan():
+            for owner, name, replacement in plan:
                 _apply(owner, name, replacement)
         except BaseException:
             _restore_all()
             raise
-        logger.info("cpu compat enabled for megatron-core %s (%d patches)", version, len(_APPLIED))
+        if training:
+            _TRAINING_ON.append(True)
+        if plan:
+            logger.info(
+                "cpu compat enabled for megatron-core %s (%d patches)", version, len(_APPLIED)
+            )
 
 
 def disable_cpu_compat() -> None:

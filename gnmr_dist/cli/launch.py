@@ -11,9 +11,11 @@ picks the engine:
 
 - ``.json`` / ``.hjson``: a DeepSpeed config with a ``"gnmr"`` block (and an optional
   ``"pretrain"`` block of defaults) for ``gnmr_dist.cli.ds_pretrain``;
-- ``.args``: a Megatron argument set for ``gnmr_dist.integrations.megatron_pretrain`` -- the
-  options one per line or several per line, ``#`` comments, ``$VAR`` / ``${VAR}`` taken from the
-  environment (an unset variable is an error).
+- ``.args``: a Megatron-LM argument set for ``gnmr_dist.integrations.megatron_lm`` (Megatron-LM's
+  ``pretrain_gpt.py`` flags plus ``--gnmr-*``) -- the options one per line or several per line,
+  ``#`` comments, ``$VAR`` / ``${VAR}`` taken from the environment (an unset variable is an
+  error); input paths (``--gnmr-config``, ``--data-path``, tokenizer files: ``PATH_FLAGS``) are
+  relative to the set's file, outputs to the working directory.
 
 ``EXTRA`` is passed through to the engine after the config's own arguments, so it overrides them.
 
@@ -27,7 +29,8 @@ Then it replaces itself (``exec``) with the launcher, so signals from a schedule
 Defaults come from the environment variables multi-node scripts already set: ``NPROC_PER_NODE``,
 ``NNODES``, ``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, ``RDZV_ENDPOINT``, ``RDZV_ID``,
 ``MAX_RESTARTS``, ``HOSTFILE``; ``GNMR_CONFIG_DIR`` adds a directory to search for configs;
-``DRY_RUN=1`` prints the command instead of running it.
+``DRY_RUN=1`` prints the command instead of running it. A Megatron job also gets
+``CUDA_DEVICE_MAX_CONNECTIONS=1`` unless it is set (Megatron-LM requires it with TP or CP > 1).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from pathlib import Path
 
 ENGINES = {
     "deepspeed": "gnmr_dist.cli.ds_pretrain",
-    "megatron": "gnmr_dist.integrations.megatron_pretrain",
+    "megatron": "gnmr_dist.integrations.megatron_lm",
 }
 _SUFFIX_ENGINE = {".json": "deepspeed", ".hjson": "deepspeed", ".args": "megatron"}
 _LOCAL_HOSTS = {"localhost", "127.0.0.1", socket.gethostname()}
@@ -131,11 +134,45 @@ def read_args_file(path: Path) -> list[str]:
     return words
 
 
+PATH_FLAGS = frozenset({
+    "--gnmr-config", "--data-path", "--train-data-path", "--valid-data-path", "--test-data-path",
+    "--data-args-path", "--per-split-data-args-path", "--tokenizer-model", "--vocab-file",
+    "--merge-file",
+})  # fmt: skip
+"""Megatron-LM / GNMR flags whose values are input files (or data prefixes): in an ``.args``
+set they are relative to the set's file. Outputs (``--save``, ``--tensorboard-dir``,
+``--gnmr-trace``) stay relative to the working directory, where the job runs."""
+
+
+def resolve_paths(words: Sequence[str], base: Path) -> list[str]:
+    """``words`` with every relative value of a :data:`PATH_FLAGS` flag joined to ``base``.
+
+    A flag's values are the words up to the next ``--flag``; numbers among them are blend
+    weights (``--data-path 0.7 a 0.3 b``) and stay as they are.
+    """
+    out, flag = [], None
+    for word in words:
+        if word.startswith("--"):
+            flag = word
+        elif flag in PATH_FLAGS and not _is_number(word) and not Path(word).is_absolute():
+            word = os.path.normpath(base.resolve() / word)
+        out.append(word)
+    return out
+
+
+def _is_number(word: str) -> bool:
+    try:
+        float(word)
+    except ValueError:
+        return False
+    return True
+
+
 def build_job(config: str, extra: Sequence[str]) -> Job:
     path = resolve_config(config)
     engine = _SUFFIX_ENGINE[path.suffix]
     if engine == "megatron":
-        return Job(path, engine, (*read_args_file(path), *extra))
+        return Job(path, engine, (*resolve_paths(read_args_file(path), path.parent), *extra))
     return Job(path, engine, ("--config", str(path), *extra))
 
 
@@ -149,13 +186,15 @@ def check_job(job: Job, world_size: int, check_host: bool = True) -> None:
     try:
         with contextlib.redirect_stderr(err):
             if job.engine == "megatron":
-                from gnmr_dist.integrations.megatron_pretrain import parse_args as mcore_args
+                from gnmr_dist.integrations.megatron_lm import check_args
 
-                mcore_args(list(job.args), world_size=world_size, check_host=check_host)
+                check_args(list(job.args), world_size=world_size, check_host=check_host)
             else:
                 from gnmr_dist.cli.ds_pretrain import parse_args as ds_args
 
                 ds_args(list(job.args), world_size=world_size, check_host=check_host)
+    except ValueError as err:
+        raise LaunchError(f"{job.config} ({job.engine}): {err}") from None
     except SystemExit as stop:
         if stop.code:
             lines = [x for x in err.getvalue().splitlines() if x.strip()]
@@ -304,6 +343,10 @@ def plan(a: argparse.Namespace) -> list[str]:
     """Check everything and return the command to exec (raises ``LaunchError``)."""
     extra = a.extra[1:] if a.extra[:1] == ["--"] else a.extra
     job = build_job(a.config, extra)
+    if job.engine == "megatron":
+        # Megatron-LM's validate_args requires it with TP or CP > 1 (the kernel-ordering
+        # guarantee its overlapped communication needs); its example scripts export it too.
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     if a.launcher == "check":
         sizes, cmd = [a.world_size], []
     elif a.launcher == "torchrun":

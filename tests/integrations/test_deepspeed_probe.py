@@ -111,15 +111,15 @@ def test_probe_loss_reads_tensor_attribute_or_mapping():
 
 
 def test_megatron_refuses_the_probe_before_patching(tmp_path):
-    from gnmr_dist.integrations.megatron_pretrain import _gnmr_block
+    from gnmr_dist.integrations.megatron_lm import _read_block
 
     path = tmp_path / "gnmr.json"
     path.write_text(json.dumps({"backend": "act_quant", "probe": {"every": 2}}))
-    args = argparse.Namespace(gnmr_config=str(path), backend=None, trace=None)
+    args = argparse.Namespace(gnmr_config=str(path), gnmr_backend=None, gnmr_trace=None)
     said = (r"gnmr-megatron-pretrain: gnmr\.probe is supported under DeepSpeed .*benchmark "
             r"harness; megatron-core .*drop the gnmr\.probe key")  # fmt: skip
     with pytest.raises(ValueError, match=said):
-        _gnmr_block(args)
+        _read_block(args)
     pytest.importorskip("megatron.core")
     import megatron_patches
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from gnmr_dist.cli import launch
+from tests.megatron.settings import launch_checks
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = launch.available_configs()
@@ -53,11 +54,34 @@ def test_config_is_commented_and_valid(name, data_prefix, local_model, monkeypat
     text = (ROOT / "configs" / name).read_text()
     header = re.match(r"((?:#[^\n]*\n)+)", text)
     assert header and len(header.group(1).splitlines()) >= 3, "say what it reproduces"
-    launched = re.findall(r"NPROC_PER_NODE=(\d+)", header.group(1))
-    world = int(launched[0]) if launched else 2
-    monkeypatch.setenv("DATA_PREFIX", data_prefix)
+    world = _launched_world(text)
+    env = _set_env(data_prefix)
+    if name.endswith(".args"):  # all at once: test_megatron_sets_pass_megatrons_parser
+        return
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
     monkeypatch.chdir(ROOT)
     extra = ["--init-from", local_model] if "lora" in name else []
-    assert launch.main(["check", "--world-size", str(world), name, *extra]) == 0, (
-        capsys.readouterr().err
-    )
+    assert launch.main(["check", "--world-size", world, name, *extra]) == 0, capsys.readouterr().err
+
+
+def _launched_world(text: str) -> str:
+    """The world size the config's comments launch it with (2 when they do not say)."""
+    launched = re.findall(r"NPROC_PER_NODE=(\d+)", text.split("\n--", 1)[0])
+    return str(int(launched[0]) if launched else 2)
+
+
+def _set_env(data_prefix: str) -> dict[str, str]:
+    return {"DATA_PREFIX": data_prefix, "TOKENIZER_MODEL": str(ROOT / "tokenizer.model")}
+
+
+def test_megatron_sets_pass_megatrons_parser(data_prefix):
+    """Every ``configs/megatron/*.args``: ``gnmr-launch check`` at its world size, run from
+    outside the repository (Megatron-LM's parse_args + validate_args with the GNMR extras)."""
+    names = [n for n in CONFIGS if n.endswith(".args")]
+    assert len(names) >= 4
+    cases = [["check", "--world-size", _launched_world((ROOT / "configs" / n).read_text()), n]
+             for n in names]  # fmt: skip
+    for name, (code, _, err) in zip(names, launch_checks(cases, "/", **_set_env(data_prefix)),
+                                    strict=True):  # fmt: skip
+        assert code == 0, (name, err[-3000:])

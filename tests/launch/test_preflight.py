@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from gnmr_dist.cli import launch
+from tests.megatron.settings import launch_checks
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--steps", "2", "--layers", "1", "--hidden", "32", "--seq-len", "16"]
@@ -50,18 +51,57 @@ def test_unknown_config_names_the_closest(capsys):
     assert "unknown config 'demo_deepsped'; did you mean demo_deepspeed.hjson" in err
 
 
-def test_world_size_not_divisible_by_tp_x_pp(capsys):
-    err = refused(capsys, "torchrun", "--nproc-per-node", "3", "megatron/demo_cpu")
-    assert "world size (3) must be divisible by tensor x pipeline model parallel size" in err
-    err = refused(capsys, "torchrun", "--nproc-per-node", "2", "megatron/demo_cpu",
-                  "--pipeline-model-parallel-size", "2")  # fmt: skip
-    assert "world size (2) must be divisible" in err and "(2 x 2 = 4)" in err
+def test_megatron_sets_are_checked_by_megatrons_own_parser(tmp_path):
+    """World size, layout, batch sizes, flags and the GNMR block: Megatron-LM's parse_args and
+    validate_args, megatron's micro-batch calculator, GNMR's block reader, before any process
+    (megatron-core 0.17.1: megatron.training ships from 0.17)."""
+    demo, check = "megatron/demo_cpu", ["check", "--world-size", "2"]
+    cases = {
+        "world 3": ["torchrun", "--nproc-per-node", "3", demo],
+        "elastic": ["torchrun", "--nnodes", "1:3", "--nproc-per-node", "2", "--rdzv-endpoint",
+                    "h:1", demo],
+        "batch": [*check, demo, "--global-batch-size", "6"],
+        "typo": [*check, demo, "--num-layrs", "3"],
+        "backend": [*check, demo, "--gnmr-backend", "bogus"],
+        "spike": [*check, demo, "--gnmr-inject-grad-spike", "x"],
+        "te here": ["torchrun", "--nproc-per-node", "2", demo, "--transformer-impl",
+                    "transformer_engine"],
+        "te checked": [*check, demo, "--transformer-impl", "transformer_engine"],
+        "dry run": ["torchrun", "--dry-run", "--nproc-per-node", "2", demo],
+    }  # fmt: skip
+    results = dict(zip(cases, launch_checks(list(cases.values()), cwd=tmp_path), strict=True))
+    said = {name: err for name, (code, _, err) in results.items() if code == 2}
+    for name in ("world 3", "elastic", "batch", "typo", "backend", "spike", "te here"):
+        assert "nothing was started" in said[name], (name, results[name])
+    assert (
+        "world size (3) is not divisible by total_model_size (total_model_size=2)"
+        in said["world 3"]
+    )
+    assert (
+        "global batch size (8) is not divisible by micro batch size (4) times data "
+        "parallel size (3)" in said["elastic"]
+    )  # the elastic maximum, 6 processes: DP3
+    assert "global batch size (6) is not divisible by micro batch size (4) times" in said["batch"]
+    assert "gnmr-megatron-pretrain: error: unrecognized arguments: --num-layrs 3" in said["typo"]
+    assert "demo_act_quant.json: gnmr.backend: unknown backend 'bogus'" in said["backend"]
+    assert "expected ITER:LAYER[:FACTOR]" in said["spike"]
+    assert "--transformer-impl transformer_engine: not available without CUDA" in said["te here"]
+    assert results["te checked"][0] == 0  # `check`: a GPU job, checked on a login node
+    code, out, _ = results["dry run"]
+    assert code == 0 and "-m gnmr_dist.integrations.megatron_lm" in out
+    config = str(ROOT / "configs" / "gnmr" / "demo_act_quant.json")
+    assert f"--gnmr-config {config} " in out  # relative to the set, run from elsewhere
 
 
-def test_elastic_range_is_checked_at_both_ends(capsys):
-    err = refused(capsys, "torchrun", "--nnodes", "1:3", "--nproc-per-node", "1",
-                  "--rdzv-endpoint", "h:1", "megatron/demo_cpu")  # fmt: skip
-    assert "world size (1) must be divisible" in err
+def test_megatron_sets_need_megatron_training(capsys):
+    """The main venv's megatron-core 0.16.1 ships no megatron.training: refused, naming 0.17."""
+    pytest.importorskip("megatron.core")
+    from megatron.core import package_info
+
+    if not package_info.__version__.startswith("0.16."):
+        pytest.skip("the refusal is for 0.16 (no megatron.training)")
+    err = refused(capsys, "check", "--world-size", "2", "megatron/demo_cpu")
+    assert "megatron-core 0.16 does not ship: install megatron-core 0.17+" in err
 
 
 def test_missing_and_malformed_hostfile(capsys, tmp_path):
@@ -78,11 +118,11 @@ def test_missing_and_malformed_hostfile(capsys, tmp_path):
 def test_hostfile_slots_set_the_world_size(capsys, tmp_path):
     hosts = tmp_path / "hosts"
     hosts.write_text("node-1 slots=3\nnode-2 slots=3\n")
-    err = refused(capsys, "deepspeed", "--hostfile", str(hosts), "megatron/demo_cpu")
-    assert "world size (6) must be divisible" not in err  # 6 = 2 x 3 is fine for TP2 ...
-    assert "global batch size (8) must be divisible by micro batch size" in err  # ... batch not
+    err = refused(capsys, "deepspeed", "--hostfile", str(hosts), str(ds_config(tmp_path,
+                  train_batch_size=8)))  # fmt: skip
+    assert "train_batch_size (8) != train_micro_batch_size_per_gpu x" in err  # 6 processes
     cmd = dry(capsys, "deepspeed", "--hostfile", str(hosts), "--num-gpus", "2", "@",
-              "megatron/demo_cpu")  # fmt: skip
+              "demo_deepspeed")  # fmt: skip
     assert cmd[cmd.index("--num_gpus") + 1] == "2" and "--no_ssh_check" not in cmd
 
 
@@ -105,33 +145,26 @@ def test_bad_options_and_blocks_are_refused(capsys, tmp_path):
     assert "unknown key 'pretrain.layer'; did you mean 'layers'?" in err
     err = refused(capsys, "torchrun", str(ds_config(tmp_path, gnmr={"max_activ": 2})))
     assert "max_activ" in err and "max_active" in err
-    err = refused(
-        capsys,
-        "torchrun",
-        "--nproc-per-node",
-        "2",
-        "megatron/demo_cpu",
-        "--num-layers",
-        "3",
-        "--pipeline-model-parallel-size",
-        "2",
-        "--tensor-model-parallel-size",
-        "1",
-    )
-    assert "--num-layers (3) must be divisible by the pipeline model parallel size (2)" in err
 
 
 def test_args_file_environment_variables(capsys, tmp_path, monkeypatch):
     args = tmp_path / "job.args"
-    args.write_text(
-        "# data from the environment\n--data ${CORPUS}/*.txt  # a glob\n--vocab-size 256\n"
-    )
+    args.write_text("# data from the environment\n--data-path ${CORPUS}/doc  # a prefix\n")
     monkeypatch.delenv("CORPUS", raising=False)
     err = refused(capsys, "check", "--world-size", "1", str(args))
     assert "job.args:2: environment variable CORPUS is not set" in err
-    (tmp_path / "a.txt").write_text("hello world " * 50)
     monkeypatch.setenv("CORPUS", str(tmp_path))
-    assert launch.main(["check", "--world-size", "1", str(args)]) == 0
+    assert launch.read_args_file(args) == ["--data-path", f"{tmp_path}/doc"]
+
+
+def test_input_paths_of_a_set_are_relative_to_its_file(tmp_path):
+    words = ["--gnmr-config", "../gnmr/x.json", "--data-path", "0.7", "a/doc", "0.3", "/abs/b",
+             "--save", "runs/ckpt", "--tokenizer-model", "tok.model"]  # fmt: skip
+    base = tmp_path / "configs" / "megatron"
+    got = launch.resolve_paths(words, base)
+    assert got == ["--gnmr-config", f"{tmp_path}/configs/gnmr/x.json", "--data-path", "0.7",
+                   f"{base}/a/doc", "0.3", "/abs/b", "--save", "runs/ckpt",
+                   "--tokenizer-model", f"{base}/tok.model"]  # fmt: skip
 
 
 def test_torchrun_commands(capsys):
@@ -150,11 +183,11 @@ def test_torchrun_commands(capsys):
         "--rdzv-id",
         "exp7",
         "@",
-        "megatron/demo_cpu",
+        "demo_deepspeed",
     )
     joined = " ".join(cmd)
     assert "--nnodes 4 --max_restarts 0 --rdzv_backend c10d --rdzv_endpoint node-1:29500" in joined
-    assert "--rdzv_id exp7 -m gnmr_dist.integrations.megatron_pretrain" in joined
+    assert "--rdzv_id exp7 -m gnmr_dist.cli.ds_pretrain" in joined
     cmd = dry(
         capsys,
         "torchrun",
@@ -167,12 +200,12 @@ def test_torchrun_commands(capsys):
         "--node-rank",
         "1",
         "@",
-        "megatron/demo_cpu",
-        "--train-iters",
+        "demo_deepspeed",
+        "--steps",
         "5",
     )
     assert "--master_addr 10.0.0.1 --master_port 29500 --node_rank 1" in " ".join(cmd)
-    assert cmd[-2:] == ["--train-iters", "5"]  # extra args come last: they override the set
+    assert cmd[-2:] == ["--steps", "5"]  # extra args come last: they override the config
 
 
 def test_local_hostfile_skips_ssh(capsys, tmp_path):
@@ -219,7 +252,7 @@ def fake_slurm(tmp_path: Path) -> dict:
 
 def test_slurm_script_builds_one_rendezvous_per_job(tmp_path):
     env = {**fake_slurm(tmp_path), "DRY_RUN": "1"}
-    out = run_script("bash", "launch/slurm.sbatch", "megatron/demo_cpu", env=env)
+    out = run_script("bash", "launch/slurm.sbatch", "demo_deepspeed", env=env)
     assert out.returncode == 0, out.stderr
     assert "--ntasks-per-node=1" in (tmp_path / "srun.called").read_text()
     joined = out.stdout.strip().splitlines()[-1]
@@ -229,8 +262,12 @@ def test_slurm_script_builds_one_rendezvous_per_job(tmp_path):
 
 def test_slurm_script_refuses_before_srun(tmp_path):
     env = {**fake_slurm(tmp_path), "SLURM_JOB_NUM_NODES": "3", "SLURM_GPUS_ON_NODE": "1"}
-    out = run_script("bash", "launch/slurm.sbatch", "megatron/demo_cpu", env=env)
-    assert out.returncode == 2 and "world size (3) must be divisible" in out.stderr
+    job = ds_config(tmp_path, train_batch_size=8)
+    out = run_script("bash", "launch/slurm.sbatch", str(job), env=env)
+    assert (
+        out.returncode == 2
+        and "train_batch_size (8) != train_micro_batch_size_per_gpu x" in out.stderr
+    )
     assert not (tmp_path / "srun.called").exists()
 
 

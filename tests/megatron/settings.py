@@ -27,7 +27,7 @@ import math
 import os
 import sys
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,6 +76,53 @@ def version_sys_path(version: str) -> list[str]:
             pytest.fail(f"{reason}; CI must run every version in MEGATRON_VERSIONS")
         pytest.skip(reason)
     return [path]
+
+
+TRAINING_VERSION = "0.17.1"
+"""The release the ``megatron.training`` tests run on (0.16 ships none; 0.19's does not import on
+Python 3.11: it uses ``typing.override``)."""
+
+
+def training_env(**extra: str) -> dict[str, str]:
+    """Environment for a subprocess on :data:`TRAINING_VERSION` (the repository importable,
+    launcher variables that would change the world size removed); skips or fails as
+    :func:`version_sys_path` does when the release is not installed."""
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*version_sys_path(TRAINING_VERSION), root])}
+    for name in ("NPROC_PER_NODE", "NNODES", "CUDA_DEVICE_MAX_CONNECTIONS", "WORLD_SIZE"):
+        env.pop(name, None)
+    return {**env, **extra}
+
+
+_LAUNCH_CHECKS = """
+import contextlib, io, json, sys
+from gnmr_dist.cli import launch
+results = []
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = launch.main(argv)
+        except SystemExit as stop:
+            code = stop.code
+    results.append([code, out.getvalue(), err.getvalue()])
+print(json.dumps(results))
+"""
+
+
+def launch_checks(
+    cases: Sequence[Sequence[str]], cwd: str | Path, **env: str
+) -> list[tuple[int, str, str]]:
+    """``gnmr-launch`` ``main(argv)`` for each argv, in ONE fresh interpreter on
+    :data:`TRAINING_VERSION`: ``[(exit status, stdout, stderr)]`` (one megatron import for all)."""
+    import json
+    import subprocess
+
+    cmd = [sys.executable, "-c", _LAUNCH_CHECKS, json.dumps([list(c) for c in cases])]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=300,
+                          env=training_env(**env))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [tuple(r) for r in json.loads(done.stdout.splitlines()[-1])]
 
 
 def megatron_version() -> str:

@@ -1,0 +1,188 @@
+"""``gnmr-megatron-pretrain`` on Megatron-LM's own loop: 2 CPU processes under torchrun, gloo.
+
+A LLaMA-shaped Megatron-LM argument set (SwiGLU, RMSNorm, RoPE, GQA, untied output, no biases,
+bf16, TP2 + sequence parallel, the distributed optimizer, warm-up + cosine LR, ``--data-path``
+on an indexed dataset written with megatron-core's ``IndexedDatasetBuilder``, TensorBoard,
+``--save``) runs on megatron-core 0.17.1 (``megatron.training`` ships from 0.17). TP2 on 2
+processes leaves DP1: the distributed optimizer then holds each parameter whole on its one DP
+rank (its sharding over DP is covered by tests/megatron/test_gnmr_settings.py).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.megatron.settings import training_env
+from tests.multiproc import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+ITERS = 16
+PROGRAM = "gnmr_dist.integrations.megatron_lm"
+
+LLAMA = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "128",
+    "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+    "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+    "--attention-dropout", "0", "--hidden-dropout", "0",
+    "--seq-length", "64", "--max-position-embeddings", "64",
+    "--micro-batch-size", "2", "--global-batch-size", "4",
+    "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "4", "--lr-decay-style", "cosine",
+    "--lr-decay-iters", str(ITERS), "--weight-decay", "0.1", "--clip-grad", "1.0",
+    "--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer",
+    "--bf16", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--split", "90,5,5",
+    "--log-interval", "4", "--eval-iters", "0", "--eval-interval", "1000", "--seed", "1234",
+]  # fmt: skip
+
+GNMR = {
+    "backend": "act_quant", "units": "operator", "max_active": 2, "lock_steps": 3,
+    "window": 6, "alpha": 2.0, "beta": 2.5, "warmup_steps": 4,
+    "low_cost": {"bits": 4, "group_size": 64}, "recovery": {"bits": 8},
+}  # fmt: skip
+SPIKE = ["--gnmr-inject-grad-spike", "9:1:100"]
+
+
+def _env() -> dict[str, str]:
+    return training_env(CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="1")
+
+
+def _torchrun(args: list[str], cwd: Path, fails: bool = False) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", str(free_port()), "-m", PROGRAM, *args]  # fmt: skip
+    done = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=600)
+    if fails:
+        assert done.returncode != 0
+        return done.stdout + done.stderr
+    if done.returncode != 0:
+        raise AssertionError(
+            f"exit {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
+        )
+    return done.stdout + done.stderr
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory with the indexed dataset and the GNMR block."""
+    work = tmp_path_factory.mktemp("megatron_lm")
+    script = (
+        "import numpy, torch\n"
+        "from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder\n"
+        f"b = IndexedDatasetBuilder({str(work / 'text_document.bin')!r}, dtype=numpy.int32)\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "for _ in range(400):\n"
+        "    n = int(torch.randint(50, 300, (1,), generator=g))\n"
+        "    t = torch.randint(0, 250, (n,), generator=g)\n"
+        "    b.add_document(t, [n])\n"
+        f"b.finalize({str(work / 'text_document.idx')!r})\n"
+    )
+    subprocess.run([sys.executable, "-c", script], env=_env(), check=True, capture_output=True)
+    (work / "gnmr.json").write_text(json.dumps({"gnmr": GNMR}))
+    return work
+
+
+def _args(work: Path, name: str, *extra: str) -> list[str]:
+    return [*LLAMA, "--data-path", str(work / "text_document"),
+            "--tensorboard-dir", str(work / name / "tb"), *extra]  # fmt: skip
+
+
+def _trace(path: Path) -> list[dict]:
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return [r for r in rows if "step" in r]
+
+
+def _losses(log: str) -> dict[int, str]:
+    """``{iteration: lm loss as printed}`` from megatron's own iteration log."""
+    out = {}
+    for line in log.splitlines():
+        if " iteration " in line and "lm loss:" in line:
+            iteration = int(line.split(" iteration ")[1].split("/")[0])
+            out[iteration] = line.split("lm loss:")[1].split("|")[0].strip()
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(work: Path) -> dict[str, str]:
+    """The uninterrupted run, and the same run saved at half way and resumed."""
+    gnmr = ["--gnmr-config", str(work / "gnmr.json"), *SPIKE]
+    full = _torchrun(_args(work, "full", "--train-iters", str(ITERS), *gnmr,
+                           "--gnmr-trace", str(work / "full" / "trace.jsonl")), work)  # fmt: skip
+    ckpt = ["--save", str(work / "ckpt"), "--load", str(work / "ckpt"), "--save-interval", "100"]
+    trace = ["--gnmr-trace", str(work / "resumed" / "trace.jsonl")]
+    stop = ["--exit-interval", "8"]  # a job stopped at iteration 8 (it saves, then exits)
+    first = _torchrun(
+        _args(work, "resumed", "--train-iters", str(ITERS), *gnmr, *ckpt, *trace, *stop), work
+    )
+    second = _torchrun(
+        _args(work, "resumed", "--train-iters", str(ITERS), *gnmr, *ckpt, *trace), work
+    )
+    return {"full": full, "first": first, "second": second}
+
+
+def test_llama_set_runs_and_gnmr_acts_on_the_spike(runs, work):
+    rows = _trace(work / "full" / "trace.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, ITERS + 1))
+    assert set(range(4, ITERS + 1, 4)) <= set(_losses(runs["full"]))
+    active_after = {tuple(r["active"]) for r in rows if r["step"] >= 9}
+    assert any(active_after), "the x100 spike in layer 1 never put a unit on the recovery path"
+    names = json.loads((work / "full" / "trace.jsonl").read_text().splitlines()[0])["units"]
+    spiked = {i for i, n in enumerate(names) if "layers.1." in n}
+    assert set(rows[8]["active"]) <= spiked and rows[8]["active"], rows[8]
+
+
+def test_resume_gives_the_uninterrupted_decisions(runs, work):
+    full = _trace(work / "full" / "trace.jsonl")
+    resumed = _trace(work / "resumed" / "trace.jsonl")
+    assert [r["step"] for r in resumed] == list(range(1, ITERS + 1))  # each step once
+    for a, b in zip(full, resumed, strict=True):
+        assert a["active"] == b["active"], (a["step"], a["active"], b["active"])
+        assert a["norms"] == pytest.approx(b["norms"], rel=1e-5, abs=1e-9)
+    assert "GNMR state restored (controller step 8)" in runs["second"]
+    assert _losses(runs["full"])[ITERS] == _losses(runs["second"])[ITERS]
+
+
+def test_gnmr_scalars_reach_megatrons_tensorboard(runs, work):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(work / "full" / "tb"))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    assert {"gnmr/num_active", "gnmr/num_exceed", "gnmr/global_grad_norm", "lm loss"} <= set(tags)
+    assert [e.step for e in events.Scalars("gnmr/num_active")] == list(range(1, ITERS + 1))
+    assert any(t.startswith("gnmr/risk/decoder.layers.1.") for t in tags)
+
+
+def test_null_backend_observes_only(work):
+    """GNMR off and GNMR with backend none: the same loss curve, digit for digit. Then a
+    checkpoint without GNMR state, loaded with GNMR on, is refused with the fix named."""
+    short = ["--train-iters", "8", "--log-interval", "1"]
+    save = ["--save", str(work / "ckpt_off"), "--save-interval", "8"]
+    off = _torchrun(_args(work, "off", *short, *save), work)
+    gnmr = ["--gnmr-config", str(work / "gnmr.json"), "--gnmr-backend", "none"]
+    observe = _torchrun(_args(work, "observe", *short, *gnmr), work)
+    assert list(_losses(off)) == list(range(1, 9))
+    assert _losses(off) == _losses(observe)
+    assert " gnmr | step 8 " in observe and " gnmr | " not in off
+    load = ["--load", str(work / "ckpt_off"), "--train-iters", "8"]
+    refused = _torchrun(_args(work, "refused", *load, *gnmr), work, fails=True)
+    assert 'the checkpoint (iteration 8) has no GNMR state; set "on_missing_state": ' in refused
+
+
+@pytest.mark.parametrize(
+    ("block", "said"),
+    [
+        ({"max_activ": 2}, "max_activ"),
+        ({"backend": "act_quant", "probe": {"every": 2}}, "gnmr.probe is supported under"),
+    ],
+)  # fmt: skip
+def test_bad_block_exits_2_before_any_process_group(tmp_path, block, said):
+    path = tmp_path / "gnmr.json"
+    path.write_text(json.dumps({"gnmr": block}))
+    cmd = [sys.executable, "-m", PROGRAM, *LLAMA, "--mock-data", "--gnmr-config", str(path)]
+    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and said in done.stderr, done.stderr[-3000:]
+    assert "initializing torch distributed" not in done.stdout
