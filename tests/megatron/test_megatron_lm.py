@@ -21,7 +21,7 @@ from tests.megatron.settings import training_env
 from tests.multiproc import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-ITERS = 16
+ITERS = 20
 PROGRAM = "gnmr_dist.integrations.megatron_lm"
 
 LLAMA = [
