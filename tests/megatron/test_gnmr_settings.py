@@ -417,11 +417,18 @@ def _error_worker(rank, world, name):
     return out
 
 
-@pytest.mark.slow
-def test_error_sums_are_summed_over_dp_and_scaled_like_the_gradient():
+@pytest.fixture(scope="module")
+def error_runs():
+    """DP1, DP2 plain and DP2 distributed-optimizer error sums, and the error_every run: one
+    ``run_jobs`` call (one worker pool) for both error-term tests."""
     names = ("fp32-dp2", "distopt-fp32-dp2")
     jobs = [(_error_worker, 1, ("dp1",))] + [(_error_worker, 2, (n,)) for n in names]
-    single, plain, distopt = multiproc.run_jobs(jobs, preload=PRELOAD)
+    return multiproc.run_jobs([*jobs, (_error_every_worker, 2, ())], preload=PRELOAD)
+
+
+@pytest.mark.slow
+def test_error_sums_are_summed_over_dp_and_scaled_like_the_gradient(error_runs):
+    single, plain, distopt, _ = error_runs
     ref = single[0]
     u = len(ref["units"])
     assert max(ref["sums"]) > 0
@@ -465,8 +472,8 @@ def _error_every_worker(rank, world):
 
 
 @pytest.mark.slow
-def test_error_every_rides_the_clip_norm_only_on_its_steps_and_carries_e_between():
-    (((u, out), _),) = multiproc.run_jobs([(_error_every_worker, 2, ())], preload=PRELOAD)
+def test_error_every_rides_the_clip_norm_only_on_its_steps_and_carries_e_between(error_runs):
+    ((u, out), _) = error_runs[3]
     one, two, three = out
     assert one["sums"] is None and two["sums"] is not None and three["sums"] is None
     assert one["error"] == [0.0] * u  # nothing measured yet: the term is silent
