@@ -3,6 +3,13 @@
 Imports DeepSpeed only when :func:`initialize` is called.
 """
 
-from gnmr_dist.integrations.deepspeed import DeepSpeedGNMR, initialize, load_ds_config
+from gnmr_dist.integrations.deepspeed import (
+    DeepSpeedGNMR,
+    disable,
+    enable,
+    enabled,
+    initialize,
+    load_ds_config,
+)
 
-__all__ = ["DeepSpeedGNMR", "initialize", "load_ds_config"]
+__all__ = ["DeepSpeedGNMR", "disable", "enable", "enabled", "initialize", "load_ds_config"]

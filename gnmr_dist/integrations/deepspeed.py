@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 import json
 import logging
@@ -83,7 +84,10 @@ from gnmr_dist.telemetry import TraceHeader, TraceWriter
 from gnmr_dist.telemetry.selection import top_k
 from gnmr_dist.telemetry.trace import ProbeRecord
 
-__all__ = ["STATE_FILE", "DeepSpeedGNMR", "initialize", "load_ds_config", "probe_loss"]
+__all__ = [
+    "STATE_FILE", "DeepSpeedGNMR", "disable", "enable", "enabled", "initialize", "load_ds_config",
+    "probe_loss",
+]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -108,11 +112,68 @@ def load_ds_config(config: Any) -> dict[str, Any]:
         return dict(hjson.loads(text))
 
 
-def initialize(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
-    """``deepspeed.initialize`` plus GNMR, driven by the config's ``"gnmr"`` block."""
+_ORIGINAL_INITIALIZE: list[Any] = []
+"""``deepspeed.initialize`` as DeepSpeed defines it, while :func:`enable` has replaced it."""
+_WARNED_NO_BLOCK: list[bool] = []
+
+
+def _deepspeed_initialize() -> Any:
+    """DeepSpeed's own ``initialize`` (never the patched one: no recursion)."""
     import deepspeed
 
-    params = dict(inspect.signature(deepspeed.initialize).bind(*args, **kwargs).arguments)
+    return _ORIGINAL_INITIALIZE[0] if _ORIGINAL_INITIALIZE else deepspeed.initialize
+
+
+def enable() -> None:
+    """Make ``deepspeed.initialize`` itself read the ``"gnmr"`` block (idempotent).
+
+    For code that calls DeepSpeed on its own: Hugging Face ``Trainer`` and TRL trainers (through
+    accelerate, which looks ``deepspeed.initialize`` up when it prepares the model) and plain
+    ``accelerate`` with a DeepSpeed plugin. Call it once before the trainer or accelerator
+    prepares the model; the block is read from the same DeepSpeed config they pass
+    (``config_params``). While enabled, an engine built from a config without an enabled
+    ``"gnmr"`` block logs that once. :func:`disable` restores DeepSpeed's function.
+    """
+    import deepspeed
+
+    if _ORIGINAL_INITIALIZE:
+        return
+    original = deepspeed.initialize
+    _ORIGINAL_INITIALIZE.append(original)
+
+    @functools.wraps(original)
+    def gnmr_initialize(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
+        return initialize(*args, **kwargs)
+
+    deepspeed.initialize = gnmr_initialize
+    logger.info('gnmr: deepspeed.initialize now reads the config\'s "gnmr" block')
+
+
+def disable() -> None:
+    """Undo :func:`enable` (no-op when not enabled)."""
+    import deepspeed
+
+    if _ORIGINAL_INITIALIZE:
+        deepspeed.initialize = _ORIGINAL_INITIALIZE.pop()
+        _WARNED_NO_BLOCK.clear()
+
+
+@contextlib.contextmanager
+def enabled() -> Any:
+    """:func:`enable` for the duration of a ``with`` block (restored after, if it enabled)."""
+    was = bool(_ORIGINAL_INITIALIZE)
+    enable()
+    try:
+        yield
+    finally:
+        if not was:
+            disable()
+
+
+def initialize(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
+    """``deepspeed.initialize`` plus GNMR, driven by the config's ``"gnmr"`` block."""
+    ds_initialize = _deepspeed_initialize()
+    params = dict(inspect.signature(ds_initialize).bind(*args, **kwargs).arguments)
     ds_config = load_ds_config(
         params.pop("config", None) or params.pop("config_params", None)
         or getattr(params.get("args"), "deepspeed_config", None)
@@ -123,7 +184,13 @@ def initialize(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
         params["args"] = copy.copy(params["args"])  # the config now travels in config=
         params["args"].deepspeed_config = None
     if not block.enabled:
-        return deepspeed.initialize(**params)  # type: ignore[no-any-return]
+        if _ORIGINAL_INITIALIZE and not _WARNED_NO_BLOCK:
+            _WARNED_NO_BLOCK.append(True)
+            logger.warning(
+                "gnmr: gnmr_dist.deepspeed.enable() is on, but this DeepSpeed config has no "
+                'enabled "gnmr" block: the engine runs without GNMR'
+            )
+        return ds_initialize(**params)  # type: ignore[no-any-return]
     model = params.get("model")
     if model is None:
         raise ValueError("gnmr_dist.deepspeed.initialize needs a model")
@@ -132,11 +199,13 @@ def initialize(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
     backend = _build_backend(block)
     check_error_source(block, backend)
     if not dist.is_initialized():
+        import deepspeed
+
         deepspeed.init_distributed()
     registry = _registry(model, block, backend)
     if block.probe is not None:
         block.probe.check_units(registry.num_units)
-    engine, optimizer, loader, scheduler = deepspeed.initialize(**params)
+    engine, optimizer, loader, scheduler = ds_initialize(**params)
     engine.gnmr = DeepSpeedGNMR(engine, registry, backend, block)
     return engine, optimizer, loader, scheduler
 

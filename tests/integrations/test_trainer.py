@@ -1,0 +1,101 @@
+"""The "gnmr" block under Hugging Face ``Trainer`` with DeepSpeed: real transformers, accelerate
+and DeepSpeed, 2 ranks over gloo on CPU, turned on with ``gnmr_dist.deepspeed.enable()``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("deepspeed")
+pytest.importorskip("accelerate")
+
+from tests import multiproc
+from tests.integrations import ds_common as dsc
+
+pytestmark = pytest.mark.slow
+
+STEPS = 6
+GNMR = {"backend": "act_quant", "max_active": 2, "lock_steps": 2, "warmup_steps": 2,
+        "alpha": 1.05, "beta": 1.2}  # fmt: skip
+
+
+class _Batches:
+    """A map-style data set: ``STEPS * world`` micro-batches of ``dsc.BATCH`` rows each."""
+
+    def __init__(self, n: int) -> None:
+        self.rows = [row for i in range(n) for row in dsc.batch(i, 0)]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def _trainer_worker(rank, world, out_dir, stage):
+    from transformers import Trainer, TrainingArguments
+
+    import gnmr_dist.deepspeed as gds
+
+    dsc.no_shm_build()
+    config = dsc.ds_config(stage, gnmr={**GNMR, "log": {"trace": f"{out_dir}/trace.jsonl"}})
+    config["optimizer"]["params"]["lr"] = "auto"
+    config["train_micro_batch_size_per_gpu"] = "auto"
+    args = TrainingArguments(
+        output_dir=out_dir, deepspeed=config, per_device_train_batch_size=dsc.BATCH,
+        max_steps=STEPS, learning_rate=1e-3, logging_steps=1, report_to=[],
+        save_strategy="no", disable_tqdm=True, dataloader_drop_last=True,
+    )  # fmt: skip
+    import deepspeed
+
+    original = deepspeed.initialize
+    gds.enable()
+    gds.enable()  # idempotent: still one wrapper, no recursion
+    try:
+        trainer = Trainer(model=dsc.llama(), args=args, train_dataset=_Batches(STEPS * world))
+        trainer.train()
+        said = _warnings_of_plain_engines(twice=True)
+    finally:
+        gds.disable()
+    engine = trainer.model_wrapped
+    logged = [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
+    return {
+        "said": said,
+        "restored": deepspeed.initialize is original,
+        "has_gnmr": hasattr(engine, "gnmr"),
+        "decisions": int(engine.gnmr.controller.step_count),
+        "logged": logged,
+    }
+
+
+def _warnings_of_plain_engines(twice: bool) -> list[str]:
+    """Warnings logged while ``deepspeed.initialize`` builds engines without a "gnmr" block."""
+    import logging
+
+    import deepspeed
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
+    log = logging.getLogger("gnmr_dist.integrations.deepspeed")
+    log.addHandler(handler)
+    try:
+        for _ in range(2 if twice else 1):
+            deepspeed.initialize(model=dsc.llama(), config=dsc.ds_config(0))
+    finally:
+        log.removeHandler(handler)
+    return [m for m in records if "no enabled" in m]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_trainer_with_a_gnmr_block_runs_gnmr(tmp_path, stage):
+    a, b = multiproc.run(_trainer_worker, 2, str(tmp_path), stage)
+    assert a["has_gnmr"] and b["has_gnmr"]
+    assert len(a["said"]) == 1 and 'has no enabled "gnmr" block' in a["said"][0]  # once
+    assert a["restored"]  # disable() put DeepSpeed's own function back
+    assert a["decisions"] == b["decisions"] == STEPS  # one decision per optimizer step
+    rows = [json.loads(x) for x in (tmp_path / "trace.jsonl").read_text().splitlines()[1:]]
+    ours = [r["extra"]["global_norm"] for r in rows]
+    assert len(ours) == len(a["logged"]) == STEPS and min(ours) > 0
+    assert ours == pytest.approx(a["logged"], rel=1e-5)  # Trainer's grad_norm, before clipping
