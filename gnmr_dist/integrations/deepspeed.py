@@ -132,7 +132,9 @@ def enable() -> None:
     ``accelerate`` with a DeepSpeed plugin. Call it once before the trainer or accelerator
     prepares the model; the block is read from the same DeepSpeed config they pass
     (``config_params``). While enabled, an engine built from a config without an enabled
-    ``"gnmr"`` block logs that once. :func:`disable` restores DeepSpeed's function.
+    ``"gnmr"`` block logs that once, and ``transformers.Trainer.log`` adds GNMR's counts to
+    Trainer's training logs (:mod:`gnmr_dist.integrations.trainer`). :func:`disable` restores
+    both.
     """
     import deepspeed
 
@@ -146,6 +148,10 @@ def enable() -> None:
         return initialize(*args, **kwargs)
 
     deepspeed.initialize = gnmr_initialize
+    with contextlib.suppress(ImportError):  # no transformers: nothing to log into
+        from gnmr_dist.integrations import trainer
+
+        trainer.patch()
     logger.info('gnmr: deepspeed.initialize now reads the config\'s "gnmr" block')
 
 
@@ -156,6 +162,10 @@ def disable() -> None:
     if _ORIGINAL_INITIALIZE:
         deepspeed.initialize = _ORIGINAL_INITIALIZE.pop()
         _WARNED_NO_BLOCK.clear()
+        with contextlib.suppress(ImportError):
+            from gnmr_dist.integrations import trainer
+
+            trainer.unpatch()
 
 
 @contextlib.contextmanager

@@ -60,7 +60,10 @@ def _trainer_worker(rank, world, out_dir, stage):
         gds.disable()
     engine = trainer.model_wrapped
     logged = [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
+    gnmr_logs = [{k: v for k, v in e.items() if k.startswith("gnmr/") or k == "step"}
+                 for e in trainer.state.log_history if "loss" in e]  # fmt: skip
     return {
+        "gnmr_logs": gnmr_logs,
         "said": said,
         "restored": deepspeed.initialize is original,
         "has_gnmr": hasattr(engine, "gnmr"),
@@ -98,4 +101,50 @@ def test_trainer_with_a_gnmr_block_runs_gnmr(tmp_path, stage):
     rows = [json.loads(x) for x in (tmp_path / "trace.jsonl").read_text().splitlines()[1:]]
     ours = [r["extra"]["global_norm"] for r in rows]
     assert len(ours) == len(a["logged"]) == STEPS and min(ours) > 0
-    assert ours == pytest.approx(a["logged"], rel=1e-5)  # Trainer's grad_norm, before clipping
+    assert ours == pytest.approx(a["logged"], rel=1e-5)
+    # GNMR's counts in Trainer's own logs, at Trainer's step, for every report_to integration
+    logs = a["gnmr_logs"]
+    assert [e["step"] for e in logs] == [e["gnmr/step"] for e in logs] == list(range(1, STEPS + 1))
+    assert [e["gnmr/num_active"] for e in logs] == [float(len(r["active"])) for r in rows]
+    assert [e["gnmr/global_grad_norm"] for e in logs] == pytest.approx(
+        ours, rel=1e-12
+    )  # Trainer's grad_norm, before clipping
+
+
+def _resume_worker(rank, world, out_dir, stage):
+    """The same Trainer run saved every 3 steps; then a second Trainer resumed at step 3."""
+    from transformers import Trainer, TrainingArguments
+
+    import gnmr_dist.deepspeed as gds
+
+    dsc.no_shm_build()
+    records = {}
+    with gds.enabled():
+        for name, resume in (("full", None), ("resumed", f"{out_dir}/full/checkpoint-3")):
+            config = dsc.ds_config(
+                stage, gnmr={**GNMR, "log": {"trace": f"{out_dir}/{name}.jsonl"}}
+            )
+            config["optimizer"]["params"]["lr"] = "auto"
+            config["train_micro_batch_size_per_gpu"] = "auto"
+            args = TrainingArguments(
+                output_dir=f"{out_dir}/{name}", deepspeed=config, max_steps=STEPS,
+                per_device_train_batch_size=dsc.BATCH, learning_rate=1e-3, logging_steps=1,
+                report_to=[], save_strategy="steps", save_steps=3, disable_tqdm=True,
+                dataloader_drop_last=True,
+            )  # fmt: skip
+            trainer = Trainer(model=dsc.llama(), args=args, train_dataset=_Batches(STEPS * world))
+            trainer.train(resume_from_checkpoint=resume)
+            records[name] = int(trainer.model_wrapped.gnmr.controller.step_count)
+    return records
+
+
+def test_resume_from_checkpoint_gives_the_uninterrupted_decisions(tmp_path):
+    a, b = multiproc.run(_resume_worker, 2, str(tmp_path), 2)
+    assert a == b == {"full": STEPS, "resumed": STEPS}
+    read = lambda name: [json.loads(x) for x in (tmp_path / name).read_text().splitlines()[1:]]  # noqa: E731
+    full, resumed = read("full.jsonl"), read("resumed.jsonl")
+    assert [r["step"] for r in resumed] == list(range(4, STEPS + 1))  # after checkpoint-3
+    assert any(r["active"] for r in full)  # the tight policy acts: the state is not trivial
+    for want, got in zip(full[3:], resumed, strict=True):
+        assert got["active"] == want["active"]
+        assert got["norms"] == pytest.approx(want["norms"], rel=1e-5)

@@ -1,0 +1,62 @@
+"""Hugging Face ``Trainer``: GNMR's counts in ``Trainer.log``, on Trainer's step axis.
+
+:func:`gnmr_dist.deepspeed.enable` calls :func:`patch` (when transformers is importable), so a
+Trainer whose DeepSpeed engine carries ``engine.gnmr`` adds, to each training log entry (the
+ones with a ``"loss"``), ``gnmr/<count>`` for every field of the last decision's
+:class:`~gnmr_dist.core.controller.Telemetry`, ``gnmr/global_grad_norm`` and ``gnmr/step`` (the
+controller's step). ``Trainer.log`` is where every ``report_to`` integration (TensorBoard,
+W&B, ...), the console and ``state.log_history`` read from, so the entries reach all of them at
+Trainer's ``global_step``. The block's ``log.monitor: false`` turns them off; ``log.every``
+thins them to controller steps divisible by it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+__all__ = ["log_entries", "patch", "unpatch"]
+
+_ORIGINAL_LOG: list[Any] = []
+
+
+def log_entries(trainer: Any) -> dict[str, float]:
+    """The ``gnmr/*`` entries for ``trainer``'s next training log (empty without GNMR)."""
+    session = getattr(getattr(trainer, "model_wrapped", None), "gnmr", None)
+    decision = getattr(session, "last_decision", None)
+    if session is None or decision is None or not session.block.log.monitor:
+        return {}
+    if decision.step % session.block.log.every:
+        return {}
+    entries = {f"gnmr/{k}": v for k, v in decision.telemetry.as_dict().items()}
+    norms = session.runtime.last_norms
+    if norms is not None:
+        entries["gnmr/global_grad_norm"] = float(norms.global_norm)
+    entries["gnmr/step"] = float(decision.step)
+    return entries
+
+
+def patch() -> None:
+    """Wrap ``transformers.Trainer.log`` to add :func:`log_entries` (idempotent)."""
+    from transformers import Trainer
+
+    if _ORIGINAL_LOG:
+        return
+    original = Trainer.log
+    _ORIGINAL_LOG.append(original)
+
+    @functools.wraps(original)
+    def log(self: Any, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        if "loss" in logs:
+            logs.update(log_entries(self))
+        original(self, logs, *args, **kwargs)
+
+    Trainer.log = log  # type: ignore[method-assign]
+
+
+def unpatch() -> None:
+    """Undo :func:`patch` (no-op when not patched)."""
+    if _ORIGINAL_LOG:
+        from transformers import Trainer
+
+        Trainer.log = _ORIGINAL_LOG.pop()  # type: ignore[method-assign]
