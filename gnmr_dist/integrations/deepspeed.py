@@ -236,10 +236,14 @@ def _check_supported(model: Any, mpu: Any, ds_config: Mapping[str, Any]) -> None
         )
     zero = ds_config.get("zero_optimization", {}) or {}
     offload = (zero.get("offload_optimizer") or {}).get("device", "none")
-    if offload not in (None, "none"):
+    stage = int(zero.get("stage", 0) or 0)
+    if offload not in (None, "none") and (offload != "cpu" or stage not in (1, 2)):
         raise NotImplementedError(
-            f"gnmr: zero_optimization.offload_optimizer.device={offload!r} keeps gradients in "
-            "offload buffers the monitor does not read; set it to 'none' or disable the gnmr block"
+            f"gnmr: zero_optimization.offload_optimizer.device={offload!r} at ZeRO stage {stage} "
+            "is not supported: GNMR reads offloaded gradients at stages 1-2 with device 'cpu' "
+            "(the fp32 partition DeepSpeed copies them into); stage 3 and NVMe offload keep "
+            "them in buffers it has not been checked against. Use stage 1-2 with 'cpu', or "
+            "'none'"
         )
 
 

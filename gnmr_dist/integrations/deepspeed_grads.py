@@ -8,9 +8,11 @@ parameter's gradient, or all of it:
   ``param.grad`` on every rank. Each rank reads an equal 1/W slice of it, so the per-rank cost
   falls with the world size and every element still counts exactly once;
 * stages 1 and 2 (``DeepSpeedZeroOptimizer``) and ``BF16_Optimizer``: the rank's flat fp32
-  partition, mapped to parameters by ``param._hp_mapping`` (``lp_fragment_address`` gives the
-  slice of the flattened parameter this rank owns; ``BF16_Optimizer`` keeps the full gradient
-  per parameter, narrowed here to the rank's own slice);
+  partition (with ``offload_optimizer: cpu``, the CPU copy DeepSpeed makes of it: the
+  mapping's ``offload_gradient_dict``), mapped to parameters by ``param._hp_mapping``
+  (``lp_fragment_address`` gives the slice of the flattened parameter this rank owns;
+  ``BF16_Optimizer`` keeps the full gradient per parameter, narrowed here to the rank's own
+  slice);
 * stage 3 (``DeepSpeedZeroOptimizer_Stage3``): the rank's partition of each parameter,
   ``partition_numel()`` elements starting at ``rank * partition_numel()``, clipped to the
   parameter's real size (the last partition is padded).
@@ -80,10 +82,10 @@ def grad_piece_fn(engine: Any) -> GradPiece:
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     optimizer = engine.optimizer
-    if getattr(optimizer, "cpu_offload", False) or getattr(optimizer, "offload_optimizer", False):
+    if isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3) and optimizer.offload_optimizer:
         raise NotImplementedError(
-            "gnmr: ZeRO optimizer offload keeps gradients in offload buffers, which the monitor "
-            "does not read yet; disable offload_optimizer or the gnmr block"
+            "gnmr: ZeRO-3 optimizer offload keeps gradients in offload buffers, which the "
+            "monitor does not read yet; disable offload_optimizer or use ZeRO stage 1-2"
         )
     if isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
         return _stage3(optimizer)

@@ -101,6 +101,36 @@ def test_unit_norms_every_zero_stage_and_dtype():
             assert torch.allclose(a["norms"], want, rtol=1e-5, atol=0), cfg
 
 
+OFFLOAD = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+
+
+def _offload_worker(rank, world):
+    from deepspeed.utils import safe_get_full_grad
+
+    import gnmr_dist.deepspeed as gds
+
+    dsc.no_shm_build()
+    config = dsc.ds_config(2, "fp32", GNMR, zero_optimization=OFFLOAD,
+                           zero_force_ds_cpu_optimizer=False)  # fmt: skip
+    engine, *_ = gds.initialize(model=dsc.llama(), config=config)
+    loss = engine(input_ids=dsc.batch(1, rank), labels=dsc.batch(1, rank)).loss
+    engine.backward(loss)
+    got = engine.gnmr.runtime.monitor.compute()
+    full = {n: safe_get_full_grad(p).double() for n, p in engine.module.named_parameters()}
+    ref = [sum(float(full[n].square().sum()) for n in full if n.startswith(u + ".")) ** 0.5
+           for u in engine.gnmr.registry.names]  # fmt: skip
+    engine.step()
+    return {"offload": bool(engine.optimizer.cpu_offload), "norms": got.norms.tolist(),
+            "ref": ref, "decisions": int(engine.gnmr.controller.step_count)}  # fmt: skip
+
+
+def test_zero_offload_stage2_norms_equal_the_full_gradients():
+    """ZeRO-Offload (optimizer on CPU): GNMR reads the fp32 partition DeepSpeed offloads into."""
+    for r in multiproc.run(_offload_worker, 2):
+        assert r["offload"] and r["decisions"] == 1
+        assert r["norms"] == pytest.approx(r["ref"], rel=1e-5) and min(r["ref"]) > 0
+
+
 GAS = 2
 """Micro-batches per optimizer step in the error-sum test (DeepSpeed divides each loss by it)."""
 

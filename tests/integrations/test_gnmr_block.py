@@ -84,10 +84,12 @@ def test_unsupported_setups_fail_before_any_process_group():
 
     import gnmr_dist.deepspeed as gds
 
-    cfg = dsc.ds_config(2, gnmr={"backend": "act_quant"})
-    cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
-    with pytest.raises(NotImplementedError, match=r"offload_optimizer\.device='cpu'"):
-        gds.initialize(model=nn.Linear(4, 4), config=cfg)
+    for stage, device in ((3, "cpu"), (2, "nvme")):
+        cfg = dsc.ds_config(stage, gnmr={"backend": "act_quant"})
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": device}
+        said = rf"offload_optimizer\.device='{device}' at ZeRO stage {stage} is not supported"
+        with pytest.raises(NotImplementedError, match=said):
+            gds.initialize(model=nn.Linear(4, 4), config=cfg)
 
     class TP2:
         def get_model_parallel_world_size(self):
