@@ -17,7 +17,21 @@ pytestmark = pytest.mark.slow
 
 STEPS = 6
 GNMR = {"backend": "act_quant", "max_active": 2, "lock_steps": 2, "warmup_steps": 2,
-        "alpha": 1.05, "beta": 1.2}  # fmt: skip
+        "alpha": 1.05, "beta": 1.2, "check_consistency": True}  # fmt: skip
+"""``check_consistency``: each decision is hash-compared across the ranks (fails if they differ)."""
+SPIKED, SPIKE_STEP = "model.layers.1.mlp.down_proj", 4
+
+
+def _spike(model, step: int, factor: float = 100.0) -> None:
+    """Multiply the gradient of ``SPIKED``'s weight by ``factor`` in backward number ``step``
+    (one backward per optimizer step here): a fault in one unit, on every rank."""
+    calls = [0]
+
+    def hook(grad):
+        calls[0] += 1
+        return grad * factor if calls[0] == step else grad
+
+    model.get_submodule(SPIKED).weight.register_hook(hook)
 
 
 class _Batches:
@@ -53,7 +67,9 @@ def _trainer_worker(rank, world, out_dir, stage):
     gds.enable()
     gds.enable()  # idempotent: still one wrapper, no recursion
     try:
-        trainer = Trainer(model=dsc.llama(), args=args, train_dataset=_Batches(STEPS * world))
+        model = dsc.llama()
+        _spike(model, SPIKE_STEP)
+        trainer = Trainer(model=model, args=args, train_dataset=_Batches(STEPS * world))
         trainer.train()
         said = _warnings_of_plain_engines(twice=True)
     finally:
@@ -99,6 +115,8 @@ def test_trainer_with_a_gnmr_block_runs_gnmr(tmp_path, stage):
     assert a["restored"]  # disable() put DeepSpeed's own function back
     assert a["decisions"] == b["decisions"] == STEPS  # one decision per optimizer step
     rows = [json.loads(x) for x in (tmp_path / "trace.jsonl").read_text().splitlines()[1:]]
+    names = json.loads((tmp_path / "trace.jsonl").read_text().splitlines()[0])["units"]
+    assert names.index(SPIKED) in rows[SPIKE_STEP - 1]["active"]  # selected (on both ranks)
     ours = [r["extra"]["global_norm"] for r in rows]
     assert len(ours) == len(a["logged"]) == STEPS and min(ours) > 0
     assert ours == pytest.approx(a["logged"], rel=1e-5)
