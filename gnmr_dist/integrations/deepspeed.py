@@ -66,7 +66,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -498,21 +498,21 @@ class DeepSpeedGNMR(IntegrationSession):
         if dist.get_rank() != 0:
             return
         trace = self._trace_writer()
-        extra = {"global_norm": norms.global_norm, "engine_step": int(self.engine.global_steps)}
+        samples = int(self.engine.global_samples)  # DeepSpeed's own monitor axis
+        extra = {"global_norm": norms.global_norm, "engine_step": int(self.engine.global_steps),
+                 "engine_samples": samples}  # fmt: skip
         extra.update(self._notes)
         self._notes = {}
         if trace is not None:
             trace.write(norms.norms, decision, extra, probe=probe)
         monitor = getattr(self.engine, "monitor", None)
         log = self.block.log
-        if (
-            log.monitor
-            and monitor is not None
-            and monitor.enabled
-            and decision.step % log.every == 0
-        ):
+        if decision.step % log.every:
+            return
+        _console(decision, norms, self.registry.names, samples)
+        if log.monitor and monitor is not None and monitor.enabled:
             tele = {**decision.telemetry.as_dict(), "global_grad_norm": norms.global_norm}
-            monitor.write_events([(f"gnmr/{k}", float(v), decision.step) for k, v in tele.items()])
+            monitor.write_events([(f"gnmr/{k}", float(v), samples) for k, v in tele.items()])
 
     def _trace_writer(self) -> TraceWriter | None:
         if self.block.log.trace is None:
@@ -569,6 +569,19 @@ class DeepSpeedGNMR(IntegrationSession):
             raise ValueError(f"gnmr: cannot restore {path}: {err}") from err
         logger.info("gnmr: restored controller at step %d from %s",
                     self.runtime.controller.step_count, path)  # fmt: skip
+
+
+def _console(decision: Decision, norms: UnitNorms, names: Sequence[str], samples: int) -> None:
+    """One line per logged decision through DeepSpeed's own console logger (rank 0 calls it),
+    so any DeepSpeed script shows GNMR next to DeepSpeed's step lines."""
+    from deepspeed.utils import logger as ds_logger
+
+    t = decision.telemetry
+    ds_logger.info(
+        "gnmr | step %d | samples %d | exceed %d | active %d %s | max risk %.3g | grad norm %.4g",
+        decision.step, samples, t.num_exceed, len(decision.active),
+        [names[u] for u in decision.active], t.max_risk, norms.global_norm,
+    )  # fmt: skip
 
 
 def _read_state(path: Path) -> tuple[str, Any]:

@@ -273,6 +273,9 @@ def test_save_at_20_resume_in_fresh_processes_equals_uninterrupted(tmp_path):
     assert summary.matches_recorded == 40  # the trace replays to the same decisions
     csv = tmp_path / "ckpt" / "full" / "gnmr_num_active.csv"
     assert csv.is_file() and len(csv.read_text().splitlines()) == 41  # header + 40 steps
+    # on DeepSpeed's own axis (its Train/Samples/* events): samples, 2 ranks x 2 per step
+    axis = [int(float(x.split(",")[0])) for x in csv.read_text().splitlines()[1:]]
+    assert axis == [4 * s for s in range(1, 41)]
 
 
 def _bad_state_worker(rank, world, ckpt, mode):
