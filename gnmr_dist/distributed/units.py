@@ -40,10 +40,12 @@ __all__ = [
     "MEGATRON_TE_LINEARS",
     "OPERATOR_TYPES",
     "UnitRegistry",
+    "check_selection",
     "global_param_name",
     "global_param_names",
     "is_lora_layer",
     "is_operator",
+    "matches",
 ]
 
 logger = logging.getLogger(__name__)
@@ -210,17 +212,51 @@ def _chunk_units(
     ]
 
 
+def matches(name: str, patterns: Sequence[str]) -> bool:
+    """Whether a glob of ``patterns`` selects the unit ``name``: it matches the name, or the
+    name followed by ``"."`` (everything inside the unit). So ``"*.layers.0.*"`` selects the
+    operators of layer 0 *and* the layer unit ``model.layers.0`` itself: a pattern means the
+    same part of the model at either granularity."""
+    return any(fnmatch.fnmatchcase(n, p) for p in patterns for n in (name, name + "."))
+
+
 def _select(
     units: list[_LocalUnit], include: Sequence[str], exclude: Sequence[str]
 ) -> list[_LocalUnit]:
-    def hit(name: str, patterns: Sequence[str]) -> bool:
-        return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+    hit = matches
 
     def default(unit: _LocalUnit) -> bool:
         return unit.key[0] == 0  # inside a transformer layer
 
     chosen = [u for u in units if (hit(u.name, include) if include else default(u))]
     return [u for u in chosen if not hit(u.name, exclude)]
+
+
+def _nothing_selected(
+    chunks: Sequence[nn.Module], granularity: str, include: Sequence[str],
+    exclude: Sequence[str], layer_offset: int,
+) -> str:  # fmt: skip
+    """The error message of a selection that is empty, naming the first units there are."""
+    there = [u.name for u in _chunk_units(chunks, granularity, layer_offset, lambda n, m: True)]
+    listed = ", ".join(there[:6]) + (f", ... ({len(there)} in all)" if len(there) > 6 else "")
+    return (
+        f"no units selected with units={granularity!r}, include={list(include)}, "
+        f"exclude={list(exclude)}; the model's {granularity} units are: "
+        f"{listed or 'none (does it have transformer layers or linear operators?)'}"
+    )
+
+
+def check_selection(
+    model: nn.Module | Sequence[nn.Module], *, granularity: str = "operator",
+    include: Sequence[str] = (), exclude: Sequence[str] = (), layer_offset: int = 0,
+) -> None:  # fmt: skip
+    """``ValueError`` when ``include``/``exclude`` select no unit of ``model``, listing the
+    first units it has. Local: for integrations whose every rank holds the whole model
+    (data parallel), to refuse before any process group work."""
+    chunks = [model] if isinstance(model, nn.Module) else list(model)
+    units = _chunk_units(chunks, granularity, layer_offset, lambda n, m: True)
+    if not _select(units, include, exclude):
+        raise ValueError(_nothing_selected(chunks, granularity, include, exclude, layer_offset))
 
 
 class UnitRegistry:
@@ -277,8 +313,10 @@ class UnitRegistry:
 
         Args:
             granularity: ``"operator"`` (each projection) or ``"layer"`` (each transformer layer).
-            include: glob patterns on global unit names; default: every unit inside a layer.
-            exclude: glob patterns removed after ``include`` (e.g. ``"*.layers.0.*"``).
+            include: glob patterns on global unit names (:func:`matches`: a pattern also
+                selects a unit it reaches inside of); default: every unit inside a layer.
+            exclude: glob patterns removed after ``include`` (e.g. ``"*.layers.0.*"``: layer 0,
+                as operators or as the layer unit).
             group: ranks whose units form the model (usually the world); one all-gather of
                 names happens over it. ``None``: this process holds the whole model.
             tp_group: the tensor-parallel group, to count replicated parameters on TP rank 0 only.
@@ -299,11 +337,7 @@ class UnitRegistry:
         )
         names, eligible = _agree(local, group)
         if not names:
-            raise ValueError(
-                f"no units found with granularity={granularity!r}, include={list(include)}, "
-                f"exclude={list(exclude)}: does the model have transformer layers or linear "
-                "operators?"
-            )
+            raise ValueError(_nothing_selected(chunks, granularity, include, exclude, layer_offset))
         return cls._bind(chunks, names, eligible, local, group_rank(tp_group), layer_offset)
 
     @classmethod

@@ -77,6 +77,7 @@ from gnmr_dist.backends import PrecisionBackend, get_backend
 from gnmr_dist.core import Decision
 from gnmr_dist.distributed import GNMRRuntime, UnitNorms, UnitRegistry
 from gnmr_dist.distributed.probe import ProbeResult, RecoveryProbe
+from gnmr_dist.distributed.units import check_selection
 from gnmr_dist.integrations.config import GNMRBlock
 from gnmr_dist.integrations.deepspeed_grads import grad_piece_fn
 from gnmr_dist.integrations.session import IntegrationSession, check_error_source, error_source
@@ -208,6 +209,7 @@ def initialize(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
     _check_probe(block, ds_config)
     backend = _build_backend(block)
     check_error_source(block, backend)
+    check_selection(model, granularity=block.units, include=block.include, exclude=block.exclude)
     if not dist.is_initialized():
         import deepspeed
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from gnmr_dist.distributed import GNMRRuntime, UnitRegistry
-from gnmr_dist.distributed.units import global_param_name
+from gnmr_dist.distributed.units import check_selection, global_param_name, matches
 from tests.distributed.toy import Block, Toy
 
 
@@ -33,10 +33,28 @@ def test_include_exclude_patterns():
     assert reg.names == ("layers.1.fc1", "layers.2.fc1")
     reg = UnitRegistry.from_model(model, include=["head", "layers.2.*"])
     assert reg.names == ("layers.2.fc1", "layers.2.fc2", "head")  # layers first, then by name
-    with pytest.raises(ValueError, match="no units found"):
+    said = (r"no units selected with units='operator', include=\['nothing\*'\], exclude=\[\]; "
+            r"the model's operator units are: layers\.0\.fc1, layers\.0\.fc2, "
+            r"layers\.1\.fc1")  # fmt: skip
+    with pytest.raises(ValueError, match=said):
         UnitRegistry.from_model(model, include=["nothing*"])
+    with pytest.raises(ValueError, match=said):  # the same, locally, before any collective
+        check_selection(model, include=["nothing*"])
     with pytest.raises(ValueError, match="granularity must be one of"):
         UnitRegistry.from_model(model, granularity="block")
+
+
+def test_a_pattern_means_the_same_part_at_either_granularity():
+    """``"layers.0.*"`` (the README's exclude) drops layer 0 as operators and as a layer unit."""
+    model = Toy(layers=3)
+    ops = UnitRegistry.from_model(model, exclude=["layers.0.*"])
+    layers = UnitRegistry.from_model(model, granularity="layer", exclude=["layers.0.*"])
+    assert ops.names == ("layers.1.fc1", "layers.1.fc2", "layers.2.fc1", "layers.2.fc2")
+    assert layers.names == ("layers.1", "layers.2")
+    with pytest.raises(ValueError, match=r"the model's layer units are: layers\.0, layers\.1"):
+        UnitRegistry.from_model(model, granularity="layer", include=["*.fc1"])  # part of a layer
+    assert matches("model.layers.0", ["*.layers.0.*"])
+    assert not matches("model.layers.10", ["*.layers.0.*"])
 
 
 def test_pipeline_stage_names_layers_globally():

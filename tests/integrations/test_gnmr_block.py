@@ -97,6 +97,12 @@ def test_unsupported_setups_fail_before_any_process_group():
 
     with pytest.raises(NotImplementedError, match="model-parallel mpu"):
         gds.initialize(model=nn.Linear(4, 4), mpu=TP2(), config=dsc.ds_config(0, gnmr={}))
+    typo = {"backend": "act_quant", "include": ["*.layer.*"]}  # "layers"
+    said = (r"include=\['\*\.layer\.\*'\], exclude=\[\]; the model's operator units are: "
+            r"model\.layers\.0\.self_attn\.q_proj, "
+            r"model\.layers\.0\.self_attn\.k_proj")  # fmt: skip
+    with pytest.raises(ValueError, match=said):
+        gds.initialize(model=dsc.llama(), config=dsc.ds_config(0, gnmr=typo))
     assert not dist.is_initialized()
 
 
