@@ -1,5 +1,6 @@
-"""The "gnmr" block under Hugging Face ``Trainer`` with DeepSpeed: real transformers, accelerate
-and DeepSpeed, 2 ranks over gloo on CPU, turned on with ``gnmr_dist.deepspeed.enable()``."""
+"""The "gnmr" block under Hugging Face ``Trainer`` and a plain ``accelerate`` loop with DeepSpeed:
+real transformers, accelerate and DeepSpeed, 2 ranks over gloo on CPU, turned on with
+``gnmr_dist.deepspeed.enable()``."""
 
 from __future__ import annotations
 
@@ -166,3 +167,39 @@ def test_resume_from_checkpoint_gives_the_uninterrupted_decisions(tmp_path):
     for want, got in zip(full[3:], resumed, strict=True):
         assert got["active"] == want["active"]
         assert got["norms"] == pytest.approx(want["norms"], rel=1e-5)
+
+
+def _accelerate_worker(rank, world, out_dir):
+    """A plain accelerate loop: accelerate's DeepSpeed wrapper steps the engine in backward()."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+
+    import gnmr_dist.deepspeed as gds
+
+    dsc.no_shm_build()
+    config = dsc.ds_config(2, gnmr={**GNMR, "log": {"trace": f"{out_dir}/trace.jsonl"}})
+    del config["optimizer"]  # the loop's own torch optimizer
+    model = dsc.llama()
+    _spike(model, SPIKE_STEP)
+    with gds.enabled():
+        accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        engine, optimizer = accelerator.prepare(model, optimizer)
+        norms = []
+        for step in range(1, STEPS + 1):
+            batch = dsc.batch(step, rank)
+            accelerator.backward(engine(input_ids=batch, labels=batch).loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            norms.append(float(engine.get_global_grad_norm()))
+    return {"decisions": int(engine.gnmr.controller.step_count), "ds_norms": norms}
+
+
+def test_plain_accelerate_loop(tmp_path):
+    a, b = multiproc.run(_accelerate_worker, 2, str(tmp_path))
+    assert a["decisions"] == b["decisions"] == STEPS
+    lines = (tmp_path / "trace.jsonl").read_text().splitlines()
+    rows, names = [json.loads(x) for x in lines[1:]], json.loads(lines[0])["units"]
+    assert [r["extra"]["global_norm"] for r in rows] == pytest.approx(a["ds_norms"], rel=1e-5)
+    assert names.index(SPIKED) in rows[SPIKE_STEP - 1]["active"]
