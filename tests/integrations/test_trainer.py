@@ -48,45 +48,53 @@ class _Batches:
         return {"input_ids": self.rows[i], "labels": self.rows[i]}
 
 
-def _trainer_worker(rank, world, out_dir, stage):
+def _train(out_dir: str, name: str, stage: int, world: int, resume: str | None) -> dict:
+    """One Trainer run (checkpoint every 3 steps); GNMR already enabled."""
     from transformers import Trainer, TrainingArguments
+
+    config = dsc.ds_config(stage, gnmr={**GNMR, "log": {"trace": f"{out_dir}/{name}.jsonl"}})
+    config["optimizer"]["params"]["lr"] = "auto"
+    config["train_micro_batch_size_per_gpu"] = "auto"
+    args = TrainingArguments(
+        output_dir=f"{out_dir}/{name}", deepspeed=config, per_device_train_batch_size=dsc.BATCH,
+        max_steps=STEPS, learning_rate=1e-3, logging_steps=1, report_to=[],
+        save_strategy="steps", save_steps=3, disable_tqdm=True, dataloader_drop_last=True,
+    )  # fmt: skip
+    model = dsc.llama()
+    _spike(model, SPIKE_STEP if resume is None else SPIKE_STEP - 3)  # the same optimizer step
+    trainer = Trainer(model=model, args=args, train_dataset=_Batches(STEPS * world))
+    trainer.train(resume_from_checkpoint=resume)
+    engine, history = trainer.model_wrapped, trainer.state.log_history
+    return {
+        "has_gnmr": hasattr(engine, "gnmr"),
+        "decisions": int(engine.gnmr.controller.step_count),
+        "logged": [e["grad_norm"] for e in history if "grad_norm" in e],
+        "gnmr_logs": [
+            {k: v for k, v in e.items() if k.startswith("gnmr/") or k == "step"}
+            for e in history
+            if "loss" in e
+        ],
+    }
+
+
+def _trainer_worker(rank, world, out_dir, stage):
+    """The Trainer run, the same run resumed from its checkpoint-3, plain engines after."""
+    import deepspeed
 
     import gnmr_dist.deepspeed as gds
 
     dsc.no_shm_build()
-    config = dsc.ds_config(stage, gnmr={**GNMR, "log": {"trace": f"{out_dir}/trace.jsonl"}})
-    config["optimizer"]["params"]["lr"] = "auto"
-    config["train_micro_batch_size_per_gpu"] = "auto"
-    args = TrainingArguments(
-        output_dir=out_dir, deepspeed=config, per_device_train_batch_size=dsc.BATCH,
-        max_steps=STEPS, learning_rate=1e-3, logging_steps=1, report_to=[],
-        save_strategy="no", disable_tqdm=True, dataloader_drop_last=True,
-    )  # fmt: skip
-    import deepspeed
-
     original = deepspeed.initialize
     gds.enable()
     gds.enable()  # idempotent: still one wrapper, no recursion
     try:
-        model = dsc.llama()
-        _spike(model, SPIKE_STEP)
-        trainer = Trainer(model=model, args=args, train_dataset=_Batches(STEPS * world))
-        trainer.train()
+        full = _train(out_dir, "full", stage, world, None)
+        resumed = _train(out_dir, "resumed", stage, world, f"{out_dir}/full/checkpoint-3")
         said = _warnings_of_plain_engines(twice=True)
     finally:
         gds.disable()
-    engine = trainer.model_wrapped
-    logged = [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
-    gnmr_logs = [{k: v for k, v in e.items() if k.startswith("gnmr/") or k == "step"}
-                 for e in trainer.state.log_history if "loss" in e]  # fmt: skip
-    return {
-        "gnmr_logs": gnmr_logs,
-        "said": said,
-        "restored": deepspeed.initialize is original,
-        "has_gnmr": hasattr(engine, "gnmr"),
-        "decisions": int(engine.gnmr.controller.step_count),
-        "logged": logged,
-    }
+    return {"full": full, "resumed": resumed, "said": said,
+            "restored": deepspeed.initialize is original}  # fmt: skip
 
 
 def _warnings_of_plain_engines(twice: bool) -> list[str]:
@@ -108,63 +116,34 @@ def _warnings_of_plain_engines(twice: bool) -> list[str]:
     return [m for m in records if "no enabled" in m]
 
 
+def _trace(path) -> tuple[list[str], list[dict]]:
+    lines = path.read_text().splitlines()
+    return json.loads(lines[0])["units"], [json.loads(x) for x in lines[1:]]
+
+
 @pytest.mark.parametrize("stage", [2, 3])
-def test_trainer_with_a_gnmr_block_runs_gnmr(tmp_path, stage):
+def test_trainer_with_a_gnmr_block(tmp_path, stage):
     a, b = multiproc.run(_trainer_worker, 2, str(tmp_path), stage)
-    assert a["has_gnmr"] and b["has_gnmr"]
+    full = a["full"]
+    assert full["has_gnmr"] and b["full"]["has_gnmr"]
     assert len(a["said"]) == 1 and 'has no enabled "gnmr" block' in a["said"][0]  # once
     assert a["restored"]  # disable() put DeepSpeed's own function back
-    assert a["decisions"] == b["decisions"] == STEPS  # one decision per optimizer step
-    rows = [json.loads(x) for x in (tmp_path / "trace.jsonl").read_text().splitlines()[1:]]
-    names = json.loads((tmp_path / "trace.jsonl").read_text().splitlines()[0])["units"]
+    assert full["decisions"] == b["full"]["decisions"] == STEPS  # one per optimizer step
+    names, rows = _trace(tmp_path / "full.jsonl")
     assert names.index(SPIKED) in rows[SPIKE_STEP - 1]["active"]  # selected (on both ranks)
     ours = [r["extra"]["global_norm"] for r in rows]
-    assert len(ours) == len(a["logged"]) == STEPS and min(ours) > 0
-    assert ours == pytest.approx(a["logged"], rel=1e-5)
+    assert len(ours) == len(full["logged"]) == STEPS and min(ours) > 0
+    assert ours == pytest.approx(full["logged"], rel=1e-5)  # Trainer's grad_norm, pre-clipping
     # GNMR's counts in Trainer's own logs, at Trainer's step, for every report_to integration
-    logs = a["gnmr_logs"]
+    logs = full["gnmr_logs"]
     assert [e["step"] for e in logs] == [e["gnmr/step"] for e in logs] == list(range(1, STEPS + 1))
     assert [e["gnmr/num_active"] for e in logs] == [float(len(r["active"])) for r in rows]
-    assert [e["gnmr/global_grad_norm"] for e in logs] == pytest.approx(
-        ours, rel=1e-12
-    )  # Trainer's grad_norm, before clipping
-
-
-def _resume_worker(rank, world, out_dir, stage):
-    """The same Trainer run saved every 3 steps; then a second Trainer resumed at step 3."""
-    from transformers import Trainer, TrainingArguments
-
-    import gnmr_dist.deepspeed as gds
-
-    dsc.no_shm_build()
-    records = {}
-    with gds.enabled():
-        for name, resume in (("full", None), ("resumed", f"{out_dir}/full/checkpoint-3")):
-            config = dsc.ds_config(
-                stage, gnmr={**GNMR, "log": {"trace": f"{out_dir}/{name}.jsonl"}}
-            )
-            config["optimizer"]["params"]["lr"] = "auto"
-            config["train_micro_batch_size_per_gpu"] = "auto"
-            args = TrainingArguments(
-                output_dir=f"{out_dir}/{name}", deepspeed=config, max_steps=STEPS,
-                per_device_train_batch_size=dsc.BATCH, learning_rate=1e-3, logging_steps=1,
-                report_to=[], save_strategy="steps", save_steps=3, disable_tqdm=True,
-                dataloader_drop_last=True,
-            )  # fmt: skip
-            trainer = Trainer(model=dsc.llama(), args=args, train_dataset=_Batches(STEPS * world))
-            trainer.train(resume_from_checkpoint=resume)
-            records[name] = int(trainer.model_wrapped.gnmr.controller.step_count)
-    return records
-
-
-def test_resume_from_checkpoint_gives_the_uninterrupted_decisions(tmp_path):
-    a, b = multiproc.run(_resume_worker, 2, str(tmp_path), 2)
-    assert a == b == {"full": STEPS, "resumed": STEPS}
-    read = lambda name: [json.loads(x) for x in (tmp_path / name).read_text().splitlines()[1:]]  # noqa: E731
-    full, resumed = read("full.jsonl"), read("resumed.jsonl")
+    assert [e["gnmr/global_grad_norm"] for e in logs] == pytest.approx(ours, rel=1e-12)
+    # resume_from_checkpoint: the uninterrupted run's decisions from step 4 on
+    assert a["resumed"]["decisions"] == b["resumed"]["decisions"] == STEPS
+    _, resumed = _trace(tmp_path / "resumed.jsonl")
     assert [r["step"] for r in resumed] == list(range(4, STEPS + 1))  # after checkpoint-3
-    assert any(r["active"] for r in full)  # the tight policy acts: the state is not trivial
-    for want, got in zip(full[3:], resumed, strict=True):
+    for want, got in zip(rows[3:], resumed, strict=True):
         assert got["active"] == want["active"]
         assert got["norms"] == pytest.approx(want["norms"], rel=1e-5)
 
