@@ -65,6 +65,7 @@ import inspect
 import json
 import logging
 import os
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -573,13 +574,24 @@ class DeepSpeedGNMR(IntegrationSession):
                     self.runtime.controller.step_count, path)  # fmt: skip
 
 
-def _console(decision: Decision, norms: UnitNorms, names: Sequence[str], samples: int) -> None:
-    """One line per logged decision through DeepSpeed's own console logger (rank 0 calls it),
-    so any DeepSpeed script shows GNMR next to DeepSpeed's step lines."""
-    from deepspeed.utils import logger as ds_logger
+def console_logger() -> logging.Logger:
+    """``gnmr_dist.console``: the per-step line. Like DeepSpeed's own logger it prints to stdout
+    by itself (INFO, ``[gnmr]`` prefix) when the program has configured no logging; once the
+    root logger has a handler it propagates there instead, under the program's settings."""
+    log = logging.getLogger("gnmr_dist.console")
+    if not logging.getLogger().handlers and not log.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("[gnmr] %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    return log
 
+
+def _console(decision: Decision, norms: UnitNorms, names: Sequence[str], samples: int) -> None:
+    """One line per logged decision (rank 0 calls it), in any DeepSpeed script."""
     t = decision.telemetry
-    ds_logger.info(
+    console_logger().info(
         "gnmr | step %d | samples %d | exceed %d | active %d %s | max risk %.3g | grad norm %.4g",
         decision.step, samples, t.num_exceed, len(decision.active),
         [names[u] for u in decision.active], t.max_risk, norms.global_norm,
