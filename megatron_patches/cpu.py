@@ -249,11 +249,16 @@ def _cpu_tracker_fork(self: Any, name: str = _MODEL_PARALLEL_RNG) -> Iterator[No
         self._current_state_name = orig_name
 
 
+def _tensor_cuda_identity(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """CPU stand-in for ``Tensor.cuda``: the tensor itself (the original can only raise here)."""
+    return self
+
+
 @contextlib.contextmanager
 def _tensor_cuda_is_identity() -> Iterator[None]:
     """Within the block, ``Tensor.cuda()`` returns the tensor itself (it can only raise here)."""
     original = torch.Tensor.cuda
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
+    torch.Tensor.cuda = _tensor_cuda_identity  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
@@ -602,7 +607,8 @@ def enable_cpu_compat(*, training: bool = False) -> None:
                 f"megatron-core {version} does not ship (0.17+ wheels do)"
             )
         plan = [] if _APPLIED else _patch_plan()
-        if training and not _TRAINING_ON:
+        add_training = training and not _TRAINING_ON
+        if add_training:
             from megatron_patches.cpu_training import training_patch_plan
 
             plan += training_patch_plan()
@@ -612,7 +618,7 @@ def enable_cpu_compat(*, training: bool = False) -> None:
         except BaseException:
             _restore_all()
             raise
-        if training:
+        if add_training:
             _TRAINING_ON.append(True)
         if plan:
             logger.info(

@@ -50,17 +50,17 @@ from typing import Any
 
 import torch
 
-from megatron_patches.cpu import _CpuStream, _CpuTorch
+from megatron_patches.cpu import (
+    _cpu_current_device,
+    _cpu_get_rng_state,
+    _cpu_set_rng_state,
+    _cpu_synchronize,
+    _CpuStream,
+    _CpuTorch,
+    _tensor_cuda_identity,
+)
 
 __all__ = ["training_patch_plan"]
-
-
-def _cpu_get_rng_state(device: Any = "cuda") -> torch.Tensor:
-    return torch.get_rng_state()
-
-
-def _cpu_set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
-    torch.set_rng_state(new_state)
 
 
 def _zero(*args: Any, **kwargs: Any) -> int:
@@ -83,9 +83,9 @@ class _CpuCuda(types.ModuleType):
         super().__init__("torch.cuda", "torch.cuda for megatron.training on a CPU-only host")
         self.is_available = lambda: True
         self.device_count = lambda: 1
-        self.current_device = lambda: torch.device("cpu")
+        self.current_device = _cpu_current_device
         self.set_device = _nothing
-        self.synchronize = _nothing
+        self.synchronize = _cpu_synchronize
         self.empty_cache = _nothing
         self.get_rng_state = _cpu_get_rng_state
         self.set_rng_state = _cpu_set_rng_state
@@ -152,5 +152,5 @@ def training_patch_plan() -> list[tuple[Any, str, Any]]:
     plan: list[tuple[Any, str, Any]] = [(module, "torch", shim) for module in _training_modules()]
     initialize = importlib.import_module("megatron.training.initialize")
     plan.append((initialize, "_warmup_jit_function", _skip_jit_warmup))
-    plan.append((torch.Tensor, "cuda", lambda self, *args, **kwargs: self))
+    plan.append((torch.Tensor, "cuda", _tensor_cuda_identity))
     return plan

@@ -223,13 +223,11 @@ def matches(name: str, patterns: Sequence[str]) -> bool:
 def _select(
     units: list[_LocalUnit], include: Sequence[str], exclude: Sequence[str]
 ) -> list[_LocalUnit]:
-    hit = matches
-
     def default(unit: _LocalUnit) -> bool:
         return unit.key[0] == 0  # inside a transformer layer
 
-    chosen = [u for u in units if (hit(u.name, include) if include else default(u))]
-    return [u for u in chosen if not hit(u.name, exclude)]
+    chosen = [u for u in units if (matches(u.name, include) if include else default(u))]
+    return [u for u in chosen if not matches(u.name, exclude)]
 
 
 def _nothing_selected(

@@ -81,7 +81,12 @@ from gnmr_dist.distributed.probe import ProbeResult, RecoveryProbe
 from gnmr_dist.distributed.units import check_selection
 from gnmr_dist.integrations.config import GNMRBlock
 from gnmr_dist.integrations.deepspeed_grads import grad_piece_fn
-from gnmr_dist.integrations.session import IntegrationSession, check_error_source, error_source
+from gnmr_dist.integrations.session import (
+    IntegrationSession,
+    check_error_source,
+    error_source,
+    telemetry_scalars,
+)
 from gnmr_dist.telemetry import TraceHeader, TraceWriter
 from gnmr_dist.telemetry.selection import top_k
 from gnmr_dist.telemetry.trace import ProbeRecord
@@ -514,8 +519,8 @@ class DeepSpeedGNMR(IntegrationSession):
             return
         _console(decision, norms, self.registry.names, samples)
         if log.monitor and monitor is not None and monitor.enabled:
-            tele = {**decision.telemetry.as_dict(), "global_grad_norm": norms.global_norm}
-            monitor.write_events([(f"gnmr/{k}", float(v), samples) for k, v in tele.items()])
+            tele = telemetry_scalars(decision, norms.global_norm)
+            monitor.write_events([(f"gnmr/{k}", v, samples) for k, v in tele.items()])
 
     def _trace_writer(self) -> TraceWriter | None:
         if self.block.log.trace is None:

@@ -59,7 +59,7 @@ from typing import Any
 import torch
 
 from gnmr_dist.integrations.config import GNMRBlock
-from gnmr_dist.integrations.session import refuse_probe
+from gnmr_dist.integrations.session import refuse_probe, telemetry_scalars
 
 __all__ = ["CPU_FLAGS", "add_gnmr_args", "check_args", "cpu_argv", "main"]
 
@@ -299,6 +299,7 @@ class _Hooks:
         self.checkpoint_loaded = False
         self.trace: Any = None
         self.layers: dict[int, list[torch.nn.Parameter]] = {}
+        self.logged_step: int | None = None  # the controller step of the last logged decision
 
     # ------------------------------------------------------------------ install
 
@@ -325,7 +326,6 @@ class _Hooks:
 
         import megatron_patches
 
-        self.block = _read_block(get_args())
         if self.block is None or not self.block.enabled:
             return
         handle = megatron_patches.apply(model, self.block, optimizer=optimizer)
@@ -415,21 +415,22 @@ class _Hooks:
             return
         handle.settle()
         decision, norms = handle.last_decision, handle.runtime.last_norms
-        if decision is None or norms is None:
-            return
+        if decision is None or norms is None or decision.step == self.logged_step:
+            return  # no new decision (a skipped update): nothing new to record
+        self.logged_step = decision.step
         loss = loss_dict.get("lm loss")
         extra = {"iteration": iteration, "global_norm": norms.global_norm}
         if loss is not None:
             extra["loss"] = float(loss)
         if self.trace is not None:
             self.trace.write(norms.norms, decision, extra)
-        scalars = {**decision.telemetry.as_dict(), "global_grad_norm": norms.global_norm}
         names = handle.registry.names
-        for uid in decision.active:
-            scalars[f"risk/{names[uid]}"] = float(decision.risk[uid])
         log = self.block.log
-        if log.monitor and decision.step % log.every == 0:
-            _write_scalars(scalars, iteration, get_tensorboard_writer(), get_wandb_writer())
+        tb, wandb = get_tensorboard_writer(), get_wandb_writer()
+        if log.monitor and decision.step % log.every == 0 and (tb or wandb) is not None:
+            scalars = telemetry_scalars(decision, norms.global_norm)
+            scalars.update({f"risk/{names[u]}": float(decision.risk[u]) for u in decision.active})
+            _write_scalars(scalars, iteration, tb, wandb)
         if iteration % get_args().log_interval == 0 and torch.distributed.get_rank() == 0:
             logger.info(
                 " gnmr | step %d | exceed %d | active %d %s | max risk %.3f",
@@ -596,8 +597,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     _prebuilt_dataset_helpers()
     hooks = _Hooks()
     try:
-        hooks.spikes = _spikes(_gnmr_namespace(argv).gnmr_inject_grad_spike)
-        _read_block(_gnmr_namespace(argv))  # a bad block fails before any process group
+        gnmr_args = _gnmr_namespace(argv)
+        hooks.spikes = _spikes(gnmr_args.gnmr_inject_grad_spike)
+        hooks.block = _read_block(gnmr_args)  # a bad block fails before any process group
     except ValueError as err:
         logger.error("%s", err)
         return 2

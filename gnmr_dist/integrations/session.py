@@ -18,7 +18,10 @@ from gnmr_dist.distributed import GNMRRuntime, Plan
 from gnmr_dist.distributed.monitor import ErrorFn
 from gnmr_dist.integrations.config import GNMRBlock
 
-__all__ = ["IntegrationSession", "check_error_source", "error_source", "refuse_probe"]
+__all__ = [
+    "IntegrationSession", "check_error_source", "error_source", "refuse_probe",
+    "telemetry_scalars",
+]  # fmt: skip
 
 
 def check_error_source(block: GNMRBlock, backend: PrecisionBackend | None) -> None:
@@ -59,6 +62,13 @@ def error_source(
         return None
     backend.track_errors(num_units, every=block.error_every)
     return backend.error_sums
+
+
+def telemetry_scalars(decision: Decision, global_norm: float) -> dict[str, float]:
+    """The scalars every integration logs per decision (names without the ``gnmr/`` prefix):
+    the decision's :class:`~gnmr_dist.core.controller.Telemetry` counts and the global
+    gradient norm."""
+    return {**decision.telemetry.as_dict(), "global_grad_norm": float(global_norm)}
 
 
 class IntegrationSession:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from gnmr_dist.integrations.session import telemetry_scalars
+
 __all__ = ["log_entries", "patch", "unpatch"]
 
 _ORIGINAL_LOG: list[Any] = []
@@ -28,10 +30,8 @@ def log_entries(trainer: Any) -> dict[str, float]:
         return {}
     if decision.step % session.block.log.every:
         return {}
-    entries = {f"gnmr/{k}": v for k, v in decision.telemetry.as_dict().items()}
     norms = session.runtime.last_norms
-    if norms is not None:
-        entries["gnmr/global_grad_norm"] = float(norms.global_norm)
+    entries = {f"gnmr/{k}": v for k, v in telemetry_scalars(decision, norms.global_norm).items()}
     entries["gnmr/step"] = float(decision.step)
     return entries
 
