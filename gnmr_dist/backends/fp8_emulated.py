@@ -90,7 +90,12 @@ Choices, where TE leaves room:
   low-cost histories are frozen: the shadow error measurement quantizes with their scale but
   records nothing.
 * Inside :meth:`Fp8EmulatedBackend.measuring` (the recovery-gap probe's passes) histories are
-  read, never recorded, committed or reset, so a probe does not change the training run.
+  read, never recorded, committed or reset, so a probe does not change the training run. A
+  unit that a pass puts on another path than the training plan's quantizes there as it would
+  on entering that path: with an empty stand-in history (each call by its own amax), not with
+  the history it left (frozen while it runs recovery, reset before it is used again). So the
+  probe's low-cost gap of a recovered unit is the gap of its return, which is also what its
+  shadow error score measures.
 * A scale that is 0 or not finite (all-zero tensor, inf in the history) falls back to 1 (TE
   keeps its previous scale).
 * Not checkpointed: the backend has no ``state_dict``, so a restarted run re-seeds every
@@ -601,6 +606,8 @@ class Fp8EmulatedBackend(PrecisionBackend):
         self._last_input: tuple[Any, int, _InputNorms] = (None, 0, _InputNorms())
         self._delayed: dict[int, dict[str, DelayedScales]] = {}  # id(operator) -> path -> state
         self._measuring = False
+        self._training_plan: frozenset[int] = frozenset()  # the plan measuring() was entered in
+        self._stand_ins: dict[tuple[int, str], DelayedScales] = {}  # (id(op), path), measuring
 
     # ------------------------------------------------------------------ delayed scaling
 
@@ -630,7 +637,10 @@ class Fp8EmulatedBackend(PrecisionBackend):
     def _on_plan_change(self, before: frozenset[int], after: frozenset[int]) -> None:
         """A unit entering a path starts that path's histories afresh (not inside
         :meth:`measuring`): back from recovery, a stale low-cost history must not overflow."""
-        if self._measuring or not self._delayed:
+        if self._measuring:
+            self._set_stand_ins(after)
+            return
+        if not self._delayed:
             return
         entering = [(u, LOW_COST) for u in before - after] + [(u, RECOVERY) for u in after - before]
         reset = 0
@@ -643,15 +653,43 @@ class Fp8EmulatedBackend(PrecisionBackend):
         if reset:
             logger.debug("%s: reset the amax histories of %d operators", self.name, reset)
 
+    def _set_stand_ins(self, plan: frozenset[int]) -> None:
+        """Inside :meth:`measuring`: an empty history for every (operator, path) that ``plan``
+        runs but the training plan does not (what entering the path would start with)."""
+        training = self._training_plan
+        entering = [(u, LOW_COST) for u in training - plan] + [
+            (u, RECOVERY) for u in plan - training
+        ]
+        want = {
+            (id(op), path)
+            for uid, path in entering
+            if self.specs[path].delayed is not None
+            for op in self._wrapped.get(uid, ())
+        }
+        self._stand_ins = {
+            key: self._stand_ins.get(key) or DelayedScales.of(self.specs[key[1]]) for key in want
+        }
+
+    def _scales_now(
+        self, op: nn.Module, path: str, scales: DelayedScales | None
+    ) -> DelayedScales | None:
+        """``scales``, or the operator's stand-in history on ``path`` inside :meth:`measuring`."""
+        return self._stand_ins.get((id(op), path), scales) if self._measuring else scales
+
     @contextlib.contextmanager
     def measuring(self) -> Iterator[None]:
         """Histories are read but not recorded, committed or reset inside (probe passes,
-        evaluation): what runs inside does not change the training run's scales."""
+        evaluation): what runs inside does not change the training run's scales. A unit moved to
+        another path inside uses a stand-in history there (module docstring)."""
         outer, self._measuring = self._measuring, True
+        if not outer:
+            self._training_plan, self._stand_ins = self._recover, {}
         try:
             yield
         finally:
             self._measuring = outer
+            if not outer:
+                self._stand_ins = {}
 
     def delayed_scales(self, op: nn.Module, path: str = LOW_COST) -> DelayedScales | None:
         """The delayed-scaling state of wrapped operator ``op`` on ``path`` (``None``: that path
@@ -672,10 +710,11 @@ class Fp8EmulatedBackend(PrecisionBackend):
 
     def _gemm_fn(self, op: nn.Module, path: str) -> Callable[..., torch.Tensor]:
         spec, low = self.specs[path], self.specs[LOW_COST]
-        scales, low_scales = self.delayed_scales(op, path), self.delayed_scales(op, LOW_COST)
+        path_scales, low_scales = self.delayed_scales(op, path), self.delayed_scales(op, LOW_COST)
 
         def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
             probe, record = None, not self._measuring
+            scales = self._scales_now(op, path, path_scales)
             if weight.requires_grad and not low.is_identity:
                 probe = self._probe(x)
             if path == LOW_COST and probe is not None:

@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from gnmr_dist.core.config import GNMRConfig
+from gnmr_dist.core.integrity import open_state, seal
 from gnmr_dist.core.scores import error_scores, risk_scores
 from gnmr_dist.core.state import check_state
 
@@ -74,7 +75,9 @@ STATE_VERSION = 1
 Still 1 with section 2.1: the error term keeps no state (the caller supplies ``e_t`` at every
 step), so the state's keys, shapes and dtypes are unchanged and states written before ``gamma``
 existed load as they are. ``gamma`` only shows up inside the saved ``"config"`` dict, which is
-compared with the current policy and never shapes the state. Bump this only when the tensors
+compared with the current policy and never shapes the state. The ``"checksum"`` entry
+(:mod:`gnmr_dist.core.integrity`) is one more key, which earlier releases ignore; states without
+it load with a warning. Bump this only when the tensors
 change, and keep reading version 1 then.
 """
 
@@ -364,19 +367,22 @@ class GNMRController:
 
         Format :data:`STATE_VERSION` (1). The section 2.1 error term stores nothing here: its
         scores come with every :meth:`step` call, so only ``config`` shows ``gamma`` (when set).
+        Sealed with a per-field checksum (:mod:`gnmr_dist.core.integrity`).
         """
-        return {
-            "version": STATE_VERSION,
-            "num_units": self.num_units,
-            "step": self._step,
-            "config": self.config.to_dict(),
-            "eligible": self.eligible.clone(),
-            "norm_sum": self._sum.clone(),
-            "norm_count": self._count.clone(),
-            "window_buffer": self._wbuf.clone(),
-            "window_len": self._wlen.clone(),
-            "lock": self._lock.clone(),
-        }
+        return seal(
+            {
+                "version": STATE_VERSION,
+                "num_units": self.num_units,
+                "step": self._step,
+                "config": self.config.to_dict(),
+                "eligible": self.eligible.clone(),
+                "norm_sum": self._sum.clone(),
+                "norm_count": self._count.clone(),
+                "window_buffer": self._wbuf.clone(),
+                "window_len": self._wlen.clone(),
+                "lock": self._lock.clone(),
+            }
+        )
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a :meth:`state_dict`; raises ``ValueError`` naming what does not fit.
@@ -386,7 +392,13 @@ class GNMRController:
         current config wins and the difference is logged, so a run can be resumed with a retuned
         policy, with the error term turned on or off. States saved before ``gamma`` existed are
         version 1 too and load unchanged (the error term keeps no state).
+
+        The state must match its checksum (``StateIntegrityError``, a ``ValueError``, names
+        each altered field) and satisfy the algorithm's invariants (``ValueError`` naming the
+        entry, :mod:`gnmr_dist.core.state`); a state written before checksums existed loads
+        with a warning.
         """
+        state = open_state(state, "GNMR controller state")
         check_state(state, self.num_units, self.config.window, STATE_VERSION)
         saved_cfg = dict(state["config"])
         if saved_cfg != self.config.to_dict():

@@ -3,6 +3,18 @@
 A checkpoint can be truncated, come from another model (different U), another window length or a
 future format. Each of those must fail loudly with what is wrong and what to do, never load into
 a controller that then makes silently different decisions.
+
+Beyond keys, shapes and dtypes, a state must satisfy what the algorithm (DESIGN.md section 2)
+implies of any state it can reach after ``step`` decisions with its saved policy, so that a
+hand-edited or otherwise impossible state is refused even where no checksum covers it:
+
+* ``0 <= norm_count(u) <= step`` and ``0 <= window_len(u) <= min(window, step)``;
+* ``norm_sum(u)`` finite, ``>= 0``, and 0 where ``norm_count(u) = 0`` (norms are >= 0 and only
+  finite ones are recorded);
+* the window holds finite scores ``>= 0``, right-aligned: the ``window - window_len(u)`` slots in
+  front are 0;
+* ``0 <= lock(u) <= lock_steps`` of the saved policy, locks held only by eligible units and by
+  at most its ``max_active`` units (step 5 of the policy clears every lock outside ``A``).
 """
 
 from __future__ import annotations
@@ -12,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_state"]
+__all__ = ["check_invariants", "check_state"]
 
 _FIX = "(is this checkpoint from another model or run? start fresh with a new controller instead)"
 
@@ -32,18 +44,79 @@ def _expect_tensor(
         )
 
 
-def _check_values(state: Mapping[str, Any], window: int) -> None:
-    if int(state["step"]) < 0:
-        raise ValueError(f"GNMR state is corrupted: step={state['step']} is negative")
-    if bool((state["norm_count"] < 0).any() or (state["lock"] < 0).any()):
-        raise ValueError("GNMR state is corrupted: negative counts or locks")
-    wlen = state["window_len"]
-    if bool(((wlen < 0) | (wlen > window)).any()):
-        raise ValueError(f"GNMR state is corrupted: window lengths outside [0, {window}]")
-    if not bool(
-        torch.isfinite(state["norm_sum"]).all() and torch.isfinite(state["window_buffer"]).all()
-    ):
-        raise ValueError("GNMR state is corrupted: non-finite history values")
+def _corrupted(field: str, detail: str) -> ValueError:
+    return ValueError(f"GNMR state is corrupted: {field} {detail} {_FIX}")
+
+
+def _first(mask: torch.Tensor) -> int:
+    return int(mask.nonzero()[0])
+
+
+def _check_counts(state: Mapping[str, Any], window: int, step: int) -> None:
+    count, wlen = state["norm_count"], state["window_len"]
+    bad = (count < 0) | (count > step)
+    if bool(bad.any()):
+        u = _first(bad)
+        raise _corrupted(f"norm_count[{u}]", f"= {int(count[u])} is outside [0, step={step}]")
+    bad = (wlen < 0) | (wlen > min(window, step))
+    if bool(bad.any()):
+        u = _first(bad)
+        raise _corrupted(
+            f"window_len[{u}]",
+            f"= {int(wlen[u])} is outside [0, min(window={window}, step={step})]",
+        )
+
+
+def _check_history(state: Mapping[str, Any], window: int) -> None:
+    total, count = state["norm_sum"], state["norm_count"]
+    bad = ~torch.isfinite(total) | (total < 0) | ((count == 0) & (total != 0))
+    if bool(bad.any()):
+        u = _first(bad)
+        raise _corrupted(
+            f"norm_sum[{u}]",
+            f"= {float(total[u])!r} with norm_count {int(count[u])} (a sum of recorded norms "
+            "is finite, >= 0 and 0 before the first)",
+        )
+    buf, wlen = state["window_buffer"], state["window_len"]
+    slot = torch.arange(window).unsqueeze(0)
+    padding = slot < (window - wlen).unsqueeze(1)
+    bad = ~torch.isfinite(buf) | (buf < 0) | (padding & (buf != 0))
+    if bool(bad.any()):
+        u, i = (int(v) for v in bad.nonzero()[0])
+        raise _corrupted(
+            f"window_buffer[{u}, {i}]",
+            f"= {float(buf[u, i])!r} with window_len {int(wlen[u])} (the window holds finite "
+            "scores >= 0, right-aligned after zeros)",
+        )
+
+
+def _check_locks(state: Mapping[str, Any], policy: Mapping[str, Any]) -> None:
+    lock, eligible = state["lock"], state["eligible"]
+    lock_steps, max_active = policy.get("lock_steps"), policy.get("max_active")
+    if not isinstance(lock_steps, int) or not isinstance(max_active, int):
+        raise _corrupted("config", f"has lock_steps={lock_steps!r}, max_active={max_active!r}")
+    bad = (lock < 0) | (lock > lock_steps) | ((lock > 0) & ~eligible)
+    if bool(bad.any()):
+        u = _first(bad)
+        raise _corrupted(
+            f"lock[{u}]",
+            f"= {int(lock[u])} (locks lie in [0, lock_steps={lock_steps}] and only eligible "
+            f"units hold one; unit {u} eligible: {bool(eligible[u])})",
+        )
+    held = int((lock > 0).sum())
+    if held > max_active:
+        raise _corrupted("lock", f"is held by {held} units, more than max_active={max_active}")
+
+
+def check_invariants(state: Mapping[str, Any], window: int) -> None:
+    """Raise ``ValueError`` naming the first entry of a (well-shaped) state that no run of the
+    algorithm can reach (module docstring)."""
+    step = state["step"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise _corrupted("step", f"= {step!r} is not an integer >= 0")
+    _check_counts(state, window, step)
+    _check_history(state, window)
+    _check_locks(state, state["config"])
 
 
 def check_state(state: Mapping[str, Any], num_units: int, window: int, version: int) -> None:
@@ -74,7 +147,9 @@ def check_state(state: Mapping[str, Any], num_units: int, window: int, version: 
         raise ValueError(
             f"GNMR state has num_units={state['num_units']}, this controller has {num_units} {_FIX}"
         )
-    saved_window = state["config"].get("window") if isinstance(state["config"], Mapping) else None
+    if not isinstance(state["config"], Mapping):
+        raise ValueError(f"GNMR state is corrupted: config is {type(state['config']).__name__}")
+    saved_window = state["config"].get("window")
     if saved_window != window:
         raise ValueError(
             f"GNMR state was saved with window={saved_window}, the config has window={window}; "
@@ -90,4 +165,4 @@ def check_state(state: Mapping[str, Any], num_units: int, window: int, version: 
         ("lock", (u,), torch.int64),
     ):
         _expect_tensor(state, key, shape, dtype)
-    _check_values(state, window)
+    check_invariants(state, window)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from gnmr_dist.core import Decision, GNMRConfig, GNMRController
+from gnmr_dist.core.integrity import open_state, seal
 from gnmr_dist.distributed.comm import Group, all_gather_objects
 from gnmr_dist.distributed.monitor import ErrorFn, GradFn, GradNormMonitor, UnitNorms
 from gnmr_dist.distributed.units import UnitRegistry
@@ -161,6 +162,12 @@ class GNMRRuntime:
         self.last_decision: Decision | None = None
         self.last_norms: UnitNorms | None = None
 
+    def reset(self) -> None:
+        """Start afresh: a new controller history, no carried error score, an empty plan."""
+        self.controller.reset()
+        self._last_errors = None
+        self.plan = Plan(step=1, active=frozenset(), names=())
+
     def errors_due(self) -> bool:
         """Whether the step being scored now carries measured error sums (``gnmr.gamma`` set
         and the step a multiple of ``error_every``): the ``with_errors`` of the monitor."""
@@ -209,9 +216,14 @@ class GNMRRuntime:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """Controller state plus the unit names and the current plan (``weights_only``-safe);
-        with ``error_every > 1`` also the carried error score (``last_errors``), so a resumed
-        run decides as an uninterrupted one between two measured steps."""
+        """Controller state plus the unit names and the current plan (``weights_only``-safe),
+        sealed with a per-field checksum (:mod:`gnmr_dist.core.integrity`); with
+        ``error_every > 1`` also the carried error score (``last_errors``), so a resumed run
+        decides as an uninterrupted one between two measured steps."""
+        return seal(self.state_body())
+
+    def state_body(self) -> dict[str, Any]:
+        """:meth:`state_dict` without its checksum, for a layer that seals a larger state."""
         state: dict[str, Any] = {
             "controller": self.controller.state_dict(),
             "unit_names": list(self.registry.names),
@@ -222,29 +234,79 @@ class GNMRRuntime:
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`; the units must be the same (any parallel layout)."""
-        names = list(state.get("unit_names", []))
-        if names != list(self.registry.names):
-            diff = sorted(set(names) ^ set(self.registry.names))[:5]
+        """Restore :meth:`state_dict` after checking its checksum (a state without one, from
+        an earlier release, loads with a warning); the units must be the same (any layout)."""
+        body = open_state(state, "GNMR runtime state")
+        self.restore(body)
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Restore an already verified :meth:`state_body`: unit names, then the controller
+        (its own checksum and invariants), then the plan, checked against the controller."""
+        names = state.get("unit_names", [])
+        if not isinstance(names, list) or names != list(self.registry.names):
+            names = list(names) if isinstance(names, list | tuple) else []
+            diff = sorted(set(map(str, names)) ^ set(self.registry.names))[:5]
             raise ValueError(
                 f"GNMR state was saved for {len(names)} units, this model has "
                 f"{self.registry.num_units}; first differing names: {diff}. The unit list must "
                 "match (same model, granularity and include/exclude patterns)."
             )
-        self.controller.load_state_dict(state["controller"])
+        if "controller" not in state or "plan_active" not in state:
+            raise ValueError("GNMR state is corrupted: it has no 'controller' or 'plan_active'")
+        saved = state["controller"]
+        self.controller.load_state_dict(saved)
+        active = _saved_plan(state["plan_active"], saved)
         self._last_errors = _carried_errors(state.get("last_errors"), self.registry.num_units)
-        active = tuple(int(i) for i in state["plan_active"])
         self.plan = self._plan_for(self.controller.step_count + 1, active)
 
 
+def _saved_plan(plan: Any, controller: Mapping[str, Any]) -> tuple[int, ...]:
+    """A saved ``plan_active`` checked against the saved controller it was decided by: distinct
+    unit ids in range, eligible, at most ``max_active``, and every lock holder among them (the
+    policy clears the lock of every unit outside the active set)."""
+    u = int(controller["num_units"])
+    if not isinstance(plan, list | tuple) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in plan
+    ):
+        raise ValueError(f"GNMR state is corrupted: plan_active={plan!r:.80} is not a list of ids")
+    ids = tuple(sorted(plan))
+    bad = [i for i in ids if not 0 <= i < u]
+    if bad or len(set(ids)) != len(ids):
+        raise ValueError(
+            f"GNMR state is corrupted: plan_active={list(plan)} holds ids outside [0, {u}) or "
+            "twice; is this state from another model?"
+        )
+    max_active = controller["config"]["max_active"]
+    held = set(torch.nonzero(controller["lock"] > 0).flatten().tolist())
+    ineligible = [i for i in ids if not bool(controller["eligible"][i])]
+    if len(ids) > max_active or ineligible or not held <= set(ids):
+        raise ValueError(
+            f"GNMR state is corrupted: plan_active={list(ids)} does not fit its controller "
+            f"(max_active={max_active}, ineligible ids {ineligible}, lock holders {sorted(held)} "
+            "must all be active)"
+        )
+    return ids
+
+
 def _carried_errors(saved: Any, num_units: int) -> torch.Tensor | None:
-    """A saved ``last_errors`` as float64 [U] (``None``: none saved, e.g. ``error_every = 1``)."""
+    """A saved ``last_errors`` as float64 [U] (``None``: none saved, e.g. ``error_every = 1``):
+    real, one per unit, each >= 0 or non-finite (a non-finite score scores +inf)."""
     if saved is None:
         return None
-    errors = torch.as_tensor(saved, dtype=torch.float64).flatten().clone()
+    if not isinstance(saved, torch.Tensor) or saved.dtype.is_complex or saved.dtype == torch.bool:
+        raise ValueError(
+            f"GNMR state is corrupted: last_errors is not a real tensor ({saved!r:.60})"
+        )
+    errors = saved.detach().to(torch.float64).flatten().clone()
     if errors.numel() != num_units:
         raise ValueError(
             f"GNMR state: last_errors holds {errors.numel()} values for {num_units} units; the "
             "state was saved for another model"
+        )
+    negative = (errors < 0) & torch.isfinite(errors)
+    if bool(negative.any()):
+        unit = int(negative.nonzero()[0])
+        raise ValueError(
+            f"GNMR state is corrupted: last_errors[{unit}] = {float(errors[unit])} < 0"
         )
     return errors

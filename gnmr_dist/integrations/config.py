@@ -10,6 +10,7 @@
       "log": {"trace": "runs/x/trace.jsonl", "monitor": true, "every": 1},
       "check_consistency": false,
       "on_missing_state": "error",     # error | fresh: a checkpoint without GNMR state
+      "on_corrupt_state": "error",     # error | fresh: one whose GNMR state fails its checks
       "attribution": {"max_rest_share": 0.99, "action": "error"},  # the guard, see below
       "probe": {"every": 50, "k": 3},  # the recovery-gap probe, see below (DeepSpeed only)
       "error_every": 1                 # with gamma: measure the error sums every N-th step
@@ -160,6 +161,9 @@ class GNMRBlock:
     log: LogOptions = field(default_factory=LogOptions)
     check_consistency: bool = False
     on_missing_state: str = "error"
+    on_corrupt_state: str = "error"
+    """``"fresh"``: start the controller fresh when a checkpoint's GNMR state is unreadable or
+    fails its checksum or invariants (default ``"error"``: refuse to resume)."""
     attribution: AttributionGuard = field(default_factory=AttributionGuard)
     probe: ProbeOptions | None = None
     """The recovery-gap probe (``None``: off, the default)."""
@@ -169,7 +173,8 @@ class GNMRBlock:
 
     KEYS = (
         "enabled", "backend", "units", "include", "exclude", "low_cost", "recovery", "log",
-        "check_consistency", "on_missing_state", "attribution", "probe", "error_every",
+        "check_consistency", "on_missing_state", "on_corrupt_state", "attribution", "probe",
+        "error_every",
         *GNMRConfig.field_names(),
     )  # fmt: skip
 
@@ -203,6 +208,9 @@ class GNMRBlock:
             ),
             on_missing_state=_choice(
                 block.get("on_missing_state", "error"), _ON_MISSING, f"{path}.on_missing_state"
+            ),
+            on_corrupt_state=_choice(
+                block.get("on_corrupt_state", "error"), _ON_MISSING, f"{path}.on_corrupt_state"
             ),
             attribution=AttributionGuard.from_dict(
                 _mapping(block.get("attribution"), f"{path}.attribution"), f"{path}.attribution"

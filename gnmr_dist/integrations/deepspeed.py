@@ -20,7 +20,13 @@ Same arguments and return value as ``deepspeed.initialize``. With a ``"gnmr"`` b
    backend that reports none (``te_fp8``) or no backend is refused with ``"gamma"`` set, before
    DeepSpeed starts;
 6. saves the controller state next to every DeepSpeed checkpoint (``<dir>/<tag>/gnmr_state.pt``,
-   plain tensors) and restores it in ``load_checkpoint`` with ``torch.load(weights_only=True)``;
+   plain tensors sealed with a per-field checksum) and restores it in ``load_checkpoint`` with
+   ``torch.load(weights_only=True)``, after its checksum and invariants are checked. The state
+   is written atomically (:func:`~gnmr_dist.integrations.state_file.write_atomic`) *before*
+   DeepSpeed's own files and its ``latest`` tag, so a job killed at any instant of a save
+   (preemption, node failure) restarts from a checkpoint that is complete, GNMR state included:
+   the new one if ``latest`` names it, else the one before. (A fixed tag saved over in place is
+   not kill-safe for DeepSpeed's own files either; use per-step tags, DeepSpeed's default.);
 7. with ``"probe": {"every": N, "k": 3}``, runs the recovery-gap probe
    (:class:`gnmr_dist.distributed.probe.RecoveryProbe`) on every optimizer step ``t`` with
    ``t % N == 0`` (GNMR's step numbers: the step whose plan is applied), inside the wrapped
@@ -87,6 +93,7 @@ from gnmr_dist.integrations.session import (
     error_source,
     telemetry_scalars,
 )
+from gnmr_dist.integrations.state_file import read_state, restore_or_refuse, write_atomic
 from gnmr_dist.telemetry import TraceHeader, TraceWriter
 from gnmr_dist.telemetry.selection import top_k
 from gnmr_dist.telemetry.trace import ProbeRecord
@@ -537,14 +544,14 @@ class DeepSpeedGNMR(IntegrationSession):
     # ------------------------------------------------------------------ checkpoints
 
     def _save(self, save: Any, save_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """Write the GNMR state atomically into the tag's directory, then let DeepSpeed write
+        its files and its ``latest`` tag: a kill at any instant leaves ``latest`` naming a
+        checkpoint whose GNMR state is complete (module docstring, item 6)."""
         tag = str(tag) if tag is not None else f"global_step{self.engine.global_steps}"
-        result = save(save_dir, tag, *args, **kwargs)
         if dist.get_rank() == 0:
-            path = Path(save_dir, tag, STATE_FILE)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(self.state_dict(), path)
+            write_atomic(self.state_dict(), Path(save_dir, tag, STATE_FILE))
         dist.barrier()
-        return result
+        return save(save_dir, tag, *args, **kwargs)
 
     def _load(self, load: Any, load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
         tag = tag if tag is not None else _latest_tag(load_dir)
@@ -556,27 +563,11 @@ class DeepSpeedGNMR(IntegrationSession):
 
     def _restore(self, path: Path) -> None:
         """Rank 0 reads the state and hands it to every rank, so all ranks restore the same."""
-        found: list[Any] = [_read_state(path) if dist.get_rank() == 0 else None]
+        found: list[Any] = [read_state(path) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(found, src=0)
-        kind, payload = found[0]
-        if kind == "missing":
-            if self.block.on_missing_state == "fresh":
-                logger.warning("gnmr: %s not found; starting the controller fresh "
-                               "(on_missing_state='fresh')", path)  # fmt: skip
-                return
-            raise FileNotFoundError(
-                f"gnmr: the checkpoint has no GNMR state ({path}). Resuming without it would "
-                'silently reset the controller; set "on_missing_state": "fresh" in the gnmr '
-                "block to start it fresh on purpose."
-            )
-        if kind == "corrupted":
-            raise ValueError(f"gnmr: {path} is corrupted or not a GNMR state: {payload}")
-        try:
-            self.load_state_dict(payload)
-        except (KeyError, TypeError, ValueError) as err:
-            raise ValueError(f"gnmr: cannot restore {path}: {err}") from err
-        logger.info("gnmr: restored controller at step %d from %s",
-                    self.runtime.controller.step_count, path)  # fmt: skip
+        if restore_or_refuse(self.block, str(path), found[0], self):
+            logger.info("gnmr: restored controller at step %d from %s",
+                        self.runtime.controller.step_count, path)  # fmt: skip
 
 
 def console_logger() -> logging.Logger:
@@ -601,16 +592,6 @@ def _console(decision: Decision, norms: UnitNorms, names: Sequence[str], samples
         decision.step, samples, t.num_exceed, len(decision.active),
         [names[u] for u in decision.active], t.max_risk, norms.global_norm,
     )  # fmt: skip
-
-
-def _read_state(path: Path) -> tuple[str, Any]:
-    """``("ok", state)``, ``("missing", None)`` or ``("corrupted", reason)``."""
-    if not path.is_file():
-        return "missing", None
-    try:
-        return "ok", torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # any unreadable file is reported the same way, with its reason
-        return "corrupted", str(err)
 
 
 def _latest_tag(load_dir: str) -> str | None:

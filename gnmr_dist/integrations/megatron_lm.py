@@ -60,6 +60,7 @@ import torch
 
 from gnmr_dist.integrations.config import GNMRBlock
 from gnmr_dist.integrations.session import refuse_probe, telemetry_scalars
+from gnmr_dist.integrations.state_file import restore_or_refuse
 
 __all__ = ["CPU_FLAGS", "add_gnmr_args", "check_args", "cpu_argv", "main"]
 
@@ -339,16 +340,11 @@ class _Hooks:
     def _restore(self, handle: Any, args: argparse.Namespace) -> None:
         if not self.checkpoint_loaded or args.iteration == 0:
             return
-        if self.loaded is None:
-            if self.block is not None and self.block.on_missing_state == "fresh":
-                logger.warning("checkpoint has no GNMR state: the controller starts fresh")
-                return
-            raise ValueError(
-                f"--load {args.load}: the checkpoint (iteration {args.iteration}) has no GNMR "
-                'state; set "on_missing_state": "fresh" in the gnmr block to start GNMR anew'
-            )
-        handle.load_state_dict(self.loaded)
-        logger.info("GNMR state restored (controller step %d)", handle.controller.step_count)
+        assert self.block is not None
+        where = f"--load {args.load} (iteration {args.iteration})"
+        found = ("missing", None) if self.loaded is None else ("ok", self.loaded)
+        if restore_or_refuse(self.block, where, found, handle):
+            logger.info("GNMR state restored (controller step %d)", handle.controller.step_count)
 
     def _spiking(self, step: Callable[..., Any]) -> Callable[..., Any]:
         def spiked_step(*args: Any, **kwargs: Any) -> Any:

@@ -14,6 +14,7 @@ from typing import Any
 
 from gnmr_dist.backends import PrecisionBackend
 from gnmr_dist.core import Decision, GNMRController
+from gnmr_dist.core.integrity import open_state, seal
 from gnmr_dist.distributed import GNMRRuntime, Plan
 from gnmr_dist.distributed.monitor import ErrorFn
 from gnmr_dist.integrations.config import GNMRBlock
@@ -99,11 +100,28 @@ class IntegrationSession:
 
     def state_dict(self) -> dict[str, Any]:
         """Controller state, unit names, plan and skipped-step count (plain, rank-identical,
-        ``weights_only``-safe)."""
-        return {**self.runtime.state_dict(), "skipped": self.skipped}
+        ``weights_only``-safe), sealed with a per-field checksum."""
+        return seal({**self.runtime.state_body(), "skipped": self.skipped})
+
+    def reset(self) -> None:
+        """Start the controller fresh (``on_missing_state`` / ``on_corrupt_state`` ``"fresh"``)
+        and apply its empty plan."""
+        self.runtime.reset()
+        self.skipped = 0
+        self._apply_plan()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` (any parallel layout) and apply the restored plan."""
-        self.runtime.load_state_dict(state)
-        self.skipped = int(state.get("skipped", 0))
+        """Restore :meth:`state_dict` (any parallel layout) and apply the restored plan.
+
+        Raises ``ValueError`` when the state does not match its checksum
+        (:class:`~gnmr_dist.core.integrity.StateIntegrityError`, naming each altered field) or
+        breaks an invariant of the algorithm (naming the entry); nothing is restored then. A
+        state without a checksum (an earlier release) loads with a warning.
+        """
+        body = open_state(state, "GNMR state")
+        skipped = body.get("skipped", 0)
+        if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
+            raise ValueError(f"GNMR state is corrupted: skipped={skipped!r} is not a count")
+        self.runtime.restore(body)
+        self.skipped = skipped
         self._apply_plan()

@@ -411,6 +411,64 @@ def test_a_probe_every_step_leaves_the_training_run_bit_for_bit_unchanged():
     assert bad_losses != want_losses
 
 
+def _spiked_run(unit_name, spike_at=3):
+    """(model, registry, backend) after two low-cost steps; from step ``spike_at`` on, the
+    input of ``unit_name`` is x1e3 (so its frozen history would saturate it)."""
+    model = make_net()
+    registry = UnitRegistry.from_model(model)
+    backend = get_backend("fp8_emulated", low_cost=delayed(amax_history_len=4))
+    backend.wrap(registry.local_modules)
+    step = [0]
+
+    def spike(_m, args):
+        return (args[0] * 1e3,) if step[0] >= spike_at else None
+
+    model.get_submodule(unit_name).register_forward_pre_hook(spike)
+    for s in (1, 2):
+        step[0] = s
+        backend.apply((), s)
+        loss_of(model, tokens(seed=s)).backward()
+    step[0] = spike_at
+    return model, registry, backend
+
+
+def _unit_norms(registry, model, loss):
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    by_param = {id(p): g for p, g in zip(model.parameters(), grads, strict=True)}
+    sums = torch.zeros(registry.num_units, dtype=torch.float64)
+    for p, slot in zip(registry.params, registry.param_slots.tolist(), strict=True):
+        if slot < registry.num_units:
+            sums[slot] += float(by_param[id(p)].double().square().sum())
+    return sums.sqrt()
+
+
+def test_the_probe_scores_a_recovered_unit_by_its_return_not_its_frozen_history():
+    """Step 3: ``layers.1.fc2`` recovered while its input spikes x1e3. The probe's low-cost pass
+    equals, for every unit, an ordinary step 3 on which that unit really returns (its history
+    reset, its own amax), within 1e-6; the frozen history would score a saturating path that
+    never runs again (a far larger gradient error)."""
+    name = "layers.1.fc2"
+    model, registry, backend = _spiked_run(name)
+    uid = registry.index[name]
+    backend.apply((uid,), 3)
+    probe = RecoveryProbe(registry, backend)
+    batch = tokens(seed=3)
+    got = probe.measure(lambda: loss_of(model, batch))
+
+    ref_model, ref_reg, ref_backend = _spiked_run(name)
+    ref_backend.apply((uid,), 3)
+    ref_backend.apply((), 3)  # the return: unit uid's low-cost history is reset
+    want = _unit_norms(ref_reg, ref_model, loss_of(ref_model, batch))
+    assert torch.allclose(got.grad_low_norm, want, rtol=1e-6, atol=0.0)
+
+    frozen_model, frozen_reg, frozen_backend = _spiked_run(name)
+    frozen_backend.apply((), 3)  # never left: the history of steps 1-2 saturates the spike
+    frozen = _unit_norms(frozen_reg, frozen_model, loss_of(frozen_model, batch))
+    high = got.grad_high_norm[uid]
+    assert abs(frozen[uid] - high) > 10 * abs(want[uid] - high)
+    assert got.grad_gap[uid] < 0.1 * abs(frozen[uid] - high)
+
+
 # -------------------------------------------------------------------------- host sync
 
 

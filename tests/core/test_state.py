@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from gnmr_dist import GNMRConfig, GNMRController
+from gnmr_dist.core.integrity import StateIntegrityError, seal, unseal
 
 
 def trained(u=3, steps=12, **cfg):
@@ -40,10 +41,12 @@ def test_state_dict_is_a_copy():
     assert torch.equal(state["norm_sum"], before)
 
 
-def mutated(key, value):
-    state = trained().state_dict()
+def mutated(key, value, **cfg):
+    """A hand edit that re-seals: the checksum matches, the shape and invariant checks must
+    catch it."""
+    state = trained(**cfg).state_dict()
     state[key] = value
-    return state
+    return seal(state)
 
 
 @pytest.mark.parametrize(
@@ -61,13 +64,29 @@ def mutated(key, value):
             r"'norm_count' is torch.float32 \[3\], expected torch.int64",
         ),
         (mutated("lock", [0, 0, 0]), "'lock' is list, not a tensor"),
-        (mutated("lock", torch.tensor([0, -1, 0])), "negative counts or locks"),
-        (mutated("window_len", torch.tensor([0, 99, 0])), r"window lengths outside \[0, 8\]"),
+        (mutated("lock", torch.tensor([0, -1, 0])), r"lock\[1\] = -1 \(locks lie in"),
+        (mutated("lock", torch.tensor([9, 0, 0])), r"lock\[0\] = 9 .*lock_steps=8"),
+        (
+            mutated("window_len", torch.tensor([8, 99, 8])),
+            r"window_len\[1\] = 99 is outside \[0, min\(window=8, step=12\)\]",
+        ),
+        (
+            mutated("norm_count", torch.tensor([12, 13, 12])),
+            r"norm_count\[1\] = 13 is outside \[0, step=12\]",
+        ),
         (
             mutated("norm_sum", torch.tensor([1.0, float("nan"), 0.0], dtype=torch.float64)),
-            "non-finite history",
+            r"norm_sum\[1\] = nan",
         ),
-        (mutated("step", -5), "step=-5 is negative"),
+        (
+            mutated("norm_sum", torch.tensor([1.0, -2.0, 1.0], dtype=torch.float64)),
+            r"norm_sum\[1\] = -2.0",
+        ),
+        (
+            mutated("window_len", torch.tensor([8, 5, 8])),
+            r"window_buffer\[1, 0\] = .* with window_len 5 .*right-aligned after zeros",
+        ),
+        (mutated("step", -5), "step = -5 is not an integer >= 0"),
         ([1, 2, 3], "must be a dict"),
     ],
 )
@@ -80,6 +99,56 @@ def test_bad_state_is_refused_with_a_reason(state, match):
     assert all(
         torch.equal(before[k], after[k]) for k in before if isinstance(before[k], torch.Tensor)
     )
+
+
+def test_locks_beyond_the_budget_or_on_ineligible_units_are_refused():
+    state = trained(max_active=1).state_dict()
+    state["lock"] = torch.tensor([2, 3, 0])
+    with pytest.raises(ValueError, match="lock is held by 2 units, more than max_active=1"):
+        GNMRController(3, GNMRConfig(warmup_steps=0, max_active=1)).load_state_dict(seal(state))
+    state = trained().state_dict()
+    state["eligible"] = torch.tensor([True, False, True])
+    state["lock"] = torch.tensor([0, 3, 0])
+    with pytest.raises(ValueError, match=r"lock\[1\] = 3 .*unit 1 eligible: False"):
+        GNMRController(3, GNMRConfig(warmup_steps=0)).load_state_dict(seal(state))
+
+
+@pytest.mark.parametrize("key", ["step", "norm_sum", "window_buffer", "lock", "config"])
+def test_an_edit_without_resealing_names_the_altered_field(key):
+    state = trained().state_dict()
+    if key == "step":
+        state["step"] += 1  # still a reachable state: only the checksum tells
+    elif key == "config":
+        state["config"] = {**state["config"], "alpha": 9.0}
+    else:
+        state[key] = state[key].clone()
+        state[key].view(-1)[0] += 1
+    field = "config.alpha" if key == "config" else key
+    with pytest.raises(StateIntegrityError, match=rf"{field} was altered"):
+        GNMRController(3, GNMRConfig(warmup_steps=0)).load_state_dict(state)
+
+
+def test_a_dropped_or_added_field_is_named():
+    state = trained().state_dict()
+    del state["lock"]
+    state["extra"] = 1
+    with pytest.raises(StateIntegrityError, match="lock is missing; extra was added"):
+        unseal(state, "state")
+
+
+def test_a_state_without_checksum_loads_with_a_warning(caplog):
+    state, _ = unseal(trained().state_dict(), "state")
+    ctrl = GNMRController(3, GNMRConfig(warmup_steps=0))
+    with caplog.at_level(logging.WARNING, logger="gnmr_dist.core.integrity"):
+        ctrl.load_state_dict(state)
+    assert "has no checksum" in caplog.text and ctrl.step_count == 12
+
+
+def test_the_checksum_does_not_depend_on_strides_or_pickling():
+    state = trained().state_dict()
+    state["window_buffer"] = state["window_buffer"].t().contiguous().t()  # same values
+    assert not state["window_buffer"].is_contiguous()
+    GNMRController(3, GNMRConfig(warmup_steps=0)).load_state_dict(roundtrip(state))
 
 
 def test_window_change_is_refused():
@@ -132,7 +201,8 @@ def test_format_is_still_version_1_with_the_same_shape():
     assert STATE_VERSION == 1
     for cfg in (GNMRConfig(warmup_steps=0), GNMRConfig(warmup_steps=0, gamma=0.5)):
         state = GNMRController(3, cfg).state_dict()
-        assert set(state) == V1_KEYS and state["version"] == 1
+        # the checksum is one more key: releases that predate it read the state as before
+        assert set(state) == V1_KEYS | {"checksum"} and state["version"] == 1
     assert "gamma" not in GNMRController(3).state_dict()["config"]
 
 

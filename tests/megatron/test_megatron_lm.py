@@ -169,7 +169,8 @@ def test_null_backend_observes_only(work):
     assert " gnmr | step 8 " in observe and " gnmr | " not in off
     load = ["--load", str(work / "ckpt_off"), "--train-iters", "8"]
     refused = _torchrun(_args(work, "refused", *load, *gnmr), work, fails=True)
-    assert 'the checkpoint (iteration 8) has no GNMR state; set "on_missing_state": ' in refused
+    assert "(iteration 8) has no GNMR state. Resuming without it" in refused
+    assert 'set "on_missing_state": "fresh"' in refused
 
 
 def test_bad_block_exits_2_before_any_process_group(tmp_path):

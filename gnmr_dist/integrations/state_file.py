@@ -1,0 +1,108 @@
+"""Where an integration keeps the GNMR state on disk, and how a bad one is handled on resume.
+
+:func:`write_atomic` writes a state so that a kill at any instant leaves either the previous
+file or the complete new one: ``torch.save`` to a temporary file in the same directory,
+``fsync``, ``os.replace`` over the target (atomic on POSIX file systems), then ``fsync`` of the
+directory so the rename itself is durable. The DeepSpeed integration calls it *before*
+DeepSpeed writes its own files and its ``latest`` tag, so a checkpoint that ``latest`` names
+always holds a complete state (:mod:`gnmr_dist.integrations.deepspeed`).
+
+:func:`read_state` tells apart a missing file, an unreadable one and a readable one; what to do
+with a missing or bad state is the block's choice (``on_missing_state``, ``on_corrupt_state``),
+applied by :func:`restore_or_refuse` for every framework alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gnmr_dist.integrations.config import GNMRBlock
+
+__all__ = ["read_state", "restore_or_refuse", "write_atomic"]
+
+logger = logging.getLogger(__name__)
+
+
+def write_atomic(state: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
+    """``torch.save(state, path)`` that a kill cannot leave half-written (module docstring)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp.{os.getpid()}")
+    try:
+        with open(tmp, "wb") as fh:
+            torch.save(dict(state), fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+    _fsync_dir(target.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems (and Windows) cannot fsync a directory
+        pass
+    finally:
+        os.close(fd)
+
+
+def read_state(path: str | os.PathLike[str]) -> tuple[str, Any]:
+    """``("ok", state)``, ``("missing", None)`` or ``("corrupted", reason)``."""
+    if not Path(path).is_file():
+        return "missing", None
+    try:
+        return "ok", torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # any unreadable file is reported the same way, with its reason
+        return "corrupted", f"{type(err).__name__}: {err}"
+
+
+def restore_or_refuse(block: GNMRBlock, where: str, found: tuple[str, Any], session: Any) -> bool:
+    """Load ``found`` (a :func:`read_state` result) into ``session``, or apply the block's choice.
+
+    ``session``: an :class:`~gnmr_dist.integrations.session.IntegrationSession`. A missing state
+    is an error unless ``on_missing_state`` is ``"fresh"``; an unreadable one, or one that
+    ``session.load_state_dict`` refuses (checksum, invariants, another model: ``ValueError``,
+    with nothing restored), is an error unless ``on_corrupt_state`` is ``"fresh"``. "Fresh"
+    resets the session's controller (``session.reset()``) and logs a warning naming ``where``
+    and the reason. Returns whether a state loaded.
+    """
+    kind, payload = found
+    if kind == "missing":
+        if block.on_missing_state == "fresh":
+            logger.warning("gnmr: %s has no GNMR state; the controller starts fresh "
+                           "(on_missing_state='fresh')", where)  # fmt: skip
+            session.reset()
+            return False
+        raise FileNotFoundError(
+            f"gnmr: {where} has no GNMR state. Resuming without it would silently reset the "
+            'controller; set "on_missing_state": "fresh" in the gnmr block to start it fresh on '
+            "purpose."
+        )
+    reason = payload if kind == "corrupted" else None
+    if reason is None:
+        try:
+            session.load_state_dict(payload)
+            return True
+        except (KeyError, TypeError, ValueError) as err:
+            reason = str(err)
+    if block.on_corrupt_state == "fresh":
+        logger.warning("gnmr: the GNMR state of %s is unusable (%s); the controller starts "
+                       "fresh (on_corrupt_state='fresh')", where, reason)  # fmt: skip
+        session.reset()
+        return False
+    raise ValueError(
+        f"gnmr: cannot restore the GNMR state of {where}: {reason}. Restore the checkpoint from "
+        "a good copy or resume from an earlier one; to start the controller fresh on purpose set "
+        '"on_corrupt_state": "fresh" in the gnmr block.'
+    )
