@@ -63,7 +63,7 @@ class ActQuantOptions:
     """Values sharing one (min, scale) pair, along the feature dim; must be a multiple of 8."""
 
     def __post_init__(self) -> None:
-        if self.bits not in _BITS:
+        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or self.bits not in _BITS:
             raise ValueError(f"bits must be one of {list(_BITS)}, got {self.bits!r}")
         gs = self.group_size
         if isinstance(gs, bool) or not isinstance(gs, int) or gs < 8 or gs % 8:
@@ -254,8 +254,7 @@ class ActQuantBackend(PrecisionBackend):
     ) -> None:
         super().__init__()
         self.low_cost = parse_options(ActQuantOptions, low_cost, "gnmr.low_cost")
-        rec = {"bits": 8, **(recovery or {})}
-        self.recovery = parse_options(ActQuantOptions, rec, "gnmr.recovery")
+        self.recovery = parse_options(ActQuantOptions, recovery, "gnmr.recovery", {"bits": 8})
         self._last_pack: tuple[Any, int, Any, Any] = (None, 0, None, None)
         self._last_shadow: tuple[Any, int, Any] = (None, 0, None)
 

@@ -129,7 +129,7 @@ from gnmr_dist.backends.numerics import (
     quantize_dequantize_scaled,
 )
 from gnmr_dist.backends.options import parse_options
-from gnmr_dist.core.validation import check_nonnegative_int, check_positive_int
+from gnmr_dist.core.validation import check_choice, check_nonnegative_int, check_positive_int
 
 __all__ = [
     "AmaxHistory",
@@ -149,11 +149,6 @@ SCALINGS = ("current", "delayed")
 
 AMAX_ALGOS = ("max", "most_recent")
 """How delayed scaling reads its history (TE's ``amax_compute_algo``)."""
-
-
-def _check_choice(field: str, value: Any, allowed: tuple[str, ...] | list[str]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{field} must be one of {list(allowed)}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -190,15 +185,15 @@ class Fp8Options:
     """Delayed only: binades of headroom, >= 0 (``None`` = 0, as TE)."""
 
     def __post_init__(self) -> None:
-        _check_choice("format", self.format, sorted(FORMATS))
+        check_choice(self.format, sorted(FORMATS), "format")
         if self.grad_format is not None:
-            _check_choice("grad_format", self.grad_format, sorted(FORMATS))
+            check_choice(self.grad_format, sorted(FORMATS), "grad_format")
         if self.granularity is not None:
-            _check_choice("granularity", self.granularity, GRANULARITIES)
+            check_choice(self.granularity, GRANULARITIES, "granularity")
         b = self.block
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
             raise ValueError(f"block must be an integer >= 1, got {b!r}")
-        _check_choice("scaling", self.scaling, SCALINGS)
+        check_choice(self.scaling, SCALINGS, "scaling")
         if self.scaling == "delayed":
             self._check_delayed()
         else:
@@ -215,7 +210,7 @@ class Fp8Options:
         if self.amax_history_len is not None:
             check_positive_int(self.amax_history_len, "amax_history_len")
         if self.amax_compute_algo is not None:
-            _check_choice("amax_compute_algo", self.amax_compute_algo, AMAX_ALGOS)
+            check_choice(self.amax_compute_algo, AMAX_ALGOS, "amax_compute_algo")
         if self.margin is not None:
             check_nonnegative_int(self.margin, "margin")
 
@@ -597,8 +592,7 @@ class Fp8EmulatedBackend(PrecisionBackend):
     ) -> None:
         super().__init__()
         self.low_cost = parse_options(Fp8Options, low_cost, "gnmr.low_cost")
-        rec = {"format": "bf16", **(recovery or {})}
-        self.recovery = parse_options(Fp8Options, rec, "gnmr.recovery")
+        self.recovery = parse_options(Fp8Options, recovery, "gnmr.recovery", {"format": "bf16"})
         self.specs = {
             LOW_COST: LinearQuantSpec.from_options(self.low_cost),
             RECOVERY: LinearQuantSpec.from_options(self.recovery),

@@ -70,6 +70,7 @@ from torch import nn
 
 from gnmr_dist.backends.base import RECOVERY, GemmProbe, PrecisionBackend, frobenius
 from gnmr_dist.backends.options import parse_options
+from gnmr_dist.core.validation import check_choice
 
 __all__ = [
     "Int8Backend",
@@ -97,11 +98,6 @@ Quantizer = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 Gemm = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _check_choice(field: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if not isinstance(value, str) or value not in allowed:
-        raise ValueError(f"{field} must be one of {list(allowed)}, got {value!r}")
-
-
 @dataclass(frozen=True)
 class Int8LowCost:
     """Options of the low-cost (W8A8) path."""
@@ -112,8 +108,8 @@ class Int8LowCost:
     """Activation scales: ``"token"`` (one per row of the flattened input) or ``"tensor"``."""
 
     def __post_init__(self) -> None:
-        _check_choice("weight_granularity", self.weight_granularity, _WEIGHT_GRANULARITIES)
-        _check_choice("act_granularity", self.act_granularity, _ACT_GRANULARITIES)
+        check_choice(self.weight_granularity, _WEIGHT_GRANULARITIES, "weight_granularity")
+        check_choice(self.act_granularity, _ACT_GRANULARITIES, "act_granularity")
 
 
 @dataclass(frozen=True)
@@ -124,7 +120,7 @@ class Int8Recovery:
     """``"bf16"``: the module computed in BF16; ``"fp32"``: the module's own forward."""
 
     def __post_init__(self) -> None:
-        _check_choice("dtype", self.dtype, _RECOVERY_DTYPES)
+        check_choice(self.dtype, _RECOVERY_DTYPES, "dtype")
 
 
 # ---------------------------------------------------------------------------- int8 maths

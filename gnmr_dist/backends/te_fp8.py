@@ -140,7 +140,7 @@ from gnmr_dist.backends.te_megatron import (
     module_recipe,
     quant_params_switch,
 )
-from gnmr_dist.core.validation import check_nonnegative_int, check_positive_int
+from gnmr_dist.core.validation import check_choice, check_nonnegative_int, check_positive_int
 
 __all__ = [
     "TE_MODULE_TYPES",
@@ -187,9 +187,9 @@ _NO_TE_HINT = (
 )
 
 
-def _choice(value: Any, allowed: Any, field: str) -> None:
-    if value not in allowed:
-        raise ValueError(f"{field} must be one of {sorted(allowed)}, got {value!r}")
+def _canonical_recipe(recipe: Any) -> Any:
+    """A recipe name with Megatron's aliases resolved (anything else as given, for the check)."""
+    return _ALIASES.get(recipe, recipe) if isinstance(recipe, str) else recipe
 
 
 @dataclass(frozen=True)
@@ -211,9 +211,9 @@ class TELowCostOptions:
     amax history to 0, or ``"keep"`` the frozen ones (the trade-off: module docstring)."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "recipe", _ALIASES.get(self.recipe, self.recipe))
-        _choice(self.recipe, _RECIPES, "recipe")
-        _choice(self.fp8_format, _FORMATS, "fp8_format")
+        object.__setattr__(self, "recipe", _canonical_recipe(self.recipe))
+        check_choice(self.recipe, sorted(_RECIPES), "recipe")
+        check_choice(self.fp8_format, sorted(_FORMATS), "fp8_format")
         if self.recipe != "delayed":
             self._refuse_delayed_only()
         if self.amax_history_len is not None:
@@ -221,9 +221,9 @@ class TELowCostOptions:
         if self.margin is not None:
             check_nonnegative_int(self.margin, "margin")
         if self.amax_compute_algo is not None:
-            _choice(self.amax_compute_algo, _AMAX_ALGOS, "amax_compute_algo")
+            check_choice(self.amax_compute_algo, sorted(_AMAX_ALGOS), "amax_compute_algo")
         if self.reseed is not None:
-            _choice(self.reseed, _RESEEDS, "reseed")
+            check_choice(self.reseed, sorted(_RESEEDS), "reseed")
 
     def _refuse_delayed_only(self) -> None:
         for name in (*_DELAYED_DEFAULTS, "reseed"):
@@ -251,8 +251,8 @@ class TERecoveryOptions:
     """``"bf16"`` (FP8 off) | ``"tensorwise"`` | ``"blockwise"`` | ``"mxfp8"``."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "recipe", _ALIASES.get(self.recipe, self.recipe))
-        _choice(self.recipe, [*_RECIPES.keys() - {"delayed"}, "bf16"], "recipe")
+        object.__setattr__(self, "recipe", _canonical_recipe(self.recipe))
+        check_choice(self.recipe, sorted([*_RECIPES.keys() - {"delayed"}, "bf16"]), "recipe")
 
 
 # ---------------------------------------------------------------------- loading TE

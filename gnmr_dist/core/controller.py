@@ -152,6 +152,8 @@ class Decision:
 def _as_tensor(values: NormsLike, name: str) -> torch.Tensor:
     if isinstance(values, torch.Tensor):
         return values.detach()
+    if isinstance(values, Sequence) and any(isinstance(v, bool) for v in values):
+        raise ValueError(f"{name} must hold real numbers, got booleans: {list(values)[:8]}")
     try:
         if hasattr(values, "dtype"):  # an array keeps its dtype, so a complex one is refused
             return torch.as_tensor(values)

@@ -14,6 +14,7 @@ from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 __all__ = [
+    "check_choice",
     "check_keys",
     "check_nonnegative_int",
     "check_positive_int",
@@ -47,6 +48,19 @@ def check_keys(
     missing = [k for k in required if k not in given]
     if missing:
         raise ValueError(f"{path} is missing required key(s) {missing}")
+
+
+def check_choice(value: Any, allowed: Iterable[str], path: str) -> str:
+    """``value`` if it is one of the strings ``allowed`` (listed in their order; a set
+    sorted), else ``ValueError`` naming ``path``,
+    the choices and (for a near miss) the closest one; a non-string (a list, a dict, a number)
+    is refused by the same message, never by a ``TypeError`` from hashing it."""
+    choices = sorted(allowed) if isinstance(allowed, set | frozenset) else list(allowed)
+    if isinstance(value, str) and value in choices:
+        return value
+    hint = closest(value, choices) if isinstance(value, str) else None
+    did_you_mean = f"; did you mean {hint!r}?" if hint else ""
+    raise ValueError(f"{path} must be one of {choices}, got {value!r}{did_you_mean}")
 
 
 def _is_int(value: Any) -> bool:

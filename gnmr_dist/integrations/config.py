@@ -44,7 +44,7 @@ from typing import Any
 
 from gnmr_dist.backends import BACKENDS
 from gnmr_dist.core import GNMRConfig
-from gnmr_dist.core.validation import check_keys, check_positive_int, closest
+from gnmr_dist.core.validation import check_choice, check_keys, check_positive_int, closest
 
 __all__ = ["AttributionGuard", "GNMRBlock", "LogOptions", "ProbeOptions"]
 
@@ -72,7 +72,7 @@ class AttributionGuard:
                 f"{path}.max_rest_share must be a number in (0, 1] (1 turns the share check "
                 f"off), got {share!r}"
             )
-        action = _choice(given.get("action", "error"), _GUARD_ACTIONS, f"{path}.action")
+        action = check_choice(given.get("action", "error"), _GUARD_ACTIONS, f"{path}.action")
         return cls(float(share), action)
 
 
@@ -196,7 +196,7 @@ class GNMRBlock:
         return cls(
             enabled=_bool(block.get("enabled", True), f"{path}.enabled"),
             backend=backend,
-            units=_choice(block.get("units", "operator"), _UNITS, f"{path}.units"),
+            units=check_choice(block.get("units", "operator"), _UNITS, f"{path}.units"),
             include=_patterns(block.get("include", ()), f"{path}.include"),
             exclude=_patterns(block.get("exclude", ()), f"{path}.exclude"),
             policy=GNMRConfig.from_dict(policy, path=path),
@@ -206,10 +206,10 @@ class GNMRBlock:
             check_consistency=_bool(
                 block.get("check_consistency", False), f"{path}.check_consistency"
             ),
-            on_missing_state=_choice(
+            on_missing_state=check_choice(
                 block.get("on_missing_state", "error"), _ON_MISSING, f"{path}.on_missing_state"
             ),
-            on_corrupt_state=_choice(
+            on_corrupt_state=check_choice(
                 block.get("on_corrupt_state", "error"), _ON_MISSING, f"{path}.on_corrupt_state"
             ),
             attribution=AttributionGuard.from_dict(
@@ -242,15 +242,16 @@ def _probe_int(value: Any, path: str, meaning: str) -> int:
     return value
 
 
-def _choice(value: Any, allowed: tuple[str, ...], path: str) -> str:
-    if value not in allowed:
-        raise ValueError(f"{path} must be one of {list(allowed)}, got {value!r}")
-    return str(value)
-
-
 def _backend(value: Any, path: str) -> str | None:
-    if value is None or value in BACKENDS:
-        return value  # type: ignore[no-any-return]
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ValueError(
+            f"{path} must be a backend name ({sorted(BACKENDS)}) or null to observe without "
+            f"recovering, got {value!r}"
+        )
+    if value in BACKENDS:
+        return value
     hint = closest(str(value), BACKENDS)
     did_you_mean = f"; did you mean {hint!r}?" if hint else ""
     raise ValueError(
@@ -260,7 +261,7 @@ def _backend(value: Any, path: str) -> str | None:
 
 
 def _patterns(value: Any, path: str) -> tuple[str, ...]:
-    if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+    if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
         raise ValueError(f"{path} must be a list of glob patterns, got {value!r}")
     return tuple(value)
 

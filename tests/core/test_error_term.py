@@ -210,6 +210,24 @@ def test_bad_errors_vector_is_named(errors, match):
     assert ctrl.step_count == 0
 
 
+@pytest.mark.parametrize(
+    "norms, match",
+    [
+        ([1.0, "x", 2.0], r"norms must be a 1-D vector of real numbers"),
+        ([1.0, True, 2.0], r"norms must hold real numbers, got booleans"),
+        (np.asarray([1.0, 2.0, 3j]), r"norms must hold real numbers, got dtype torch.complex"),
+        (torch.zeros(3, 1), r"norms must be a 1-D vector of num_units=3 per-unit norms"),
+        ("abc", r"norms must be a 1-D vector of real numbers"),
+        ({0: 1.0}, r"norms must be a 1-D vector of real numbers"),
+    ],
+)
+def test_bad_norms_vector_is_named(norms, match):
+    ctrl = make(3, gamma=None)
+    with pytest.raises(ValueError, match=match):
+        ctrl.step(norms)
+    assert ctrl.step_count == 0
+
+
 def test_norms_are_refused_the_same_way():
     with pytest.raises(ValueError, match=r"norms must hold real numbers"):
         make(2, gamma=None).step(torch.tensor([1.0, 1j]))

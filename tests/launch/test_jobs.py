@@ -1,11 +1,12 @@
-"""Real jobs through the launch scripts: torchrun and the DeepSpeed launcher on CPU, a worker
-killed under ``torchrun --max-restarts 1`` that resumes from its last checkpoint, and the Megatron
-engine through the same script."""
+"""Real jobs through the launch scripts: torchrun and the DeepSpeed launcher on CPU, a job whose
+rank 0 is killed at every phase of a checkpoint save in turn under ``torchrun --max-restarts``
+and resumes each time, and the Megatron engine through the same script."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -19,7 +20,11 @@ from tests.multiproc import free_port
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 12
+KILLPOINTS = Path(__file__).resolve().parent / "killpoints"
+STEPS = 16
+KILL_PHASES = ("before-gnmr", "gnmr-unrenamed", "before-framework", "mid-framework",
+               "before-latest", "after-latest")  # fmt: skip
+"""The phases of ``tests/launch/killpoints/sitecustomize.py``, one per attempt."""
 
 
 def launch(*argv: str, **env: str) -> subprocess.CompletedProcess:
@@ -33,10 +38,10 @@ def launch(*argv: str, **env: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> Path:
     """The demo config with a tight policy (decisions from step 3) and a tiny model in its
-    ``"pretrain"`` block, checkpointing every 4 steps."""
+    ``"pretrain"`` block, checkpointing every 2 steps."""
     cfg = load_ds_config(ROOT / "configs" / "demo_deepspeed.hjson")
     cfg["gnmr"].update(warmup_steps=2, alpha=1.05, beta=1.2, max_active=2, lock_steps=2)
-    cfg["pretrain"] = {"steps": STEPS, "save_interval": 4, "layers": 2, "hidden": 64,
+    cfg["pretrain"] = {"steps": STEPS, "save_interval": 2, "layers": 2, "hidden": 64,
                        "seq_len": 32, "max_bytes": 200_000, "no_progress": True}  # fmt: skip
     path = tmp_path_factory.mktemp("job") / "tight.json"
     path.write_text(json.dumps(cfg))
@@ -62,16 +67,30 @@ def test_deepspeed_launcher_with_a_localhost_hostfile(reference):
     assert json.loads((reference / "summary.json").read_text())["decisions"] == STEPS
 
 
-def test_killed_worker_resumes_with_the_controller_state_intact(job, reference, tmp_path):
+def test_a_kill_at_every_phase_of_a_save_resumes_with_the_uninterrupted_decisions(
+    job, reference, tmp_path
+):
+    """Attempt r of one torchrun job (``MAX_RESTARTS=6``) kills rank 0 at phase r of its second
+    save: before GNMR's file, with it written but not renamed, before DeepSpeed's files,
+    between them, before ``latest``, after ``latest``. Each restart resumes from the checkpoint
+    ``latest`` names, which is always complete; the trace the job leaves (records after a
+    resume point are dropped and rewritten) and every checkpoint's GNMR state equal the
+    uninterrupted run's."""
     run = tmp_path / "killed"
-    out = launch("launch/torchrun.sh", str(job), "--run-dir", str(run), "--fail-at", "7",
-                 NPROC_PER_NODE="2", MAX_RESTARTS="1")  # fmt: skip
-    assert "--fail-at 7: rank 1 sends itself SIGKILL" in out.stderr
-    assert "resumed at step 4" in out.stdout  # the last checkpoint before the kill
-    # every record after the resume (norms, decisions, losses) equals the uninterrupted run's,
-    # so the restored controller, model, optimizer and data position are exactly what they were
+    path = os.pathsep.join(filter(None, [str(KILLPOINTS), os.environ.get("PYTHONPATH")]))
+    kill_env = {"GNMR_TEST_KILL_PHASES": ",".join(KILL_PHASES), "PYTHONPATH": path}
+    out = launch("launch/torchrun.sh", str(job), "--run-dir", str(run),
+                 NPROC_PER_NODE="2", MAX_RESTARTS=str(len(KILL_PHASES)), **kill_env)  # fmt: skip
+    for phase in KILL_PHASES:
+        assert f"kill point {phase}: rank 0 sends itself SIGKILL" in out.stderr
+    # the checkpoint each attempt restarts from: the one before the killed save, except after
+    # 'latest' was written
+    assert "resumed at step 14" in out.stdout  # the last attempt's summary
+    resumed = [int(x) for x in re.findall(r"resumed from \S+ at step (\d+)", out.stderr)]
+    assert sorted(set(resumed)) == [2, 4, 6, 8, 10, 14], resumed
     assert _records(run) == _records(reference)
-    for tag in ("global_step4", f"global_step{STEPS}"):
+    for step in range(2, STEPS + 1, 2):
+        tag = f"global_step{step}"
         got = torch.load(run / "checkpoint" / tag / "gnmr_state.pt", weights_only=True)
         want = torch.load(reference / "checkpoint" / tag / "gnmr_state.pt", weights_only=True)
         _assert_same(got, want)
