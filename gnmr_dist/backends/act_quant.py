@@ -34,7 +34,9 @@ no host sync; with tracking off nothing of this runs.
 
 from __future__ import annotations
 
+import math
 import weakref
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +44,13 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from gnmr_dist.backends.base import LOW_COST, GemmProbe, PrecisionBackend, frobenius
+from gnmr_dist.backends.base import (
+    LOW_COST,
+    GemmProbe,
+    PrecisionBackend,
+    frobenius,
+    operators_of,
+)
 from gnmr_dist.backends.options import parse_options
 
 __all__ = [
@@ -239,6 +247,40 @@ def act_quant_linear(
     return ActQuantLinearFn.apply(x, weight, bias, packed, probe)  # type: ignore[no-any-return]
 
 
+def check_shard_widths(
+    options: ActQuantOptions, path: str, widths: Iterable[tuple[int, str, int, int]]
+) -> None:
+    """Refuse a ``group_size`` that does not divide a tensor-parallel input shard.
+
+    ``widths``: ``(unit, operator type, full input width, this rank's shard width)`` of every
+    operator whose input is split over tensor-parallel ranks (megatron's ``RowParallelLinear``).
+    Groups run along the feature dim of the tensor the GEMM sees, so in a shard whose width is
+    not a multiple of ``group_size`` the last group is padded inside the shard, where at
+    tensor-parallel size 1 it would hold the next shard's first features: the saved values,
+    and every gradient after them, would depend on the layout. When every shard width is a
+    multiple, the shards' groups are exactly the unsharded tensor's, and every layout
+    quantizes identically. (Making straddling groups agree would take a collective per GEMM,
+    which GNMR does not add; so the layout is refused before anything is wrapped.)
+    """
+    if options.bits > 8:
+        return  # 16 / 32 bits: no groups
+    gs = options.group_size
+    bad = sorted((w, full, uid, kind) for uid, kind, full, w in widths if w < full and w % gs)
+    if not bad:
+        return
+    common = math.gcd(*(width for width, *_ in bad))
+    fits = [g for g in range(gs, 7, -8) if common % g == 0]
+    fix = f"e.g. {path}.group_size={fits[0]}" if fits else f"{path}.bits=16 (no groups)"
+    w, full, uid, kind = bad[0]
+    raise ValueError(
+        f"{path}.group_size={gs} does not divide the input shard width {w} of unit {uid} "
+        f"({kind}: {full} input features over tensor-parallel size {full // w}; "
+        f"{len(bad)} operator(s) like it): a group would be padded inside the shard, so the "
+        "saved activations and every gradient would differ from the same run at another "
+        f"tensor-parallel size. Use a group_size that divides every shard width: {fix}"
+    )
+
+
 class ActQuantBackend(PrecisionBackend):
     """4-bit saved activations on the low-cost path, 8 (or 16/32) on recovery.
 
@@ -257,6 +299,19 @@ class ActQuantBackend(PrecisionBackend):
         self.recovery = parse_options(ActQuantOptions, recovery, "gnmr.recovery", {"bits": 8})
         self._last_pack: tuple[Any, int, Any, Any] = (None, 0, None, None)
         self._last_shadow: tuple[Any, int, Any] = (None, 0, None)
+
+    def wrap(self, units: Mapping[int, nn.Module]) -> None:
+        """:meth:`PrecisionBackend.wrap`, after refusing a layout whose groups would depend on
+        the tensor-parallel size (:func:`check_shard_widths`)."""
+        widths = {
+            (uid, type(op).__name__, int(op.input_size), int(op.input_size_per_partition))
+            for uid, unit in units.items()
+            for _, op in operators_of(unit)
+            if getattr(op, "input_is_parallel", False) and hasattr(op, "input_size_per_partition")
+        }
+        for path, options in (("gnmr.low_cost", self.low_cost), ("gnmr.recovery", self.recovery)):
+            check_shard_widths(options, path, widths)
+        super().wrap(units)
 
     def _gemm_fn(self, op: nn.Module, path: str) -> Any:
         options = self.low_cost if path == LOW_COST else self.recovery

@@ -75,3 +75,39 @@ def test_megatron_linears_switch_and_recovery_equals_plain(name, low_cost, recov
         if p_loss is not None:
             assert r_loss == pytest.approx(p_loss, rel=1e-6)
         assert r["left_wrapped"] == []
+
+
+def _layout_worker(rank, world, low_cost):
+    import torch.distributed as dist
+
+    from gnmr_dist.backends import get_backend
+    from gnmr_dist.distributed import UnitRegistry
+    from megatron_patches import enable_cpu_compat
+    from tests.megatron import gpt
+
+    enable_cpu_compat()
+    full, _ = gpt.full_reference(1)
+    model = gpt.parallel_model(2, 1, full)
+    reg = UnitRegistry.from_model(model, group=dist.group.WORLD)
+    backend = get_backend("act_quant", low_cost=low_cost, recovery={"bits": 32})
+    try:
+        backend.wrap(reg.local_modules)
+    except ValueError as err:
+        wrapped = [n for n, m in model.named_modules() if "_forward_impl" in vars(m)]
+        return str(err), wrapped
+    return None, sorted(backend.units)
+
+
+def test_a_group_size_that_splits_a_tensor_parallel_shard_is_refused_before_wrapping():
+    """hidden 64 at TP2: the attention output projection (row-parallel) sees 32 input features
+    per rank, so groups of 64 would be padded inside each shard and the run would quantize
+    differently at TP1; refused naming the width and a size that fits, nothing wrapped. Groups
+    of 32 divide every shard (32 and 128): accepted."""
+    for msg, wrapped in multiproc.run(_layout_worker, 2, {"bits": 4, "group_size": 64}):
+        assert msg.startswith(
+            "gnmr.low_cost.group_size=64 does not divide the input shard width 32"
+        )
+        assert "over tensor-parallel size 2" in msg and "gnmr.low_cost.group_size=32" in msg
+        assert wrapped == []
+    for msg, units in multiproc.run(_layout_worker, 2, {"bits": 4, "group_size": 32}):
+        assert msg is None and units

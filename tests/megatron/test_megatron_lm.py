@@ -42,7 +42,7 @@ LLAMA = [
 GNMR = {
     "backend": "act_quant", "units": "operator", "max_active": 2, "lock_steps": 3,
     "window": 6, "alpha": 2.0, "beta": 2.5, "warmup_steps": 4,
-    "low_cost": {"bits": 4, "group_size": 64}, "recovery": {"bits": 8},
+    "low_cost": {"bits": 4, "group_size": 32}, "recovery": {"bits": 8, "group_size": 32},
 }  # fmt: skip
 SPIKE = ["--gnmr-inject-grad-spike", "9:1:100"]
 
