@@ -10,9 +10,13 @@
 #   NNODES           N or MIN:MAX (elastic)                       default 1
 #   RDZV_ENDPOINT    host:port of the c10d rendezvous (multi-node, any node order)
 #   RDZV_ID          job id shared by all nodes                   default gnmr
+#   RDZV_CONF        torchrun's rdzv_conf (is_host=1 on the endpoint's node when its hostname
+#                    does not resolve to the endpoint's address)
 #   MASTER_ADDR, MASTER_PORT, NODE_RANK   static multi-node rendezvous instead of RDZV_*
 #   MAX_RESTARTS     torchrun restarts of the whole node group on a failure (jobs resume
 #                    from their last checkpoint)                  default 0
+#   LOCAL_ADDR       this node's address the other nodes reach (multi-homed nodes; gloo
+#                    also wants GLOO_SOCKET_IFNAME, NCCL NCCL_SOCKET_IFNAME, on that link)
 #   DRY_RUN=1        check and print the command, start nothing
 # Every user error (unknown config, bad option, world size vs TP x PP, batch sizes) is reported
 # before any process starts.

@@ -28,9 +28,13 @@ Then it replaces itself (``exec``) with the launcher, so signals from a schedule
 
 Defaults come from the environment variables multi-node scripts already set: ``NPROC_PER_NODE``,
 ``NNODES``, ``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, ``RDZV_ENDPOINT``, ``RDZV_ID``,
-``MAX_RESTARTS``, ``HOSTFILE``; ``GNMR_CONFIG_DIR`` adds a directory to search for configs;
-``DRY_RUN=1`` prints the command instead of running it. A Megatron job also gets
-``CUDA_DEVICE_MAX_CONNECTIONS=1`` unless it is set (Megatron-LM requires it with TP or CP > 1).
+``MAX_RESTARTS``, ``HOSTFILE``, ``LOCAL_ADDR`` (torchrun's ``--local-addr``: the address of
+this node that the others reach, on multi-homed nodes), ``RDZV_CONF`` (torchrun's
+``--rdzv-conf``; ``is_host=1`` on the node that serves the rendezvous when its hostname does
+not resolve to the endpoint's address); ``GNMR_CONFIG_DIR`` adds a directory
+to search for configs; ``DRY_RUN=1`` prints the command instead of running it. A Megatron job
+also gets ``CUDA_DEVICE_MAX_CONNECTIONS=1`` unless it is set (Megatron-LM requires it with TP
+or CP > 1).
 """
 
 from __future__ import annotations
@@ -242,8 +246,12 @@ def torchrun_command(a: argparse.Namespace, job: Job) -> tuple[list[str], list[i
         # a static rendezvous hands a restarted group the store of the failed attempt (stale
         # keys: the restart can hang); a c10d rendezvous starts a fresh round per restart
         endpoint = f"{a.master_addr or '127.0.0.1'}:{a.master_port or 29500}"
+    if a.local_addr:
+        cmd += ["--local_addr", a.local_addr]
     if endpoint:
         cmd += ["--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint, "--rdzv_id", a.rdzv_id]
+        if a.rdzv_conf:
+            cmd += ["--rdzv_conf", a.rdzv_conf]
     elif hi > 1 or a.master_addr:
         if not a.master_addr or a.node_rank is None:
             raise LaunchError(
@@ -310,7 +318,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--master-port", type=int, default=_int_env("MASTER_PORT"))
     t.add_argument("--rdzv-endpoint", default=_env("RDZV_ENDPOINT"), help="host:port (c10d)")
     t.add_argument("--rdzv-id", default=_env("RDZV_ID", "gnmr"))
+    t.add_argument("--rdzv-conf", default=_env("RDZV_CONF"),
+                   help="torchrun's rdzv_conf, e.g. is_host=1 on the endpoint's node")  # fmt: skip
     t.add_argument("--max-restarts", type=int, default=_int_env("MAX_RESTARTS") or 0)
+    t.add_argument("--local-addr", default=_env("LOCAL_ADDR"),
+                   help="this node's address the others reach (multi-homed nodes)")  # fmt: skip
     d = sub.add_parser("deepspeed", help="the DeepSpeed launcher with a hostfile (pdsh/ssh)")
     d.add_argument("--hostfile", default=_env("HOSTFILE"))
     d.add_argument("--num-nodes", type=int, default=None)

@@ -15,7 +15,10 @@ unchanged. What it adds:
   ``--gnmr-trace FILE`` (the block's ``log.trace``), ``--gnmr-inject-grad-spike
   ITER:LAYER[:FACTOR]`` (repeatable: multiply every gradient of global transformer layer
   ``LAYER``, 0-based, by ``FACTOR`` (default 100) before the optimizer step of iteration
-  ``ITER``, 1-based: a deterministic disturbance for tests and demos).
+  ``ITER``, 1-based: a deterministic disturbance for tests and demos), ``--gnmr-fail-at ITER``
+  (a restart drill: on the job's first attempt, ``TORCHELASTIC_RESTART_COUNT`` 0, the last rank
+  SIGKILLs itself before the optimizer step of iteration ``ITER``; with ``MAX_RESTARTS`` >= 1
+  the job resumes from its last checkpoint).
 * ``megatron_patches.apply(model, block, optimizer=...)`` right after megatron's
   ``setup_model_and_optimizer`` returns (the one place megatron builds both), so the per-unit
   norms ride megatron's clip-norm all-reduce and the plan is applied from the next iteration.
@@ -49,7 +52,9 @@ import argparse
 import inspect
 import json
 import logging
+import os
 import re
+import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
@@ -115,6 +120,14 @@ def add_gnmr_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=[],
         metavar="ITER:LAYER[:FACTOR]",
         help="multiply layer LAYER's gradients by FACTOR at iteration ITER",
+    )
+    group.add_argument(
+        "--gnmr-fail-at",
+        type=int,
+        default=None,
+        metavar="ITER",
+        help="restart drill: on a job's first attempt the last rank sends itself SIGKILL "
+        "before the optimizer step of iteration ITER",
     )
     return parser  # fmt: skip
 
@@ -296,6 +309,7 @@ class _Hooks:
     def __init__(self) -> None:
         self.block: GNMRBlock | None = None
         self.spikes: list[tuple[int, int, float]] = []
+        self.fail_at: int | None = None
         self.loaded: dict[str, Any] | None = None  # the "gnmr" entry of the loaded checkpoint
         self.checkpoint_loaded = False
         self.trace: Any = None
@@ -318,6 +332,8 @@ class _Hooks:
         def setup_model_and_optimizer(*args: Any, **kwargs: Any) -> Any:
             model, optimizer, scheduler = original(*args, **kwargs)
             self._attach(model, optimizer)
+            if self.fail_at is not None:
+                optimizer.step = _failing(optimizer.step, self.fail_at)
             return model, optimizer, scheduler
 
         return setup_model_and_optimizer
@@ -449,6 +465,24 @@ class _Hooks:
         )  # fmt: skip
         done = handle.controller.step_count
         return TraceWriter(self.block.log.trace, header, resume_after=done or None)
+
+
+def _failing(step: Callable[..., Any], fail_at: int) -> Callable[..., Any]:
+    """``step``, preceded at iteration ``fail_at`` of a first attempt by the last rank's
+    SIGKILL (``--gnmr-fail-at``)."""
+
+    def step_or_die(*args: Any, **kwargs: Any) -> Any:
+        from megatron.training import get_args
+
+        first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        if first_attempt and rank == world - 1 and get_args().curr_iteration + 1 == fail_at:
+            logger.error("--gnmr-fail-at %d: rank %d sends itself SIGKILL", fail_at, rank)
+            logging.shutdown()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return step(*args, **kwargs)
+
+    return step_or_die
 
 
 def _write_scalars(scalars: Mapping[str, float], iteration: int, tb: Any, wandb: Any) -> None:
@@ -595,6 +629,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         gnmr_args = _gnmr_namespace(argv)
         hooks.spikes = _spikes(gnmr_args.gnmr_inject_grad_spike)
+        hooks.fail_at = gnmr_args.gnmr_fail_at
         hooks.block = _read_block(gnmr_args)  # a bad block fails before any process group
     except ValueError as err:
         logger.error("%s", err)

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -112,17 +113,125 @@ def _assert_same(got, want) -> None:
         assert got == want
 
 
-def test_megatron_demo_through_torchrun_from_outside_the_repository(tmp_path):
-    """``launch/torchrun.sh megatron/demo_cpu`` run from another directory: the set's GNMR block
-    is found next to it, the outputs land under the working directory."""
+MEGATRON_RUN = ["megatron/demo_cpu", "--train-iters", "16", "--lr-warmup-iters", "2",
+                "--save-interval", "5", "--log-interval", "4",
+                "--gnmr-inject-grad-spike", "11:1:100"]  # fmt: skip
+"""The Megatron demo, short: checkpoints at 5, 10, 15 and 16, a spike GNMR acts on at 11."""
+
+
+@pytest.fixture(scope="module")
+def megatron_reference(tmp_path_factory) -> Path:
+    """``launch/torchrun.sh megatron/demo_cpu`` run from another directory, uninterrupted."""
+    work = tmp_path_factory.mktemp("megatron_reference")
     env = training_env(NPROC_PER_NODE="2", MASTER_PORT=str(free_port()))
-    cmd = [str(ROOT / "launch" / "torchrun.sh"), "megatron/demo_cpu", "--train-iters", "6",
-           "--lr-warmup-iters", "2",
-           "--save-interval", "6", "--log-interval", "3"]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=540)
+    cmd = [str(ROOT / "launch" / "torchrun.sh"), *MEGATRON_RUN]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=work, env=env, timeout=540)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    run = tmp_path / "runs" / "megatron_demo"
-    header, norms, _ = read_trace(run / "trace.jsonl")
-    assert norms.shape[0] == 6 and len(header.units) == norms.shape[1] == 16
-    assert (run / "checkpoint" / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
+    return work / "runs" / "megatron_demo"
+
+
+def test_megatron_demo_through_torchrun_from_outside_the_repository(megatron_reference):
+    """The set's GNMR block is found next to it, the outputs land under the working
+    directory."""
+    run = megatron_reference
+    header, norms, records = read_trace(run / "trace.jsonl")
+    assert norms.shape[0] == 16 and len(header.units) == norms.shape[1] == 16
+    assert any(r["active"] for r in records)  # the spike at iteration 11 is acted on
+    assert (run / "checkpoint" / "latest_checkpointed_iteration.txt").read_text().strip() == "16"
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+
+
+# ------------------------------------------------------------------ two hosts on one machine
+
+
+@dataclass(frozen=True)
+class Host:
+    netns: str
+    addr: str
+    iface: str
+
+
+@pytest.fixture
+def two_hosts():
+    """Two network namespaces joined by a veth pair: each host sees only its own loopback and
+    the 10.213.N.0/24 link between them. Skips where namespaces cannot be made (no root, no
+    CAP_NET_ADMIN, no ``ip``)."""
+    tag = os.getpid() % 10_000
+    net = f"10.213.{tag % 250}"
+    hosts = [Host(f"gnmr{tag}{x}", f"{net}.{i + 1}", f"gv{tag}{x}") for i, x in enumerate("ab")]
+    a, b = hosts
+    setup = [["ip", "netns", "add", a.netns], ["ip", "netns", "add", b.netns],
+             ["ip", "link", "add", a.iface, "type", "veth", "peer", "name", b.iface]]  # fmt: skip
+    for h in hosts:
+        setup += [["ip", "link", "set", h.iface, "netns", h.netns],
+                  ["ip", "-n", h.netns, "addr", "add", f"{h.addr}/24", "dev", h.iface],
+                  ["ip", "-n", h.netns, "link", "set", h.iface, "up"],
+                  ["ip", "-n", h.netns, "link", "set", "lo", "up"]]  # fmt: skip
+    try:
+        for cmd in setup:
+            subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.CalledProcessError) as err:
+        _drop_netns(hosts)
+        reason = getattr(err, "stderr", "") or str(err)
+        pytest.skip(f"network namespaces are not available here: {reason.strip()}")
+    yield hosts
+    _drop_netns(hosts)
+
+
+def _drop_netns(hosts: list[Host]) -> None:
+    for h in hosts:  # deleting a namespace deletes its end of the veth pair, and so the pair
+        subprocess.run(["ip", "netns", "del", h.netns], capture_output=True, timeout=30)
+
+
+def _on_two_hosts(hosts: list[Host], argv: list[str], cwd: Path, env: dict[str, str]) -> str:
+    """Run ``argv`` on both hosts at once as a 2-node torchrun job (c10d rendezvous on the
+    first host, one restart allowed); both must succeed. Returns both hosts' output. The
+    namespaces share the machine's hostname, which resolves to neither link address, so each
+    node names its address (``LOCAL_ADDR``, ``GLOO_SOCKET_IFNAME``) and the first one says it
+    serves the rendezvous (``RDZV_CONF=is_host=1``), as on multi-homed cluster nodes."""
+    port, rdzv = free_port(), f"gnmr-{os.getpid()}-{cwd.name}"
+    procs, logs = [], []
+    for h in hosts:
+        host_env = {**env, "NNODES": "2", "NPROC_PER_NODE": "1", "MAX_RESTARTS": "1",
+                    "RDZV_ENDPOINT": f"{hosts[0].addr}:{port}", "RDZV_ID": rdzv,
+                    "LOCAL_ADDR": h.addr, "GLOO_SOCKET_IFNAME": h.iface,
+                    "RDZV_CONF": f"is_host={int(h is hosts[0])}"}  # fmt: skip
+        host_env.pop("MASTER_PORT", None)
+        log = cwd / f"host_{h.addr}.log"  # a file, not a pipe: neither host may block on it
+        logs.append(log)
+        cmd = ["ip", "netns", "exec", h.netns, *argv]
+        with open(log, "w") as fh:
+            procs.append(subprocess.Popen(cmd, cwd=cwd, env=host_env, stdout=fh, stderr=fh))
+    try:
+        for p in procs:
+            p.wait(timeout=540)
+    finally:
+        for p in procs:
+            p.kill()
+    parts = zip(hosts, logs, strict=True)
+    text = "\n".join(f"--- host {h.addr}:\n{log.read_text()}" for h, log in parts)
+    assert all(p.returncode == 0 for p in procs), text[-6000:]
+    return text
+
+
+def test_two_hosts_resume_a_killed_worker_with_the_uninterrupted_decisions(
+    two_hosts, job, reference, megatron_reference, tmp_path
+):
+    """A DeepSpeed job and a Megatron job (TP2 across the hosts) of 2 x 1 processes under
+    ``launch/torchrun.sh`` with ``NNODES=2``; the worker of the last rank SIGKILLs itself
+    mid-run on the first attempt, torchrun restarts both hosts' workers, both resume from the
+    last checkpoint, and every trace record equals the single-host uninterrupted run's."""
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    out = _on_two_hosts(two_hosts, [str(ROOT / "launch" / "torchrun.sh"), str(job),
+                                    "--run-dir", str(ds / "run"), "--fail-at", "7"],
+                        ds, dict(os.environ))  # fmt: skip
+    assert "--fail-at 7: rank 1 sends itself SIGKILL" in out and "resumed at step 6" in out
+    assert _records(ds / "run") == _records(reference)
+    mg = tmp_path / "megatron"
+    mg.mkdir()
+    out = _on_two_hosts(two_hosts, [str(ROOT / "launch" / "torchrun.sh"), *MEGATRON_RUN,
+                                    "--gnmr-fail-at", "13"], mg, training_env())  # fmt: skip
+    assert "--gnmr-fail-at 13: rank 1 sends itself SIGKILL" in out
+    run = mg / "runs" / "megatron_demo"
+    assert _records(run) == _records(megatron_reference)

@@ -20,7 +20,7 @@ TINY = ["--steps", "2", "--layers", "1", "--hidden", "32", "--seq-len", "16"]
 def _clean_env(monkeypatch):
     for name in ("NPROC_PER_NODE", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
                  "RDZV_ENDPOINT", "RDZV_ID", "MAX_RESTARTS", "HOSTFILE", "DRY_RUN",
-                 "WORLD_SIZE"):  # fmt: skip
+                 "WORLD_SIZE", "LOCAL_ADDR", "RDZV_CONF"):  # fmt: skip
         monkeypatch.delenv(name, raising=False)
     monkeypatch.chdir(ROOT)
 
