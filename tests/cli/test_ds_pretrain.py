@@ -118,3 +118,23 @@ def test_the_probe_is_refused_before_anything_starts(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--config", str(tmp_path / "c.json")])
     assert "gnmr.probe: gnmr-ds-pretrain computes its next-token loss" in capsys.readouterr().err
+
+
+def test_fail_at_kills_the_last_rank_on_the_first_attempt_only():
+    """``--fail-at STEP`` (the restart drill): SIGKILL on the first attempt, nothing on a
+    restart (``TORCHELASTIC_RESTART_COUNT`` > 0) or on another rank or step."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    code = ("from gnmr_dist.cli.ds_pretrain import _maybe_fail\n"
+            "_maybe_fail(3, 2, 1, 2); _maybe_fail(3, 3, 0, 2); _maybe_fail(3, 3, 1, 2)\n"
+            "print('survived')\n")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RESTART_COUNT"}
+    first = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert first.returncode == -signal.SIGKILL and "survived" not in first.stdout
+    assert "--fail-at 3: rank 1 sends itself SIGKILL" in first.stderr
+    env["TORCHELASTIC_RESTART_COUNT"] = "1"
+    again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert again.returncode == 0 and again.stdout.strip() == "survived"
