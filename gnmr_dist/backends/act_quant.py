@@ -265,10 +265,11 @@ def check_shard_widths(
     if options.bits > 8:
         return  # 16 / 32 bits: no groups
     gs = options.group_size
-    bad = sorted((w, full, uid, kind) for uid, kind, full, w in widths if w < full and w % gs)
+    sharded = [(w, full, uid, kind) for uid, kind, full, w in widths if w < full]
+    bad = sorted(x for x in sharded if x[0] % gs)
     if not bad:
         return
-    common = math.gcd(*(width for width, *_ in bad))
+    common = math.gcd(*(width for width, *_ in sharded))  # the suggestion must fit them all
     fits = [g for g in range(gs, 7, -8) if common % g == 0]
     fix = f"e.g. {path}.group_size={fits[0]}" if fits else f"{path}.bits=16 (no groups)"
     w, full, uid, kind = bad[0]
@@ -303,11 +304,11 @@ class ActQuantBackend(PrecisionBackend):
     def wrap(self, units: Mapping[int, nn.Module]) -> None:
         """:meth:`PrecisionBackend.wrap`, after refusing a layout whose groups would depend on
         the tensor-parallel size (:func:`check_shard_widths`)."""
-        widths = {
+        widths = {  # megatron's RowParallelLinear: its GEMM sees a shard (scattered or given)
             (uid, type(op).__name__, int(op.input_size), int(op.input_size_per_partition))
             for uid, unit in units.items()
             for _, op in operators_of(unit)
-            if getattr(op, "input_is_parallel", False) and hasattr(op, "input_size_per_partition")
+            if self.supports(op) and hasattr(op, "input_size_per_partition")
         }
         for path, options in (("gnmr.low_cost", self.low_cost), ("gnmr.recovery", self.recovery)):
             check_shard_widths(options, path, widths)

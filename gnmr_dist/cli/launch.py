@@ -246,6 +246,11 @@ def torchrun_command(a: argparse.Namespace, job: Job) -> tuple[list[str], list[i
         # a static rendezvous hands a restarted group the store of the failed attempt (stale
         # keys: the restart can hang); a c10d rendezvous starts a fresh round per restart
         endpoint = f"{a.master_addr or '127.0.0.1'}:{a.master_port or 29500}"
+    if a.rdzv_conf and not endpoint:
+        raise LaunchError(
+            f"RDZV_CONF={a.rdzv_conf!r} configures a c10d rendezvous, but this launch has none: "
+            "set RDZV_ENDPOINT=host:port, or drop RDZV_CONF"
+        )
     if a.local_addr:
         cmd += ["--local_addr", a.local_addr]
     if endpoint:

@@ -418,4 +418,17 @@ class GNMRController:
         self._count = state["norm_count"].clone()
         self._wbuf = state["window_buffer"].clone()
         self._wlen = state["window_len"].clone()
-        self._lock = state["lock"].clone()
+        self._lock = self._conformed_locks(state["lock"])
+
+    def _conformed_locks(self, saved: torch.Tensor) -> torch.Tensor:
+        """Saved locks under the current policy: at most ``lock_steps``, only on eligible units,
+        held by at most ``max_active`` units (the largest kept, ties to the lower id). What the
+        next decision would enforce anyway, applied now so that a state saved before it
+        satisfies the invariants of its own config; unchanged when the policy is."""
+        cfg = self.config
+        lock = torch.where(self.eligible, torch.clamp(saved, max=cfg.lock_steps), 0)
+        held = lock.nonzero().flatten()
+        if held.numel() > cfg.max_active:
+            order = torch.sort(lock[held], descending=True, stable=True).indices
+            lock[held[order[cfg.max_active :]]] = 0
+        return lock.clone()

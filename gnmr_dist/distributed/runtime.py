@@ -253,11 +253,26 @@ class GNMRRuntime:
             )
         if "controller" not in state or "plan_active" not in state:
             raise ValueError("GNMR state is corrupted: it has no 'controller' or 'plan_active'")
-        saved = state["controller"]
+        saved, before = state["controller"], self.controller.state_dict()
         self.controller.load_state_dict(saved)
-        active = _saved_plan(state["plan_active"], saved)
-        self._last_errors = _carried_errors(state.get("last_errors"), self.registry.num_units)
-        self.plan = self._plan_for(self.controller.step_count + 1, active)
+        try:
+            active = _saved_plan(state["plan_active"], saved)
+            errors = _carried_errors(state.get("last_errors"), self.registry.num_units)
+        except ValueError:
+            self.controller.load_state_dict(before)  # nothing is restored from a bad state
+            raise
+        self._last_errors = errors
+        self.plan = self._plan_for(self.controller.step_count + 1, self._conformed(active))
+
+    def _conformed(self, active: tuple[int, ...]) -> tuple[int, ...]:
+        """The saved plan under the current policy (a resume may lower ``max_active`` or change
+        the eligible units): the controller's lock holders first, then the other saved units
+        that are still eligible, at most ``max_active``; unchanged when the policy is."""
+        ctrl = self.controller
+        held = [u for u in active if int(ctrl.locks[u]) > 0]
+        rest = [u for u in active if u not in held and bool(ctrl.eligible[u])]
+        room = max(0, ctrl.config.max_active - len(held))
+        return tuple(sorted(held + rest[:room]))
 
 
 def _saved_plan(plan: Any, controller: Mapping[str, Any]) -> tuple[int, ...]:

@@ -548,9 +548,16 @@ class DeepSpeedGNMR(IntegrationSession):
         its files and its ``latest`` tag: a kill at any instant leaves ``latest`` naming a
         checkpoint whose GNMR state is complete (module docstring, item 6)."""
         tag = str(tag) if tag is not None else f"global_step{self.engine.global_steps}"
+        path = Path(save_dir, tag, STATE_FILE)
+        failed: list[str | None] = [None]
         if dist.get_rank() == 0:
-            write_atomic(self.state_dict(), Path(save_dir, tag, STATE_FILE))
-        dist.barrier()
+            try:
+                write_atomic(self.state_dict(), path)
+            except OSError as err:  # a full disk, a read-only mount: every rank stops with it
+                failed[0] = f"{type(err).__name__}: {err}"
+        dist.broadcast_object_list(failed, src=0)
+        if failed[0] is not None:
+            raise OSError(f"gnmr: cannot write {path} ({failed[0]}); the checkpoint was not saved")
         return save(save_dir, tag, *args, **kwargs)
 
     def _load(self, load: Any, load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:

@@ -16,9 +16,10 @@ unchanged. What it adds:
   ITER:LAYER[:FACTOR]`` (repeatable: multiply every gradient of global transformer layer
   ``LAYER``, 0-based, by ``FACTOR`` (default 100) before the optimizer step of iteration
   ``ITER``, 1-based: a deterministic disturbance for tests and demos), ``--gnmr-fail-at ITER``
-  (a restart drill: on the job's first attempt, ``TORCHELASTIC_RESTART_COUNT`` 0, the last rank
-  SIGKILLs itself before the optimizer step of iteration ``ITER``; with ``MAX_RESTARTS`` >= 1
-  the job resumes from its last checkpoint).
+  (a restart drill under torchrun: on the job's first attempt, ``TORCHELASTIC_RESTART_COUNT``
+  0 or unset, the last rank SIGKILLs itself before the optimizer step of iteration ``ITER``;
+  with ``MAX_RESTARTS`` >= 1 the job resumes from its last checkpoint. A launcher that does not
+  count attempts, srun or a requeue, kills it again whenever it replays ``ITER``).
 * ``megatron_patches.apply(model, block, optimizer=...)`` right after megatron's
   ``setup_model_and_optimizer`` returns (the one place megatron builds both), so the per-unit
   norms ride megatron's clip-norm all-reduce and the plan is applied from the next iteration.
@@ -467,6 +468,12 @@ class _Hooks:
         return TraceWriter(self.block.log.trace, header, resume_after=done or None)
 
 
+def _fail_at(value: int | None) -> int | None:
+    if value is not None and value < 1:
+        raise ValueError(f"--gnmr-fail-at must be an iteration >= 1, got {value}")
+    return value
+
+
 def _failing(step: Callable[..., Any], fail_at: int) -> Callable[..., Any]:
     """``step``, preceded at iteration ``fail_at`` of a first attempt by the last rank's
     SIGKILL (``--gnmr-fail-at``)."""
@@ -629,7 +636,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         gnmr_args = _gnmr_namespace(argv)
         hooks.spikes = _spikes(gnmr_args.gnmr_inject_grad_spike)
-        hooks.fail_at = gnmr_args.gnmr_fail_at
+        hooks.fail_at = _fail_at(gnmr_args.gnmr_fail_at)
         hooks.block = _read_block(gnmr_args)  # a bad block fails before any process group
     except ValueError as err:
         logger.error("%s", err)

@@ -205,3 +205,19 @@ def test_wrapping_twice_is_refused_and_unwrap_restores():
         get_backend("act_quant").wrap({0: lin})
     backend.unwrap()
     assert "forward" not in vars(lin)
+
+
+def test_the_suggested_group_size_fits_every_shard():
+    """TP2, shards of 64 (attention output) and 96 (fc2): 64 splits the second; the suggestion
+    must divide both (32), not only the one refused (48 would split 64)."""
+    from gnmr_dist.backends.act_quant import ActQuantOptions, check_shard_widths
+
+    widths = [(3, "RowParallelLinear", 128, 64), (6, "RowParallelLinear", 192, 96)]
+    with pytest.raises(ValueError) as info:
+        check_shard_widths(ActQuantOptions(bits=4, group_size=64), "gnmr.low_cost", widths)
+    msg = str(info.value)
+    assert msg.startswith("gnmr.low_cost.group_size=64 does not divide the input shard width 96")
+    assert "e.g. gnmr.low_cost.group_size=32" in msg
+    check_shard_widths(ActQuantOptions(bits=4, group_size=32), "gnmr.low_cost", widths)
+    check_shard_widths(ActQuantOptions(bits=16), "gnmr.low_cost", widths)  # no groups
+    check_shard_widths(ActQuantOptions(bits=4, group_size=64), "x", [(0, "R", 96, 96)])  # TP1

@@ -202,3 +202,48 @@ def test_the_carried_error_score_survives_a_checkpoint():
     assert torch.equal(d.risk, straight.last_decision.risk)
     _, _, every_step = paced_runtimes(1)
     assert "last_errors" not in every_step().state_dict()
+
+
+def _spiked_runtime(cfg: GNMRConfig) -> GNMRRuntime:
+    """A runtime whose last decision put units 0-2 (at most ``max_active``) on the recovery
+    path with fresh locks."""
+    reg = UnitRegistry.from_model(full_model_with_grads())
+    runtime = GNMRRuntime(reg, cfg)
+    norms = torch.ones(reg.num_units, dtype=torch.float64)
+    for _ in range(4):
+        runtime.observe(UnitNorms(norms, 1.0, 3.0))
+    norms[:3] = 50.0
+    d = runtime.observe(UnitNorms(norms, 1.0, 3.0))
+    assert d.active == tuple(range(min(3, cfg.max_active)))
+    return runtime
+
+
+def test_a_resume_with_a_tighter_policy_saves_states_that_load_again():
+    """Resumed with lock_steps 10 -> 3 and max_active 3 -> 1: the current policy wins, so the
+    restored locks and plan are conformed to it at once, and a state saved right away (or a
+    step later) satisfies its own config's invariants and loads."""
+    saved = _spiked_runtime(GNMRConfig(warmup_steps=0, max_active=3, lock_steps=10)).state_dict()
+    tight = GNMRConfig(warmup_steps=0, max_active=1, lock_steps=3)
+    resumed = _spiked_runtime(tight)
+    resumed.load_state_dict(saved)
+    assert resumed.plan.active == {0} and int(resumed.controller.locks.max()) == 3
+    assert int((resumed.controller.locks > 0).sum()) == 1
+    again = _spiked_runtime(tight)
+    again.load_state_dict(resumed.state_dict())  # saved before any step
+    norms = torch.ones(again.registry.num_units, dtype=torch.float64)
+    again.observe(UnitNorms(norms, 1.0, 3.0))
+    _spiked_runtime(tight).load_state_dict(again.state_dict())
+
+
+def test_a_refused_plan_restores_nothing():
+    from gnmr_dist.core.integrity import seal, unseal
+
+    runtime = _spiked_runtime(GNMRConfig(warmup_steps=0, max_active=3, lock_steps=10))
+    body, _ = unseal(runtime.state_dict(), "state")
+    body["plan_active"] = [0]  # units 1 and 2 hold locks outside the plan
+    fresh = GNMRRuntime(runtime.registry, runtime.controller.config)
+    before = fresh.controller.state_dict()
+    with pytest.raises(ValueError, match=r"lock holders \[0, 1, 2\] must all be active"):
+        fresh.load_state_dict(seal(body))
+    after = fresh.controller.state_dict()
+    assert after["step"] == 0 and torch.equal(after["lock"], before["lock"])

@@ -131,6 +131,16 @@ def test_multi_node_needs_a_rendezvous(capsys):
     assert "RDZV_ENDPOINT=host:port" in err and "MASTER_ADDR and NODE_RANK" in err
 
 
+def test_multi_homed_nodes_name_their_address_and_the_rendezvous_host(capsys):
+    argv = ["torchrun", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint",
+            "10.0.0.1:29500", "--local-addr", "10.0.0.1", "--rdzv-conf", "is_host=1"]  # fmt: skip
+    cmd = dry(capsys, *argv, "@", "demo_deepspeed")
+    assert cmd[cmd.index("--local_addr") + 1] == "10.0.0.1"
+    assert cmd[cmd.index("--rdzv_conf") + 1] == "is_host=1"
+    err = refused(capsys, "torchrun", "--rdzv-conf", "is_host=1", "demo_deepspeed")
+    assert "RDZV_CONF='is_host=1' configures a c10d rendezvous, but this launch has none" in err
+
+
 def test_batch_sizes_against_world_size(capsys, tmp_path):
     path = ds_config(tmp_path, train_batch_size=6)
     err = refused(capsys, "torchrun", "--nproc-per-node", "2", str(path))

@@ -182,3 +182,11 @@ def test_bad_block_exits_2_before_any_process_group(tmp_path):
     done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and said in done.stderr, done.stderr[-3000:]
     assert "initializing torch distributed" not in done.stdout
+
+
+def test_fail_at_must_be_an_iteration():
+    from gnmr_dist.integrations.megatron_lm import _fail_at
+
+    assert _fail_at(None) is None and _fail_at(5) == 5
+    with pytest.raises(ValueError, match="--gnmr-fail-at must be an iteration >= 1, got 0"):
+        _fail_at(0)
