@@ -40,7 +40,6 @@ import json
 import logging
 import math
 import os
-import signal
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -359,11 +358,9 @@ def _resume(engine: Any, ckpt: Path, disabled: bool) -> int:
 
 def _maybe_fail(fail_at: int | None, step: int, rank: int, world: int) -> None:
     """Fault injection: the last rank kills itself before ``step`` on a job's first attempt."""
-    first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
-    if fail_at == step and rank == world - 1 and first_attempt:
-        logger.error("--fail-at %d: rank %d sends itself SIGKILL", step, rank)
-        logging.shutdown()
-        os.kill(os.getpid(), signal.SIGKILL)
+    from gnmr_dist.integrations.state_file import restart_drill
+
+    restart_drill("--fail-at", fail_at, step, rank, world)
 
 
 def _export(engine: Any, out: Path, config: Mapping[str, Any]) -> None:

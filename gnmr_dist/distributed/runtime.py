@@ -268,8 +268,8 @@ class GNMRRuntime:
         """The saved plan under the current policy (a resume may lower ``max_active`` or change
         the eligible units): the controller's lock holders first, then the other saved units
         that are still eligible, at most ``max_active``; unchanged when the policy is."""
-        ctrl = self.controller
-        held = [u for u in active if int(ctrl.locks[u]) > 0]
+        ctrl, locks = self.controller, self.controller.locks
+        held = [u for u in active if int(locks[u]) > 0]
         rest = [u for u in active if u not in held and bool(ctrl.eligible[u])]
         room = max(0, ctrl.config.max_active - len(held))
         return tuple(sorted(held + rest[:room]))

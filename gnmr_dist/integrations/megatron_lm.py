@@ -53,9 +53,7 @@ import argparse
 import inspect
 import json
 import logging
-import os
 import re
-import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
@@ -66,7 +64,7 @@ import torch
 
 from gnmr_dist.integrations.config import GNMRBlock
 from gnmr_dist.integrations.session import refuse_probe, telemetry_scalars
-from gnmr_dist.integrations.state_file import restore_or_refuse
+from gnmr_dist.integrations.state_file import restart_drill, restore_or_refuse
 
 __all__ = ["CPU_FLAGS", "add_gnmr_args", "check_args", "cpu_argv", "main"]
 
@@ -481,12 +479,8 @@ def _failing(step: Callable[..., Any], fail_at: int) -> Callable[..., Any]:
     def step_or_die(*args: Any, **kwargs: Any) -> Any:
         from megatron.training import get_args
 
-        first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        if first_attempt and rank == world - 1 and get_args().curr_iteration + 1 == fail_at:
-            logger.error("--gnmr-fail-at %d: rank %d sends itself SIGKILL", fail_at, rank)
-            logging.shutdown()
-            os.kill(os.getpid(), signal.SIGKILL)
+        restart_drill("--gnmr-fail-at", fail_at, get_args().curr_iteration + 1, rank, world)
         return step(*args, **kwargs)
 
     return step_or_die
