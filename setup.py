@@ -33,7 +33,7 @@ setup(
             "gnmr-replay=gnmr_dist.cli.replay:main",
             "gnmr-report=gnmr_dist.cli.report:main",
             "gnmr-ds-pretrain=gnmr_dist.cli.ds_pretrain:main",
-            "gnmr-megatron-pretrain=gnmr_dist.integrations.megatron_lm:main",
+            "gnmr-megatron-pretrain=gnmr_dist.cli.megatron_pretrain:main",
             "gnmr-launch=gnmr_dist.cli.launch:main",
         ],
     },

@@ -1,34 +1,19 @@
-"""Patches for megatron-core (imported lazily; this package needs torch only).
+"""``megatron_patches``: GNMR for megatron-core, the design card's name for
+:mod:`gnmr_dist.integrations.megatron`.
 
-* :mod:`megatron_patches.cpu`: opt-in CPU compatibility (tests, CPU-only hosts).
-* :mod:`megatron_patches.gnmr`: GNMR in a megatron-core run (``apply`` / ``remove``).
-* :mod:`megatron_patches.versions`: the one table of what differs between megatron-core series.
+A thin alias: this package and its submodules (``megatron_patches.cpu``, ``.cpu_training``,
+``.gnmr``, ``.versions``) are the very module objects of ``gnmr_dist.integrations.megatron``
+(registered in ``sys.modules``), so ``megatron_patches.apply``, ``megatron_patches.cpu`` and a
+monkeypatch of either act on the one implementation.
 """
 
-from megatron_patches.cpu import (
-    SUPPORTED_MEGATRON_VERSIONS,
-    cpu_compat,
-    cpu_transformer_config,
-    disable_cpu_compat,
-    enable_cpu_compat,
-    is_cpu_compat_enabled,
-)
-from megatron_patches.gnmr import MegatronGNMR, apply, current, remove
-from megatron_patches.versions import SERIES, SeriesInfo, megatron_series, series_info
+import sys
 
-__all__ = [
-    "SERIES",
-    "SUPPORTED_MEGATRON_VERSIONS",
-    "MegatronGNMR",
-    "SeriesInfo",
-    "apply",
-    "cpu_compat",
-    "cpu_transformer_config",
-    "current",
-    "disable_cpu_compat",
-    "enable_cpu_compat",
-    "is_cpu_compat_enabled",
-    "megatron_series",
-    "remove",
-    "series_info",
-]
+from gnmr_dist.integrations import megatron as _megatron
+from gnmr_dist.integrations.megatron import *  # noqa: F403  (the public names, __all__)
+from gnmr_dist.integrations.megatron import cpu, cpu_training, gnmr, versions
+
+for _module in (cpu, cpu_training, gnmr, versions):
+    sys.modules[f"{__name__}.{_module.__name__.rpartition('.')[2]}"] = _module
+
+__all__ = list(_megatron.__all__)

@@ -38,7 +38,7 @@ def test_demo_job_writes_trace_report_summary_and_checkpoint(tmp_path):
 
 
 def test_missing_config_is_reported(tmp_path, capsys):
-    from gnmr_dist.cli.ds_pretrain import main
+    from gnmr_dist.train.ds_pretrain import main
 
     with pytest.raises(SystemExit) as stop:
         main(["--config", str(tmp_path / "nope.json")])
@@ -84,7 +84,7 @@ def test_lora_int8_fine_tuning_from_a_local_model(tmp_path):
 
 
 def test_lora_needs_a_model_to_start_from(tmp_path, capsys):
-    from gnmr_dist.cli.ds_pretrain import main
+    from gnmr_dist.train.ds_pretrain import main
 
     (tmp_path / "c.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 1}))
     with pytest.raises(SystemExit):
@@ -97,7 +97,7 @@ def test_next_token_loss_is_next_token_cross_entropy():
     shift must not be applied on top of pre-shifted targets)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from gnmr_dist.cli.ds_pretrain import next_token_loss
+    from gnmr_dist.train.ds_pretrain import next_token_loss
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32,
@@ -110,7 +110,7 @@ def test_next_token_loss_is_next_token_cross_entropy():
 
 
 def test_the_probe_is_refused_before_anything_starts(tmp_path, capsys):
-    from gnmr_dist.cli.ds_pretrain import main
+    from gnmr_dist.train.ds_pretrain import main
 
     cfg = {"train_micro_batch_size_per_gpu": 1,
            "gnmr": {"backend": "act_quant", "probe": {"every": 2}}}  # fmt: skip
@@ -128,7 +128,7 @@ def test_fail_at_kills_the_last_rank_on_the_first_attempt_only():
     import subprocess
     import sys
 
-    code = ("from gnmr_dist.cli.ds_pretrain import _maybe_fail\n"
+    code = ("from gnmr_dist.train.ds_pretrain import _maybe_fail\n"
             "_maybe_fail(3, 2, 1, 2); _maybe_fail(3, 3, 0, 2); _maybe_fail(3, 3, 1, 2)\n"
             "print('survived')\n")  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RESTART_COUNT"}

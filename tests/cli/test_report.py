@@ -7,7 +7,8 @@ import pytest
 pytest.importorskip("matplotlib")
 from matplotlib.image import imread
 
-from gnmr_dist.cli.report import draw_report, main, short_names
+from gnmr_dist.cli.report import main
+from gnmr_dist.telemetry.report import draw_report, short_names
 from tests.cli.traces import CFG, GAMMA_CFG, record_trace
 
 UNITS = [f"model.layers.{i // 2}.{'qkv' if i % 2 == 0 else 'fc'}" for i in range(6)]

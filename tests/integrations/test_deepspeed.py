@@ -266,8 +266,8 @@ def test_save_at_20_resume_in_fresh_processes_equals_uninterrupted(tmp_path):
         for (s, a, r), (s2, a2, r2) in zip(full[rank][20:], resumed[rank], strict=True):
             assert (s, a) == (s2, a2) and torch.equal(r, r2)
     assert any(a for _, a, _ in full[0][20:])  # something was selected after the cut
-    from gnmr_dist.cli.replay import replay
     from gnmr_dist.telemetry import read_trace
+    from gnmr_dist.telemetry.replay import replay
 
     # the resumed run dropped the interrupted run's records after step 20 and rewrote 21..40
     header, norms, records = read_trace(trace)

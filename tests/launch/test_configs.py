@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from gnmr_dist.cli import launch
+from gnmr_dist.train import launch
 from tests.megatron.settings import launch_checks
 
 ROOT = Path(__file__).resolve().parents[2]

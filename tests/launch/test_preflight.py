@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gnmr_dist.cli import launch
+from gnmr_dist.train import launch
 from tests.megatron.settings import launch_checks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,7 +88,7 @@ def test_megatron_sets_are_checked_by_megatrons_own_parser(tmp_path):
     assert "--transformer-impl transformer_engine: not available without CUDA" in said["te here"]
     assert results["te checked"][0] == 0  # `check`: a GPU job, checked on a login node
     code, out, _ = results["dry run"]
-    assert code == 0 and "-m gnmr_dist.integrations.megatron_lm" in out
+    assert code == 0 and "-m gnmr_dist.cli.megatron_pretrain" in out
     config = str(ROOT / "configs" / "gnmr" / "demo_act_quant.json")
     assert f"--gnmr-config {config} " in out  # relative to the set, run from elsewhere
 

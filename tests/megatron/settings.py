@@ -96,7 +96,7 @@ def training_env(**extra: str) -> dict[str, str]:
 
 _LAUNCH_CHECKS = """
 import contextlib, io, json, sys
-from gnmr_dist.cli import launch
+from gnmr_dist.train import launch
 results = []
 for argv in json.loads(sys.argv[1]):
     out, err = io.StringIO(), io.StringIO()

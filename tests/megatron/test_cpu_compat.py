@@ -42,6 +42,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 import megatron_patches.cpu as cpu
+
 from megatron_patches import (
     cpu_compat,
     cpu_transformer_config,

@@ -22,7 +22,7 @@ from tests.multiproc import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 ITERS = 20
-PROGRAM = "gnmr_dist.integrations.megatron_lm"
+PROGRAM = "gnmr_dist.cli.megatron_pretrain"
 
 LLAMA = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -185,7 +185,7 @@ def test_bad_block_exits_2_before_any_process_group(tmp_path):
 
 
 def test_fail_at_must_be_an_iteration():
-    from gnmr_dist.integrations.megatron_lm import _fail_at
+    from gnmr_dist.train.megatron_lm import _fail_at
 
     assert _fail_at(None) is None and _fail_at(5) == 5
     with pytest.raises(ValueError, match="--gnmr-fail-at must be an iteration >= 1, got 0"):

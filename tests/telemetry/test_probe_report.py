@@ -175,7 +175,8 @@ def _want_means(probes, decisions, errors=None):
 
 def test_report_prints_selection_quality(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    from gnmr_dist.cli.report import draw_report, main
+    from gnmr_dist.cli.report import main
+    from gnmr_dist.telemetry.report import draw_report
 
     run = tmp_path / "run"
     decisions, probes = record(run / "trace.jsonl", step_ms=True)

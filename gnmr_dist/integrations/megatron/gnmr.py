@@ -82,13 +82,13 @@ from torch import nn
 from gnmr_dist.core import Decision
 from gnmr_dist.distributed import Plan
 from gnmr_dist.distributed.monitor import IndexCache, UnitNorms, index_tensor
+from gnmr_dist.integrations.megatron.versions import SeriesInfo, megatron_series, series_info
 from gnmr_dist.integrations.session import (
     IntegrationSession,
     check_error_source,
     error_source,
     refuse_probe,
 )
-from megatron_patches.versions import SeriesInfo, megatron_series, series_info
 
 __all__ = ["MegatronGNMR", "apply", "current", "megatron_series", "remove"]
 

@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from megatron_patches.cpu import (
+from gnmr_dist.integrations.megatron.cpu import (
     _cpu_current_device,
     _cpu_get_rng_state,
     _cpu_set_rng_state,

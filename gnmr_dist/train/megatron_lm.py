@@ -1,6 +1,6 @@
 """GPT pretraining on Megatron-LM's own training loop, with GNMR: ``gnmr-megatron-pretrain``.
 
-    torchrun --nproc_per_node 8 -m gnmr_dist.integrations.megatron_lm \\
+    torchrun --nproc_per_node 8 -m gnmr_dist.cli.megatron_pretrain \\
         <any argument set of Megatron-LM's pretrain_gpt.py> --gnmr-config gnmr.json
 
 The program is ``pretrain_gpt.py`` with GNMR added, on ``megatron.training.pretrain`` as
@@ -340,11 +340,11 @@ class _Hooks:
     def _attach(self, model: list[Any], optimizer: Any) -> None:
         from megatron.training import get_args
 
-        import megatron_patches
+        from gnmr_dist.integrations.megatron import gnmr as megatron_gnmr
 
         if self.block is None or not self.block.enabled:
             return
-        handle = megatron_patches.apply(model, self.block, optimizer=optimizer)
+        handle = megatron_gnmr.apply(model, self.block, optimizer=optimizer)
         handle.install_rerun_hooks()
         self._restore(handle, get_args())
         self.layers = _layer_params(model)
@@ -381,10 +381,10 @@ class _Hooks:
 
     def _with_state(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def generate_state_dict(*args: Any, **kwargs: Any) -> Any:
-            import megatron_patches
+            from gnmr_dist.integrations.megatron import gnmr as megatron_gnmr
 
             state = original(*args, **kwargs)
-            handle = megatron_patches.current()
+            handle = megatron_gnmr.current()
             if handle is not None:
                 handle.settle()
                 state["gnmr"] = handle.state_dict()
@@ -419,9 +419,9 @@ class _Hooks:
     def _log(self, iteration: int, loss_dict: Mapping[str, Any]) -> None:
         from megatron.training import get_args, get_tensorboard_writer, get_wandb_writer
 
-        import megatron_patches
+        from gnmr_dist.integrations.megatron import gnmr as megatron_gnmr
 
-        handle = megatron_patches.current()
+        handle = megatron_gnmr.current()
         if handle is None or self.block is None:
             return
         handle.settle()
@@ -532,7 +532,7 @@ def _prebuilt_dataset_helpers() -> None:
 
 def _require_training() -> None:
     """``ValueError`` unless this megatron-core ships an importable ``megatron.training``."""
-    from megatron_patches.versions import megatron_series, series_info
+    from gnmr_dist.integrations.megatron.versions import megatron_series, series_info
 
     if not series_info(what="gnmr-megatron-pretrain").has_training:
         raise ValueError(
@@ -566,7 +566,7 @@ def check_args(argv: Sequence[str], world_size: int, check_host: bool = True) ->
     _require_training()
     argv = list(argv)
     if not torch.cuda.is_available():
-        from megatron_patches.cpu import enable_cpu_compat
+        from gnmr_dist.integrations.megatron.cpu import enable_cpu_compat
 
         argv = cpu_argv(argv) if check_host else argv
         enable_cpu_compat(training=True)  # validate_args asks torch.cuda for the device arch
@@ -617,7 +617,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.error("%s", err)
         return 2
     if not torch.cuda.is_available():
-        from megatron_patches.cpu import enable_cpu_compat
+        from gnmr_dist.integrations.megatron.cpu import enable_cpu_compat
 
         try:
             argv = cpu_argv(argv)
@@ -655,7 +655,3 @@ def _gnmr_namespace(argv: Sequence[str]) -> argparse.Namespace:
     """The GNMR arguments alone (megatron's parser reads the rest later)."""
     parser = add_gnmr_args(argparse.ArgumentParser(add_help=False))
     return parser.parse_known_args(argv)[0]
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

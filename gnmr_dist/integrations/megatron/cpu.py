@@ -109,7 +109,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from megatron_patches.versions import SERIES, series_of
+from gnmr_dist.integrations.megatron.versions import SERIES, series_of
 
 __all__ = [
     "SUPPORTED_MEGATRON_VERSIONS",
@@ -609,7 +609,7 @@ def enable_cpu_compat(*, training: bool = False) -> None:
         plan = [] if _APPLIED else _patch_plan()
         add_training = training and not _TRAINING_ON
         if add_training:
-            from megatron_patches.cpu_training import training_patch_plan
+            from gnmr_dist.integrations.megatron.cpu_training import training_patch_plan
 
             plan += training_patch_plan()
         try:
