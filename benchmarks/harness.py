@@ -80,7 +80,7 @@ from gnmr_dist.core import Decision, GNMRConfig
 from gnmr_dist.distributed import GNMRRuntime, UnitRegistry
 from gnmr_dist.distributed.probe import ProbeResult, RecoveryProbe
 from gnmr_dist.telemetry.selection import set_figures, spearman, top_k
-from gnmr_dist.train.ds_pretrain import next_token_loss
+from gnmr_dist.train.common import next_token_loss
 
 logger = logging.getLogger("benchmarks.harness")
 

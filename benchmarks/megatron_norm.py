@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.overhead import free_port
+from gnmr_dist.distributed.comm import free_port
 
 RESULTS = Path(__file__).parent / "results" / "megatron_norm.json"
 

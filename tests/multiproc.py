@@ -22,7 +22,6 @@ from __future__ import annotations
 import importlib
 import os
 import pickle
-import socket
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
@@ -34,11 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from gnmr_dist.distributed.comm import free_port
 
 
 def _worker(rank: int, world: int, port: int, out: str, prepend: list[str], payload: bytes) -> None:

@@ -20,6 +20,7 @@ __all__ = [
     "check_positive_int",
     "check_positive_number",
     "closest",
+    "did_you_mean",
 ]
 
 
@@ -27,6 +28,18 @@ def closest(key: str, valid: Iterable[str]) -> str | None:
     """The valid key most similar to ``key``, or ``None`` when nothing is close."""
     matches = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.4)
     return matches[0] if matches else None
+
+
+def did_you_mean(value: Any, valid: Iterable[str], *, n: int = 1) -> str:
+    """``"; did you mean 'x'?"`` for the (up to ``n``) valid names closest to ``value``, or
+    ``""`` when none is close or ``value`` is not a string: the one suffix every "unknown name"
+    message in gnmr-dist ends its first clause with."""
+    if not isinstance(value, str):
+        return ""
+    matches = difflib.get_close_matches(value, list(valid), n=n, cutoff=0.4)
+    if not matches:
+        return ""
+    return f"; did you mean {', '.join(repr(m) for m in matches)}?"
 
 
 def check_keys(
@@ -40,10 +53,9 @@ def check_keys(
         raise ValueError(f"{path} must be a mapping (JSON object), got {type(given).__name__}")
     for key in given:
         if key not in valid:
-            hint = closest(str(key), valid)
-            did_you_mean = f"; did you mean {hint!r}?" if hint else ""
             raise ValueError(
-                f"unknown key {path}.{key}{did_you_mean} (valid keys: {', '.join(sorted(valid))})"
+                f"unknown key {path}.{key}{did_you_mean(str(key), valid)} (valid keys: "
+                f"{', '.join(sorted(valid))})"
             )
     missing = [k for k in required if k not in given]
     if missing:
@@ -58,9 +70,9 @@ def check_choice(value: Any, allowed: Iterable[str], path: str) -> str:
     choices = sorted(allowed) if isinstance(allowed, set | frozenset) else list(allowed)
     if isinstance(value, str) and value in choices:
         return value
-    hint = closest(value, choices) if isinstance(value, str) else None
-    did_you_mean = f"; did you mean {hint!r}?" if hint else ""
-    raise ValueError(f"{path} must be one of {choices}, got {value!r}{did_you_mean}")
+    raise ValueError(
+        f"{path} must be one of {choices}, got {value!r}{did_you_mean(value, choices)}"
+    )
 
 
 def _is_int(value: Any) -> bool:

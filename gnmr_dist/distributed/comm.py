@@ -7,6 +7,7 @@ used only when ``torch.distributed`` is initialised; a group given without it is
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +19,7 @@ __all__ = [
     "all_reduce_sum",
     "all_reduce_sum_async",
     "group_rank",
-    "group_size",
+    "free_port",
 ]
 
 Group = Any  # torch.distributed.ProcessGroup; Any keeps the type checker off torch internals
@@ -74,6 +75,10 @@ def group_rank(group: Group | None) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def group_size(group: Group | None) -> int:
-    """Number of ranks in ``group`` (1 when ``group`` is None)."""
-    return 1 if group is None else dist.get_world_size(group)
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now, for a local rendezvous (``MASTER_PORT``): the OS picks
+    it by binding port 0. Another process may take it before it is used; good for tests and
+    benchmarks on one machine, not for a cluster launcher."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

@@ -49,6 +49,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gnmr_dist.train.common import next_token_loss, setup_logging
+
 logger = logging.getLogger("gnmr_dist.ds_pretrain")
 
 PRETRAIN_BLOCK = "pretrain"
@@ -277,16 +279,6 @@ def batch(data: Any, step: int, rank: int, world: int, micro: int) -> torch.Tens
     return torch.stack([data[(start + i) % len(data)] for i in range(micro)])
 
 
-def next_token_loss(model: Any, tokens: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of predicting ``tokens[:, 1:]`` from ``tokens[:, :-1]``.
-
-    Computed here rather than with ``labels=``: Hugging Face causal LMs shift ``labels`` by one
-    themselves, so passing already-shifted targets would train on the token two ahead.
-    """
-    logits = model(input_ids=tokens[:, :-1]).logits
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-
-
 def heldout_loss(engine: Any, data: Any, micro: int, batches: int = 8) -> float:
     engine.eval()
     losses = []
@@ -400,11 +392,7 @@ def _summary(
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(level=logging.WARNING if rank else logging.INFO,
-                        format="%(levelname)s %(name)s: %(message)s")  # fmt: skip
-    for noisy in ("DeepSpeed", "deepspeed", "torch.distributed"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    setup_logging(int(os.environ.get("RANK", "0")))
     summary = train(args)
     if dist.get_rank() == 0:
         _finish(Path(args.run_dir), summary, args.title)

@@ -1,0 +1,34 @@
+"""What the training programs share: logging set-up, the ``"gnmr"`` block's preflight, the
+next-token loss."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+__all__ = ["next_token_loss", "setup_logging"]
+
+_NOISY = ("DeepSpeed", "deepspeed", "torch.distributed")
+
+
+def setup_logging(rank: int = 0) -> None:
+    """INFO on rank 0, WARNING elsewhere, one format for every program; the frameworks' own
+    chatter (DeepSpeed, torch.distributed) at WARNING."""
+    logging.basicConfig(
+        level=logging.WARNING if rank else logging.INFO,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    for noisy in _NOISY:
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def next_token_loss(model: Any, tokens: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of predicting ``tokens[:, 1:]`` from ``tokens[:, :-1]``.
+
+    Computed here rather than with ``labels=``: Hugging Face causal LMs shift ``labels`` by one
+    themselves, so passing already-shifted targets would train on the token two ahead.
+    """
+    logits = model(input_ids=tokens[:, :-1]).logits
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
