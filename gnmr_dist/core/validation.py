@@ -30,16 +30,17 @@ def closest(key: str, valid: Iterable[str]) -> str | None:
     return matches[0] if matches else None
 
 
-def did_you_mean(value: Any, valid: Iterable[str], *, n: int = 1) -> str:
+def did_you_mean(value: Any, valid: Iterable[str], *, n: int = 1, quote: bool = True) -> str:
     """``"; did you mean 'x'?"`` for the (up to ``n``) valid names closest to ``value``, or
     ``""`` when none is close or ``value`` is not a string: the one suffix every "unknown name"
-    message in gnmr-dist ends its first clause with."""
+    message in gnmr-dist ends its first clause with (``quote=False``: names as file names,
+    unquoted)."""
     if not isinstance(value, str):
         return ""
     matches = difflib.get_close_matches(value, list(valid), n=n, cutoff=0.4)
     if not matches:
         return ""
-    return f"; did you mean {', '.join(repr(m) for m in matches)}?"
+    return f"; did you mean {', '.join(repr(m) if quote else m for m in matches)}?"
 
 
 def check_keys(

@@ -42,11 +42,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gnmr_dist.backends import BACKENDS
+from gnmr_dist.backends import BACKENDS, PrecisionBackend, get_backend
 from gnmr_dist.core import GNMRConfig
-from gnmr_dist.core.validation import check_choice, check_keys, check_positive_int, closest
+from gnmr_dist.core.validation import check_choice, check_keys, check_positive_int, did_you_mean
 
-__all__ = ["AttributionGuard", "GNMRBlock", "LogOptions", "ProbeOptions"]
+__all__ = ["AttributionGuard", "GNMRBlock", "LogOptions", "ProbeOptions", "read_block"]
 
 _UNITS = ("operator", "layer")
 _ON_MISSING = ("error", "fresh")
@@ -170,6 +170,11 @@ class GNMRBlock:
     error_every: int = 1
     """Measure the section 2.1 error sums every this many steps, carrying the score forward in
     between (needs ``gamma``; 1: every step)."""
+    _checked: list[PrecisionBackend] = field(
+        default_factory=list, init=False, repr=False, compare=False
+    )
+    """The backend :func:`read_block` built to check the option blocks, until
+    :meth:`build_backend` hands it over (so a program builds its backend once)."""
 
     KEYS = (
         "enabled", "backend", "units", "include", "exclude", "low_cost", "recovery", "log",
@@ -177,6 +182,21 @@ class GNMRBlock:
         "error_every",
         *GNMRConfig.field_names(),
     )  # fmt: skip
+
+    @classmethod
+    def of(cls, given: GNMRBlock | Mapping[str, Any] | None, path: str = "gnmr") -> GNMRBlock:
+        """``given`` itself when it is parsed already (no second parse), else
+        :meth:`from_dict`: what every integration calls on the block it is handed."""
+        return given if isinstance(given, GNMRBlock) else cls.from_dict(given, path=path)
+
+    def build_backend(self) -> PrecisionBackend | None:
+        """The block's backend (``None`` for ``backend: null``): the one :func:`read_block`
+        built while checking the option blocks, handed over once, else a new one."""
+        if self.backend is None:
+            return None
+        if self._checked:
+            return self._checked.pop()
+        return get_backend(self.backend, low_cost=self.low_cost, recovery=self.recovery)
 
     @classmethod
     def from_dict(cls, block: Mapping[str, Any] | None, path: str = "gnmr") -> GNMRBlock:
@@ -252,11 +272,9 @@ def _backend(value: Any, path: str) -> str | None:
         )
     if value in BACKENDS:
         return value
-    hint = closest(str(value), BACKENDS)
-    did_you_mean = f"; did you mean {hint!r}?" if hint else ""
     raise ValueError(
-        f"{path}: unknown backend {value!r}{did_you_mean} (available: {sorted(BACKENDS)}, "
-        "or null to observe without recovering)"
+        f"{path}: unknown backend {value!r}{did_you_mean(value, BACKENDS)} (available: "
+        f"{sorted(BACKENDS)}, or null to observe without recovering)"
     )
 
 
@@ -272,3 +290,24 @@ def _mapping(value: Any, path: str) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
         raise ValueError(f"{path} must be a mapping (JSON object), got {value!r}")
     return dict(value)
+
+
+def read_block(
+    given: GNMRBlock | Mapping[str, Any] | None, path: str = "gnmr", *, check_host: bool = True
+) -> GNMRBlock:
+    """The one reader of a ``"gnmr"`` block for a program's preflight: parsed
+    (:meth:`GNMRBlock.of`) and its backend's option blocks checked by building the backend,
+    which the integration then takes with :meth:`GNMRBlock.build_backend` (built once).
+
+    A backend this host cannot load (``te_fp8`` without Transformer Engine or CUDA) raises
+    ``ValueError`` with the reason when ``check_host``; without it (a login node checking a
+    GPU job) only the option blocks are checked, which the backend parses before it imports.
+    """
+    block = GNMRBlock.of(given, path)
+    if block.enabled and block.backend is not None and not block._checked:
+        try:
+            block._checked.append(block.build_backend())  # type: ignore[arg-type]
+        except ImportError as err:  # the options parsed; the package or the hardware is missing
+            if check_host:
+                raise ValueError(str(err)) from None
+    return block

@@ -80,7 +80,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gnmr_dist.backends import PrecisionBackend, get_backend
+from gnmr_dist.backends import PrecisionBackend
 from gnmr_dist.core import Decision
 from gnmr_dist.distributed import GNMRRuntime, UnitNorms, UnitRegistry
 from gnmr_dist.distributed.probe import ProbeResult, RecoveryProbe
@@ -91,10 +91,11 @@ from gnmr_dist.integrations.session import (
     IntegrationSession,
     check_error_source,
     error_source,
+    open_trace,
     telemetry_scalars,
 )
 from gnmr_dist.integrations.state_file import read_state, restore_or_refuse, write_atomic
-from gnmr_dist.telemetry import TraceHeader, TraceWriter
+from gnmr_dist.telemetry import TraceWriter
 from gnmr_dist.telemetry.selection import top_k
 from gnmr_dist.telemetry.trace import ProbeRecord
 
@@ -202,7 +203,7 @@ def initialize(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
         params.pop("config", None) or params.pop("config_params", None)
         or getattr(params.get("args"), "deepspeed_config", None)
     )  # fmt: skip
-    block = GNMRBlock.from_dict(ds_config.pop("gnmr", None))
+    block = GNMRBlock.of(ds_config.pop("gnmr", None))  # parsed once: a program's block passes
     params["config"] = ds_config  # DeepSpeed never sees the gnmr block
     if getattr(params.get("args"), "deepspeed_config", None):
         params["args"] = copy.copy(params["args"])  # the config now travels in config=
@@ -220,7 +221,7 @@ def initialize(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
         raise ValueError("gnmr_dist.deepspeed.initialize needs a model")
     _check_supported(model, params.get("mpu"), ds_config)
     _check_probe(block, ds_config)
-    backend = _build_backend(block)
+    backend = block.build_backend()
     check_error_source(block, backend)
     check_selection(model, granularity=block.units, include=block.include, exclude=block.exclude)
     if not dist.is_initialized():
@@ -333,12 +334,6 @@ def _autocast(engine: Any) -> Any:
     from deepspeed.runtime.torch_autocast import autocast_if_enabled
 
     return autocast_if_enabled(engine)
-
-
-def _build_backend(block: GNMRBlock) -> PrecisionBackend | None:
-    if block.backend is None:
-        return None
-    return get_backend(block.backend, low_cost=block.low_cost, recovery=block.recovery)
 
 
 def _registry(model: Any, block: GNMRBlock, backend: PrecisionBackend | None) -> UnitRegistry:
@@ -530,15 +525,9 @@ class DeepSpeedGNMR(IntegrationSession):
             monitor.write_events([(f"gnmr/{k}", v, samples) for k, v in tele.items()])
 
     def _trace_writer(self) -> TraceWriter | None:
-        if self.block.log.trace is None:
-            return None
         if self._trace is None:
-            header = TraceHeader(
-                self.registry.names, tuple(self.registry.eligible.tolist()), self.block.policy,
-                {"backend": self.block.backend, "units": self.block.units},
-            )  # fmt: skip
             done = self.runtime.controller.step_count - 1  # decided before this run's first record
-            self._trace = TraceWriter(self.block.log.trace, header, resume_after=done or None)
+            self._trace = open_trace(self.block, self.registry, done)
         return self._trace
 
     # ------------------------------------------------------------------ checkpoints

@@ -15,14 +15,19 @@ from typing import Any
 from gnmr_dist.backends import PrecisionBackend
 from gnmr_dist.core import Decision, GNMRController
 from gnmr_dist.core.integrity import open_state, seal
-from gnmr_dist.distributed import GNMRRuntime, Plan
+from gnmr_dist.distributed import GNMRRuntime, Plan, UnitRegistry
 from gnmr_dist.distributed.monitor import ErrorFn
 from gnmr_dist.integrations.config import GNMRBlock
+from gnmr_dist.telemetry import TraceHeader, TraceWriter
 
 __all__ = [
-    "IntegrationSession", "check_error_source", "error_source", "refuse_probe",
+    "IntegrationSession",
+    "check_error_source",
+    "error_source",
+    "open_trace",
+    "refuse_probe",
     "telemetry_scalars",
-]  # fmt: skip
+]
 
 
 def check_error_source(block: GNMRBlock, backend: PrecisionBackend | None) -> None:
@@ -70,6 +75,24 @@ def telemetry_scalars(decision: Decision, global_norm: float) -> dict[str, float
     the decision's :class:`~gnmr_dist.core.controller.Telemetry` counts and the global
     gradient norm."""
     return {**decision.telemetry.as_dict(), "global_grad_norm": float(global_norm)}
+
+
+def open_trace(
+    block: GNMRBlock, registry: UnitRegistry, done: int, **meta: Any
+) -> TraceWriter | None:
+    """The block's JSON-lines trace (``log.trace``; ``None`` when off), opened on rank 0 by
+    every integration: a header with the unit names, eligibility, policy, backend and
+    granularity (plus ``meta``), then one record per decision. ``done``: the decisions taken
+    before this run's first record; a resumed run drops the records after them."""
+    if block.log.trace is None:
+        return None
+    header = TraceHeader(
+        registry.names,
+        tuple(registry.eligible.tolist()),
+        block.policy,
+        {"backend": block.backend, "units": block.units, **meta},
+    )
+    return TraceWriter(block.log.trace, header, resume_after=done or None)
 
 
 class IntegrationSession:

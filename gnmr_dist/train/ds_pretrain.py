@@ -35,7 +35,6 @@ and ``hf_model/``.
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import logging
 import math
@@ -49,6 +48,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gnmr_dist.core.validation import did_you_mean
+from gnmr_dist.integrations.config import GNMRBlock, read_block
 from gnmr_dist.train.common import next_token_loss, setup_logging
 
 logger = logging.getLogger("gnmr_dist.ds_pretrain")
@@ -123,7 +124,7 @@ def parse_args(
         parser.set_defaults(**pretrain_defaults(config, parser, args.config))
         args = parser.parse_args(argv)
         world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
-        _validate(args, config, world, check_host)
+        args.gnmr_block = _validate(args, config, world, check_host)
     except (ValueError, FileNotFoundError) as err:
         parser.error(str(err))
     args.ds_config = config
@@ -153,15 +154,15 @@ def pretrain_defaults(
     known = {a.dest for a in parser._actions if a.dest not in _NOT_IN_BLOCK}
     for key in block:
         if key.replace("-", "_") not in known:
-            close = difflib.get_close_matches(key.replace("-", "_"), sorted(known), n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
+            hint = did_you_mean(key.replace("-", "_"), sorted(known))
             raise ValueError(f"{where}: unknown key '{PRETRAIN_BLOCK}.{key}'{hint}")
     return {k.replace("-", "_"): v for k, v in block.items()}
 
 
 def _validate(
     args: argparse.Namespace, config: Mapping[str, Any], world: int, check_host: bool = True
-) -> None:
+) -> GNMRBlock:
+    """Every option and the config, before any process group: the parsed ``"gnmr"`` block."""
     for name in ("layers", "hidden", "heads", "seq_len", "steps", "heldout_batches"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -183,7 +184,7 @@ def _validate(
         )
     check_batch(config, world)
     check_monitors(config)
-    _check_gnmr(config.get("gnmr"), f"{args.config}: gnmr", check_host)
+    return _check_gnmr(_with_trace(config, args.run_dir), f"{args.config}: gnmr", check_host)
 
 
 def check_monitors(config: Mapping[str, Any]) -> None:
@@ -199,16 +200,25 @@ def check_monitors(config: Mapping[str, Any]) -> None:
             )
 
 
-def _check_gnmr(block: Any, path: str, check_host: bool = True) -> None:
-    """The ``"gnmr"`` block and its backend's option blocks, as ``initialize`` will read them.
+def _with_trace(config: Mapping[str, Any], run_dir: str) -> Any:
+    """The config's ``"gnmr"`` block (``{}`` when absent: GNMR observes) with ``log.trace`` set
+    to ``RUN_DIR/trace.jsonl``, where the report reads it; a malformed block is passed as it
+    is, for the parser to name."""
+    block = config.get("gnmr", {})
+    if not isinstance(block, Mapping) or not isinstance(block.get("log", {}), Mapping):
+        return block
+    log = {**block.get("log", {}), "trace": str(Path(run_dir, "trace.jsonl"))}
+    return {**block, "log": log}
+
+
+def _check_gnmr(block: Any, path: str, check_host: bool = True) -> GNMRBlock:
+    """The ``"gnmr"`` block and its backend's option blocks, read once (``read_block``): the
+    parsed block goes to ``initialize`` as it is, with the backend built while checking it.
 
     A backend this host cannot load (``te_fp8`` without CUDA) is an error only when
     ``check_host``: its options are parsed before the import fails.
     """
-    from gnmr_dist.backends import get_backend
-    from gnmr_dist.integrations.config import GNMRBlock
-
-    parsed = GNMRBlock.from_dict(block, path=path)
+    parsed = GNMRBlock.of(block, path=path)
     if parsed.enabled and parsed.probe is not None:
         raise ValueError(
             f"{path}.probe: gnmr-ds-pretrain computes its next-token loss outside the model's "
@@ -216,12 +226,7 @@ def _check_gnmr(block: Any, path: str, check_host: bool = True) -> None:
             "from your own DeepSpeed script with a forward that returns the loss (a Hugging Face "
             f"model given labels=), or drop {path}.probe"
         )
-    if parsed.enabled and parsed.backend is not None:
-        try:
-            get_backend(parsed.backend, low_cost=parsed.low_cost, recovery=parsed.recovery)
-        except ImportError as err:
-            if check_host:
-                raise ValueError(str(err)) from None
+    return read_block(parsed, path, check_host=check_host)
 
 
 def check_batch(config: Mapping[str, Any], world: int) -> None:
@@ -303,8 +308,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
     run = Path(args.run_dir)
-    config = {k: v for k, v in args.ds_config.items() if k != PRETRAIN_BLOCK}
-    config.setdefault("gnmr", {}).setdefault("log", {})["trace"] = str(run / "trace.jsonl")
+    config = {k: v for k, v in args.ds_config.items() if k not in (PRETRAIN_BLOCK, "gnmr")}
+    config["gnmr"] = args.gnmr_block  # parsed and checked by parse_args, not parsed again
     tok = load_tokenizer(args.tokenizer) if args.tokenizer else ByteTokenizer()
     data = make_dataset(args.data, args.seq_len, tok, max_bytes=args.max_bytes)
     model = build_model(args, args.vocab_size or tok.vocab_size)

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import difflib
 import io
 import os
 import re
@@ -51,6 +50,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from gnmr_dist.core.validation import did_you_mean
 
 ENGINES = {
     "deepspeed": "gnmr_dist.cli.ds_pretrain",
@@ -116,8 +117,7 @@ def resolve_config(name: str) -> Path:
                     )
                 return path
     known = available_configs()
-    close = difflib.get_close_matches(name, known, n=3, cutoff=0.4)
-    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    hint = did_you_mean(name, known, n=3, quote=False)
     raise LaunchError(
         f"unknown config {name!r}{hint} (known: {', '.join(known) or 'none'}; or give a path)"
     )

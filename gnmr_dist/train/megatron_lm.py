@@ -62,9 +62,10 @@ from typing import Any
 
 import torch
 
-from gnmr_dist.integrations.config import GNMRBlock
-from gnmr_dist.integrations.session import refuse_probe, telemetry_scalars
+from gnmr_dist.integrations.config import GNMRBlock, read_block
+from gnmr_dist.integrations.session import open_trace, refuse_probe, telemetry_scalars
 from gnmr_dist.integrations.state_file import restart_drill, restore_or_refuse
+from gnmr_dist.train.common import setup_logging
 
 __all__ = ["CPU_FLAGS", "add_gnmr_args", "check_args", "cpu_argv", "main"]
 
@@ -157,7 +158,8 @@ def cpu_argv(argv: Sequence[str]) -> list[str]:
 def _read_block(args: argparse.Namespace, check_host: bool = True) -> GNMRBlock | None:
     """The effective ``"gnmr"`` block (file, then the overrides), or ``None`` without a file.
 
-    Building the backend checks its option blocks; a backend this host cannot load (``te_fp8``
+    Read once (``read_block``): building the backend checks its option blocks, and
+    ``megatron_patches.apply`` takes that backend; a backend this host cannot load (``te_fp8``
     without CUDA) is an error only when ``check_host``.
     """
     if args.gnmr_config is None:
@@ -179,17 +181,9 @@ def _read_block(args: argparse.Namespace, check_host: bool = True) -> GNMRBlock 
         block["backend"] = None if none else args.gnmr_backend
     if args.gnmr_trace is not None:
         block["log"] = {**dict(block.get("log") or {}), "trace": args.gnmr_trace}
-    parsed = GNMRBlock.from_dict(block, path=f"{path}: gnmr")
+    parsed = GNMRBlock.of(block, path=f"{path}: gnmr")
     refuse_probe(parsed, "gnmr-megatron-pretrain")
-    if parsed.backend is not None and parsed.enabled:
-        from gnmr_dist.backends import get_backend  # validates the option blocks too
-
-        try:
-            get_backend(parsed.backend, low_cost=parsed.low_cost, recovery=parsed.recovery)
-        except ImportError as err:  # the options parsed; the hardware or package is missing
-            if check_host:
-                raise ValueError(str(err)) from None
-    return parsed
+    return read_block(parsed, f"{path}: gnmr", check_host=check_host)
 
 
 def _spikes(texts: Sequence[str]) -> list[tuple[int, int, float]]:
@@ -454,16 +448,8 @@ class _Hooks:
             return None
         if torch.distributed.get_rank() != 0:
             return None
-        from gnmr_dist.telemetry import TraceHeader, TraceWriter
-
-        registry = handle.registry
-        header = TraceHeader(
-            registry.names, tuple(registry.eligible.tolist()), self.block.policy,
-            {"backend": self.block.backend, "units": self.block.units,
-             "source": "megatron.training"},
-        )  # fmt: skip
         done = handle.controller.step_count
-        return TraceWriter(self.block.log.trace, header, resume_after=done or None)
+        return open_trace(self.block, handle.registry, done, source="megatron.training")
 
 
 def _fail_at(value: int | None) -> int | None:
@@ -609,7 +595,7 @@ def _check_batches(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console script ``gnmr-megatron-pretrain``: Megatron-LM's ``pretrain`` for GPT with GNMR."""
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    setup_logging()  # every rank at INFO: megatron's own logs come from the last rank
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         _require_training()

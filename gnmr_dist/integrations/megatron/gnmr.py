@@ -603,10 +603,9 @@ def apply(
         fused_norm: carry the per-unit norms in megatron's clip-norm all-reduce; ``False`` adds
             GNMR's own small all-reduce per step (same gradients, same pre-clip values).
     """
-    from gnmr_dist.backends import get_backend
     from gnmr_dist.integrations.config import GNMRBlock
 
-    block = block if isinstance(block, GNMRBlock) else GNMRBlock.from_dict(block)
+    block = GNMRBlock.of(block)
     refuse_probe(block, "megatron_patches.apply")
     chunks = list(model) if isinstance(model, Sequence) else [model]
     handle = current()
@@ -615,9 +614,7 @@ def apply(
     info = series_info(what="megatron_patches.apply")
     _refuse_unsupported(chunks, block, optimizer)
     remove()
-    backend = None
-    if block.backend is not None:
-        backend = get_backend(block.backend, low_cost=block.low_cost, recovery=block.recovery)
+    backend = block.build_backend()
     check_error_source(block, backend)  # gnmr.gamma needs a backend that reports error sums
     handle = MegatronGNMR(chunks, block, backend, fused=fused_norm, optimizer=optimizer, info=info)
     _install(handle, optimizer, info)

@@ -1,0 +1,125 @@
+"""The import graph of gnmr-dist points down its layers, never up (README, "Layout").
+
+Every import in the source tree, at module level or inside a function (the lazy imports of
+DeepSpeed-, megatron- and TE-facing code are arrows too), is read with :mod:`ast` and resolved
+to the layer of the longest matching prefix in :data:`LAYERS`. A module may import its own
+prefix and any lower layer; an import of a higher layer, or of a sibling prefix on the same
+layer, is an upward arrow and fails the test with the file and line. A module no layer claims
+fails too, so a new package takes a place in the table first.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("gnmr_dist", "megatron_patches", "benchmarks")
+
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("gnmr_dist.core",),  # the algorithm: torch only
+    ("gnmr_dist.distributed", "gnmr_dist.telemetry", "gnmr_dist.data", "gnmr_dist"),
+    ("gnmr_dist.backends",),  # precision paths, switched per unit
+    ("gnmr_dist.integrations.config",),  # the "gnmr" block, read once
+    ("gnmr_dist.integrations.session", "gnmr_dist.integrations.state_file"),
+    ("gnmr_dist.integrations",),  # framework glue: DeepSpeed, megatron-core, Trainer
+    ("gnmr_dist.deepspeed", "megatron_patches"),  # the public names of that glue
+    ("gnmr_dist.train.common",),
+    ("gnmr_dist.train",),  # the programs
+    ("gnmr_dist.cli",),  # thin entry points
+    ("benchmarks",),
+)
+"""Lowest first. ``"gnmr_dist"`` is the root package's ``__init__`` alone (longer prefixes win)."""
+
+
+def _place(module: str) -> tuple[int, str] | None:
+    """(layer, prefix) of the longest prefix in :data:`LAYERS` that ``module`` falls under."""
+    best: tuple[int, str] | None = None
+    for level, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            under = module == prefix or (module.startswith(prefix + ".") and prefix != "gnmr_dist")
+            if under and (best is None or len(prefix) > len(best[1])):
+                best = (level, prefix)
+    return best
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _targets(tree: ast.AST, module: str, is_package: bool) -> list[tuple[int, str]]:
+    """``(line, imported module)`` for every import of one of :data:`PACKAGES`."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")[: len(module.split(".")) - node.level + is_package]
+                name = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                name = node.module or ""
+            # ``from pkg import sub`` imports the submodule when there is one
+            out += [(node.lineno, f"{name}.{a.name}") for a in node.names]
+    return [(line, name) for line, name in out if name.split(".")[0] in PACKAGES]
+
+
+def _resolve(name: str, modules: set[str]) -> str:
+    """``name`` cut back to the longest prefix that is a module of the tree."""
+    while name not in modules and "." in name:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def upward_imports(sources: dict[str, str]) -> list[str]:
+    """Every arrow against :data:`LAYERS` in ``sources`` (relative path -> text)."""
+    names = {_module_name(Path(p)): (p, text) for p, text in sources.items()}
+    problems = []
+    for module, (path, text) in sorted(names.items()):
+        here = _place(module)
+        if here is None:
+            problems.append(f"{path}: {module} is in no layer of LAYERS")
+            continue
+        tree = ast.parse(text, filename=path)
+        for line, target in _targets(tree, module, path.endswith("__init__.py")):
+            there = _place(_resolve(target, set(names)))
+            if there is None or there[1] == here[1] or there[0] < here[0]:
+                continue
+            problems.append(
+                f"{path}:{line}: {module} (layer {here[0]}, {here[1]}) imports {target} "
+                f"(layer {there[0]}, {there[1]})"
+            )
+    return problems
+
+
+def _tree() -> dict[str, str]:
+    return {
+        str(p.relative_to(ROOT)): p.read_text(encoding="utf-8")
+        for package in PACKAGES
+        for p in sorted((ROOT / package).rglob("*.py"))
+    }
+
+
+def test_every_import_points_down_the_layers():
+    assert upward_imports(_tree()) == []
+
+
+def test_an_upward_import_is_caught_at_module_level_and_inside_a_function():
+    sources = _tree()
+    state = "gnmr_dist/core/state.py"
+    sources[state] += "\n\ndef _late():\n    from gnmr_dist.train.common import setup_logging\n"
+    sources["gnmr_dist/backends/base.py"] += "\nimport gnmr_dist.integrations.session\n"
+    sources["gnmr_dist/telemetry/trace.py"] += "\nfrom gnmr_dist.distributed import comm\n"
+    found = upward_imports(sources)
+    assert len(found) == 3, found
+    assert found[0].startswith("gnmr_dist/backends/base.py:") and "integrations.session" in found[0]
+    assert "gnmr_dist.core.state (layer 0" in found[1] and "gnmr_dist.train.common" in found[1]
+    assert "telemetry.trace" in found[2] and "(layer 1, gnmr_dist.distributed)" in found[2]
+
+
+def test_a_module_outside_every_layer_is_named():
+    sources = {**_tree(), "gnmr_dist_extra/x.py": "import gnmr_dist\n"}
+    assert upward_imports(sources) == [
+        "gnmr_dist_extra/x.py: gnmr_dist_extra.x is in no layer of LAYERS"
+    ]
