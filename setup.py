@@ -35,6 +35,7 @@ setup(
             "gnmr-ds-pretrain=gnmr_dist.cli.ds_pretrain:main",
             "gnmr-megatron-pretrain=gnmr_dist.cli.megatron_pretrain:main",
             "gnmr-launch=gnmr_dist.cli.launch:main",
+            "gnmr-prepare-data=gnmr_dist.cli.prepare_data:main",
         ],
     },
     classifiers=[

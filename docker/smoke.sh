@@ -37,13 +37,9 @@ fi
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-if [[ -n "${PYTHON:-}" ]]; then
-    PY="$PYTHON"
-elif [[ -x "$root/.venv/bin/python" ]]; then
-    PY="$root/.venv/bin/python"
-else
-    PY="python3"
-fi
+# PY: $PYTHON, else this checkout's .venv/bin/python, else python3 (the image has launch/ too)
+# shellcheck source=launch/common.sh
+source "$root/launch/common.sh"
 command -v "$PY" >/dev/null 2>&1 || fail "no Python interpreter '$PY' (set PYTHON)"
 steps="${SMOKE_STEPS:-6}"
 [[ "$steps" =~ ^[1-9][0-9]*$ ]] || fail "SMOKE_STEPS must be a positive integer, got '$steps'"

@@ -61,9 +61,15 @@ def make_tiny(path: str) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     LlamaForCausalLM(config).save_pretrained(path)
 
 
@@ -99,13 +105,21 @@ def main(argv: list[str] | None = None) -> None:
     model = AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True, dtype=dtype)
     lora = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules=TARGETS)
     model = get_peft_model(model, lora)
-    data = _CausalSamples(make_dataset(args.data, args.seq_len + 1, args.tokenizer,
-                                       max_bytes=2_000_000))  # fmt: skip
+    data = _CausalSamples(
+        make_dataset(args.data, args.seq_len + 1, args.tokenizer, max_bytes=2_000_000)
+    )
     training = TrainingArguments(
-        output_dir=args.output_dir, deepspeed=args.deepspeed, max_steps=args.max_steps,
-        per_device_train_batch_size=args.batch, learning_rate=args.lr, logging_steps=1,
-        report_to=[], save_strategy="no", bf16=args.bf16, dataloader_drop_last=True,
-    )  # fmt: skip
+        output_dir=args.output_dir,
+        deepspeed=args.deepspeed,
+        max_steps=args.max_steps,
+        per_device_train_batch_size=args.batch,
+        learning_rate=args.lr,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        bf16=args.bf16,
+        dataloader_drop_last=True,
+    )
     gnmr_dist.deepspeed.enable()  # the one GNMR line: deepspeed.initialize reads the block
     Trainer(model=model, args=training, train_dataset=data).train()
 

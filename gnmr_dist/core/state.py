@@ -26,6 +26,20 @@ import torch
 
 __all__ = ["check_invariants", "check_state"]
 
+_TENSORS: dict[str, torch.dtype] = {
+    "eligible": torch.bool,
+    "norm_sum": torch.float64,
+    "norm_count": torch.int64,
+    "window_buffer": torch.float64,
+    "window_len": torch.int64,
+    "lock": torch.int64,
+}
+"""The state's tensors and their dtypes; each of shape ``[num_units]`` but ``window_buffer``,
+``[num_units, window]``."""
+
+_KEYS = ("version", "num_units", "step", "config", *_TENSORS)
+"""Every key a state must have."""
+
 _FIX = "(is this checkpoint from another model or run? start fresh with a new controller instead)"
 
 
@@ -123,19 +137,7 @@ def check_state(state: Mapping[str, Any], num_units: int, window: int, version: 
     """Raise ``ValueError`` unless ``state`` is a valid state for (``num_units``, ``window``)."""
     if not isinstance(state, Mapping):
         raise ValueError(f"GNMR state must be a dict, got {type(state).__name__}")
-    keys = (
-        "version",
-        "num_units",
-        "step",
-        "config",
-        "eligible",
-        "norm_sum",
-        "norm_count",
-        "window_buffer",
-        "window_len",
-        "lock",
-    )
-    missing = [k for k in keys if k not in state]
+    missing = [k for k in _KEYS if k not in state]
     if missing:
         raise ValueError(f"GNMR state is corrupted or not a GNMR state: missing {missing}")
     if state["version"] != version:
@@ -155,14 +157,7 @@ def check_state(state: Mapping[str, Any], num_units: int, window: int, version: 
             f"GNMR state was saved with window={saved_window}, the config has window={window}; "
             "the window length cannot change on resume: set window back to it"
         )
-    u = num_units
-    for key, shape, dtype in (
-        ("eligible", (u,), torch.bool),
-        ("norm_sum", (u,), torch.float64),
-        ("norm_count", (u,), torch.int64),
-        ("window_buffer", (u, window), torch.float64),
-        ("window_len", (u,), torch.int64),
-        ("lock", (u,), torch.int64),
-    ):
+    for key, dtype in _TENSORS.items():
+        shape = (num_units, window) if key == "window_buffer" else (num_units,)
         _expect_tensor(state, key, shape, dtype)
     check_invariants(state, window)

@@ -16,11 +16,16 @@ One entry point, `make_dataset(spec, seq_len, tokenizer=None, *, max_bytes=None)
 `tokenizer` is None (`ByteTokenizer`: bytes 0-255, EOD = 256, PAD = 257), a tokenizer
 object, or the path of a LOCAL Hugging Face tokenizer directory (`load_tokenizer`; nothing is
 downloaded). megatron-core and transformers are imported only when used.
+
+`write_indexed_dataset(spec, prefix)` writes the same token stream as a megatron-core indexed
+dataset, for `gnmr-megatron-pretrain --data-path PREFIX` (`indexed.py`;
+`gnmr-prepare-data SPEC PREFIX` on the command line).
 """
 
 from gnmr_dist.data.corpus import HELDOUT_FRACTION, embedded_corpus
 from gnmr_dist.data.datasets import MegatronIndexedDataset, TextTokenDataset, TokenStreamDataset
 from gnmr_dist.data.factory import make_dataset
+from gnmr_dist.data.indexed import write_indexed_dataset
 from gnmr_dist.data.tokenizer import (
     EOD_ID,
     PAD_ID,
@@ -43,4 +48,5 @@ __all__ = [
     "embedded_corpus",
     "load_tokenizer",
     "make_dataset",
+    "write_indexed_dataset",
 ]

@@ -27,7 +27,13 @@ from torch.utils.data import Dataset
 
 from gnmr_dist.data.tokenizer import ByteTokenizer, Tokenizer
 
-__all__ = ["MegatronIndexedDataset", "TextTokenDataset", "TokenStreamDataset", "resolve_paths"]
+__all__ = [
+    "MegatronIndexedDataset",
+    "TextTokenDataset",
+    "TokenStreamDataset",
+    "encode_file",
+    "resolve_paths",
+]
 
 
 def _storage_dtype(vocab_size: int) -> torch.dtype:
@@ -82,7 +88,8 @@ def resolve_paths(paths: str | Path | Iterable[str | Path]) -> list[Path]:
     return sorted(out)
 
 
-def _encode_file(path: Path, tokenizer: Tokenizer) -> torch.Tensor:
+def encode_file(path: Path, tokenizer: Tokenizer) -> torch.Tensor:
+    """One document's token ids (int64): raw bytes for `ByteTokenizer`, else UTF-8 text."""
     data = path.read_bytes()
     if isinstance(tokenizer, ByteTokenizer):
         return tokenizer.encode_bytes(data)
@@ -110,7 +117,7 @@ class TextTokenDataset(TokenStreamDataset):
         dtype = _storage_dtype(self.tokenizer.vocab_size)
         parts: list[torch.Tensor] = []
         for p in self.paths:
-            parts += [_encode_file(p, self.tokenizer).to(dtype), eod.to(dtype)]
+            parts += [encode_file(p, self.tokenizer).to(dtype), eod.to(dtype)]
         source = str(paths) if isinstance(paths, (str, Path)) else f"{len(self.paths)} files"
         super().__init__(torch.cat(parts), seq_len, source=source)
 

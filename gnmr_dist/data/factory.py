@@ -8,7 +8,7 @@ from gnmr_dist.data.corpus import SPLITS, embedded_corpus
 from gnmr_dist.data.datasets import MegatronIndexedDataset, TextTokenDataset, TokenStreamDataset
 from gnmr_dist.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
-__all__ = ["make_dataset"]
+__all__ = ["embedded_files", "make_dataset"]
 
 
 def _parse_embedded(spec: str) -> tuple[str, str | None]:
@@ -20,6 +20,15 @@ def _parse_embedded(spec: str) -> tuple[str, str | None]:
         raise ValueError(f"split in {spec!r} must be one of {SPLITS}, got {split!r}")
     domain = parts[2] if len(parts) > 2 and parts[2] else None
     return split, domain
+
+
+def embedded_files(spec: str, max_bytes: int | None = None) -> list[Path]:
+    """The files an `"embedded[:split[:domain]]"` spec selects (at most `max_bytes` in all)."""
+    split, domain = _parse_embedded(spec)
+    files = embedded_corpus(split, domain=domain, max_bytes=max_bytes)
+    if not files:
+        raise ValueError(f"{spec!r} with max_bytes={max_bytes} selects no files")
+    return files
 
 
 def make_dataset(
@@ -39,11 +48,7 @@ def make_dataset(
     tok = tok if tok is not None else ByteTokenizer()
     spec = str(spec)
     if spec == "embedded" or spec.startswith("embedded:"):
-        split, domain = _parse_embedded(spec)
-        files = embedded_corpus(split, domain=domain, max_bytes=max_bytes)
-        if not files:
-            raise ValueError(f"{spec!r} with max_bytes={max_bytes} selects no files")
-        return TextTokenDataset(files, tok, seq_len)
+        return TextTokenDataset(embedded_files(spec, max_bytes), tok, seq_len)
     if Path(spec + ".bin").is_file() and Path(spec + ".idx").is_file():
         return MegatronIndexedDataset(spec, seq_len)
     return TextTokenDataset(spec, tok, seq_len)

@@ -34,13 +34,19 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from gnmr_dist.distributed.comm import Group, all_reduce_sum, all_reduce_sum_async
+from gnmr_dist.distributed.comm import Group, all_reduce_sum_async
 from gnmr_dist.distributed.units import UnitRegistry
 
 __all__ = [
-    "ErrorFn", "GradNormMonitor", "IndexCache", "UnitNorms", "default_grad", "index_tensor",
-    "sum_of_squares_by_slot", "unit_norms_from_total",
-]  # fmt: skip
+    "ErrorFn",
+    "GradNormMonitor",
+    "IndexCache",
+    "UnitNorms",
+    "default_grad",
+    "index_tensor",
+    "sum_of_squares_by_slot",
+    "unit_norms_from_total",
+]
 
 GradFn = Callable[[nn.Parameter], torch.Tensor | None]
 ErrorFn = Callable[[torch.device], torch.Tensor | None]
@@ -269,8 +275,3 @@ def unit_norms_from_total(total: torch.Tensor, num_units: int | None = None) -> 
         global_norm=math.sqrt(float(total.sum())),
         error_sums=errors,
     )
-
-
-def reduce_unit_norms(local: torch.Tensor, group: Group | None) -> UnitNorms:
-    """All-reduce a [U + 1] vector of partial sums of squares and take square roots."""
-    return unit_norms_from_total(all_reduce_sum(local, group))

@@ -146,9 +146,12 @@ class GNMRRuntime:
         )
         self.uses_errors = self.controller.config.gamma is not None
         self.monitor = GradNormMonitor(
-            registry, group=group, grad_fn=grad_fn, error_scale=error_scale,
+            registry,
+            group=group,
+            grad_fn=grad_fn,
+            error_scale=error_scale,
             error_fn=error_fn if self.uses_errors else None,
-        )  # fmt: skip
+        )
         if self.uses_errors:
             _check_error_source(error_fn, self.monitor)
         if self.controller.num_units != registry.num_units:

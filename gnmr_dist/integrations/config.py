@@ -128,9 +128,10 @@ class ProbeOptions:
                 f"or drop {path} to run without the probe"
             )
         every = _probe_int(
-            given["every"], f"{path}.every",
+            given["every"],
+            f"{path}.every",
             f"N: probe every N-th optimizer step; drop {path} to run without the probe",
-        )  # fmt: skip
+        )
         return cls(every, _probe_int(given.get("k", 3), f"{path}.k", "the graded sets' size"))
 
     def due(self, step: int) -> bool:
@@ -177,11 +178,22 @@ class GNMRBlock:
     :meth:`build_backend` hands it over (so a program builds its backend once)."""
 
     KEYS = (
-        "enabled", "backend", "units", "include", "exclude", "low_cost", "recovery", "log",
-        "check_consistency", "on_missing_state", "on_corrupt_state", "attribution", "probe",
+        "enabled",
+        "backend",
+        "units",
+        "include",
+        "exclude",
+        "low_cost",
+        "recovery",
+        "log",
+        "check_consistency",
+        "on_missing_state",
+        "on_corrupt_state",
+        "attribution",
+        "probe",
         "error_every",
         *GNMRConfig.field_names(),
-    )  # fmt: skip
+    )
 
     @classmethod
     def of(cls, given: GNMRBlock | Mapping[str, Any] | None, path: str = "gnmr") -> GNMRBlock:

@@ -82,8 +82,11 @@ def restore_or_refuse(block: GNMRBlock, where: str, found: tuple[str, Any], sess
     kind, payload = found
     if kind == "missing":
         if block.on_missing_state == "fresh":
-            logger.warning("gnmr: %s has no GNMR state; the controller starts fresh "
-                           "(on_missing_state='fresh')", where)  # fmt: skip
+            logger.warning(
+                "gnmr: %s has no GNMR state; the controller starts fresh "
+                "(on_missing_state='fresh')",
+                where,
+            )
             session.reset()
             return False
         raise FileNotFoundError(
@@ -99,8 +102,12 @@ def restore_or_refuse(block: GNMRBlock, where: str, found: tuple[str, Any], sess
         except (KeyError, TypeError, ValueError) as err:
             reason = str(err)
     if block.on_corrupt_state == "fresh":
-        logger.warning("gnmr: the GNMR state of %s is unusable (%s); the controller starts "
-                       "fresh (on_corrupt_state='fresh')", where, reason)  # fmt: skip
+        logger.warning(
+            "gnmr: the GNMR state of %s is unusable (%s); the controller starts "
+            "fresh (on_corrupt_state='fresh')",
+            where,
+            reason,
+        )
         session.reset()
         return False
     raise ValueError(

@@ -166,9 +166,14 @@ def selection_quality(
         if first_last:
             sets["first_last"] = first_last
         figures = probe_figures(
-            p.grad_gap, p.update_gap, risk[p.step - 1], sets, p.k,
-            errors=errors[p.step - 1] if errors is not None else None, eligible=header.eligible,
-        )  # fmt: skip
+            p.grad_gap,
+            p.update_gap,
+            risk[p.step - 1],
+            sets,
+            p.k,
+            errors=errors[p.step - 1] if errors is not None else None,
+            eligible=header.eligible,
+        )
         for row, fig in figures.items():
             for key, value in fig.items():
                 values.setdefault(row, {}).setdefault(key, []).append(value)
@@ -345,8 +350,10 @@ def _draw_fractions(ax: Any, steps: list[int], s: dict, warmup: int) -> None:
 def _schedule(value: Any) -> str:
     """``3.0`` or ``cosine 4.0 -> 2.0 over 200 steps``."""
     if isinstance(value, dict):
-        return (f"{value.get('schedule', 'constant')} {value.get('start')} -> "
-                f"{value.get('end')} over {value.get('steps')} steps")  # fmt: skip
+        return (
+            f"{value.get('schedule', 'constant')} {value.get('start')} -> "
+            f"{value.get('end')} over {value.get('steps')} steps"
+        )
     return json.dumps(value)
 
 

@@ -116,12 +116,17 @@ class ProbeRecord:
             return None if t is None else t.double().cpu().tolist()
 
         return {
-            "k": self.k, "grad_gap": vec(self.grad_gap), "update_gap": vec(self.update_gap),
-            "grad_low_norm": vec(self.grad_low_norm), "grad_high_norm": vec(self.grad_high_norm),
-            "loss_low": float(self.loss_low), "loss_high": float(self.loss_high),
+            "k": self.k,
+            "grad_gap": vec(self.grad_gap),
+            "update_gap": vec(self.update_gap),
+            "grad_low_norm": vec(self.grad_low_norm),
+            "grad_high_norm": vec(self.grad_high_norm),
+            "loss_low": float(self.loss_low),
+            "loss_high": float(self.loss_high),
             "probe_ms": float(self.probe_ms),
-            "sets": {n: sorted(s) for n, s in self.sets.items()}, "figures": self.figures(),
-        }  # fmt: skip
+            "sets": {n: sorted(s) for n, s in self.sets.items()},
+            "figures": self.figures(),
+        }
 
     @classmethod
     def from_json(cls, step: int, obj: Mapping[str, Any], units: int, where: str) -> ProbeRecord:
@@ -139,13 +144,17 @@ class ProbeRecord:
             return v
 
         return cls(
-            step=step, k=int(obj["k"]), grad_gap=vec("grad_gap"),
+            step=step,
+            k=int(obj["k"]),
+            grad_gap=vec("grad_gap"),
             update_gap=None if obj["update_gap"] is None else vec("update_gap"),
-            grad_low_norm=vec("grad_low_norm"), grad_high_norm=vec("grad_high_norm"),
-            loss_low=float(obj["loss_low"]), loss_high=float(obj["loss_high"]),
+            grad_low_norm=vec("grad_low_norm"),
+            grad_high_norm=vec("grad_high_norm"),
+            loss_low=float(obj["loss_low"]),
+            loss_high=float(obj["loss_high"]),
             sets={n: frozenset(int(i) for i in s) for n, s in obj["sets"].items()},
             probe_ms=float(obj["probe_ms"]),
-        )  # fmt: skip
+        )
 
 
 class TraceWriter:

@@ -72,28 +72,27 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ffn", type=int, default=None, help="MLP width (default: 8/3 x hidden)")
     g.add_argument("--seq-len", type=int, default=128)
     g.add_argument("--vocab-size", type=int, default=None, help="default: the tokenizer's")
-    g.add_argument(
-        "--init-from",
-        default=None,
-        metavar="DIR",
-        help="LOCAL Hugging Face model directory to start from (nothing downloaded)",
-    )
+    g.add_argument("--init-from", metavar="DIR", help="LOCAL Hugging Face model dir to start from")
     g.add_argument("--lora-rank", type=int, default=0, help="> 0: train peft LoRA adapters only")
     g.add_argument("--lora-alpha", type=float, default=None, help="default: 2 x rank")
     g.add_argument("--lora-targets", default=_LORA_TARGETS, help="comma-separated module names")
     g = p.add_argument_group("data")
     g.add_argument("--data", default="embedded", help="dataset spec (gnmr_dist.data)")
     g.add_argument("--heldout", default="embedded:heldout", help="held-out dataset spec")
-    g.add_argument("--tokenizer", default=None, metavar="DIR",
-                   help="LOCAL Hugging Face tokenizer directory (default: bytes)")  # fmt: skip
+    g.add_argument("--tokenizer", metavar="DIR", help="LOCAL Hugging Face tokenizer dir (bytes)")
     g.add_argument("--max-bytes", type=int, default=8_000_000, help="cap on the embedded corpus")
     g.add_argument("--heldout-batches", type=int, default=8)
     g = p.add_argument_group("run")
     g.add_argument("--run-dir", default="runs/demo", help="trace, report, checkpoint go here")
     g.add_argument("--steps", type=int, default=300, help="optimizer steps")
     g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--save-interval", type=int, default=0, metavar="N",
-                   help="checkpoint every N steps (0: only at the end)")  # fmt: skip
+    g.add_argument(
+        "--save-interval",
+        type=int,
+        default=0,
+        metavar="N",
+        help="checkpoint every N steps (0: only at the end)",
+    )
     g.add_argument("--no-resume", action="store_true", help="ignore RUN_DIR/checkpoint")
     g.add_argument(
         "--fail-at",
@@ -262,19 +261,24 @@ def build_model(args: argparse.Namespace, vocab: int) -> torch.nn.Module:
         model = LlamaForCausalLM.from_pretrained(args.init_from, local_files_only=True)
     else:
         cfg = LlamaConfig(
-            vocab_size=vocab, hidden_size=args.hidden,
+            vocab_size=vocab,
+            hidden_size=args.hidden,
             intermediate_size=args.ffn or args.hidden * 8 // 3,
-            num_hidden_layers=args.layers, num_attention_heads=args.heads,
-            num_key_value_heads=args.kv_heads or args.heads, max_position_embeddings=args.seq_len,
-        )  # fmt: skip
+            num_hidden_layers=args.layers,
+            num_attention_heads=args.heads,
+            num_key_value_heads=args.kv_heads or args.heads,
+            max_position_embeddings=args.seq_len,
+        )
         model = LlamaForCausalLM(cfg)
     if args.lora_rank > 0:
         from peft import LoraConfig, get_peft_model
 
         lora = LoraConfig(
-            r=args.lora_rank, lora_alpha=args.lora_alpha or 2 * args.lora_rank, lora_dropout=0.0,
+            r=args.lora_rank,
+            lora_alpha=args.lora_alpha or 2 * args.lora_rank,
+            lora_dropout=0.0,
             target_modules=[t.strip() for t in args.lora_targets.split(",") if t.strip()],
-        )  # fmt: skip
+        )
         model = get_peft_model(model, lora)
     return model
 
@@ -378,21 +382,31 @@ def _progress(steps: range, show: bool) -> Any:
 
 
 def _summary(
-    engine: Any, args: argparse.Namespace, losses: list[float], held: float, elapsed: float,
-    world: int, start: int,
-) -> dict[str, Any]:  # fmt: skip
+    engine: Any,
+    args: argparse.Namespace,
+    losses: list[float],
+    held: float,
+    elapsed: float,
+    world: int,
+    start: int,
+) -> dict[str, Any]:
     gnmr = getattr(engine, "gnmr", None)
     tele = gnmr.telemetry() if gnmr is not None else {"skipped_steps": engine.skipped_steps}
     tail = losses[-10:] or [math.nan]
     return {
-        "steps": args.steps, "resumed_from": start, "world_size": world,
-        "first_loss": losses[0] if losses else math.nan, "last_loss": sum(tail) / len(tail),
-        "heldout_loss": held, "heldout_ppl": math.exp(min(held, 700.0)), "seconds": elapsed,
+        "steps": args.steps,
+        "resumed_from": start,
+        "world_size": world,
+        "first_loss": losses[0] if losses else math.nan,
+        "last_loss": sum(tail) / len(tail),
+        "heldout_loss": held,
+        "heldout_ppl": math.exp(min(held, 700.0)),
+        "seconds": elapsed,
         "decisions": gnmr.controller.step_count if gnmr is not None else 0,
         "skipped_steps": tele["skipped_steps"],
         "backend": gnmr.block.backend if gnmr is not None else "off",
         "units": gnmr.registry.num_units if gnmr is not None else 0,
-    }  # fmt: skip
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -410,8 +424,9 @@ def _finish(run: Path, summary: dict[str, Any], title: str) -> None:
 
     if (run / "trace.jsonl").is_file():
         report = draw_report(run / "trace.jsonl", run / "report.png", title=title)
-        summary.update(exceedance_rate=report["exceedance_rate"],
-                       recovery_rate=report["recovery_rate"])  # fmt: skip
+        summary.update(
+            exceedance_rate=report["exceedance_rate"], recovery_rate=report["recovery_rate"]
+        )
     (run / "summary.json").write_text(json.dumps(summary, indent=2))
     resumed = f", resumed at step {summary['resumed_from']}" if summary["resumed_from"] else ""
     print(

@@ -138,11 +138,20 @@ def read_args_file(path: Path) -> list[str]:
     return words
 
 
-PATH_FLAGS = frozenset({
-    "--gnmr-config", "--data-path", "--train-data-path", "--valid-data-path", "--test-data-path",
-    "--data-args-path", "--per-split-data-args-path", "--tokenizer-model", "--vocab-file",
-    "--merge-file",
-})  # fmt: skip
+PATH_FLAGS = frozenset(
+    {
+        "--gnmr-config",
+        "--data-path",
+        "--train-data-path",
+        "--valid-data-path",
+        "--test-data-path",
+        "--data-args-path",
+        "--per-split-data-args-path",
+        "--tokenizer-model",
+        "--vocab-file",
+        "--merge-file",
+    }
+)
 """Megatron-LM / GNMR flags whose values are input files (or data prefixes): in an ``.args``
 set they are relative to the set's file. Outputs (``--save``, ``--tensorboard-dir``,
 ``--gnmr-trace``) stay relative to the working directory, where the job runs."""
@@ -239,8 +248,8 @@ def torchrun_command(a: argparse.Namespace, job: Job) -> tuple[list[str], list[i
     """The torchrun command and the world sizes it may create (elastic: min and max)."""
     lo, hi = _nnodes_range(a.nnodes)
     nproc = a.nproc_per_node or _local_devices()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--nnodes", a.nnodes, "--max_restarts", str(a.max_restarts)]  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
+    cmd += ["--nnodes", a.nnodes, "--max_restarts", str(a.max_restarts)]
     endpoint = a.rdzv_endpoint
     if not endpoint and a.max_restarts > 0 and (a.master_addr or a.master_port):
         # a static rendezvous hands a restarted group the store of the failed attempt (stale
@@ -263,8 +272,8 @@ def torchrun_command(a: argparse.Namespace, job: Job) -> tuple[list[str], list[i
                 f"--nnodes {a.nnodes}: a multi-node launch needs RDZV_ENDPOINT=host:port "
                 "(c10d rendezvous, any node order) or MASTER_ADDR and NODE_RANK (static)"
             )
-        cmd += ["--master_addr", a.master_addr, "--master_port", str(a.master_port or 29500),
-                "--node_rank", str(a.node_rank)]  # fmt: skip
+        cmd += ["--master_addr", a.master_addr, "--master_port", str(a.master_port or 29500)]
+        cmd += ["--node_rank", str(a.node_rank)]
     elif a.master_port:
         cmd += ["--master_addr", "127.0.0.1", "--master_port", str(a.master_port)]
     else:
@@ -285,8 +294,8 @@ def deepspeed_command(a: argparse.Namespace, job: Job) -> tuple[list[str], list[
             )
         hosts = dict(list(hosts.items())[: a.num_nodes])
     slots = [min(n, a.num_gpus) if a.num_gpus else n for n in hosts.values()]
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", a.hostfile,
-           "--master_port", str(a.master_port or 29500)]  # fmt: skip
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", a.hostfile]
+    cmd += ["--master_port", str(a.master_port or 29500)]
     if a.num_nodes is not None:
         cmd += ["--num_nodes", str(a.num_nodes)]
     if a.num_gpus:
@@ -323,11 +332,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--master-port", type=int, default=_int_env("MASTER_PORT"))
     t.add_argument("--rdzv-endpoint", default=_env("RDZV_ENDPOINT"), help="host:port (c10d)")
     t.add_argument("--rdzv-id", default=_env("RDZV_ID", "gnmr"))
-    t.add_argument("--rdzv-conf", default=_env("RDZV_CONF"),
-                   help="torchrun's rdzv_conf, e.g. is_host=1 on the endpoint's node")  # fmt: skip
+    t.add_argument(
+        "--rdzv-conf",
+        default=_env("RDZV_CONF"),
+        help="torchrun's rdzv_conf, e.g. is_host=1 on the endpoint's node",
+    )
     t.add_argument("--max-restarts", type=int, default=_int_env("MAX_RESTARTS") or 0)
-    t.add_argument("--local-addr", default=_env("LOCAL_ADDR"),
-                   help="this node's address the others reach (multi-homed nodes)")  # fmt: skip
+    t.add_argument(
+        "--local-addr",
+        default=_env("LOCAL_ADDR"),
+        help="this node's address the others reach (multi-homed nodes)",
+    )
     d = sub.add_parser("deepspeed", help="the DeepSpeed launcher with a hostfile (pdsh/ssh)")
     d.add_argument("--hostfile", default=_env("HOSTFILE"))
     d.add_argument("--num-nodes", type=int, default=None)

@@ -50,22 +50,25 @@ directory; ``gnmr-launch`` resolves the paths of a shipped ``.args`` set relativ
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import logging
 import re
 import sys
-from collections.abc import Callable, Mapping, Sequence
-from functools import partial
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from gnmr_dist.integrations.config import GNMRBlock, read_block
-from gnmr_dist.integrations.session import open_trace, refuse_probe, telemetry_scalars
-from gnmr_dist.integrations.state_file import restart_drill, restore_or_refuse
+from gnmr_dist.integrations.session import refuse_probe
 from gnmr_dist.train.common import setup_logging
+from gnmr_dist.train.megatron_gpt import (
+    datasets_provider,
+    forward_step,
+    model_provider,
+    prebuilt_dataset_helpers,
+)
+from gnmr_dist.train.megatron_hooks import Hooks
 
 __all__ = ["CPU_FLAGS", "add_gnmr_args", "check_args", "cpu_argv", "main"]
 
@@ -129,7 +132,7 @@ def add_gnmr_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="restart drill: on a job's first attempt the last rank sends itself SIGKILL "
         "before the optimizer step of iteration ITER",
     )
-    return parser  # fmt: skip
+    return parser
 
 
 def cpu_argv(argv: Sequence[str]) -> list[str]:
@@ -198,319 +201,10 @@ def _spikes(texts: Sequence[str]) -> list[tuple[int, int, float]]:
     return out
 
 
-# =============================================================================== pretrain_gpt
-
-
-def model_provider(
-    pre_process: bool = True,
-    post_process: bool = True,
-    vp_stage: int | None = None,
-    config: Any = None,
-    pg_collection: Any = None,
-) -> Any:
-    """``pretrain_gpt.py``'s GPT model from Megatron-LM's arguments (megatron-core modules)."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.training import get_args
-    from megatron.training.arguments import core_transformer_config_from_args
-
-    args = get_args()
-    config = core_transformer_config_from_args(args)
-    spec = get_gpt_decoder_block_spec(
-        config, use_transformer_engine=args.transformer_impl == "transformer_engine",
-        normalization=args.normalization, vp_stage=vp_stage,
-    )  # fmt: skip
-    return GPTModel(
-        config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
-        post_process=post_process, fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
-        parallel_output=True,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
-        rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling, vp_stage=vp_stage,
-    )  # fmt: skip
-
-
-def _loss_func(
-    loss_mask: torch.Tensor, output_tensor: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """Sum of token losses, token count, and the report megatron averages over DP."""
-    losses = output_tensor.view(-1).float()
-    mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * mask)
-    tokens = mask.sum().clone().detach().to(torch.int)
-    return loss, tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), tokens.view(1)])}
-
-
-def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Callable[..., Any]]:
-    """``pretrain_gpt.py``'s forward step: the TP-broadcast, CP-sliced batch through the model."""
-    from megatron.core.utils import get_attr_wrapped_model, get_batch_on_this_cp_rank
-    from megatron.training.utils import get_batch_on_this_tp_rank, is_first_or_last_pipeline_stage
-
-    vp_stage = get_attr_wrapped_model(model, "vp_stage")
-    tokens = labels = loss_mask = attention_mask = position_ids = None
-    if is_first_or_last_pipeline_stage(vp_stage):
-        batch = get_batch_on_this_cp_rank(get_batch_on_this_tp_rank(data_iterator))
-        tokens, labels, loss_mask = batch["tokens"], batch["labels"], batch["loss_mask"]
-        attention_mask, position_ids = batch["attention_mask"], batch["position_ids"]
-    output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
-    return output, partial(_loss_func, loss_mask)
-
-
-def datasets_provider(num_samples: Sequence[int], vp_stage: int | None = None) -> Any:
-    """``pretrain_gpt.py``'s GPT data sets: megatron-core's blended builder over ``--data-path``."""
-    from megatron.core import parallel_state
-    from megatron.core.datasets.blended_megatron_dataset_builder import (
-        BlendedMegatronDatasetBuilder,
-    )
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
-    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
-    from megatron.training import get_args
-    from megatron.training.utils import (
-        get_blend_and_blend_per_split,
-        is_first_or_last_pipeline_stage,
-    )
-
-    args = get_args()
-    blend, blend_per_split = get_blend_and_blend_per_split(args)
-    config = GPTDatasetConfig(
-        random_seed=args.seed, sequence_length=args.seq_length, blend=blend,
-        blend_per_split=blend_per_split, split=args.split, path_to_cache=args.data_cache_path,
-        mmap_bin_files=args.mmap_bin_files, tokenizer=build_tokenizer(args),
-        reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
-        eod_mask_loss=args.eod_mask_loss,
-        create_attention_mask=args.create_attention_mask_in_dataloader,
-    )  # fmt: skip
-
-    def built_here() -> bool:
-        first_or_last = is_first_or_last_pipeline_stage(vp_stage)
-        return bool(first_or_last and parallel_state.get_tensor_model_parallel_rank() == 0)
-
-    kind = MockGPTDataset if args.mock_data else GPTDataset
-    return BlendedMegatronDatasetBuilder(kind, num_samples, built_here, config).build()
-
-
-datasets_provider.is_distributed = True  # type: ignore[attr-defined]  # as pretrain_gpt.py
-
-
-# =============================================================================== GNMR hooks
-
-
-class _Hooks:
-    """GNMR's attachment to megatron.training: built in :func:`main`, installed once."""
-
-    def __init__(self) -> None:
-        self.block: GNMRBlock | None = None
-        self.spikes: list[tuple[int, int, float]] = []
-        self.fail_at: int | None = None
-        self.loaded: dict[str, Any] | None = None  # the "gnmr" entry of the loaded checkpoint
-        self.checkpoint_loaded = False
-        self.trace: Any = None
-        self.layers: dict[int, list[torch.nn.Parameter]] = {}
-        self.logged_step: int | None = None  # the controller step of the last logged decision
-
-    # ------------------------------------------------------------------ install
-
-    def install(self) -> None:
-        """Wrap the megatron.training functions GNMR rides (module attributes, looked up at
-        call time by ``pretrain``)."""
-        from megatron.training import checkpointing, training
-
-        training.setup_model_and_optimizer = self._after_setup(training.setup_model_and_optimizer)
-        training.training_log = self._after_log(training.training_log)
-        checkpointing.generate_state_dict = self._with_state(checkpointing.generate_state_dict)
-        checkpointing._load_base_checkpoint = self._capture(checkpointing._load_base_checkpoint)
-
-    def _after_setup(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def setup_model_and_optimizer(*args: Any, **kwargs: Any) -> Any:
-            model, optimizer, scheduler = original(*args, **kwargs)
-            self._attach(model, optimizer)
-            if self.fail_at is not None:
-                optimizer.step = _failing(optimizer.step, self.fail_at)
-            return model, optimizer, scheduler
-
-        return setup_model_and_optimizer
-
-    def _attach(self, model: list[Any], optimizer: Any) -> None:
-        from megatron.training import get_args
-
-        from gnmr_dist.integrations.megatron import gnmr as megatron_gnmr
-
-        if self.block is None or not self.block.enabled:
-            return
-        handle = megatron_gnmr.apply(model, self.block, optimizer=optimizer)
-        handle.install_rerun_hooks()
-        self._restore(handle, get_args())
-        self.layers = _layer_params(model)
-        if self.spikes:
-            optimizer.step = self._spiking(optimizer.step)
-        self.trace = self._trace_writer(handle)
-
-    def _restore(self, handle: Any, args: argparse.Namespace) -> None:
-        if not self.checkpoint_loaded or args.iteration == 0:
-            return
-        assert self.block is not None
-        where = f"--load {args.load} (iteration {args.iteration})"
-        found = ("missing", None) if self.loaded is None else ("ok", self.loaded)
-        if restore_or_refuse(self.block, where, found, handle):
-            logger.info("GNMR state restored (controller step %d)", handle.controller.step_count)
-
-    def _spiking(self, step: Callable[..., Any]) -> Callable[..., Any]:
-        def spiked_step(*args: Any, **kwargs: Any) -> Any:
-            from megatron.training import get_args
-
-            iteration = get_args().curr_iteration + 1  # the iteration this step completes
-            for it, layer, factor in self.spikes:
-                grads = [p.main_grad for p in self.layers.get(layer, [])]
-                if it == iteration and grads:
-                    torch._foreach_mul_(grads, factor)
-                    logger.info(
-                        "iteration %d: layer %d gradients x %g (injected)", it, layer, factor
-                    )
-            return step(*args, **kwargs)
-
-        return spiked_step
-
-    # ------------------------------------------------------------------ checkpoints
-
-    def _with_state(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def generate_state_dict(*args: Any, **kwargs: Any) -> Any:
-            from gnmr_dist.integrations.megatron import gnmr as megatron_gnmr
-
-            state = original(*args, **kwargs)
-            handle = megatron_gnmr.current()
-            if handle is not None:
-                handle.settle()
-                state["gnmr"] = handle.state_dict()
-            return state
-
-        return generate_state_dict
-
-    def _capture(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def _load_base_checkpoint(*args: Any, **kwargs: Any) -> Any:
-            result = original(*args, **kwargs)
-            state = result[0] if isinstance(result, tuple) else None
-            if isinstance(state, Mapping) and "iteration" in state:
-                self.checkpoint_loaded = True
-                self.loaded = state.get("gnmr")
-            return result
-
-        return _load_base_checkpoint
-
-    # ------------------------------------------------------------------ logging
-
-    def _after_log(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        signature = inspect.signature(original)
-
-        def training_log(*args: Any, **kwargs: Any) -> Any:
-            result = original(*args, **kwargs)
-            bound = signature.bind(*args, **kwargs).arguments
-            self._log(int(bound["iteration"]), bound.get("loss_dict") or {})
-            return result
-
-        return training_log
-
-    def _log(self, iteration: int, loss_dict: Mapping[str, Any]) -> None:
-        from megatron.training import get_args, get_tensorboard_writer, get_wandb_writer
-
-        from gnmr_dist.integrations.megatron import gnmr as megatron_gnmr
-
-        handle = megatron_gnmr.current()
-        if handle is None or self.block is None:
-            return
-        handle.settle()
-        decision, norms = handle.last_decision, handle.runtime.last_norms
-        if decision is None or norms is None or decision.step == self.logged_step:
-            return  # no new decision (a skipped update): nothing new to record
-        self.logged_step = decision.step
-        loss = loss_dict.get("lm loss")
-        extra = {"iteration": iteration, "global_norm": norms.global_norm}
-        if loss is not None:
-            extra["loss"] = float(loss)
-        if self.trace is not None:
-            self.trace.write(norms.norms, decision, extra)
-        names = handle.registry.names
-        log = self.block.log
-        tb, wandb = get_tensorboard_writer(), get_wandb_writer()
-        if log.monitor and decision.step % log.every == 0 and (tb or wandb) is not None:
-            scalars = telemetry_scalars(decision, norms.global_norm)
-            scalars.update({f"risk/{names[u]}": float(decision.risk[u]) for u in decision.active})
-            _write_scalars(scalars, iteration, tb, wandb)
-        if iteration % get_args().log_interval == 0 and torch.distributed.get_rank() == 0:
-            logger.info(
-                " gnmr | step %d | exceed %d | active %d %s | max risk %.3f",
-                decision.step, decision.telemetry.num_exceed, len(decision.active),
-                [names[u] for u in decision.active], decision.telemetry.max_risk,
-            )  # fmt: skip
-
-    def _trace_writer(self, handle: Any) -> Any:
-        if self.block is None or self.block.log.trace is None:
-            return None
-        if torch.distributed.get_rank() != 0:
-            return None
-        done = handle.controller.step_count
-        return open_trace(self.block, handle.registry, done, source="megatron.training")
-
-
 def _fail_at(value: int | None) -> int | None:
     if value is not None and value < 1:
         raise ValueError(f"--gnmr-fail-at must be an iteration >= 1, got {value}")
     return value
-
-
-def _failing(step: Callable[..., Any], fail_at: int) -> Callable[..., Any]:
-    """``step``, preceded at iteration ``fail_at`` of a first attempt by the last rank's
-    SIGKILL (``--gnmr-fail-at``)."""
-
-    def step_or_die(*args: Any, **kwargs: Any) -> Any:
-        from megatron.training import get_args
-
-        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        restart_drill("--gnmr-fail-at", fail_at, get_args().curr_iteration + 1, rank, world)
-        return step(*args, **kwargs)
-
-    return step_or_die
-
-
-def _write_scalars(scalars: Mapping[str, float], iteration: int, tb: Any, wandb: Any) -> None:
-    """``gnmr/<name>`` scalars at megatron's ``iteration`` (megatron's writers are set on the
-    ranks that log: the last rank, as megatron's own scalars)."""
-    if tb is not None:
-        for name, value in scalars.items():
-            tb.add_scalar(f"gnmr/{name}", value, iteration)
-    if wandb is not None:
-        wandb.log({f"gnmr/{name}": value for name, value in scalars.items()}, iteration)
-
-
-def _layer_params(model: Sequence[Any]) -> dict[int, list[torch.nn.Parameter]]:
-    """This rank's parameters of each global transformer layer (0-based ``layer_number - 1``)."""
-    layers: dict[int, list[torch.nn.Parameter]] = {}
-    for chunk in model:
-        for module in chunk.modules():
-            number = getattr(module, "layer_number", None)
-            if type(module).__name__ == "TransformerLayer" and isinstance(number, int):
-                layers.setdefault(number - 1, []).extend(module.parameters())
-    return layers
-
-
-def _prebuilt_dataset_helpers() -> None:
-    """Use the wheel's compiled ``helpers_cpp`` instead of running ``make`` on its sources.
-
-    ``initialize_megatron`` calls ``megatron.core.datasets.utils.compile_helpers``, which runs
-    ``make`` in the package directory; the megatron-core wheels ship the compiled extension
-    and no Makefile, so that ``make`` fails and megatron exits. Compile only when it is absent.
-    """
-    from megatron.core.datasets import utils as dataset_utils
-
-    original = dataset_utils.compile_helpers
-
-    def compile_helpers() -> None:
-        try:
-            from megatron.core.datasets import helpers_cpp  # noqa: F401
-        except ImportError:
-            original()
-
-    dataset_utils.compile_helpers = compile_helpers
 
 
 # =============================================================================== CLI
@@ -586,9 +280,13 @@ def _check_batches(args: argparse.Namespace) -> None:
 
     try:
         calculator._build_num_microbatches_calculator(
-            0, args.rampup_batch_size, args.global_batch_size, args.micro_batch_size,
-            args.data_parallel_size, args.decrease_batch_size_if_needed,
-        )  # fmt: skip
+            0,
+            args.rampup_batch_size,
+            args.global_batch_size,
+            args.micro_batch_size,
+            args.data_parallel_size,
+            args.decrease_batch_size_if_needed,
+        )
     except AssertionError as err:
         raise ValueError(f"megatron: {err}") from None
 
@@ -611,8 +309,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             logger.error("%s", err)
             return 2
         enable_cpu_compat(training=True)
-    _prebuilt_dataset_helpers()
-    hooks = _Hooks()
+    prebuilt_dataset_helpers()
+    hooks = Hooks()
     try:
         gnmr_args = _gnmr_namespace(argv)
         hooks.spikes = _spikes(gnmr_args.gnmr_inject_grad_spike)
@@ -628,9 +326,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         pretrain(
-            datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
+            datasets_provider,
+            model_provider,
+            ModelType.encoder_or_decoder,
+            forward_step,
             extra_args_provider=add_gnmr_args,
-        )  # fmt: skip
+        )
     finally:
         if hooks.trace is not None:
             hooks.trace.close()

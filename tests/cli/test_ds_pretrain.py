@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -17,13 +18,31 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _torchrun() -> list[str]:
+    """``torchrun`` of the DeepSpeed program on 2 local processes."""
+    args = f"-m torch.distributed.run --nproc_per_node 2 --master_port {free_port()}"
+    return [sys.executable, *args.split(), "-m", "gnmr_dist.cli.ds_pretrain"]
+
+
+def _tiny_llama(vocab: int, hidden: int, layers: int, heads: int, positions: int = 2048):
+    """A small ``LlamaForCausalLM`` built from its config (nothing downloaded), MLP 2 x hidden."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = {"hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": layers}
+    config = LlamaConfig(
+        vocab_size=vocab, num_attention_heads=heads, max_position_embeddings=positions, **shape
+    )
+    return LlamaForCausalLM(config)
+
+
 def test_demo_job_writes_trace_report_summary_and_checkpoint(tmp_path):
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(free_port()), "-m", "gnmr_dist.cli.ds_pretrain",
-           "--config", str(ROOT / "configs" / "demo_deepspeed.hjson"), "--run-dir", str(run),
-           "--steps", "25", "--layers", "2", "--hidden", "64", "--seq-len", "64",
-           "--max-bytes", "400000", "--no-progress"]  # fmt: skip
+    cmd = [
+        *_torchrun(),
+        *("--config", str(ROOT / "configs" / "demo_deepspeed.hjson"), "--run-dir", str(run)),
+        *shlex.split("--steps 25 --layers 2 --hidden 64 --seq-len 64 --max-bytes 400000"),
+        "--no-progress",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "gnmr-ds-pretrain: 25 steps on 2 processes" in out.stdout
@@ -49,24 +68,30 @@ def test_missing_config_is_reported(tmp_path, capsys):
 def test_lora_int8_fine_tuning_from_a_local_model(tmp_path):
     """The seed's third setting at toy scale: a saved model, peft LoRA adapters, the int8
     backend; only the adapters train and the run exports them."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    base = LlamaForCausalLM(LlamaConfig(vocab_size=258, hidden_size=32, intermediate_size=64,
-                                        num_hidden_layers=2, num_attention_heads=4,
-                                        max_position_embeddings=32))  # fmt: skip
+    base = _tiny_llama(vocab=258, hidden=32, layers=2, heads=4, positions=32)
     base.save_pretrained(tmp_path / "base")
-    config = {"train_micro_batch_size_per_gpu": 4,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
-              "gnmr": {"backend": "int8", "max_active": 2, "warmup_steps": 2, "alpha": 1.1},
-              "pretrain": {"lora_rank": 4, "steps": 8, "seq_len": 32, "max_bytes": 200_000,
-                           "no_progress": True}}  # fmt: skip
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+        "gnmr": {"backend": "int8", "max_active": 2, "warmup_steps": 2, "alpha": 1.1},
+        "pretrain": {
+            "lora_rank": 4,
+            "steps": 8,
+            "seq_len": 32,
+            "max_bytes": 200_000,
+            "no_progress": True,
+        },
+    }
     (tmp_path / "lora.json").write_text(json.dumps(config))
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(free_port()), "-m", "gnmr_dist.cli.ds_pretrain",
-           "--config", str(tmp_path / "lora.json"), "--run-dir", str(run),
-           "--init-from", str(tmp_path / "base")]  # fmt: skip
+    cmd = [
+        *_torchrun(),
+        *("--config", str(tmp_path / "lora.json"), "--run-dir", str(run)),
+        *("--init-from", str(tmp_path / "base")),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     header, norms, _ = read_trace(run / "trace.jsonl")
@@ -75,8 +100,9 @@ def test_lora_int8_fine_tuning_from_a_local_model(tmp_path):
     assert (run / "hf_model" / "adapter_config.json").is_file()  # the adapter, not the base
     from peft import PeftModel
 
-    tuned = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(tmp_path / "base"),
-                                      run / "hf_model")  # fmt: skip
+    tuned = PeftModel.from_pretrained(
+        LlamaForCausalLM.from_pretrained(tmp_path / "base"), run / "hf_model"
+    )
     for name, p in base.named_parameters():  # frozen base weights are untouched
         assert torch.equal(tuned.get_parameter(f"base_model.model.{name}"), p), name
     lora_b = [p for n, p in tuned.named_parameters() if "lora_B" in n]
@@ -95,13 +121,11 @@ def test_lora_needs_a_model_to_start_from(tmp_path, capsys):
 def test_next_token_loss_is_next_token_cross_entropy():
     """Against an explicit reference: position t predicts token t + 1 (HF's own ``labels=``
     shift must not be applied on top of pre-shifted targets)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from gnmr_dist.train.ds_pretrain import next_token_loss
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32,
-                                         num_hidden_layers=1, num_attention_heads=2))  # fmt: skip
+    model = _tiny_llama(vocab=50, hidden=16, layers=1, heads=2)
     tokens = torch.randint(0, 50, (3, 9))
     logp = torch.log_softmax(model(input_ids=tokens[:, :-1]).logits.double(), dim=-1)
     want = -sum(logp[b, t, tokens[b, t + 1]] for b in range(3) for t in range(8)) / 24
@@ -112,8 +136,10 @@ def test_next_token_loss_is_next_token_cross_entropy():
 def test_the_probe_is_refused_before_anything_starts(tmp_path, capsys):
     from gnmr_dist.train.ds_pretrain import main
 
-    cfg = {"train_micro_batch_size_per_gpu": 1,
-           "gnmr": {"backend": "act_quant", "probe": {"every": 2}}}  # fmt: skip
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gnmr": {"backend": "act_quant", "probe": {"every": 2}},
+    }
     (tmp_path / "c.json").write_text(json.dumps(cfg))
     with pytest.raises(SystemExit):
         main(["--config", str(tmp_path / "c.json")])
@@ -128,9 +154,11 @@ def test_fail_at_kills_the_last_rank_on_the_first_attempt_only():
     import subprocess
     import sys
 
-    code = ("from gnmr_dist.train.ds_pretrain import _maybe_fail\n"
-            "_maybe_fail(3, 2, 1, 2); _maybe_fail(3, 3, 0, 2); _maybe_fail(3, 3, 1, 2)\n"
-            "print('survived')\n")  # fmt: skip
+    code = (
+        "from gnmr_dist.train.ds_pretrain import _maybe_fail\n"
+        "_maybe_fail(3, 2, 1, 2); _maybe_fail(3, 3, 0, 2); _maybe_fail(3, 3, 1, 2)\n"
+        "print('survived')\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RESTART_COUNT"}
     first = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert first.returncode == -signal.SIGKILL and "survived" not in first.stdout

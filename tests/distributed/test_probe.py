@@ -104,8 +104,14 @@ def reference_gaps(model, name, batch, denominators=None):
         scaled = diff
     else:
         scaled = [d / denominators(i, h) for i, (d, h) in enumerate(zip(diff, high, strict=True))]
-    return (unit_norms(reg, diff), unit_norms(reg, scaled), unit_norms(reg, low),
-            unit_norms(reg, high), loss_low, loss_high)  # fmt: skip
+    return (
+        unit_norms(reg, diff),
+        unit_norms(reg, scaled),
+        unit_norms(reg, low),
+        unit_norms(reg, high),
+        loss_low,
+        loss_high,
+    )
 
 
 def assert_rel(got, want, rel=1e-6):

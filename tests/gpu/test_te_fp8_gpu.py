@@ -21,7 +21,7 @@ with plain TE on an identical copy of the stack:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import pytest
 import torch
@@ -108,32 +108,31 @@ def assert_same_steps(a_steps, b_steps) -> None:
         assert all(torch.equal(g, h) for g, h in zip(ga, gb, strict=True))
 
 
-def test_empty_plan_is_bitwise_plain_te_fp8():
+def assert_bitwise_plain(plan: Collection[int], steps: int, plain: Callable[[], Region]):
+    """``steps`` steps of a stack under the backend with ``plan`` (its units in BF16, the others
+    FP8), then of a copy under ``plain()`` (a fresh region each step): bitwise the same.
+    Returns the backend."""
     a = make_stack()
     b = copy_of(a)
     backend = wrapped(a)
     a_steps = []
-    for step in range(1, 4):
-        backend.apply(set(), step)
+    for step in range(1, steps + 1):
+        backend.apply(plan, step)
         a_steps.append(train_step(a, batch(step), backend.autocast))
-        assert all(backend.fp8_ran(u) for u in range(LAYERS))
+        assert [backend.fp8_ran(u) for u in range(LAYERS)] == [u not in plan for u in range(LAYERS)]
     # plain TE after the backend's run: the two stacks never share a step of amax reduction
-    b_steps = [train_step(b, batch(step), plain_fp8()) for step in range(1, 4)]
+    b_steps = [train_step(b, batch(step), plain()) for step in range(1, steps + 1)]
     assert_same_steps(a_steps, b_steps)
+    return backend
+
+
+def test_empty_plan_is_bitwise_plain_te_fp8():
+    backend = assert_bitwise_plain(set(), steps=3, plain=plain_fp8)
     assert backend.report().low_cost == set(range(LAYERS))
 
 
 def test_all_units_recovered_is_bitwise_plain_bf16():
-    a = make_stack()
-    b = copy_of(a)
-    backend = wrapped(a)
-    a_steps = []
-    for step in range(1, 3):
-        backend.apply(range(LAYERS), step)
-        a_steps.append(train_step(a, batch(step), backend.autocast))
-        assert not any(backend.fp8_ran(u) for u in range(LAYERS))
-    b_steps = [train_step(b, batch(step), contextlib.nullcontext) for step in range(1, 3)]
-    assert_same_steps(a_steps, b_steps)
+    assert_bitwise_plain(range(LAYERS), steps=2, plain=lambda: contextlib.nullcontext)
 
 
 def test_one_recovered_unit_is_bf16_and_the_others_fp8():

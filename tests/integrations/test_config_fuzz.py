@@ -36,18 +36,35 @@ EXAMPLES = 1000
 
 # kinds: what a key accepts (its type; values of the right type may still be out of range)
 BLOCK_KEYS: dict[str, str] = {
-    "enabled": "bool", "backend": "str|None", "units": "str",
-    "include": "list[str]", "exclude": "list[str]",
-    "max_active": "int", "lock_steps": "int", "window": "int", "warmup_steps": "int",
-    "alpha": "threshold", "beta": "threshold", "gamma": "threshold|None",
-    "low_cost": "dict|None", "recovery": "dict|None",
-    "log": "dict|None", "log.trace": "str|None", "log.monitor": "bool", "log.every": "int",
-    "check_consistency": "bool", "on_missing_state": "str", "on_corrupt_state": "str",
-    "attribution": "dict|None", "attribution.max_rest_share": "number",
+    "enabled": "bool",
+    "backend": "str|None",
+    "units": "str",
+    "include": "list[str]",
+    "exclude": "list[str]",
+    "max_active": "int",
+    "lock_steps": "int",
+    "window": "int",
+    "warmup_steps": "int",
+    "alpha": "threshold",
+    "beta": "threshold",
+    "gamma": "threshold|None",
+    "low_cost": "dict|None",
+    "recovery": "dict|None",
+    "log": "dict|None",
+    "log.trace": "str|None",
+    "log.monitor": "bool",
+    "log.every": "int",
+    "check_consistency": "bool",
+    "on_missing_state": "str",
+    "on_corrupt_state": "str",
+    "attribution": "dict|None",
+    "attribution.max_rest_share": "number",
     "attribution.action": "str",
-    "probe": "dict|None", "probe.every": "int", "probe.k": "int",
+    "probe": "dict|None",
+    "probe.every": "int",
+    "probe.k": "int",
     "error_every": "int",
-}  # fmt: skip
+}
 
 OPTION_CLASSES = {
     "act_quant": (ActQuantOptions, ActQuantOptions),
@@ -94,13 +111,17 @@ def fits(kind: str, value: Any) -> bool:
 
 
 JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**40), 2**40)
-    | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=8)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**40), 2**40)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=8)
     | st.sampled_from(["act_quant", "layer", "error", "fresh", "e4m3", "row", "bf16", "max"]),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
-                                                                max_size=3),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
     max_leaves=6,
-)  # fmt: skip
+)
 """Any JSON value (numbers, strings, null, lists, objects; NaN and infinities too)."""
 
 
@@ -115,8 +136,13 @@ def with_value(base: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
     return out
 
 
-BASE_BLOCK = {"backend": "act_quant", "gamma": 0.5, "log": {}, "attribution": {},
-              "probe": {"every": 5}}  # fmt: skip
+BASE_BLOCK = {
+    "backend": "act_quant",
+    "gamma": 0.5,
+    "log": {},
+    "attribution": {},
+    "probe": {"every": 5},
+}
 """A valid block in which every nested block is present (so a nested key can be set)."""
 
 
@@ -140,8 +166,9 @@ def block_case(key: str, value: Any) -> dict[str, Any]:
 
 def test_the_table_covers_every_key():
     nested = {"log": LogOptions, "attribution": AttributionGuard}
-    keys = set(GNMRBlock.KEYS) | {f"{n}.{f.name}" for n, c in nested.items()
-                                  for f in dataclasses.fields(c)}  # fmt: skip
+    keys = set(GNMRBlock.KEYS) | {
+        f"{n}.{f.name}" for n, c in nested.items() for f in dataclasses.fields(c)
+    }
     keys |= {f"probe.{k}" for k in ProbeOptions.KEYS}
     assert keys == set(BLOCK_KEYS)
     assert set(GNMRConfig.field_names()) <= set(BLOCK_KEYS)

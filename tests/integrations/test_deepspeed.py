@@ -114,18 +114,25 @@ def _offload_worker(rank, world):
     import gnmr_dist.deepspeed as gds
 
     dsc.no_shm_build()
-    config = dsc.ds_config(2, "fp32", GNMR, zero_optimization=OFFLOAD,
-                           zero_force_ds_cpu_optimizer=False)  # fmt: skip
+    config = dsc.ds_config(
+        2, "fp32", GNMR, zero_optimization=OFFLOAD, zero_force_ds_cpu_optimizer=False
+    )
     engine, *_ = gds.initialize(model=dsc.llama(), config=config)
     loss = engine(input_ids=dsc.batch(1, rank), labels=dsc.batch(1, rank)).loss
     engine.backward(loss)
     got = engine.gnmr.runtime.monitor.compute()
     full = {n: safe_get_full_grad(p).double() for n, p in engine.module.named_parameters()}
-    ref = [sum(float(full[n].square().sum()) for n in full if n.startswith(u + ".")) ** 0.5
-           for u in engine.gnmr.registry.names]  # fmt: skip
+    ref = [
+        sum(float(full[n].square().sum()) for n in full if n.startswith(u + ".")) ** 0.5
+        for u in engine.gnmr.registry.names
+    ]
     engine.step()
-    return {"offload": bool(engine.optimizer.cpu_offload), "norms": got.norms.tolist(),
-            "ref": ref, "decisions": int(engine.gnmr.controller.step_count)}  # fmt: skip
+    return {
+        "offload": bool(engine.optimizer.cpu_offload),
+        "norms": got.norms.tolist(),
+        "ref": ref,
+        "decisions": int(engine.gnmr.controller.step_count),
+    }
 
 
 def test_zero_offload_stage2_norms_equal_the_full_gradients():
@@ -154,9 +161,15 @@ def _errors_worker(rank, world):
         engine.step()
     d = engine.gnmr.last_decision
     names = engine.gnmr.registry.names
-    return {"names": names, "norms": got.norms, "sums": got.error_sums, "calls": spy.calls,
-            "global": got.global_norm,
-            "error": d.error, "active": d.active}  # fmt: skip
+    return {
+        "names": names,
+        "norms": got.norms,
+        "sums": got.error_sums,
+        "calls": spy.calls,
+        "global": got.global_norm,
+        "error": d.error,
+        "active": d.active,
+    }
 
 
 def reference_error_sums() -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -320,8 +333,13 @@ def _bad_state_worker(rank, world, ckpt, stride):
     edited["plan_active"] = [99]
     buf = io.BytesIO()
     torch.save(seal(edited), buf)
-    cases = {"truncated": pristine[:100], "flipped": None, "resealed": buf.getvalue(),
-             "missing": b"", "intact": pristine}  # fmt: skip
+    cases = {
+        "truncated": pristine[:100],
+        "flipped": None,
+        "resealed": buf.getvalue(),
+        "missing": b"",
+        "intact": pristine,
+    }
     base, msgs = engine.gnmr.block, {}
     for case, data in cases.items():
         for choice in ("error", "fresh"):

@@ -17,8 +17,14 @@ from gnmr_dist.integrations.config import GNMRBlock
 from tests import multiproc
 from tests.integrations import ds_common as dsc
 
-GNMR = {"backend": "act_quant", "max_active": 2, "lock_steps": 2, "warmup_steps": 1,
-        "alpha": 1.0, "beta": 1.0}  # fmt: skip
+GNMR = {
+    "backend": "act_quant",
+    "max_active": 2,
+    "lock_steps": 2,
+    "warmup_steps": 1,
+    "alpha": 1.0,
+    "beta": 1.0,
+}
 """Low thresholds: the decisions (and so the plans the probe steps run) are not all empty."""
 PROBE = {"every": 2, "k": 3}
 STEPS, GAS = 6, 2
@@ -60,8 +66,11 @@ def test_probe_block_parses_and_is_off_by_default():
     assert (probe.every, probe.k) == (5, 3) and probe.due(10) and not probe.due(11)
     with pytest.raises(ValueError, match=r"gnmr\.probe needs a precision backend.*backend=null"):
         GNMRBlock.from_dict({"backend": None, "probe": {"every": 5}})
-    with pytest.raises(ValueError, match=r"gnmr\.probe\.k \(15\) is larger than the number of "
-                       r"units \(14\).*at most 14"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"gnmr\.probe\.k \(15\) is larger than the number of "
+        r"units \(14\).*at most 14",
+    ):
         GNMRBlock.from_dict({"backend": "int8", "probe": {"every": 5, "k": 15}}).probe.check_units(
             14
         )
@@ -99,7 +108,7 @@ def test_probe_loss_reads_tensor_attribute_or_mapping():
         (CausalLMOutputWithPast(logits=torch.ones(1)), r"a CausalLMOutputWithPast with keys \["),
         ((x, x), r"a tuple, not a loss"),
         (torch.tensor(3), r"a tensor of shape \(\)"),  # an integer tensor is no loss
-    ]:  # fmt: skip
+    ]:
         with pytest.raises(
             RuntimeError, match=r"gnmr\.probe: the model's forward returned " + said
         ):
@@ -116,8 +125,10 @@ def test_megatron_refuses_the_probe_before_patching(tmp_path):
     path = tmp_path / "gnmr.json"
     path.write_text(json.dumps({"backend": "act_quant", "probe": {"every": 2}}))
     args = argparse.Namespace(gnmr_config=str(path), gnmr_backend=None, gnmr_trace=None)
-    said = (r"gnmr-megatron-pretrain: gnmr\.probe is supported under DeepSpeed .*benchmark "
-            r"harness; megatron-core .*drop the gnmr\.probe key")  # fmt: skip
+    said = (
+        r"gnmr-megatron-pretrain: gnmr\.probe is supported under DeepSpeed .*benchmark "
+        r"harness; megatron-core .*drop the gnmr\.probe key"
+    )
     with pytest.raises(ValueError, match=said):
         _read_block(args)
     pytest.importorskip("megatron.core")
@@ -161,9 +172,15 @@ def _probe_worker(rank, world, trace_dir):
             decisions.append((d.step, d.active, d.risk.clone()))
             if engine.gnmr.last_probe is not None and engine.gnmr.last_probe.step == step:
                 probes[step] = engine.gnmr.last_probe
-        out[name] = {"losses": losses, "decisions": decisions, "weights": weights,
-                     "adam": adam, "probes": probes, "optimizer": type(engine.optimizer).__name__,
-                     "names": engine.gnmr.registry.names}  # fmt: skip
+        out[name] = {
+            "losses": losses,
+            "decisions": decisions,
+            "weights": weights,
+            "adam": adam,
+            "probes": probes,
+            "optimizer": type(engine.optimizer).__name__,
+            "names": engine.gnmr.registry.names,
+        }
     # (c) a forward that returns no loss (a Hugging Face model without labels=)
     gnmr = {**GNMR, "probe": {"every": 1}}
     engine, *_ = gds.initialize(model=dsc.llama(), config=dsc.ds_config(1, "fp32", gnmr))
@@ -179,10 +196,15 @@ def _adam_state(engine):
     opt = engine.optimizer
     group = {id(p): g for g in opt.param_groups for p in g["params"]}
     return {
-        n: (opt.state[p]["exp_avg_sq"].clone(), float(opt.state[p]["step"]),
-            group[id(p)]["betas"][1], group[id(p)]["eps"])
-        for n, p in engine.module.named_parameters() if p in opt.state
-    }  # fmt: skip
+        n: (
+            opt.state[p]["exp_avg_sq"].clone(),
+            float(opt.state[p]["step"]),
+            group[id(p)]["betas"][1],
+            group[id(p)]["eps"],
+        )
+        for n, p in engine.module.named_parameters()
+        if p in opt.state
+    }
 
 
 @pytest.fixture(scope="module")
@@ -268,8 +290,9 @@ def test_the_probe_changes_nothing_in_the_run(runs):
         on, off = rank["zero1_gas2"], rank["zero1_gas2_off"]
         assert len(on["losses"]) == STEPS * GAS
         assert all(torch.equal(x, y) for x, y in zip(on["losses"], off["losses"], strict=True))
-        for (s, act, risk), (s2, act2, risk2) in zip(on["decisions"], off["decisions"],
-                                                     strict=True):  # fmt: skip
+        for (s, act, risk), (s2, act2, risk2) in zip(
+            on["decisions"], off["decisions"], strict=True
+        ):
             assert (s, act) == (s2, act2) and torch.equal(risk, risk2)
         assert any(act for _, act, _ in on["decisions"])  # the plans were not all empty
         assert off["probes"] == {}
@@ -299,7 +322,11 @@ def test_trace_has_probe_records_on_probe_steps_only(runs):
             assert p.sets["active"] == frozenset(decisions[step - 2][1])  # the plan that ran
             assert p.probe_ms > 0 and (p.update_gap is None) == (name != "zero0")
             assert records[step - 1]["probe"]["figures"]["risk_topk"].keys() == {
-                "precision_grad", "precision_update", "share_grad", "share_update"}  # fmt: skip
+                "precision_grad",
+                "precision_update",
+                "share_grad",
+                "share_update",
+            }
     on, off = (read_trace(trace_dir / f"{n}.jsonl")[1] for n in ("zero1_gas2", "zero1_gas2_off"))
     assert torch.equal(on, off)  # the recorded norms too
 
@@ -313,8 +340,14 @@ def test_report_prints_the_selection_quality_of_the_run(runs, capsys):
     assert main([str(trace_dir / "zero0.jsonl"), "--out", str(trace_dir / "z0.png")]) == 0
     out = capsys.readouterr().out
     assert "selection quality (3 probe steps, k = 3;" in out
-    for label in ("risk top-k", "active (ran the step)", "decided (next step)",
-                  "first+last layers", "random k (expected)", "oracle (upper bound)"):  # fmt: skip
+    for label in (
+        "risk top-k",
+        "active (ran the step)",
+        "decided (next step)",
+        "first+last layers",
+        "random k (expected)",
+        "oracle (upper bound)",
+    ):
         assert label in out, label
     oracle = next(line for line in out.splitlines() if "oracle" in line).split()
     assert oracle[3:5] == ["1.000", "[3]"] and oracle[7:9] == ["1.000", "[3]"]

@@ -15,12 +15,18 @@ from tests.integrations import ds_common as dsc
 
 def test_defaults_and_full_block():
     assert GNMRBlock.from_dict(None).enabled is False
-    block = GNMRBlock.from_dict({
-        "backend": "fp8_emulated", "units": "layer", "exclude": ["*.layers.0"], "max_active": 2,
-        "alpha": {"schedule": "linear", "start": 3, "end": 1.5, "steps": 100},
-        "low_cost": {"format": "e3m2"}, "log": {"trace": "t.jsonl", "every": 5},
-        "on_missing_state": "fresh",
-    })  # fmt: skip
+    block = GNMRBlock.from_dict(
+        {
+            "backend": "fp8_emulated",
+            "units": "layer",
+            "exclude": ["*.layers.0"],
+            "max_active": 2,
+            "alpha": {"schedule": "linear", "start": 3, "end": 1.5, "steps": 100},
+            "low_cost": {"format": "e3m2"},
+            "log": {"trace": "t.jsonl", "every": 5},
+            "on_missing_state": "fresh",
+        }
+    )
     assert block.enabled and block.backend == "fp8_emulated" and block.units == "layer"
     assert block.policy.max_active == 2 and block.policy.thresholds_at(1)[0] == 3.0
     assert block.log.every == 5 and block.exclude == ("*.layers.0",)
@@ -98,9 +104,11 @@ def test_unsupported_setups_fail_before_any_process_group():
     with pytest.raises(NotImplementedError, match="model-parallel mpu"):
         gds.initialize(model=nn.Linear(4, 4), mpu=TP2(), config=dsc.ds_config(0, gnmr={}))
     typo = {"backend": "act_quant", "include": ["*.layer.*"]}  # "layers"
-    said = (r"include=\['\*\.layer\.\*'\], exclude=\[\]; the model's operator units are: "
-            r"model\.layers\.0\.self_attn\.q_proj, "
-            r"model\.layers\.0\.self_attn\.k_proj")  # fmt: skip
+    said = (
+        r"include=\['\*\.layer\.\*'\], exclude=\[\]; the model's operator units are: "
+        r"model\.layers\.0\.self_attn\.q_proj, "
+        r"model\.layers\.0\.self_attn\.k_proj"
+    )
     with pytest.raises(ValueError, match=said):
         gds.initialize(model=dsc.llama(), config=dsc.ds_config(0, gnmr=typo))
     assert not dist.is_initialized()

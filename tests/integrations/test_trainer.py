@@ -17,8 +17,15 @@ from tests.integrations import ds_common as dsc
 pytestmark = pytest.mark.slow
 
 STEPS = 6
-GNMR = {"backend": "act_quant", "max_active": 2, "lock_steps": 2, "warmup_steps": 2,
-        "alpha": 1.05, "beta": 1.2, "check_consistency": True}  # fmt: skip
+GNMR = {
+    "backend": "act_quant",
+    "max_active": 2,
+    "lock_steps": 2,
+    "warmup_steps": 2,
+    "alpha": 1.05,
+    "beta": 1.2,
+    "check_consistency": True,
+}
 """``check_consistency``: each decision is hash-compared across the ranks (fails if they differ)."""
 SPIKED, SPIKE_STEP = "model.layers.1.mlp.down_proj", 4
 
@@ -56,10 +63,18 @@ def _train(out_dir: str, name: str, stage: int, world: int, resume: str | None) 
     config["optimizer"]["params"]["lr"] = "auto"
     config["train_micro_batch_size_per_gpu"] = "auto"
     args = TrainingArguments(
-        output_dir=f"{out_dir}/{name}", deepspeed=config, per_device_train_batch_size=dsc.BATCH,
-        max_steps=STEPS, learning_rate=1e-3, logging_steps=1, report_to=[],
-        save_strategy="steps", save_steps=3, disable_tqdm=True, dataloader_drop_last=True,
-    )  # fmt: skip
+        output_dir=f"{out_dir}/{name}",
+        deepspeed=config,
+        per_device_train_batch_size=dsc.BATCH,
+        max_steps=STEPS,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="steps",
+        save_steps=3,
+        disable_tqdm=True,
+        dataloader_drop_last=True,
+    )
     model = dsc.llama()
     _spike(model, SPIKE_STEP if resume is None else SPIKE_STEP - 3)  # the same optimizer step
     trainer = Trainer(model=model, args=args, train_dataset=_Batches(STEPS * world))
@@ -93,8 +108,12 @@ def _trainer_worker(rank, world, out_dir, stage):
         said = _warnings_of_plain_engines(twice=True)
     finally:
         gds.disable()
-    return {"full": full, "resumed": resumed, "said": said,
-            "restored": deepspeed.initialize is original}  # fmt: skip
+    return {
+        "full": full,
+        "resumed": resumed,
+        "said": said,
+        "restored": deepspeed.initialize is original,
+    }
 
 
 def _warnings_of_plain_engines(twice: bool) -> list[str]:
@@ -194,9 +213,24 @@ def test_the_lora_example_runs_on_cpu(tmp_path):
 
     root = Path(__file__).resolve().parents[2]
     script = str(root / "examples" / "trainer_lora_int8.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(multiproc.free_port()), script, "--make-tiny", "tiny",
-           "--model", "tiny", "--max-steps", "4", "--output-dir", "out"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(multiproc.free_port()),
+        script,
+        "--make-tiny",
+        "tiny",
+        "--model",
+        "tiny",
+        "--max-steps",
+        "4",
+        "--output-dir",
+        "out",
+    ]
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -211,7 +245,9 @@ def test_console_line_prints_without_any_logging_configured():
     import subprocess
     import sys
 
-    code = ("from gnmr_dist.integrations.deepspeed import console_logger\n"
-            "console_logger().info('gnmr | step 1')\n")  # fmt: skip
+    code = (
+        "from gnmr_dist.integrations.deepspeed import console_logger\n"
+        "console_logger().info('gnmr | step 1')\n"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout == "[gnmr] gnmr | step 1\n", done.stderr

@@ -42,11 +42,15 @@ def local_model(tmp_path_factory) -> str:
 
 def test_the_expected_configs_ship():
     assert {
-        "demo_deepspeed.hjson", "megatron/demo_cpu.args",
-        "deepspeed/llama2_60m_act_quant.hjson", "deepspeed/llama2_130m_fp6_fp8.hjson",
-        "deepspeed/llama2_13b_lora_int8.hjson", "megatron/llama2_60m_act_quant.args",
-        "megatron/llama2_130m_fp6_fp8.args", "megatron/llama2_350m_te_fp8.args",
-    } <= set(CONFIGS)  # fmt: skip
+        "demo_deepspeed.hjson",
+        "megatron/demo_cpu.args",
+        "deepspeed/llama2_60m_act_quant.hjson",
+        "deepspeed/llama2_130m_fp6_fp8.hjson",
+        "deepspeed/llama2_13b_lora_int8.hjson",
+        "megatron/llama2_60m_act_quant.args",
+        "megatron/llama2_130m_fp6_fp8.args",
+        "megatron/llama2_350m_te_fp8.args",
+    } <= set(CONFIGS)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -80,8 +84,11 @@ def test_megatron_sets_pass_megatrons_parser(data_prefix):
     outside the repository (Megatron-LM's parse_args + validate_args with the GNMR extras)."""
     names = [n for n in CONFIGS if n.endswith(".args")]
     assert len(names) >= 4
-    cases = [["check", "--world-size", _launched_world((ROOT / "configs" / n).read_text()), n]
-             for n in names]  # fmt: skip
-    for name, (code, _, err) in zip(names, launch_checks(cases, "/", **_set_env(data_prefix)),
-                                    strict=True):  # fmt: skip
+    cases = [
+        ["check", "--world-size", _launched_world((ROOT / "configs" / n).read_text()), n]
+        for n in names
+    ]
+    for name, (code, _, err) in zip(
+        names, launch_checks(cases, "/", **_set_env(data_prefix)), strict=True
+    ):
         assert code == 0, (name, err[-3000:])

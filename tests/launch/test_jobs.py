@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,15 +24,22 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 KILLPOINTS = Path(__file__).resolve().parent / "killpoints"
 STEPS = 16
-KILL_PHASES = ("before-gnmr", "gnmr-unrenamed", "before-framework", "mid-framework",
-               "before-latest", "after-latest")  # fmt: skip
+KILL_PHASES = (
+    "before-gnmr",
+    "gnmr-unrenamed",
+    "before-framework",
+    "mid-framework",
+    "before-latest",
+    "after-latest",
+)
 """The phases of ``tests/launch/killpoints/sitecustomize.py``, one per attempt."""
 
 
 def launch(*argv: str, **env: str) -> subprocess.CompletedProcess:
     full = {**os.environ, "MASTER_PORT": str(free_port()), **env}
-    out = subprocess.run(list(argv), capture_output=True, text=True, cwd=ROOT, env=full,
-                         timeout=540)  # fmt: skip
+    out = subprocess.run(
+        list(argv), capture_output=True, text=True, cwd=ROOT, env=full, timeout=540
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     return out
 
@@ -42,8 +50,15 @@ def job(tmp_path_factory) -> Path:
     ``"pretrain"`` block, checkpointing every 2 steps."""
     cfg = load_ds_config(ROOT / "configs" / "demo_deepspeed.hjson")
     cfg["gnmr"].update(warmup_steps=2, alpha=1.05, beta=1.2, max_active=2, lock_steps=2)
-    cfg["pretrain"] = {"steps": STEPS, "save_interval": 2, "layers": 2, "hidden": 64,
-                       "seq_len": 32, "max_bytes": 200_000, "no_progress": True}  # fmt: skip
+    cfg["pretrain"] = {
+        "steps": STEPS,
+        "save_interval": 2,
+        "layers": 2,
+        "hidden": 64,
+        "seq_len": 32,
+        "max_bytes": 200_000,
+        "no_progress": True,
+    }
     path = tmp_path_factory.mktemp("job") / "tight.json"
     path.write_text(json.dumps(cfg))
     return path
@@ -84,8 +99,9 @@ def test_a_kill_at_every_phase_of_a_save_resumes_with_the_uninterrupted_decision
     argv = ["launch/torchrun.sh", str(job), "--run-dir", str(run)]
     restarts = str(len(KILL_PHASES))
     if hosts:
-        out = _on_two_hosts(hosts, [str(ROOT / argv[0]), *argv[1:]], tmp_path,
-                            {**os.environ, **kill_env}, restarts)  # fmt: skip
+        out = _on_two_hosts(
+            hosts, [str(ROOT / argv[0]), *argv[1:]], tmp_path, {**os.environ, **kill_env}, restarts
+        )
     else:
         done = launch(*argv, NPROC_PER_NODE="2", MAX_RESTARTS=restarts, **kill_env)
         out = done.stdout + done.stderr
@@ -120,9 +136,10 @@ def _assert_same(got, want) -> None:
         assert got == want
 
 
-MEGATRON_RUN = ["megatron/demo_cpu", "--train-iters", "16", "--lr-warmup-iters", "2",
-                "--save-interval", "5", "--log-interval", "4",
-                "--gnmr-inject-grad-spike", "11:1:100"]  # fmt: skip
+MEGATRON_RUN = shlex.split(
+    "megatron/demo_cpu --train-iters 16 --lr-warmup-iters 2 --save-interval 5 --log-interval 4 "
+    "--gnmr-inject-grad-spike 11:1:100"
+)
 """The Megatron demo, short: checkpoints at 5, 10, 15 and 16, a spike GNMR acts on at 11."""
 
 
@@ -167,13 +184,18 @@ def hosts():
     net = f"10.213.{tag % 250}"
     made = [Host(f"gnmr{tag}{x}", f"{net}.{i + 1}", f"gv{tag}{x}") for i, x in enumerate("ab")]
     a, b = made
-    setup = [["ip", "netns", "add", a.netns], ["ip", "netns", "add", b.netns],
-             ["ip", "link", "add", a.iface, "type", "veth", "peer", "name", b.iface]]  # fmt: skip
+    setup = [
+        ["ip", "netns", "add", a.netns],
+        ["ip", "netns", "add", b.netns],
+        ["ip", "link", "add", a.iface, "type", "veth", "peer", "name", b.iface],
+    ]
     for h in made:
-        setup += [["ip", "link", "set", h.iface, "netns", h.netns],
-                  ["ip", "-n", h.netns, "addr", "add", f"{h.addr}/24", "dev", h.iface],
-                  ["ip", "-n", h.netns, "link", "set", h.iface, "up"],
-                  ["ip", "-n", h.netns, "link", "set", "lo", "up"]]  # fmt: skip
+        setup += [
+            ["ip", "link", "set", h.iface, "netns", h.netns],
+            ["ip", "-n", h.netns, "addr", "add", f"{h.addr}/24", "dev", h.iface],
+            ["ip", "-n", h.netns, "link", "set", h.iface, "up"],
+            ["ip", "-n", h.netns, "link", "set", "lo", "up"],
+        ]
     try:
         for cmd in setup:
             subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=30)
@@ -203,10 +225,17 @@ def _on_two_hosts(
     port, rdzv = free_port(), f"gnmr-{os.getpid()}-{cwd.name}"
     procs, logs = [], []
     for h in hosts:
-        host_env = {**env, "NNODES": "2", "NPROC_PER_NODE": "1", "MAX_RESTARTS": restarts,
-                    "RDZV_ENDPOINT": f"{hosts[0].addr}:{port}", "RDZV_ID": rdzv,
-                    "LOCAL_ADDR": h.addr, "GLOO_SOCKET_IFNAME": h.iface,
-                    "RDZV_CONF": f"is_host={int(h is hosts[0])}"}  # fmt: skip
+        host_env = {
+            **env,
+            "NNODES": "2",
+            "NPROC_PER_NODE": "1",
+            "MAX_RESTARTS": restarts,
+            "RDZV_ENDPOINT": f"{hosts[0].addr}:{port}",
+            "RDZV_ID": rdzv,
+            "LOCAL_ADDR": h.addr,
+            "GLOO_SOCKET_IFNAME": h.iface,
+            "RDZV_CONF": f"is_host={int(h is hosts[0])}",
+        }
         host_env.pop("MASTER_PORT", None)
         log = cwd / f"host_{h.addr}.log"  # a file, not a pipe: neither host may block on it
         logs.append(log)
@@ -235,7 +264,11 @@ def test_two_hosts_resume_a_killed_megatron_worker_with_the_uninterrupted_decisi
     run's. (The DeepSpeed job runs on the two hosts in the kill-at-every-phase test.)"""
     if not hosts:
         pytest.skip("network namespaces are not available here")
-    out = _on_two_hosts(hosts, [str(ROOT / "launch" / "torchrun.sh"), *MEGATRON_RUN,
-                                "--gnmr-fail-at", "13"], tmp_path, training_env())  # fmt: skip
+    out = _on_two_hosts(
+        hosts,
+        [str(ROOT / "launch" / "torchrun.sh"), *MEGATRON_RUN, "--gnmr-fail-at", "13"],
+        tmp_path,
+        training_env(),
+    )
     assert "--gnmr-fail-at 13: rank 1 sends itself SIGKILL" in out
     assert _records(tmp_path / "runs" / "megatron_demo") == _records(megatron_reference)

@@ -119,17 +119,18 @@ def launch_checks(
     import subprocess
 
     cmd = [sys.executable, "-c", _LAUNCH_CHECKS, json.dumps([list(c) for c in cases])]
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=300,
-                          env=training_env(**env))  # fmt: skip
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, cwd=cwd, timeout=300, env=training_env(**env)
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return [tuple(r) for r in json.loads(done.stdout.splitlines()[-1])]
 
 
 def megatron_version() -> str:
     """The imported megatron-core's ``major.minor.patch`` (0.19 appends ``+<git hash>``)."""
-    from megatron.core import package_info
+    from gnmr_dist.integrations.megatron.versions import installed_version
 
-    return str(package_info.__version__).split("+")[0]
+    return installed_version().split("+")[0]
 
 
 # --------------------------------------------------------------------------- settings

@@ -54,14 +54,11 @@ from megatron_patches import (
 
 @pytest.fixture
 def single_process_group():
-    """A one-rank gloo group for megatron's collectives, torn down afterwards."""
+    """A one-rank gloo group for megatron's collectives (an in-process store: no port), torn
+    down afterwards."""
     import torch.distributed as dist
 
-    from tests.multiproc import free_port
-
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()
 
@@ -136,9 +133,12 @@ def test_bf16_type_strings_and_sequence_parallel_norm():
 
     t = torch.zeros(2, dtype=torch.bfloat16)
     config = cpu_transformer_config(
-        num_layers=2, hidden_size=8, num_attention_heads=2, tensor_model_parallel_size=2,
+        num_layers=2,
+        hidden_size=8,
+        num_attention_heads=2,
+        tensor_model_parallel_size=2,
         sequence_parallel=True,
-    )  # fmt: skip
+    )
     with cpu._tensor_type_reports_cuda():
         assert (
             t.type() == "torch.cuda.BFloat16Tensor" and t.float().type() == "torch.cuda.FloatTensor"

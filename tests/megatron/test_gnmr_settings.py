@@ -78,9 +78,11 @@ def _arm(setting, full, block) -> dict:
             if handle is not None and handle.backend is not None and step == STEPS - 1:
                 report = handle.backend.report()  # what the last step's forwards ran
                 out["report"] = {
-                    "planned": set(report.planned), "ran": set(report.ran),
-                    "recovered": set(report.recovered), "low_cost": set(report.low_cost),
-                }  # fmt: skip
+                    "planned": set(report.planned),
+                    "ran": set(report.ran),
+                    "recovered": set(report.recovered),
+                    "low_cost": set(report.low_cost),
+                }
             ok, norm, _ = opt.step()
         assert ok
         out["calls"].append(spy.calls)
@@ -248,19 +250,24 @@ def _dp_train_step(chunks, step: int, as_dp: int) -> None:
             param.grad = None
     batches = [gpt.micro_batch(d, m, step) for d in range(as_dp) for m in range(gpt.NUM_MICRO)]
     get_forward_backward_func()(
-        forward_step_func=gpt.forward_step, data_iterator=iter(batches), model=chunks,
-        num_microbatches=len(batches), seq_length=gpt.SEQ, micro_batch_size=gpt.MICRO_BATCH,
+        forward_step_func=gpt.forward_step,
+        data_iterator=iter(batches),
+        model=chunks,
+        num_microbatches=len(batches),
+        seq_length=gpt.SEQ,
+        micro_batch_size=gpt.MICRO_BATCH,
         forward_only=False,
-    )  # fmt: skip
+    )
 
 
 def _sharded(chunks, opt, is_loading: bool) -> dict:
     """Megatron-LM's checkpoint layout; the optimizer in its DP-reshardable canonical form."""
     state = {"model": chunks[0].module.sharded_state_dict()}
     state["optimizer"] = opt.sharded_state_dict(
-        state["model"], is_loading=is_loading,
+        state["model"],
+        is_loading=is_loading,
         metadata={"distrib_optim_sharding_type": "fully_reshardable"},
-    )  # fmt: skip
+    )
     return state
 
 
@@ -408,10 +415,13 @@ def _error_worker(rank, world, name):
     decision = handle.last_decision
     norms = handle.runtime.last_norms
     out = {
-        "sums": norms.error_sums.tolist(), "norms": norms.norms.tolist(),
+        "sums": norms.error_sums.tolist(),
+        "norms": norms.norms.tolist(),
         "global": norms.global_norm,
-        "error": decision.error.tolist(), "calls": spy.calls, "units": handle.registry.names,
-    }  # fmt: skip
+        "error": decision.error.tolist(),
+        "calls": spy.calls,
+        "units": handle.registry.names,
+    }
     megatron_patches.remove()
     ps.destroy_model_parallel()
     return out
@@ -463,8 +473,14 @@ def _error_every_worker(rank, world):
             opt.step()
         decision, norms = handle.last_decision, handle.runtime.last_norms
         sums = None if norms.error_sums is None else norms.error_sums.tolist()
-        out.append({"sums": sums, "global": norms.global_norm, "error": decision.error.tolist(),
-                    "calls": [c for c in spy.calls if c[0] == "all_reduce"]})  # fmt: skip
+        out.append(
+            {
+                "sums": sums,
+                "global": norms.global_norm,
+                "error": decision.error.tolist(),
+                "calls": [c for c in spy.calls if c[0] == "all_reduce"],
+            }
+        )
     units = handle.registry.num_units
     megatron_patches.remove()
     ps.destroy_model_parallel()

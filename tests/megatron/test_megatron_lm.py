@@ -2,7 +2,7 @@
 
 A LLaMA-shaped Megatron-LM argument set (SwiGLU, RMSNorm, RoPE, GQA, untied output, no biases,
 bf16, TP2 + sequence parallel, the distributed optimizer, warm-up + cosine LR, ``--data-path``
-on an indexed dataset written with megatron-core's ``IndexedDatasetBuilder``, TensorBoard,
+on the embedded corpus written as an indexed dataset by ``gnmr_dist.data``, TensorBoard,
 ``--save``) runs on megatron-core 0.17.1 (``megatron.training`` ships from 0.17). TP2 on 2
 processes leaves DP1: the distributed optimizer then holds each parameter whole on its one DP
 rank (its sharding over DP is covered by tests/megatron/test_gnmr_settings.py).
@@ -24,26 +24,30 @@ ROOT = Path(__file__).resolve().parents[2]
 ITERS = 20
 PROGRAM = "gnmr_dist.cli.megatron_pretrain"
 
-LLAMA = [
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "128",
-    "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-    "--untie-embeddings-and-output-weights", "--disable-bias-linear",
-    "--attention-dropout", "0", "--hidden-dropout", "0",
-    "--seq-length", "64", "--max-position-embeddings", "64",
-    "--micro-batch-size", "2", "--global-batch-size", "4",
-    "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "4", "--lr-decay-style", "cosine",
-    "--lr-decay-iters", str(ITERS), "--weight-decay", "0.1", "--clip-grad", "1.0",
-    "--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer",
-    "--bf16", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--split", "90,5,5",
-    "--log-interval", "4", "--eval-iters", "0", "--eval-interval", "1000", "--seed", "1234",
-]  # fmt: skip
+LLAMA = f"""
+--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention
+--num-query-groups 2 --ffn-hidden-size 128 --swiglu --normalization RMSNorm
+--position-embedding-type rope --untie-embeddings-and-output-weights --disable-bias-linear
+--attention-dropout 0 --hidden-dropout 0 --seq-length 64 --max-position-embeddings 64
+--micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 4
+--lr-decay-style cosine --lr-decay-iters {ITERS} --weight-decay 0.1 --clip-grad 1.0
+--tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer --bf16
+--tokenizer-type NullTokenizer --vocab-size 256 --split 90,5,5 --log-interval 4 --eval-iters 0
+--eval-interval 1000 --seed 1234
+""".split()
 
 GNMR = {
-    "backend": "act_quant", "units": "operator", "max_active": 2, "lock_steps": 3,
-    "window": 6, "alpha": 2.0, "beta": 2.5, "warmup_steps": 4,
-    "low_cost": {"bits": 4, "group_size": 32}, "recovery": {"bits": 8, "group_size": 32},
-}  # fmt: skip
+    "backend": "act_quant",
+    "units": "operator",
+    "max_active": 2,
+    "lock_steps": 3,
+    "window": 6,
+    "alpha": 2.0,
+    "beta": 2.5,
+    "warmup_steps": 4,
+    "low_cost": {"bits": 4, "group_size": 32},
+    "recovery": {"bits": 8, "group_size": 32},
+}
 SPIKE = ["--gnmr-inject-grad-spike", "9:1:100"]
 
 
@@ -52,8 +56,8 @@ def _env() -> dict[str, str]:
 
 
 def _torchrun(args: list[str], cwd: Path, fails: bool = False) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(free_port()), "-m", PROGRAM, *args]  # fmt: skip
+    run = f"-m torch.distributed.run --nproc_per_node 2 --master_port {free_port()} -m {PROGRAM}"
+    cmd = [sys.executable, *run.split(), *args]
     done = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=600)
     if fails:
         assert done.returncode != 0
@@ -67,18 +71,13 @@ def _torchrun(args: list[str], cwd: Path, fails: bool = False) -> str:
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A directory with the indexed dataset and the GNMR block."""
+    """A directory with the indexed dataset (the embedded corpus through ``gnmr_dist.data``,
+    the DeepSpeed program's token stream: 45 files, so that the 5% splits hold documents;
+    megatron's epoch count never ends on an empty split) and the GNMR block."""
     work = tmp_path_factory.mktemp("megatron_lm")
     script = (
-        "import numpy, torch\n"
-        "from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder\n"
-        f"b = IndexedDatasetBuilder({str(work / 'text_document.bin')!r}, dtype=numpy.int32)\n"
-        "g = torch.Generator().manual_seed(0)\n"
-        "for _ in range(400):\n"
-        "    n = int(torch.randint(50, 300, (1,), generator=g))\n"
-        "    t = torch.randint(0, 250, (n,), generator=g)\n"
-        "    b.add_document(t, [n])\n"
-        f"b.finalize({str(work / 'text_document.idx')!r})\n"
+        "from gnmr_dist.data import write_indexed_dataset\n"
+        f"write_indexed_dataset('embedded', {str(work / 'text_document')!r}, max_bytes=10**6)\n"
     )
     subprocess.run([sys.executable, "-c", script], env=_env(), check=True, capture_output=True)
     (work / "gnmr.json").write_text(json.dumps({"gnmr": GNMR}))
@@ -86,8 +85,14 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _args(work: Path, name: str, *extra: str) -> list[str]:
-    return [*LLAMA, "--data-path", str(work / "text_document"),
-            "--tensorboard-dir", str(work / name / "tb"), *extra]  # fmt: skip
+    return [
+        *LLAMA,
+        "--data-path",
+        str(work / "text_document"),
+        "--tensorboard-dir",
+        str(work / name / "tb"),
+        *extra,
+    ]
 
 
 def _trace(path: Path) -> list[dict]:
@@ -109,8 +114,18 @@ def _losses(log: str) -> dict[int, str]:
 def runs(work: Path) -> dict[str, str]:
     """The uninterrupted run, and the same run saved at half way and resumed."""
     gnmr = ["--gnmr-config", str(work / "gnmr.json"), *SPIKE]
-    full = _torchrun(_args(work, "full", "--train-iters", str(ITERS), *gnmr,
-                           "--gnmr-trace", str(work / "full" / "trace.jsonl")), work)  # fmt: skip
+    full = _torchrun(
+        _args(
+            work,
+            "full",
+            "--train-iters",
+            str(ITERS),
+            *gnmr,
+            "--gnmr-trace",
+            str(work / "full" / "trace.jsonl"),
+        ),
+        work,
+    )
     ckpt = ["--save", str(work / "ckpt"), "--load", str(work / "ckpt"), "--save-interval", "100"]
     trace = ["--gnmr-trace", str(work / "resumed" / "trace.jsonl")]
     stop = ["--exit-interval", "8"]  # a job stopped at iteration 8 (it saves, then exits)

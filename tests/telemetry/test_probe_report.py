@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import operator
 import statistics
 
 import pytest
@@ -50,13 +51,21 @@ def record(path, cfg=CFG, update=True, step_ms=False, every=EVERY):
             if step % every == 0:
                 gap = torch.rand(6, generator=g, dtype=torch.float64)
                 probe = ProbeRecord(
-                    step=step, k=K, grad_gap=gap,
+                    step=step,
+                    k=K,
+                    grad_gap=gap,
                     update_gap=gap.flip(0) * 10 if update else None,
-                    grad_low_norm=norms, grad_high_norm=norms + gap, loss_low=2.0 + step,
-                    loss_high=2.0, probe_ms=40.0 + step,
-                    sets={"risk_topk": _top(d.risk, K), "active": ran,
-                          "decided": frozenset(d.active)},
-                )  # fmt: skip
+                    grad_low_norm=norms,
+                    grad_high_norm=norms + gap,
+                    loss_low=2.0 + step,
+                    loss_high=2.0,
+                    probe_ms=40.0 + step,
+                    sets={
+                        "risk_topk": _top(d.risk, K),
+                        "active": ran,
+                        "decided": frozenset(d.active),
+                    },
+                )
                 probes.append(probe)
             extra = {"loss": 1.0 / step, **({"step_ms": 10.0 + step % 4} if step_ms else {})}
             w.write(norms, d, extra, probe=probe)
@@ -80,11 +89,11 @@ def test_probe_records_round_trip_and_old_records_read_as_before(tmp_path):
     assert set(plain[0]) == {"step", "norms", "active", "telemetry", "extra"}  # as before
     got = read_probes(path, records, len(UNITS))
     assert [p.step for p in got] == [p.step for p in probes]
+    scalars = operator.attrgetter("k", "loss_low", "loss_high", "probe_ms")
     for a, b in zip(got, probes, strict=True):
         assert torch.equal(a.grad_gap, b.grad_gap) and torch.equal(a.update_gap, b.update_gap)
         assert torch.equal(a.grad_high_norm, b.grad_high_norm) and a.sets == b.sets
-        assert (a.k, a.loss_low, a.loss_high, a.probe_ms) == (b.k, b.loss_low, b.loss_high,
-                                                              b.probe_ms)  # fmt: skip
+        assert scalars(a) == scalars(b)
     stored = next(r for r in records if "probe" in r)["probe"]
     figures = got[0].figures()
     assert list(stored["figures"]) == list(figures) == ["risk_topk", "active", "decided"]
@@ -140,8 +149,9 @@ def test_random_figures_are_the_exact_expectation_over_every_k_subset():
 def test_probe_figures_rows_oracle_and_first_last():
     gap, upd = t(0.5, 3.0, 1.0, 2.5, 0.1, 4.0), t(6, 5, 4, 3, 2, 1)
     risk, errors = t(1, 9, 2, 8, 3, 0), t(5, 0, 0, 0, 4, 0)
-    fig = probe_figures(gap, upd, risk, {"active": {1}, "decided": set()}, 2, errors=errors,
-                        eligible=ELIGIBLE)  # fmt: skip
+    fig = probe_figures(
+        gap, upd, risk, {"active": {1}, "decided": set()}, 2, errors=errors, eligible=ELIGIBLE
+    )
     assert list(fig) == ["risk_topk", "active", "decided", "error_topk", "random", "oracle"]
     # risk top-2 = {1, 3}; gap top-2 = {5, 1}; update top-2 = {0, 1}
     assert fig["risk_topk"]["precision_grad"] == 0.5 and fig["risk_topk"]["precision_update"] == 0.5

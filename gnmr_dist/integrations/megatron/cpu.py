@@ -104,12 +104,17 @@ import functools
 import logging
 import threading
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
 
-from gnmr_dist.integrations.megatron.versions import SERIES, series_of
+from gnmr_dist.integrations.megatron.versions import (
+    SERIES,
+    SeriesInfo,
+    installed_version,
+    series_of,
+)
 
 __all__ = [
     "SUPPORTED_MEGATRON_VERSIONS",
@@ -462,22 +467,23 @@ def _cpu_clip_grad_by_total_norm(original: Any) -> Any:
 # --------------------------------------------------------------------------- patch plan
 
 
-def _megatron_version() -> str:
-    from megatron.core import package_info
-
-    return str(package_info.__version__)
-
-
-def _check_version(version: str) -> None:
-    """Raise unless ``version`` belongs to a series of the version table."""
+def _checked_series(version: str) -> SeriesInfo:
+    """The version table's row of ``version``'s series; raises unless the table lists it."""
     series = series_of(version)
-    if series not in SERIES:
+    info = SERIES.get(series)
+    if info is None:
         raise RuntimeError(
             f"megatron_patches.cpu was checked against megatron-core "
             f"{', '.join(v + '.x' for v in SERIES)}; found {version}. "
             f"Verify the patched call sites against its sources, then add a {series!r} row to "
             f"megatron_patches.versions.SERIES."
         )
+    return info
+
+
+def _wrapping(owner: Any, name: str, wrapper: Callable[[Any], Any]) -> tuple[Any, str, Any]:
+    """The plan entry that replaces ``owner.name`` by ``wrapper`` of it (a CPU twin)."""
+    return owner, name, wrapper(getattr(owner, name))
 
 
 def _patch_plan(version: str | None = None) -> list[tuple[Any, str, Any]]:
@@ -497,13 +503,12 @@ def _patch_plan(version: str | None = None) -> list[tuple[Any, str, Any]]:
     from megatron.core.transformer import utils as transformer_utils
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    version = _megatron_version() if version is None else version
-    _check_version(version)
-    series = series_of(version)
+    version = installed_version() if version is None else version
+    info = _checked_series(version)
     cpu_torch = _CpuTorch()
     seed = _cpu_manual_seed(mrandom.model_parallel_cuda_manual_seed)
     clip = _cpu_clip_grad_by_total_norm(clip_grads.clip_grad_by_total_norm_fp32)
-    setup = _cpu_setup_embeddings(LanguageModule.setup_embeddings_and_output_layer)
+    torch_users = (schedules, transformer_utils, clip_grads, mcore_optimizer)
     float16 = mcore_optimizer.Float16OptimizerWithFloat16Params
     plan: list[tuple[Any, str, Any]] = [
         (torch.cuda, "current_device", _cpu_current_device),
@@ -512,45 +517,29 @@ def _patch_plan(version: str | None = None) -> list[tuple[Any, str, Any]]:
         (mrandom, "_set_cuda_rng_state", _cpu_set_rng_state),
         (mrandom.CudaRNGStatesTracker, "add", _cpu_tracker_add),
         (mrandom.CudaRNGStatesTracker, "fork", _cpu_tracker_fork),
-        (mrandom, "model_parallel_cuda_manual_seed", seed),
-        (tensor_parallel, "model_parallel_cuda_manual_seed", seed),
-        (schedules, "torch", cpu_torch),
-        (transformer_utils, "torch", cpu_torch),
-        (clip_grads, "torch", cpu_torch),
-        (mcore_optimizer, "torch", cpu_torch),
+        *((m, "model_parallel_cuda_manual_seed", seed) for m in (mrandom, tensor_parallel)),
+        *((m, "torch", cpu_torch) for m in torch_users),
         (clip_grads, "multi_tensor_applier", _cpu_multi_tensor_applier),
         (clip_grads, "l2_norm_impl", _cpu_l2_norm),
         (clip_grads, "multi_tensor_scale_impl", _cpu_scale),
-        (clip_grads, "clip_grad_by_total_norm_fp32", clip),
-        (mcore_optimizer, "clip_grad_by_total_norm_fp32", clip),
-        (LanguageModule, "setup_embeddings_and_output_layer", setup),
-        (float16, "__init__", _cpu_optimizer_init(float16.__init__)),
-        (DistributedOptimizer, "__init__", _cpu_optimizer_init(DistributedOptimizer.__init__)),
-        (
-            DistributedOptimizer,
-            "sharded_state_dict",
-            _cpu_distopt_sharded_state_dict(DistributedOptimizer.sharded_state_dict),
+        *((m, "clip_grad_by_total_norm_fp32", clip) for m in (clip_grads, mcore_optimizer)),
+        _wrapping(LanguageModule, "setup_embeddings_and_output_layer", _cpu_setup_embeddings),
+        _wrapping(float16, "__init__", _cpu_optimizer_init),
+        _wrapping(DistributedOptimizer, "__init__", _cpu_optimizer_init),
+        _wrapping(DistributedOptimizer, "sharded_state_dict", _cpu_distopt_sharded_state_dict),
+        _wrapping(DistributedOptimizer, "load_state_dict", _cpu_distopt_load_state_dict),
+        _wrapping(
+            DistributedOptimizer, "_set_main_param_and_optimizer_states", _cpu_set_main_param_states
         ),
-        (
-            DistributedOptimizer,
-            "load_state_dict",
-            _cpu_distopt_load_state_dict(DistributedOptimizer.load_state_dict),
-        ),
-        (
-            DistributedOptimizer,
-            "_set_main_param_and_optimizer_states",
-            _cpu_set_main_param_states(DistributedOptimizer._set_main_param_and_optimizer_states),
-        ),
-        (WrappedTorchNorm, "__new__", _cpu_torch_norm_new(WrappedTorchNorm.__new__)),
+        _wrapping(WrappedTorchNorm, "__new__", _cpu_torch_norm_new),
     ]
-    if SERIES[series].grad_sync_current_stream:
+    if info.grad_sync_current_stream:
         plan.append((torch.cuda, "current_stream", _cpu_current_stream))
     for owner, name, _ in plan:
         if not hasattr(owner, name):
             raise RuntimeError(
                 f"megatron_patches.cpu: {getattr(owner, '__name__', owner)}.{name} does not "
-                f"exist in megatron-core {version or _megatron_version()}; re-check the "
-                "patched call sites"
+                f"exist in megatron-core {version}; re-check the patched call sites"
             )
     return plan
 
@@ -599,9 +588,9 @@ def enable_cpu_compat(*, training: bool = False) -> None:
             "Run megatron-core natively on CUDA instead."
         )
     with _LOCK:
-        version = _megatron_version()
-        _check_version(version)
-        if training and not SERIES[series_of(version)].has_training:
+        version = installed_version()
+        info = _checked_series(version)
+        if training and not info.has_training:
             raise RuntimeError(
                 f"megatron_patches.cpu: training=True needs megatron.training, which "
                 f"megatron-core {version} does not ship (0.17+ wheels do)"

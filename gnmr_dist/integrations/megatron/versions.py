@@ -1,9 +1,11 @@
 """What differs between the megatron-core series GNMR supports: one table behind every gate.
 
 Every version-dependent decision in :mod:`megatron_patches` reads :func:`series_info`, never a
-version string of its own. A series is listed only after the call sites GNMR hooks were read in
-its sources and its tests ran on it (CI runs 0.16.1 in the main venv, 0.17.1 and 0.19.2 in
-test-only installs). What the table records, per ``major.minor``:
+version string of its own; megatron-core's version is read in one place,
+:func:`installed_version` (at each call, so a test may set ``package_info.__version__``). A
+series is listed only after the call sites GNMR hooks were read in its sources and its tests ran
+on it (CI runs 0.16.1 in the main venv, 0.17.1 and 0.19.2 in test-only installs). What the
+table records, per ``major.minor``:
 
 * ``grads_for_norm``: the optimizer method that returns the gradients megatron's clip norm
   reads (``get_main_grads_for_grad_norm`` up to 0.17; ``get_grads_for_grad_norm`` from 0.19,
@@ -28,7 +30,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["SERIES", "SeriesInfo", "megatron_series", "series_info", "series_of"]
+__all__ = [
+    "SERIES",
+    "SeriesInfo",
+    "installed_version",
+    "megatron_series",
+    "series_info",
+    "series_of",
+]
 
 
 @dataclass(frozen=True)
@@ -81,11 +90,19 @@ def series_of(version: str) -> str:
     return ".".join(version.split(".")[:2])
 
 
-def megatron_series() -> str:
-    """The installed megatron-core's ``major.minor``."""
+def installed_version() -> str:
+    """The installed megatron-core's version string (``"0.19.2+abc"``), read at each call.
+
+    Every reader of megatron-core's version goes through this one function.
+    """
     from megatron.core import package_info
 
-    return series_of(str(package_info.__version__))
+    return str(package_info.__version__)
+
+
+def megatron_series() -> str:
+    """The installed megatron-core's ``major.minor``."""
+    return series_of(installed_version())
 
 
 def series_info(series: str | None = None, *, what: str = "megatron_patches") -> SeriesInfo:
