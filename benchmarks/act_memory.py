@@ -12,74 +12,41 @@ for the projection inputs alone (what the backend controls) and for the whole mo
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable, Iterable
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from torch import nn
 
+from benchmarks.common import arg_parser, hf_loss, llama
 from gnmr_dist.backends import get_backend
 from gnmr_dist.distributed import UnitRegistry
 
+BITS = (32, 16, 8, 4)
 
-def saved_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> int:
-    """Unique bytes of the tensors autograd saves (a tensor saved by q, k and v counts once)."""
-    params = {p.data_ptr() for p in model.parameters()}
+
+def saved_bytes(loss: Callable[[], torch.Tensor], params: Iterable[torch.Tensor]) -> int:
+    """Unique bytes of the storages autograd saves for backward while ``loss()`` runs (one
+    storage saved by several ops, as q, k and v save their input, counts once), the storages of
+    ``params`` excluded (they exist anyway); then backpropagates ``loss()``'s result."""
+    skip = {p.data_ptr() for p in params}
     seen: dict[int, int] = {}
 
     def keep(t: torch.Tensor) -> torch.Tensor:
         ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
+        if ptr not in skip:
             seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-        model(input_ids=tokens, labels=tokens).loss.backward()
-    model.zero_grad(set_to_none=True)
+        loss().backward()
     return sum(seen.values())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--tokens", type=int, default=2048)
-    args = parser.parse_args()
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=512,
-        hidden_size=args.hidden,
-        intermediate_size=args.hidden * 3,
-        num_hidden_layers=args.layers,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-    )
-    model = LlamaForCausalLM(cfg)
-    tokens = torch.randint(0, 512, (args.tokens // 256, 256))
-    units = UnitRegistry.from_model(model).local_modules
-    base = saved_bytes(model, tokens)
-    rows = {}
-    for bits in (32, 16, 8, 4):
-        backend = get_backend("act_quant", low_cost={"bits": bits})
-        backend.wrap(units)
-        backend.apply((), step=1)
-        rows[bits] = saved_bytes(model, tokens)
-        backend.unwrap()
-    # projection inputs alone: what the backend changed, from the 32-bit run (which saves every
-    # distinct projection input once, in fp32, exactly as the model without a backend does)
-    proj = {bits: projection_bytes(units, args.tokens, bits) for bits in rows}
-    print(
-        f"Llama {args.layers} layers x hidden {args.hidden}, {args.tokens} tokens, "
-        f"{len(units)} projections"
-    )
-    print(f"no backend: {base / 2**20:.1f} MiB saved for backward by the whole model")
-    print(f"{'bits':>5} {'projection MiB':>15} {'/ 16-bit':>9} {'model MiB':>10} {'/ 16-bit':>9}")
-    for bits in (32, 16, 8, 4):
-        print(
-            f"{bits:>5} {proj[bits] / 2**20:>15.2f} {proj[bits] / proj[16]:>9.3f} "
-            f"{rows[bits] / 2**20:>10.1f} {rows[bits] / rows[16]:>9.3f}"
-        )
-    print("projection: each projection alone on its own input (what the backend stores);")
-    print("model: unique storage saved by the whole model (attention and MLP internals included,")
-    print("and inputs that other ops also save stay alive whatever the projection keeps).")
+def model_bytes(model: nn.Module, tokens: torch.Tensor) -> int:
+    """:func:`saved_bytes` of the whole model's loss on ``tokens`` (gradients dropped after)."""
+    total = saved_bytes(lambda: hf_loss(model, tokens), model.parameters())
+    model.zero_grad(set_to_none=True)
+    return total
 
 
 def projection_bytes(units: dict, tokens: int, bits: int) -> int:
@@ -90,20 +57,51 @@ def projection_bytes(units: dict, tokens: int, bits: int) -> int:
         backend.wrap({uid: op})
         backend.apply((), step=1)
         x = torch.randn(tokens, op.in_features, requires_grad=True)
-        params = {op.weight.data_ptr()}
-        seen: dict[int, int] = {}
-
-        def keep(t: torch.Tensor, seen: dict = seen, params: set = params) -> torch.Tensor:
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in params:
-                seen[ptr] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-            op(x).sum().backward()
+        total += saved_bytes(lambda op=op, x=x: op(x).sum(), [op.weight])
         backend.unwrap()
-        total += sum(seen.values())
     return total
+
+
+def parse_args() -> argparse.Namespace:
+    parser = arg_parser(__doc__)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--tokens", type=int, default=2048)
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    model = llama(
+        vocab=512, hidden=args.hidden, ffn=args.hidden * 3, layers=args.layers, heads=4, seed=0
+    )
+    tokens = torch.randint(0, 512, (args.tokens // 256, 256))
+    units = UnitRegistry.from_model(model).local_modules
+    base = model_bytes(model, tokens)
+    rows = {}
+    for bits in BITS:
+        backend = get_backend("act_quant", low_cost={"bits": bits})
+        backend.wrap(units)
+        backend.apply((), step=1)
+        rows[bits] = model_bytes(model, tokens)
+        backend.unwrap()
+    # projection inputs alone: what the backend changed, from the 32-bit run (which saves every
+    # distinct projection input once, in fp32, exactly as the model without a backend does)
+    proj = {bits: projection_bytes(units, args.tokens, bits) for bits in rows}
+    print(
+        f"Llama {args.layers} layers x hidden {args.hidden}, {args.tokens} tokens, "
+        f"{len(units)} projections"
+    )
+    print(f"no backend: {base / 2**20:.1f} MiB saved for backward by the whole model")
+    print(f"{'bits':>5} {'projection MiB':>15} {'/ 16-bit':>9} {'model MiB':>10} {'/ 16-bit':>9}")
+    for bits in BITS:
+        print(
+            f"{bits:>5} {proj[bits] / 2**20:>15.2f} {proj[bits] / proj[16]:>9.3f} "
+            f"{rows[bits] / 2**20:>10.1f} {rows[bits] / rows[16]:>9.3f}"
+        )
+    print("projection: each projection alone on its own input (what the backend stores);")
+    print("model: unique storage saved by the whole model (attention and MLP internals included,")
+    print("and inputs that other ops also save stay alive whatever the projection keeps).")
 
 
 if __name__ == "__main__":

@@ -10,12 +10,12 @@ GEMM of a small model's step: the controller's cost is reported as a fraction of
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
 
+from benchmarks.common import arg_parser
 from gnmr_dist import GNMRConfig, GNMRController
 
 
@@ -52,7 +52,7 @@ def matmul_time(reps: int = 20) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arg_parser(__doc__)
     parser.add_argument("--units", type=int, nargs="+", default=[64, 1024, 16384])
     parser.add_argument("--steps", type=int, default=2000)
     args = parser.parse_args()

@@ -41,22 +41,14 @@ under 15 minutes there (eight arms: about 9 minutes).
 
 from __future__ import annotations
 
-import argparse
 import logging
 from typing import Any
 
 import torch
 
-from benchmarks.harness import (
-    RESULTS,
-    Arm,
-    ArmResult,
-    Setup,
-    run_experiment,
-    table,
-    targets,
-    with_budget,
-)
+from benchmarks.common import RESULTS, arg_parser
+from benchmarks.harness import run_experiment, table, targets
+from benchmarks.harness_arms import Arm, ArmResult, Setup, with_budget
 
 BASE = RESULTS / "act_quant_fp32.pt"
 """The FP32 arm's final weights: the base model of the LoRA experiment (``exp_lora_int8``)."""
@@ -105,7 +97,7 @@ def make_arms(bits: int, group_size: int, budget: float, save: bool) -> list[Arm
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = arg_parser(__doc__)
     p.add_argument("--steps", type=int, default=STEPS)
     p.add_argument("--bits", type=int, default=2, help="low-cost bits: the stress knob")
     p.add_argument("--group-size", type=int, default=128, help="values per (min, scale) group")

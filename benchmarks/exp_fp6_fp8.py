@@ -34,14 +34,15 @@ The README says which setting each table used.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import time
 from typing import Any
 
 import torch
 
-from benchmarks.harness import Arm, ArmResult, Setup, run_experiment, table
+from benchmarks.common import arg_parser
+from benchmarks.harness import run_experiment, table
+from benchmarks.harness_arms import Arm, ArmResult, Setup
 
 LOW_COST = {"format": "e2m3", "grad_format": "e3m2", "granularity": "block", "block": 128}
 """The FP6 low-cost path (1x128 / 128x128 block scales, DeepSeek-V3 style)."""
@@ -66,7 +67,7 @@ def low_cost(stress: str, block: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = arg_parser(__doc__)
     p.add_argument("--steps", type=int, default=STEPS)
     p.add_argument("--stress", choices=("tensor", "none"), default="tensor")
     p.add_argument("--block", type=int, default=128, help="low-cost tile length (--stress none)")
@@ -96,8 +97,10 @@ def main() -> None:
     names = [r.name for r in results]
     ref = "fp32" if "fp32" in names else names[0]
     low = "fixed FP6" if "fixed FP6" in names else names[0]
-    print(f"stress={a.stress}, low-cost {q['low_cost']}, recovery {RECOVERY}, {a.steps} steps, "
-          f"{a.threads} thread(s), {time.perf_counter() - t0:.0f} s")  # fmt: skip
+    print(
+        f"stress={a.stress}, low-cost {q['low_cost']}, recovery {RECOVERY}, {a.steps} steps, "
+        f"{a.threads} thread(s), {time.perf_counter() - t0:.0f} s"
+    )
     print(table(results, ref, low))
 
 

@@ -47,7 +47,6 @@ interleaved step by step (fair step-time ratios) on one thread (see ``exp_act_qu
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import time
@@ -58,17 +57,11 @@ from typing import Any
 import torch
 
 from benchmarks import exp_act_quant
-from benchmarks.harness import (
-    Arm,
-    ArmRun,
-    Batches,
-    Setup,
-    build_model,
-    evaluate,
-    run_experiment,
-    save_state,
-    with_budget,
-)
+from benchmarks.common import arg_parser
+from benchmarks.harness import run_experiment
+from benchmarks.harness_arms import Arm, Setup, with_budget
+from benchmarks.harness_model import Batches, build_model, evaluate, save_state
+from benchmarks.harness_training import ArmRun
 from gnmr_dist.data.corpus import embedded_corpus, stdlib_root
 
 logger = logging.getLogger("benchmarks.exp_lora_int8")
@@ -85,10 +78,19 @@ def policy() -> dict[str, Any]:
 def lora_setup(base: Path, steps: int = STEPS, domain: str = DOMAIN) -> Setup:
     """The fine-tuning run: experiment 1's model and seed, LoRA adapters, one unseen domain."""
     return replace(
-        exp_act_quant.pretrain_setup(), steps=steps, lr=2e-3, warmup_lr=10, weight_decay=0.0,
-        lora_rank=8, data=f"embedded:train:{domain}", heldout=f"embedded:heldout:{domain}",
-        init_from=os.path.relpath(base), eval_every=25, eval_batches=32, gnmr=policy(),
-    )  # fmt: skip
+        exp_act_quant.pretrain_setup(),
+        steps=steps,
+        lr=2e-3,
+        warmup_lr=10,
+        weight_decay=0.0,
+        lora_rank=8,
+        data=f"embedded:train:{domain}",
+        heldout=f"embedded:heldout:{domain}",
+        init_from=os.path.relpath(base),
+        eval_every=25,
+        eval_batches=32,
+        gnmr=policy(),
+    )
 
 
 def pretraining_files_in(domain: str, pretrain: Setup) -> int:
@@ -104,16 +106,20 @@ def ensure_base(path: Path) -> None:
         logger.info("base model: %s", path)
         return
     pre = exp_act_quant.pretrain_setup()
-    logger.info("base model %s missing: pretraining act_quant's FP32 arm (%d steps)", path,
-                pre.steps)  # fmt: skip
+    logger.info(
+        "base model %s missing: pretraining act_quant's FP32 arm (%d steps)", path, pre.steps
+    )
     t0 = time.perf_counter()
     train, heldout = Batches(pre.data, pre), Batches(pre.heldout, pre)
     run = ArmRun(pre, Arm("fp32", "full"), heldout)
     for step in range(1, pre.steps + 1):
         run.step(step, train)
     save_state(run.model, path)
-    logger.info("base pretrained in %.0f s, held-out loss %.4f", time.perf_counter() - t0,
-                run.eval_losses[-1])  # fmt: skip
+    logger.info(
+        "base pretrained in %.0f s, held-out loss %.4f",
+        time.perf_counter() - t0,
+        run.eval_losses[-1],
+    )
 
 
 def make_arms(granularity: str, budget: float) -> list[Arm]:
@@ -135,10 +141,14 @@ def make_arms(granularity: str, budget: float) -> list[Arm]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = arg_parser(__doc__)
     p.add_argument("--steps", type=int, default=STEPS)
-    p.add_argument("--granularity", choices=("row", "tensor"), default="tensor",
-                   help="int8 scales: per row/token, or per tensor (the stress knob)")  # fmt: skip
+    p.add_argument(
+        "--granularity",
+        choices=("row", "tensor"),
+        default="tensor",
+        help="int8 scales: per row/token, or per tensor (the stress knob)",
+    )
     p.add_argument("--budget", type=float, default=0.1, help="max_active / units for GNMR")
     p.add_argument("--base", type=Path, default=exp_act_quant.BASE)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")

@@ -113,12 +113,18 @@ def train_step(model: nn.Module, x: torch.Tensor, region: Region, lr: float = 1e
         y = model(x)
     loss = y.float().square().mean()
     loss.backward()
-    grads = [p.grad.clone() for p in model.parameters()]
+    return y.detach(), loss.detach(), sgd_step(model, lr)
+
+
+def sgd_step(model: nn.Module, lr: float) -> list[torch.Tensor]:
+    """``p -= lr * p.grad`` on every parameter, gradients then dropped; returns their copies."""
+    grads = []
     with torch.no_grad():
         for p in model.parameters():
+            grads.append(p.grad.clone())
             p -= lr * p.grad
             p.grad = None
-    return y.detach(), loss.detach(), grads
+    return grads
 
 
 # ---------------------------------------------------------------------- helpers
@@ -272,19 +278,17 @@ def check_overhead(te: Any, args: argparse.Namespace) -> Check:
     backend = backend_for(model)
     x, units, counter = batch(args, 0), len(backend.units), iter(range(1, 10**9))
 
-    def switching(plan: Callable[[int], set[int]]) -> Callable[[], object]:
-        def step() -> object:
-            s = next(counter)
-            backend.apply(plan(s), s)
-            return train_step(model, x, backend.autocast, lr=0.0)
-
-        return step
+    def planned_step(plan: Callable[[int], set[int]]) -> object:
+        """A training step (lr 0) of the backend's model under ``plan(step)``."""
+        s = next(counter)
+        backend.apply(plan(s), s)
+        return train_step(model, x, backend.autocast, lr=0.0)
 
     fp8 = plain_region(te, plain_recipe("delayed"))
     ms = {
         "plain_fp8": median_ms(lambda: train_step(plain, x, fp8, lr=0.0), args.iters),
-        "gnmr_empty": median_ms(switching(lambda s: set()), args.iters),
-        "gnmr_switching": median_ms(switching(lambda s: {s % units}), args.iters),
+        "gnmr_empty": median_ms(lambda: planned_step(lambda s: set()), args.iters),
+        "gnmr_switching": median_ms(lambda: planned_step(lambda s: {s % units}), args.iters),
         "plain_bf16": median_ms(
             lambda: train_step(plain, x, contextlib.nullcontext, lr=0.0), args.iters
         ),
@@ -332,11 +336,18 @@ def megatron_gpt(recipe: str) -> tuple[Any, nn.Module]:
     from megatron.core.transformer.module import Float16Module
 
     config = TransformerConfig(
-        num_layers=2, hidden_size=MCORE_HIDDEN, num_attention_heads=MCORE_HEADS,
-        ffn_hidden_size=4 * MCORE_HIDDEN, hidden_dropout=0.0, attention_dropout=0.0, bf16=True,
-        params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, fp8="hybrid",
+        num_layers=2,
+        hidden_size=MCORE_HIDDEN,
+        num_attention_heads=MCORE_HEADS,
+        ffn_hidden_size=4 * MCORE_HIDDEN,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16,
+        fp8="hybrid",
         fp8_recipe=recipe,
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     spec = get_gpt_layer_with_transformer_engine_spec()
     gpt = GPTModel(config, spec, vocab_size=MCORE_VOCAB, max_sequence_length=MCORE_SEQ).cuda()
@@ -400,14 +411,19 @@ def _megatron_operator(te: Any, name: str, recovery: str) -> Check:
     }
     paths = ran1 == {0: {RECOVERY}, 1: {LOW_COST}} and ran2 == {0: {LOW_COST}, 1: {LOW_COST}}
     ok = (
-        paths and restored and back_in_fp8 and bad == 0
+        paths
+        and restored
+        and back_in_fp8
+        and bad == 0
         and fp8_ran == (recovery != "bf16", True)
-        and diff["recovered"] == 0.0 and diff["neighbour_fp8"] <= diff["control"]
+        and diff["recovered"] == 0.0
+        and diff["neighbour_fp8"] <= diff["control"]
         and diff["neighbour_vs_bf16"] > 0.0
-    )  # fmt: skip
+    )
     detail = ", ".join(f"{k} {v:.3g}" for k, v in diff.items())
-    return Check(name, ok, f"max |diff| {detail}; paths {paths}, restored {restored}, "
-                 f"non-finite grads {bad}")  # fmt: skip
+    return Check(
+        name, ok, f"max |diff| {detail}; paths {paths}, restored {restored}, non-finite grads {bad}"
+    )
 
 
 def _capture(module: nn.Module, key: str, seen: dict[str, Any]) -> Any:

@@ -22,34 +22,15 @@ acceptance figure of issue 12 is ratio <= 1.05), and the two norms (they must ag
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import json
-import os
 import statistics
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from gnmr_dist.distributed.comm import free_port
-
-RESULTS = Path(__file__).parent / "results" / "megatron_norm.json"
-
-
-@contextlib.contextmanager
-def single_rank_world() -> Iterator[None]:
-    """A gloo process group of one rank (megatron's parallel state needs one)."""
-    port = free_port()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+from benchmarks.common import RESULTS, arg_parser, gloo_world
 
 
 def build(layers: int, hidden: int, vocab: int) -> tuple[Any, Any]:
@@ -66,13 +47,20 @@ def build(layers: int, hidden: int, vocab: int) -> tuple[Any, Any]:
     ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     config = cpu_transformer_config(
-        num_layers=layers, hidden_size=hidden, num_attention_heads=max(hidden // 64, 1),
-        ffn_hidden_size=4 * hidden, hidden_dropout=0.0, attention_dropout=0.0,
-    )  # fmt: skip
+        num_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=max(hidden // 64, 1),
+        ffn_hidden_size=4 * hidden,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     gpt = GPTModel(
-        config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=vocab,
-        max_sequence_length=16, position_embedding_type="learned_absolute",
-    )  # fmt: skip
+        config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=vocab,
+        max_sequence_length=16,
+        position_embedding_type="learned_absolute",
+    )
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="sgd", lr=0.01), [model])
@@ -176,18 +164,18 @@ def report(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arg_parser(__doc__)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=RESULTS / "megatron_norm.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     from megatron_patches import cpu_compat
 
-    with single_rank_world(), cpu_compat():
+    with gloo_world(), cpu_compat():  # megatron's parallel state needs a process group
         model, optimizer = build(args.layers, args.hidden, args.vocab)
         result = measure(model, optimizer, args.repeats)
     print(report(result))

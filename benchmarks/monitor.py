@@ -14,7 +14,6 @@ All three are memory-bound reads of the same bytes, so the ratios should be clos
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from benchmarks.common import arg_parser
 from gnmr_dist.distributed import GradNormMonitor, UnitRegistry
 
 
@@ -53,7 +53,7 @@ def median_time(fn: Callable[[], object], times: list[float]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arg_parser(__doc__)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=30)

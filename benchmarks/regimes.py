@@ -36,12 +36,17 @@ from benchmarks.exp_fp6_fp8 import LOW_COST as FP6_BLOCK
 from benchmarks.exp_fp6_fp8 import RECOVERY as FP8_BLOCK
 from benchmarks.exp_fp6_fp8 import STRESS as FP6_TENSOR
 from benchmarks.exp_fp6_fp8 import policy as fp6_policy
-from benchmarks.harness import Fault, Setup
+from benchmarks.harness_arms import Fault, Setup
 
 __all__ = ["REGIMES", "Regime"]
 
-FP8_DELAYED = {"format": "e4m3", "granularity": "tensor", "scaling": "delayed",
-               "amax_history_len": 16, "amax_compute_algo": "max"}  # fmt: skip
+FP8_DELAYED = {
+    "format": "e4m3",
+    "granularity": "tensor",
+    "scaling": "delayed",
+    "amax_history_len": 16,
+    "amax_compute_algo": "max",
+}
 """TE's delayed-scaling recipe (per-tensor e4m3 for x, W and dy, scale from the max of the last
 16 steps' amaxes): a spike saturates until the history catches up."""
 
@@ -68,9 +73,12 @@ class Regime:
     not enter it."""
 
     def backend_args(self) -> dict[str, Any]:
-        """The :class:`benchmarks.harness.Arm` keyword arguments of this regime's backend."""
-        return {"backend": self.backend, "low_cost": dict(self.low_cost),
-                "recovery": dict(self.recovery)}  # fmt: skip
+        """The :class:`benchmarks.harness_arms.Arm` keyword arguments of this regime's backend."""
+        return {
+            "backend": self.backend,
+            "low_cost": dict(self.low_cost),
+            "recovery": dict(self.recovery),
+        }
 
     def error_policy(self) -> dict[str, Any]:
         """The controller keys of a ``GNMR+e`` arm (the seed policy plus ``gamma``)."""
@@ -84,27 +92,47 @@ REGIMES = {
     r.name: r
     for r in (
         Regime(
-            "act_quant", "2-bit / 8-bit saved activations (act_quant)",
-            Setup(steps=200, eval_every=50, gnmr=act_quant_policy()), "act_quant",
-            {"bits": 2, "group_size": 128}, {"bits": 8, "group_size": 128}, gamma=0.3,
+            "act_quant",
+            "2-bit / 8-bit saved activations (act_quant)",
+            Setup(steps=200, eval_every=50, gnmr=act_quant_policy()),
+            "act_quant",
+            {"bits": 2, "group_size": 128},
+            {"bits": 8, "group_size": 128},
+            gamma=0.3,
         ),
         Regime(
-            "fp6_fp8", "per-tensor FP6 / block FP8 (fp8_emulated)",
-            Setup(steps=150, eval_every=50, gnmr=fp6_policy()), "fp8_emulated",
-            dict(FP6_TENSOR), dict(FP8_BLOCK), gamma=0.05,
+            "fp6_fp8",
+            "per-tensor FP6 / block FP8 (fp8_emulated)",
+            Setup(steps=150, eval_every=50, gnmr=fp6_policy()),
+            "fp8_emulated",
+            dict(FP6_TENSOR),
+            dict(FP8_BLOCK),
+            gamma=0.05,
         ),
         Regime(
-            "outlier", "block FP6 / block FP8, one outlier input channel x100 in layers.2 "
+            "outlier",
+            "block FP6 / block FP8, one outlier input channel x100 in layers.2 "
             "up_proj for steps 60-109 (fp8_emulated)",
-            Setup(steps=150, eval_every=50, gnmr=fp6_policy(),
-                  faults=(Fault("model.layers.2.mlp.up_proj", 100.0, 60, 110, channel=7),)),
-            "fp8_emulated", dict(FP6_BLOCK), dict(FP8_BLOCK), gamma=0.04,
+            Setup(
+                steps=150,
+                eval_every=50,
+                gnmr=fp6_policy(),
+                faults=(Fault("model.layers.2.mlp.up_proj", 100.0, 60, 110, channel=7),),
+            ),
+            "fp8_emulated",
+            dict(FP6_BLOCK),
+            dict(FP8_BLOCK),
+            gamma=0.04,
         ),
         Regime(
-            "delayed", "per-tensor FP8 e4m3 with TE's delayed scaling / bf16, two rising "
+            "delayed",
+            "per-tensor FP8 e4m3 with TE's delayed scaling / bf16, two rising "
             "activation spikes (x2 per step for 8 steps) in one projection each (fp8_emulated)",
             Setup(steps=150, eval_every=50, gnmr=fp6_policy(), faults=DELAYED_SPIKES),
-            "fp8_emulated", dict(FP8_DELAYED), {"format": "bf16"}, gamma=0.02,
+            "fp8_emulated",
+            dict(FP8_DELAYED),
+            {"format": "bf16"},
+            gamma=0.02,
         ),
     )
-}  # fmt: skip
+}

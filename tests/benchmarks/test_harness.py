@@ -11,25 +11,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from benchmarks.harness import (
-    Arm,
-    ArmResult,
-    Batches,
-    Fault,
-    Setup,
-    ZClip,
-    adam_inverse_rms,
-    build_model,
-    install_faults,
-    layer_units,
-    lm_loss,
-    run_arm,
-    run_experiment,
-    save_state,
-    table,
-    targets,
-    with_budget,
-)
+from benchmarks.harness import run_experiment, table, targets
+from benchmarks.harness_arms import Arm, ArmResult, Fault, Setup, with_budget
+from benchmarks.harness_model import Batches, build_model, install_faults, lm_loss, save_state
+from benchmarks.harness_training import ZClip, adam_inverse_rms, layer_units, run_arm
 from gnmr_dist.backends import get_backend
 from gnmr_dist.distributed import UnitRegistry
 from gnmr_dist.telemetry.selection import gap_share, precision_at_k, spearman, top_k
@@ -47,9 +32,19 @@ PROJECTIONS = (
 
 def tiny(**kw) -> Setup:
     """2 layers x 32, 16-token samples, 3 steps; GNMR thresholds low enough to act."""
-    base = {"layers": 2, "hidden": 32, "heads": 2, "ffn": 64, "seq_len": 16, "batch": 2,
-            "steps": 3, "max_bytes": 30_000, "eval_every": 3, "eval_batches": 1,
-            "gnmr": {"warmup_steps": 0, "alpha": 1.0, "beta": 1.0}}  # fmt: skip
+    base = {
+        "layers": 2,
+        "hidden": 32,
+        "heads": 2,
+        "ffn": 64,
+        "seq_len": 16,
+        "batch": 2,
+        "steps": 3,
+        "max_bytes": 30_000,
+        "eval_every": 3,
+        "eval_batches": 1,
+        "gnmr": {"warmup_steps": 0, "alpha": 1.0, "beta": 1.0},
+    }
     return Setup(**{**base, **kw})
 
 
@@ -210,11 +205,15 @@ def test_table_reports_deltas_to_the_reference_and_times_to_the_low_cost_arm():
 
 def test_targets_say_met_or_missed_from_the_numbers():
     def res(name, loss, ms, exceed=0.001, rec=0.0, max_active=0):
-        return ArmResult(name, "x", [], [], [], loss, math.exp(loss), exceed, rec, ms, 28,
-                         max_active)  # fmt: skip
+        return ArmResult(
+            name, "x", [], [], [], loss, math.exp(loss), exceed, rec, ms, 28, max_active
+        )
 
-    rs = [res("hi", 2.0, 10.0), res("lo", 2.05, 8.0, exceed=0.003),
-          res("g", 2.01, 8.4, rec=0.05, max_active=3)]  # fmt: skip
+    rs = [
+        res("hi", 2.0, 10.0),
+        res("lo", 2.05, 8.0, exceed=0.003),
+        res("g", 2.01, 8.4, rec=0.05, max_active=3),
+    ]
     lines = targets(rs, "hi", "lo", "g").splitlines()
     assert lines[0] == "- g within 1% of hi: +0.50% -> met"
     assert lines[1] == "- lo worse than hi by more than 1%: +2.50% -> met"
@@ -237,8 +236,9 @@ def test_probing_changes_nothing_in_training_and_grades_every_set(data):
     units = 21
     first_last = {i for i, n in enumerate(probed.unit_names) if ".layers.1." not in n}
     for p in probed.probes:
-        grad, update, risk = (torch.tensor(p[k], dtype=torch.float64)
-                              for k in ("grad_gap", "update_gap", "risk"))  # fmt: skip
+        grad, update, risk = (
+            torch.tensor(p[k], dtype=torch.float64) for k in ("grad_gap", "update_gap", "risk")
+        )
         assert grad.shape == (units,) and bool((grad > 0).all()) and bool((update > 0).all())
         sets, figures = p["sets"], p["figures"]
         assert set(sets["first_last"]) == first_last and len(sets["random"]) == 3
@@ -341,8 +341,10 @@ def test_a_fault_scales_one_input_channel_inside_its_window_only():
     assert torch.equal(after, before) and torch.equal(evaluated, before)
     for x in (inside, inside2):
         assert torch.allclose(x[..., 5], 100 * before[..., 5])
-        assert torch.equal(torch.cat([x[..., :5], x[..., 6:]], -1),
-                           torch.cat([before[..., :5], before[..., 6:]], -1))  # fmt: skip
+        assert torch.equal(
+            torch.cat([x[..., :5], x[..., 6:]], -1),
+            torch.cat([before[..., :5], before[..., 6:]], -1),
+        )
     with pytest.raises(ValueError, match=r"fault module 'model\.layers\.9\.mlp\.up_proj' is not"):
         install_faults(model, [replace(fault, module="model.layers.9.mlp.up_proj")], lambda: 0)
 

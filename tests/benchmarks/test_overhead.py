@@ -1,13 +1,18 @@
-"""benchmarks/overhead.py: the collective recorder, and GNMR's one extra all-reduce under ZeRO-1."""
+"""benchmarks/overhead_collectives.py: the collective recorder, and GNMR's one extra all-reduce
+under ZeRO-1."""
 
 from __future__ import annotations
 
+import os
 import types
+from collections import Counter
+from unittest import mock
 
 import pytest
 import torch
 
-from benchmarks import overhead as oh
+from benchmarks import overhead_collectives as oh
+from benchmarks.common import gloo_world
 
 
 def test_payload_bytes_of_tensors_lists_and_objects():
@@ -22,10 +27,10 @@ def test_extra_calls_is_a_multiset_difference():
     c = oh.Call
     off = [c("all_reduce", "float32", 10, 40), c("all_gather_into_tensor", "float32", 5, 20)]
     on = [off[0], c("all_reduce", "float64", 29, 232), off[1]]
-    assert oh.extra_calls(on, off) == {"extra": oh.expected_extra(28), "missing": oh.Counter()}
+    assert oh.extra_calls(on, off) == {"extra": oh.expected_extra(28), "missing": Counter()}
     # an extra call of the same kind as a plain one is still counted once more
     twice = [*on, off[0]]
-    assert oh.extra_calls(twice, off)["extra"] == oh.Counter(
+    assert oh.extra_calls(twice, off)["extra"] == Counter(
         {("all_reduce", 232): 1, ("all_reduce", 40): 1}
     )
     assert oh.extra_calls(off, on)["missing"] == oh.expected_extra(28)
@@ -33,15 +38,21 @@ def test_extra_calls_is_a_multiset_difference():
 
 def test_gloo_calls_reads_shapes_and_dtypes_of_gloo_events():
     def event(name, shapes, dtypes, start):
-        return types.SimpleNamespace(name=name, input_shapes=shapes, input_dtypes=dtypes,
-                                     time_range=types.SimpleNamespace(start=start))  # fmt: skip
+        return types.SimpleNamespace(
+            name=name,
+            input_shapes=shapes,
+            input_dtypes=dtypes,
+            time_range=types.SimpleNamespace(start=start),
+        )
 
-    prof = types.SimpleNamespace(events=lambda: [
-        event("gloo:all_reduce", [[29]], ["double"], 2),
-        event("c10d::allreduce_", [[], []], ["", ""], 1),
-        event("gloo:all_reduce", [[]], ["float"], 3),  # a 0-dim tensor: one element
-        event("gloo:all_gather", [[4], [8]], ["float", "float"], 0),
-    ])  # fmt: skip
+    prof = types.SimpleNamespace(
+        events=lambda: [
+            event("gloo:all_reduce", [[29]], ["double"], 2),
+            event("c10d::allreduce_", [[], []], ["", ""], 1),
+            event("gloo:all_reduce", [[]], ["float"], 3),  # a 0-dim tensor: one element
+            event("gloo:all_gather", [[4], [8]], ["float", "float"], 0),
+        ]
+    )
     calls = oh.gloo_calls(prof)
     assert [(x.op, x.numel, x.bytes) for x in calls] == [
         ("gloo:all_gather", 12, 48),
@@ -52,16 +63,10 @@ def test_gloo_calls_reads_shapes_and_dtypes_of_gloo_events():
 
 @pytest.fixture
 def one_rank_group():
-    """A one-rank gloo group in this process, torn down afterwards."""
-    import torch.distributed as dist
-
-    from tests.multiproc import free_port
-
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
-    yield
-    dist.destroy_process_group()
+    """A one-rank gloo group in this process (the benchmarks' own), torn down afterwards with
+    the environment it set."""
+    with mock.patch.dict(os.environ), gloo_world():
+        yield
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
@@ -103,8 +108,9 @@ def test_recorder_records_each_collective_once_with_its_payload(one_rank_group):
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_gnmr_adds_exactly_one_all_reduce_of_u_plus_1_float64_under_zero1():
     pytest.importorskip("deepspeed")
-    spec = oh.CollectiveSpec(model="stack", layers=2, hidden=32, seq_len=16, batch=2, steps=2,
-                             max_active=2)  # fmt: skip
+    spec = oh.CollectiveSpec(
+        model="stack", layers=2, hidden=32, seq_len=16, batch=2, steps=2, max_active=2
+    )
     units = oh.independent_units(spec)
     assert units == 14  # 7 projections x 2 layers, counted without the unit registry
     res = oh.part_c(spec)

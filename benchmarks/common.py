@@ -1,0 +1,78 @@
+"""What several benchmarks share: the results folder, the command line, a Llama, a gloo world.
+
+Nothing here measures; the measuring lives with each benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gnmr_dist.distributed.comm import free_port
+
+RESULTS = Path(__file__).resolve().parent / "results"
+"""Where the benchmarks write their JSON and plots (``benchmarks/results``)."""
+
+
+def arg_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The command's parser, described by the first paragraph of its module docstring."""
+    return argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
+
+
+def llama(
+    *, vocab: int, hidden: int, ffn: int, layers: int, heads: int, seed: int, **config: Any
+) -> nn.Module:
+    """A Hugging Face ``LlamaForCausalLM`` (as many key/value heads as heads) whose initial
+    weights are drawn after ``torch.manual_seed(seed)``; ``config``: further ``LlamaConfig``
+    keys (``max_position_embeddings``)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    sizes = {"vocab_size": vocab, "hidden_size": hidden, "intermediate_size": ffn}
+    heads_kv = {"num_attention_heads": heads, "num_key_value_heads": heads}  # no grouped queries
+    cfg = LlamaConfig(**sizes, num_hidden_layers=layers, **heads_kv, **config)
+    return LlamaForCausalLM(cfg)
+
+
+def hf_loss(model: Any, tokens: torch.Tensor) -> torch.Tensor:
+    """The model's own next-token loss, ``model(input_ids=tokens, labels=tokens).loss``
+    (Hugging Face shifts the labels itself; DeepSpeed engines pass the call through)."""
+    return model(input_ids=tokens, labels=tokens).loss  # type: ignore[no-any-return]
+
+
+@contextlib.contextmanager
+def gloo_world(rank: int = 0, world: int = 1, port: int | None = None) -> Iterator[None]:
+    """This process as rank ``rank`` of a gloo ``torch.distributed`` world on this machine,
+    with the environment a launcher sets (DeepSpeed and megatron read it); torn down on exit.
+    ``port``: the rendezvous port (default: a free one, which only a world of one can pick)."""
+    port = free_port() if port is None else port
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # the rendezvous
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # this process
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def skip_deepspeed_shm_comm() -> None:
+    """Keep DeepSpeed from building its shm comm op (inference-only; building it takes ~90 s)."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+@contextlib.contextmanager
+def deepspeed_world(port: int | None = None) -> Iterator[None]:
+    """A world of one process over gloo for DeepSpeed (it needs ``torch.distributed``)."""
+    with gloo_world(port=port):
+        skip_deepspeed_shm_comm()
+        yield
