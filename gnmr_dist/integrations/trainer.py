@@ -15,11 +15,12 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from gnmr_dist.integrations.patching import Patches
 from gnmr_dist.integrations.session import telemetry_scalars
 
 __all__ = ["log_entries", "patch", "unpatch"]
 
-_ORIGINAL_LOG: list[Any] = []
+_PATCHES = Patches("gnmr_dist.integrations.trainer")
 
 
 def log_entries(trainer: Any) -> dict[str, float]:
@@ -40,10 +41,9 @@ def patch() -> None:
     """Wrap ``transformers.Trainer.log`` to add :func:`log_entries` (idempotent)."""
     from transformers import Trainer
 
-    if _ORIGINAL_LOG:
+    if _PATCHES:
         return
     original = Trainer.log
-    _ORIGINAL_LOG.append(original)
 
     @functools.wraps(original)
     def log(self: Any, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
@@ -51,12 +51,9 @@ def patch() -> None:
             logs.update(log_entries(self))
         original(self, logs, *args, **kwargs)
 
-    Trainer.log = log  # type: ignore[method-assign]
+    _PATCHES.set(Trainer, "log", log)
 
 
 def unpatch() -> None:
     """Undo :func:`patch` (no-op when not patched)."""
-    if _ORIGINAL_LOG:
-        from transformers import Trainer
-
-        Trainer.log = _ORIGINAL_LOG.pop()  # type: ignore[method-assign]
+    _PATCHES.restore()

@@ -70,9 +70,12 @@ def _always_disabled():
     disable_cpu_compat()
 
 
+_NOT_OWN = object()  # the owner's __dict__ has no such name (a class method, an inherited one)
+
+
 def _snapshot():
     """Every attribute the plan patches, as currently set (identity)."""
-    return {(id(o), n): vars(o).get(n, cpu._MISSING) for o, n, _ in cpu._patch_plan()}
+    return {(id(o), n): vars(o).get(n, _NOT_OWN) for o, n, _ in cpu._patch_plan()}
 
 
 def test_enable_is_idempotent_and_disable_restores_identity():

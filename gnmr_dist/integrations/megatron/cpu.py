@@ -105,7 +105,7 @@ import logging
 import threading
 import types
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -115,6 +115,7 @@ from gnmr_dist.integrations.megatron.versions import (
     installed_version,
     series_of,
 )
+from gnmr_dist.integrations.patching import Patches
 
 __all__ = [
     "SUPPORTED_MEGATRON_VERSIONS",
@@ -131,17 +132,8 @@ SUPPORTED_MEGATRON_VERSIONS: tuple[str, ...] = tuple(SERIES)
 """megatron-core ``major.minor`` series whose sources these patches were checked against: the
 keys of the version table (0.16.1, 0.17.1, 0.19.2; 0.18 was not checked)."""
 
-_MISSING = object()
 _LOCK = threading.Lock()
-
-
-class _Patch(NamedTuple):
-    owner: Any
-    name: str
-    original: Any
-
-
-_APPLIED: list[_Patch] = []
+_APPLIED = Patches("cpu compat")
 _TRAINING_ON: list[bool] = []
 """Non-empty while :mod:`megatron_patches.cpu_training`'s patches are on."""
 
@@ -544,20 +536,9 @@ def _patch_plan(version: str | None = None) -> list[tuple[Any, str, Any]]:
     return plan
 
 
-def _apply(owner: Any, name: str, replacement: Any) -> None:
-    _APPLIED.append(_Patch(owner, name, vars(owner).get(name, _MISSING)))
-    setattr(owner, name, replacement)
-    logger.debug("cpu compat: patched %s.%s", getattr(owner, "__name__", owner), name)
-
-
 def _restore_all() -> None:
     _TRAINING_ON.clear()
-    while _APPLIED:
-        patch = _APPLIED.pop()
-        if patch.original is _MISSING:
-            delattr(patch.owner, patch.name)
-        else:
-            setattr(patch.owner, patch.name, patch.original)
+    _APPLIED.restore()
 
 
 # --------------------------------------------------------------------------- public API
@@ -603,7 +584,7 @@ def enable_cpu_compat(*, training: bool = False) -> None:
             plan += training_patch_plan()
         try:
             for owner, name, replacement in plan:
-                _apply(owner, name, replacement)
+                _APPLIED.set(owner, name, replacement)
         except BaseException:
             _restore_all()
             raise
