@@ -47,16 +47,20 @@ from torch import nn
 from gnmr_dist.backends.base import (
     LOW_COST,
     GemmProbe,
+    OptionBlocks,
     PrecisionBackend,
     frobenius,
     operators_of,
 )
-from gnmr_dist.backends.options import parse_options
 
 __all__ = [
-    "ActQuantBackend", "ActQuantOptions", "PackedActivation", "pack", "quantization_error",
+    "ActQuantBackend",
+    "ActQuantOptions",
+    "PackedActivation",
+    "pack",
+    "quantization_error",
     "unpack",
-]  # fmt: skip
+]
 
 _BITS = (2, 4, 8, 16, 32)
 
@@ -291,13 +295,12 @@ class ActQuantBackend(PrecisionBackend):
 
     name = "act_quant"
     reports_errors = True
+    options = OptionBlocks(ActQuantOptions, ActQuantOptions, recovery_defaults={"bits": 8})
+    low_cost: ActQuantOptions
+    recovery: ActQuantOptions
 
-    def __init__(
-        self, *, low_cost: dict[str, Any] | None = None, recovery: dict[str, Any] | None = None
-    ) -> None:
-        super().__init__()
-        self.low_cost = parse_options(ActQuantOptions, low_cost, "gnmr.low_cost")
-        self.recovery = parse_options(ActQuantOptions, recovery, "gnmr.recovery", {"bits": 8})
+    def __init__(self, **blocks: Any) -> None:
+        super().__init__(**blocks)
         self._last_pack: tuple[Any, int, Any, Any] = (None, 0, None, None)
         self._last_shadow: tuple[Any, int, Any] = (None, 0, None)
 

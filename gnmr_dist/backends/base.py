@@ -20,48 +20,34 @@ the forward's precision even if the plan changes before it runs.
 
 The controller never imports a backend; the integrations wire the two together.
 
-Error sums (DESIGN.md section 2.1)
-----------------------------------
-A linear's weight gradient is ``dW = dy^T x``. A low-cost path computes it, in effect, as
-``Q(dy)^T Q(x)`` (each backend rounds some of the two factors), and to first order
-
-    ||Q(dy)^T Q(x) - dy^T x||_F  <=  ||dy||_F ||x - Q(x)||_F  +  ||Q(dy) - dy||_F ||x||_F
-
-(a backend drops the term of a factor it does not round). ``B(u)`` is that bound summed over
-every GEMM of unit u's operators on this rank since the last :meth:`apply`: every micro-batch's
-backward, so it grows with the micro-batches as the accumulated gradient does. Each norm is one
-``torch.linalg.vector_norm`` of a tensor the backend has at hand anyway (its quantized copy, or
-``dy`` in the backward); the GEMMs only append their 0-dim norms, and :meth:`error_sums`
-multiplies and scatters them into a float64 ``[U]`` vector in a few kernels: no host sync, no
-extra GEMM. A unit on the recovery path is measured *in shadow*: the low-cost rounding is
-applied once more to the same ``x`` (in the forward) and ``dy`` (in a hook on the output's
-gradient) only to measure it, so ``B(u)`` is what the low-cost path would have done to that
-unit's gradient this step. The runtime divides the reduced ``B(u)`` by ``n_t(u)`` to get the
-dimensionless ``e_t(u)``.
-
-Measuring is off until :meth:`track_errors` is called, so runs without ``gnmr.gamma`` pay
-nothing. :meth:`error_sums` returns ``None`` for a backend that reports no error (the base class
-default; ``te_fp8`` for now). Units the backend does not wrap read 0.
+The error sums (``B(u)``, DESIGN.md section 2.1: what they bound, how they are measured without
+a host sync or an extra GEMM) are explained in :mod:`gnmr_dist.backends.error_sums`. Measuring is
+off until :meth:`PrecisionBackend.track_errors` is called, so runs without ``gnmr.gamma`` pay
+nothing; :meth:`PrecisionBackend.error_sums` returns ``None`` for a backend that reports no
+error (the base class default; ``te_fp8`` for now). Units the backend does not wrap read 0.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, cast
 
 import torch
 from torch import nn
 
-from gnmr_dist.distributed.monitor import IndexCache, index_tensor
-from gnmr_dist.distributed.units import is_operator
+from gnmr_dist.backends.error_sums import ErrorSums, GemmProbe, frobenius
+from gnmr_dist.backends.options import parse_options
+from gnmr_dist.backends.registry import registered_operator_types
+from gnmr_dist.distributed.units import MEGATRON_LINEARS, is_operator
 
 __all__ = [
     "LOW_COST",
     "RECOVERY",
     "GemmProbe",
+    "OptionBlocks",
     "PrecisionBackend",
     "StepReport",
     "frobenius",
@@ -97,137 +83,97 @@ class StepReport:
         return frozenset(u for u, paths in self.ran.items() if LOW_COST in paths)
 
 
-def frobenius(t: torch.Tensor) -> torch.Tensor:
-    """0-dim ``||t||_F`` on ``t``'s device, accumulated in fp32 at least (no host sync)."""
-    wide = torch.float64 if t.dtype == torch.float64 else torch.float32
-    norm: torch.Tensor = torch.linalg.vector_norm(t, dtype=wide if t.dtype != wide else None)
-    return norm
-
-
-class _ErrorSums:
-    """This rank's ``B(u)`` since the last reset, kept as the GEMMs' 0-dim factor norms.
-
-    Each GEMM appends its terms ``(unit, a, b)`` (``B(unit) += a * b``): a list append, no
-    kernel. :meth:`total` multiplies and scatters them all at once (two stacks, one product,
-    one ``index_add_``, the index cached on the device): a handful of kernels per step however
-    many GEMMs and micro-batches ran, and no host sync. Past :data:`FOLD_AT` terms (many
-    micro-batches, or no ``apply`` for a long time) they are folded into a running vector.
-    """
-
-    FOLD_AT = 4096
-
-    def __init__(self, num_units: int) -> None:
-        self.num_units = num_units
-        self._terms: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-        self._folded: torch.Tensor | None = None
-        self._index: dict[torch.device, IndexCache] = {}
-
-    def add(self, unit: int, a: torch.Tensor, b: torch.Tensor) -> None:
-        """``B(unit) += a * b`` (0-dim tensors on one device), evaluated in :meth:`total`."""
-        self._terms.append((unit, a, b))
-        if len(self._terms) >= self.FOLD_AT:
-            self._folded = self.total(a.device)
-            self._terms = []
-
-    def total(self, device: torch.device) -> torch.Tensor:
-        """A float64 ``[U]`` tensor on ``device`` (zeros before the first GEMM)."""
-        out = torch.zeros(self.num_units, dtype=torch.float64, device=device)
-        if self._folded is not None:
-            out.add_(self._folded.to(device))
-        if not self._terms:
-            return out
-        units, a, b = zip(*self._terms, strict=True)
-        terms = torch.stack(a).double() * torch.stack(b).double()
-        out.index_add_(0, self._index_of(units, device), terms.to(device))
-        return out
-
-    def _index_of(self, units: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        """The unit ids as a device tensor, copied from the host once per distinct sequence."""
-        cache = self._index.setdefault(device, {})
-        if len(cache) > 64:  # the sequence repeats every step; never grow unbounded
-            cache.clear()
-        return index_tensor(units, device, cache)
-
-    def reset(self) -> None:
-        self._terms, self._folded = [], None
-
-
-@dataclass
-class GemmProbe:
-    """The error bound of one GEMM call of one unit, filled in its forward, added in its backward.
-
-    ``x_err = ||x - Q(x)||_F`` and ``x_norm = ||x||_F`` are 0-dim device tensors (``None``: the
-    term is dropped); :meth:`record` adds ``||dy|| x_err + dy_err x_norm`` to ``B(unit)``.
-    """
-
-    sink: _ErrorSums
-    unit: int
-    x_err: torch.Tensor | None = None
-    """``||x - Q(x)||_F`` (``None`` when the backend does not round ``x``)."""
-    x_norm: torch.Tensor | None = None
-    """``||x||_F`` (only needed when the backend rounds ``dy``)."""
-
-    def record(self, dy_norm: torch.Tensor, dy_err: torch.Tensor | None = None) -> None:
-        """Add ``||dy|| ||x - Q(x)|| + ||Q(dy) - dy|| ||x||`` to the unit's sum (terms whose
-        factors are ``None`` are dropped)."""
-        if self.x_err is not None:
-            self.sink.add(self.unit, dy_norm, self.x_err)
-        if dy_err is not None and self.x_norm is not None:
-            self.sink.add(self.unit, dy_err, self.x_norm)
-
-    def record_output_grad(self, y: torch.Tensor) -> None:
-        """Record ``||dy|| x_err`` from a hook on the GEMM's output ``y`` (shadow measurement of
-        a path that has no backward of its own to read ``dy`` in). The hook only reads."""
-
-        def hook(dy: torch.Tensor) -> None:
-            self.record(frobenius(dy))
-
-        y.register_hook(hook)  # type: ignore[no-untyped-call]
-
-
 Gemm = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
-
-_MEGATRON_LINEARS = frozenset({"ColumnParallelLinear", "RowParallelLinear"})
 
 
 def is_megatron_linear(module: nn.Module) -> bool:
     """megatron-core's own (non-TE) tensor-parallel linear, switched via ``_forward_impl``."""
-    return type(module).__name__ in _MEGATRON_LINEARS and hasattr(module, "_forward_impl")
+    return type(module).__name__ in MEGATRON_LINEARS and hasattr(module, "_forward_impl")
 
 
-def operators_of(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+def operators_of(
+    module: nn.Module, operator_types: Collection[str] | None = None
+) -> Iterator[tuple[str, nn.Module]]:
     """``(relative path, operator)`` for the outermost operators in ``module`` (itself included).
 
     An operator nested in another (peft's ``lora.Linear`` holds ``base_layer`` and ``lora_A``)
-    belongs to the outer one, which the backend handles as a whole.
+    belongs to the outer one, which the backend handles as a whole. ``operator_types``: as
+    :func:`~gnmr_dist.distributed.units.is_operator`'s; default: every registered backend's
+    (:func:`~gnmr_dist.backends.registry.registered_operator_types`), the operators of the
+    integrations' unit registries.
     """
+    types = registered_operator_types() if operator_types is None else operator_types
     taken: list[str] = []
     for path, sub in module.named_modules():
         if any(t == "" or path == t or path.startswith(t + ".") for t in taken):
             continue
-        if is_operator(sub):
+        if is_operator(sub, types):
             taken.append(path)
             yield path, sub
 
 
-class PrecisionBackend:
-    """Base class of the precision backends; subclasses implement :meth:`_gemm_fn` (or
-    :meth:`_forward_fn` for whole-module backends such as ``te_fp8``).
+@dataclass(frozen=True)
+class OptionBlocks:
+    """The dataclasses a backend parses its ``low_cost`` / ``recovery`` blocks into.
 
-    Subclasses parse their ``low_cost`` / ``recovery`` option blocks strictly in ``__init__``
-    (unknown keys name the closest valid one) and may narrow :meth:`supports`.
+    Each is parsed strictly (:func:`~gnmr_dist.backends.options.parse_options`: unknown keys
+    name the closest valid one, values are checked by the dataclass) under the config paths
+    ``gnmr.low_cost`` / ``gnmr.recovery``.
+    """
+
+    low_cost: type[Any]
+    recovery: type[Any]
+    recovery_defaults: Mapping[str, Any] = field(default_factory=dict)
+    """The recovery path's own defaults where they differ from its dataclass's."""
+
+
+class PrecisionBackend:
+    """Base class of the precision backends: everything the integrations, the runtime and the
+    recovery-gap probe call on a backend is declared here, with its default.
+
+    A subclass sets :attr:`name` (its key in :data:`~gnmr_dist.backends.registry.BACKENDS`),
+    :attr:`options` (its two option blocks, parsed strictly here), and implements
+    :meth:`_gemm_fn` (or :meth:`_forward_fn` for whole-module backends such as ``te_fp8``); it
+    may narrow :meth:`supports`, declare more :attr:`operator_types`, report errors
+    (:attr:`reports_errors`) and give layer units a :meth:`recovery_region`.
     """
 
     name: ClassVar[str] = ""
+    """The backend's name in configs (``gnmr.backend``) and messages."""
     reports_errors: ClassVar[bool] = False
     """Whether :meth:`error_sums` reports section 2.1's ``B(u)`` (``False``: it returns None)."""
+    operator_types: ClassVar[frozenset[str]] = MEGATRON_LINEARS
+    """Class names (matched by name, nothing imported) of the operators this backend switches
+    besides ``nn.Linear`` and LoRA layers; default: megatron-core's parallel linears, which
+    :meth:`_megatron_impl` runs. The unit registries of the integrations find the union over
+    every registered backend (:func:`~gnmr_dist.backends.registry.registered_operator_types`),
+    so a new module class is declared here, on the backend that switches it."""
+    options: ClassVar[OptionBlocks | None] = None
+    """The dataclasses of the ``low_cost`` / ``recovery`` blocks (``None``: no options)."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        *,
+        low_cost: Mapping[str, Any] | None = None,
+        recovery: Mapping[str, Any] | None = None,
+    ) -> None:
+        blocks = self.options
+        if blocks is None and (low_cost or recovery):
+            raise ValueError(f"the {self.name or type(self).__name__} backend takes no options")
+        self.low_cost: Any = None
+        """The parsed ``low_cost`` block (an instance of ``options.low_cost``)."""
+        self.recovery: Any = None
+        """The parsed ``recovery`` block (an instance of ``options.recovery``)."""
+        if blocks is not None:
+            self.low_cost = parse_options(blocks.low_cost, low_cost, "gnmr.low_cost")
+            self.recovery = parse_options(
+                blocks.recovery, recovery, "gnmr.recovery", blocks.recovery_defaults
+            )
         self._wrapped: dict[int, list[nn.Module]] = {}
         self._recover: frozenset[int] = frozenset()
         self._step = 0
         self._ran: dict[int, set[str]] = {}
-        self._errors: _ErrorSums | None = None
+        self._errors: ErrorSums | None = None
         self._error_every = 1
         self._unit: int | None = None  # the unit whose switched forward is running
         self.before_forward: Callable[[], None] | None = None
@@ -305,7 +251,7 @@ class PrecisionBackend:
                 f"track_errors: num_units must be an integer >= {wrapped} (one more than the "
                 f"largest wrapped unit id), got {num_units!r}"
             )
-        self._errors = _ErrorSums(num_units)
+        self._errors = ErrorSums(num_units)
 
     def error_sums(self, device: torch.device) -> torch.Tensor | None:
         """float64 ``[U]`` on ``device``: this rank's ``B(u)`` since the last :meth:`apply`.
@@ -390,6 +336,16 @@ class PrecisionBackend:
         Most backends need none; integrations enter it for every backend.
         """
         return contextlib.nullcontext()
+
+    def recovery_region(self) -> contextlib.AbstractContextManager[Any] | None:
+        """The region a *layer* unit on the recovery path runs in, in place of the framework's
+        own per-layer precision context (megatron's ``get_fp8_context``).
+
+        ``None`` (the default): the backend has no layer-level region and switches the
+        operators themselves, so the framework's per-layer context stays (``te_fp8`` returns its
+        inner region: FP8 off, or its stronger recipe).
+        """
+        return None
 
     def measuring(self) -> contextlib.AbstractContextManager[None]:
         """The region of passes that measure rather than train (the recovery-gap probe's):

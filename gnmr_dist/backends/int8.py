@@ -60,16 +60,15 @@ from __future__ import annotations
 import logging
 import sys
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from gnmr_dist.backends.base import RECOVERY, GemmProbe, PrecisionBackend, frobenius
-from gnmr_dist.backends.options import parse_options
+from gnmr_dist.backends.base import RECOVERY, GemmProbe, OptionBlocks, PrecisionBackend, frobenius
 from gnmr_dist.core.validation import check_choice
 
 __all__ = [
@@ -299,16 +298,13 @@ class Int8Backend(PrecisionBackend):
 
     name = "int8"
     reports_errors = True
+    operator_types: ClassVar[frozenset[str]] = frozenset()  # nn.Linear and LoRA layers only
+    options = OptionBlocks(Int8LowCost, Int8Recovery)
+    low_cost: Int8LowCost
+    recovery: Int8Recovery
 
-    def __init__(
-        self,
-        *,
-        low_cost: Mapping[str, Any] | None = None,
-        recovery: Mapping[str, Any] | None = None,
-    ) -> None:
-        super().__init__()
-        self.low_cost = parse_options(Int8LowCost, low_cost, "gnmr.low_cost")
-        self.recovery = parse_options(Int8Recovery, recovery, "gnmr.recovery")
+    def __init__(self, **blocks: Any) -> None:
+        super().__init__(**blocks)
         self._caches: list[_WeightCache] = []
         logger.info("int8 backend: low_cost=%s recovery=%s", self.low_cost, self.recovery)
 

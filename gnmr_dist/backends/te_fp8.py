@@ -97,12 +97,10 @@ Modules holding FP8 primary weights (``fp8_model_init``) have no high-precision 
 recover with; they are left unwrapped, which makes their units ineligible. CUDA-graphed modules
 (``te.make_graphed_callables``) replay the one path they were captured with: do not wrap them.
 
-Version differences are resolved by feature, not by number: ``te.pytorch.autocast(enabled,
-recipe=, amax_reduction_group=)`` when it exists (TE >= 2.9), else ``te.pytorch.fp8_autocast(
-enabled, fp8_recipe=, fp8_group=)``; ``te.pytorch.is_*_available(return_reason=True)`` (>= 2.9)
-else ``te.pytorch.fp8.check_*_support()``; a recipe class missing from
-``transformer_engine.common.recipe`` (``Float8CurrentScaling`` < 2.2, ``Float8BlockScaling``
-< 2.3, ``MXFP8BlockScaling`` < 2.0) is an error naming the version needed.
+Layout: the option blocks and the recipe policy live in :mod:`gnmr_dist.backends.te_recipes`,
+loading TE (version differences resolved by feature, not by number) and the modules'
+delayed-scaling state in :mod:`gnmr_dist.backends.te_runtime`, the ``te_quant_params`` mechanism
+in :mod:`gnmr_dist.backends.te_megatron`; their public names are importable from here too.
 
 Use::
 
@@ -119,20 +117,16 @@ Use::
 from __future__ import annotations
 
 import contextlib
-import importlib
-import importlib.metadata
 import logging
 import types
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
-from gnmr_dist.backends.base import LOW_COST, RECOVERY, PrecisionBackend
-from gnmr_dist.backends.options import parse_options
+from gnmr_dist.backends.base import LOW_COST, RECOVERY, OptionBlocks, PrecisionBackend
 from gnmr_dist.backends.te_megatron import (
+    MEGATRON_TE_LINEARS,
     QuantParamsSwitch,
     cuda_graph_setting,
     is_megatron_te_linear,
@@ -140,7 +134,21 @@ from gnmr_dist.backends.te_megatron import (
     module_recipe,
     quant_params_switch,
 )
-from gnmr_dist.core.validation import check_choice, check_nonnegative_int, check_positive_int
+from gnmr_dist.backends.te_recipes import (
+    RECIPES,
+    TELowCostOptions,
+    TERecoveryOptions,
+    check_own,
+    check_pair,
+)
+from gnmr_dist.backends.te_runtime import (
+    TE_MODULE_TYPES,
+    build_recipe,
+    check_available,
+    is_te_module,
+    load_te,
+    reset_delayed_scaling,
+)
 
 __all__ = [
     "TE_MODULE_TYPES",
@@ -152,244 +160,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-TE_MODULE_TYPES = frozenset({"Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear"})
-"""TE module classes the backend switches (megatron's ``TELinear`` & co. subclass them)."""
-
-_RECIPES: dict[str, tuple[str, str]] = {
-    "delayed": ("DelayedScaling", "1.0"),
-    "tensorwise": ("Float8CurrentScaling", "2.2"),
-    "blockwise": ("Float8BlockScaling", "2.3"),
-    "mxfp8": ("MXFP8BlockScaling", "2.0"),
-}
-"""Megatron's recipe names -> (class in ``transformer_engine.common.recipe``, first TE with it)."""
-
-_ALIASES = {"current": "tensorwise", "block": "blockwise"}
-"""DESIGN.md's names ("current", "block") for Megatron's ("tensorwise", "blockwise")."""
-
-_FIDELITY = {"delayed": 0, "tensorwise": 1, "blockwise": 2, "mxfp8": 2, "bf16": 3}
-_SUPPORT_KIND = {
-    "delayed": "fp8",
-    "tensorwise": "fp8",
-    "blockwise": "fp8_block_scaling",
-    "mxfp8": "mxfp8",
-}
-_FORMATS = {"hybrid": "HYBRID", "e4m3": "E4M3"}
-_AMAX_ALGOS = ("max", "most_recent")
-_RESEEDS = ("reset", "keep")
-_META_KEYS = ("scaling_fwd", "scaling_bwd")
-_DELAYED_DEFAULTS = {"amax_history_len": 1024, "amax_compute_algo": "max", "margin": 0}
-"""TE's own ``DelayedScaling`` defaults: an empty ``low_cost`` block equals plain TE."""
-
-_NO_TE_HINT = (
-    "Without an NVIDIA GPU, use the 'fp8_emulated' backend, which emulates FP8 GEMMs with "
-    "tensor-, row- or block-wise scales on CPU and GPU."
-)
-
-
-def _canonical_recipe(recipe: Any) -> Any:
-    """A recipe name with Megatron's aliases resolved (anything else as given, for the check)."""
-    return _ALIASES.get(recipe, recipe) if isinstance(recipe, str) else recipe
-
-
-@dataclass(frozen=True)
-class TELowCostOptions:
-    """The low-cost path: the recipe of the one outer FP8 region."""
-
-    recipe: str = "delayed"
-    """``"delayed"`` | ``"tensorwise"`` | ``"blockwise"`` | ``"mxfp8"`` (Megatron's names)."""
-    fp8_format: str = "hybrid"
-    """``"hybrid"`` (E4M3 forward, E5M2 gradients) or ``"e4m3"``; also used by recovery."""
-    amax_history_len: int | None = None
-    """Delayed only: amax history length (TE default 1024)."""
-    amax_compute_algo: str | None = None
-    """Delayed only: ``"max"`` over the history (TE default) or ``"most_recent"``."""
-    margin: int | None = None
-    """Delayed only: scale = FP8_max / amax / 2^margin (TE default 0)."""
-    reseed: str | None = None
-    """Delayed only, for a unit back from recovery: ``"reset"`` (default) its scale to 1 and its
-    amax history to 0, or ``"keep"`` the frozen ones (the trade-off: module docstring)."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "recipe", _canonical_recipe(self.recipe))
-        check_choice(self.recipe, sorted(_RECIPES), "recipe")
-        check_choice(self.fp8_format, sorted(_FORMATS), "fp8_format")
-        if self.recipe != "delayed":
-            self._refuse_delayed_only()
-        if self.amax_history_len is not None:
-            check_positive_int(self.amax_history_len, "amax_history_len")
-        if self.margin is not None:
-            check_nonnegative_int(self.margin, "margin")
-        if self.amax_compute_algo is not None:
-            check_choice(self.amax_compute_algo, sorted(_AMAX_ALGOS), "amax_compute_algo")
-        if self.reseed is not None:
-            check_choice(self.reseed, sorted(_RESEEDS), "reseed")
-
-    def _refuse_delayed_only(self) -> None:
-        for name in (*_DELAYED_DEFAULTS, "reseed"):
-            if getattr(self, name) is not None:
-                raise ValueError(
-                    f"{name} applies only to recipe 'delayed' (recipe is {self.recipe!r})"
-                )
-
-    @property
-    def reseed_mode(self) -> str:
-        """``reseed`` with its default filled in."""
-        return self.reseed or "reset"
-
-    def delayed_kwargs(self) -> dict[str, Any]:
-        """``DelayedScaling`` keyword arguments (without ``fp8_format``), defaults filled in."""
-        given = {k: getattr(self, k) for k in _DELAYED_DEFAULTS}
-        return {k: _DELAYED_DEFAULTS[k] if v is None else v for k, v in given.items()}
-
-
-@dataclass(frozen=True)
-class TERecoveryOptions:
-    """The recovery path: FP8 off for the unit, or a stronger recipe in an inner region."""
-
-    recipe: str = "bf16"
-    """``"bf16"`` (FP8 off) | ``"tensorwise"`` | ``"blockwise"`` | ``"mxfp8"``."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "recipe", _canonical_recipe(self.recipe))
-        check_choice(self.recipe, sorted([*_RECIPES.keys() - {"delayed"}, "bf16"]), "recipe")
-
-
-# ---------------------------------------------------------------------- loading TE
-
-
-@dataclass(frozen=True)
-class _TE:
-    """The installed Transformer Engine, as far as this backend uses it."""
-
-    version: str
-    pytorch: types.ModuleType
-    recipe: types.ModuleType
-    new_autocast: bool
-    """``te.pytorch.autocast`` exists (TE >= 2.9); else ``fp8_autocast``."""
-
-
-def _te_version(root: types.ModuleType) -> str:
-    version = getattr(root, "__version__", None)
-    if version:
-        return str(version)
-    try:
-        return importlib.metadata.version("transformer_engine")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
-
-
-def _load_te() -> _TE:
-    """Import Transformer Engine, or raise an ``ImportError`` that says what to do."""
-    try:
-        root = importlib.import_module("transformer_engine")
-        te_pytorch = importlib.import_module("transformer_engine.pytorch")
-        recipe = importlib.import_module("transformer_engine.common.recipe")
-    except (ImportError, OSError, RuntimeError) as err:
-        cuda = "a CUDA device is visible" if torch.cuda.is_available() else "no CUDA device"
-        raise ImportError(
-            "the 'te_fp8' backend needs NVIDIA Transformer Engine and a CUDA GPU "
-            f"(import failed: {err}; {cuda}). Install it on a GPU machine with "
-            "`pip install --no-build-isolation transformer_engine[pytorch]` (or use an NGC "
-            f"PyTorch container). {_NO_TE_HINT}"
-        ) from err
-    new = hasattr(te_pytorch, "autocast")
-    if not new and not hasattr(te_pytorch, "fp8_autocast"):
-        raise ImportError(f"transformer_engine {_te_version(root)} has no fp8_autocast/autocast")
-    return _TE(_te_version(root), te_pytorch, recipe, new)
-
-
-def _support(te: _TE, kind: str) -> tuple[bool, str] | None:
-    """TE's own answer to "can recipe family ``kind`` run here?", or None if it cannot say."""
-    query = getattr(te.pytorch, f"is_{kind}_available", None)
-    if query is not None:
-        ok, reason = query(return_reason=True)
-        return bool(ok), str(reason)
-    legacy = importlib.import_module("transformer_engine.pytorch.fp8")
-    check = getattr(legacy, f"check_{kind}_support", None)
-    if check is None:
-        return None
-    ok, reason = check()
-    return bool(ok), str(reason)
-
-
-def _check_available(te: _TE, name: str) -> None:
-    """Raise a ``RuntimeError`` naming TE's reason when recipe ``name`` cannot run here."""
-    try:
-        answer = _support(te, _SUPPORT_KIND[name])
-    except Exception as err:  # no device: TE's capability query fails inside torch.cuda
-        answer = (False, f"{type(err).__name__}: {err}")
-    if answer is not None and not answer[0]:
-        raise RuntimeError(
-            f"the 'te_fp8' backend cannot run recipe {name!r} here: {answer[1]} "
-            f"(transformer_engine {te.version}). {_NO_TE_HINT}"
-        )
-
-
-def _build_recipe(te: _TE, name: str, fp8_format: str, delayed: Mapping[str, Any]) -> Any:
-    """The TE recipe object for Megatron's recipe ``name``."""
-    cls_name, since = _RECIPES[name]
-    cls = getattr(te.recipe, cls_name, None)
-    if cls is None:
-        raise RuntimeError(
-            f"recipe {name!r} ({cls_name}) needs transformer_engine >= {since}; "
-            f"installed: {te.version}. Upgrade Transformer Engine or choose another recipe."
-        )
-    fmt = getattr(te.recipe.Format, _FORMATS[fp8_format])
-    if name == "delayed":
-        return cls(fp8_format=fmt, **delayed)
-    return cls(fp8_format=fmt)
-
-
-# ---------------------------------------------------------------------- module state
-
-
-def is_te_module(module: nn.Module) -> bool:
-    """True for a TE linear-type module or a subclass of one (megatron's ``TELinear`` & co.).
-
-    Matched by class name and defining package, so nothing is imported (``torch.nn.Linear`` is
-    also called ``Linear``; the package tells them apart).
-    """
-    return any(
-        cls.__name__ in TE_MODULE_TYPES and cls.__module__.startswith("transformer_engine.")
-        for cls in type(module).__mro__
-    )
-
-
-def _delayed_states(module: nn.Module) -> tuple[list[Any], int]:
-    """(the delayed-scaling states in ``module.fp8_meta``, how many scaling states it has)."""
-    meta = getattr(module, "fp8_meta", None) or {}
-    present = [meta[k] for k in _META_KEYS if k in meta]
-    delayed = [s for s in present if hasattr(s, "scale") and hasattr(s, "amax_history")]
-    return delayed, len(present)
-
-
-def reset_delayed_scaling(module: nn.Module) -> int:
-    """Reset ``module``'s delayed-scaling scale to 1 and amax history to 0, in place.
-
-    Uses TE's ``reset_fp8_meta_tensors()`` when every scaling state of the module is a
-    delayed one; otherwise fills the tensors in place (``scale_inv`` too, on TE 1.x). The
-    tensor objects stay the same: TE's quantizers and amax-reduction buffers hold views of them.
-    Returns the number of states reset (0 for a module that never ran delayed scaling).
-    """
-    states, present = _delayed_states(module)
-    if not states:
-        return 0
-    reset = getattr(module, "reset_fp8_meta_tensors", None)
-    if callable(reset) and len(states) == present:
-        reset()
-        return len(states)
-    with torch.no_grad():
-        for state in states:
-            state.scale.fill_(1.0)
-            state.amax_history.zero_()
-            scale_inv = getattr(state, "scale_inv", None)
-            if isinstance(scale_inv, torch.Tensor):
-                scale_inv.fill_(1.0)
-    return len(states)
-
-
-# ---------------------------------------------------------------------- the backend
 
 
 class TEFp8Backend(PrecisionBackend):
@@ -406,21 +176,17 @@ class TEFp8Backend(PrecisionBackend):
     """
 
     name = "te_fp8"
+    operator_types = TE_MODULE_TYPES | MEGATRON_TE_LINEARS
+    options = OptionBlocks(TELowCostOptions, TERecoveryOptions)
+    low_cost: TELowCostOptions
+    recovery: TERecoveryOptions
 
-    def __init__(
-        self,
-        *,
-        low_cost: Mapping[str, Any] | None = None,
-        recovery: Mapping[str, Any] | None = None,
-        amax_reduction_group: Any = None,
-    ) -> None:
-        super().__init__()
-        self.low_cost = parse_options(TELowCostOptions, low_cost, "gnmr.low_cost")
-        self.recovery = parse_options(TERecoveryOptions, recovery, "gnmr.recovery")
-        _check_pair(self.low_cost.recipe, self.recovery.recipe)
+    def __init__(self, *, amax_reduction_group: Any = None, **blocks: Any) -> None:
+        super().__init__(**blocks)
+        check_pair(self.low_cost.recipe, self.recovery.recipe)
         self.amax_reduction_group = amax_reduction_group
         """Process group over which delayed-scaling amaxes are reduced (None: this rank)."""
-        self._te = _load_te()
+        self._te = load_te()
         self.low_cost_recipe = self._recipe(self.low_cost.recipe)
         """The TE recipe object of the outer region."""
         self.recovery_recipe = (
@@ -439,9 +205,9 @@ class TEFp8Backend(PrecisionBackend):
         )
 
     def _recipe(self, name: str) -> Any:
-        _check_available(self._te, name)
+        check_available(self._te, name)
         delayed = self.low_cost.delayed_kwargs()
-        return _build_recipe(self._te, name, self.low_cost.fp8_format, delayed)
+        return build_recipe(self._te, name, self.low_cost.fp8_format, delayed)
 
     @property
     def te_version(self) -> str:
@@ -470,7 +236,8 @@ class TEFp8Backend(PrecisionBackend):
     """Alias of :meth:`autocast` for integrations that wrap "the step's forward"."""
 
     def recovery_region(self) -> contextlib.AbstractContextManager[Any]:
-        """The inner region of a recovered unit.
+        """The inner region of a recovered unit (also megatron's layer units' region,
+        :meth:`PrecisionBackend.recovery_region`).
 
         BF16 passes the low-cost recipe along with ``enabled=False``: TE ignores it when disabled,
         and the process-global recipe stays the outer one (TE would otherwise build a default
@@ -546,13 +313,13 @@ class TEFp8Backend(PrecisionBackend):
             )
         self._check_outer(label, config)
         own = module_recipe(module.te_quant_params, megatron_outer_recipe(config))
-        _check_own(label, own, self.recovery.recipe)
+        check_own(label, own, self.recovery.recipe)
         recipe = None if self.recovery.recipe == "bf16" else self.recovery.recipe
         return quant_params_switch(
             module,
             label,
             recipe=recipe,
-            recipe_class=None if recipe is None else _RECIPES[recipe][0],
+            recipe_class=None if recipe is None else RECIPES[recipe][0],
             fp8_format=self.low_cost.fp8_format,
         )
 
@@ -645,42 +412,6 @@ class TEFp8Backend(PrecisionBackend):
                 reset_delayed_scaling(module)
         if returning:
             logger.debug("te_fp8: reset delayed scaling of units %s", returning)
-
-
-def _check_pair(low: str, recovery: str) -> None:
-    """Refuse recovery recipes that are not safer than, or unsafe with, the low-cost one."""
-    if low == "delayed" and recovery != "bf16":
-        raise ValueError(
-            f"gnmr.recovery.recipe {recovery!r} cannot recover units whose low-cost recipe is "
-            "'delayed': a TE module that changes recipe class rebuilds its delayed-scaling state "
-            "on the way back, and TE never registers the rebuilt state for the amax reduction, "
-            "so its scale would stay 1. Use recovery 'bf16' or a non-delayed low-cost recipe."
-        )
-    if _FIDELITY[recovery] <= _FIDELITY[low]:
-        stronger = sorted(r for r, f in _FIDELITY.items() if f > _FIDELITY[low])
-        raise ValueError(
-            f"gnmr.recovery.recipe {recovery!r} is not of higher fidelity than the low-cost "
-            f"recipe {low!r}; choose one of {stronger}"
-        )
-
-
-def _check_own(label: str, own: str, recovery: str) -> None:
-    """Recovery must be stronger than what the module runs on its own (its te_quant_params)."""
-    rank = {**_FIDELITY, "nvfp4": -1}.get(own)  # None: megatron's "custom" recipe, unranked
-    if own == "bf16":
-        raise ValueError(
-            f"te_fp8: {label}: its te_quant_params already run it in BF16 (training_recipe has "
-            "no fp8/fp4 recipe), so recovery would change nothing: leave it out of the units "
-            "(gnmr.exclude) or drop its entry from config.quant_recipe"
-        )
-    if recovery == "bf16":
-        return
-    if rank is None or _FIDELITY[recovery] <= rank:
-        raise ValueError(
-            f"te_fp8: {label}: its te_quant_params run it with recipe {own!r}, which "
-            f"gnmr.recovery.recipe {recovery!r} is not known to be stronger than; use recovery "
-            "'bf16' or leave the module out of the units (gnmr.exclude)"
-        )
 
 
 def _set_quant_params(

@@ -37,7 +37,6 @@ from typing import Any
 from torch import nn
 
 from gnmr_dist.backends.base import LOW_COST, RECOVERY
-from gnmr_dist.distributed.units import MEGATRON_TE_LINEARS
 
 __all__ = [
     "MEGATRON_TE_LINEARS",
@@ -48,6 +47,22 @@ __all__ = [
     "module_recipe",
     "quant_params_switch",
 ]
+
+MEGATRON_TE_LINEARS = frozenset(
+    {
+        "TELinear",
+        "TEColumnParallelLinear",
+        "TERowParallelLinear",
+        "TELayerNormColumnParallelLinear",
+        "TEGroupedLinear",
+        "TEColumnParallelGroupedLinear",
+        "TERowParallelGroupedLinear",
+    }
+)
+"""megatron-core's wrappers of Transformer Engine linears: their forward reads
+``self.te_quant_params`` (0.16-0.19); subclasses (0.19's ``TELMHeadColumnParallelLinear``) are
+matched through their MRO by :func:`is_megatron_te_linear`. Operator classes of the ``te_fp8``
+backend (:attr:`~gnmr_dist.backends.te_fp8.TEFp8Backend.operator_types`)."""
 
 _RECIPE_FIELDS = frozenset(
     {
@@ -127,10 +142,8 @@ def _megatron_namespace(module: nn.Module, label: str) -> types.ModuleType:
     cls = _megatron_class(module)
     assert cls is not None
     namespace = sys.modules.get(cls.__module__) or importlib.import_module(cls.__module__)
-    missing = [
-        n for n in ("TEQuantizationParams", "TEQuantizationRecipe", "Fp8Recipe")
-        if not hasattr(namespace, n)
-    ]  # fmt: skip
+    needed = ("TEQuantizationParams", "TEQuantizationRecipe", "Fp8Recipe")
+    missing = [n for n in needed if not hasattr(namespace, n)]
     if not missing:
         have = {f.name for f in dataclasses.fields(namespace.TEQuantizationRecipe)}
         have |= {f.name for f in dataclasses.fields(namespace.TEQuantizationParams)}

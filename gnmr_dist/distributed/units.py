@@ -1,11 +1,11 @@
 """Units: the named parameter groups GNMR scores, with ids that every rank agrees on.
 
 A unit is either one projection operator (``granularity="operator"``: ``nn.Linear``,
-megatron-core's ``ColumnParallelLinear``/``RowParallelLinear``, Transformer Engine's linear
-modules) or one whole transformer layer (``granularity="layer"``). Every parameter outside all
-units (embeddings, norms between operators, final norm, output head) falls into one extra
-non-recoverable "rest" slot, so the pass that yields the per-unit norms also yields the global
-norm.
+megatron-core's ``ColumnParallelLinear``/``RowParallelLinear``, LoRA layers, and the classes the
+caller names: Transformer Engine's linear modules, which the backends declare) or one whole
+transformer layer (``granularity="layer"``). Every parameter outside all units (embeddings,
+norms between operators, final norm, output head) falls into one extra non-recoverable "rest"
+slot, so the pass that yields the per-unit norms also yields the global norm.
 
 Names are *global*: wrapper prefixes (``module.`` from DDP/Float16Module) are stripped and the
 index of a transformer layer is its global layer number, so pipeline stage 1 of 2 calls its first
@@ -27,7 +27,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,8 +37,7 @@ from torch import nn
 from gnmr_dist.distributed.comm import Group, all_gather_objects, group_rank
 
 __all__ = [
-    "MEGATRON_TE_LINEARS",
-    "OPERATOR_TYPES",
+    "MEGATRON_LINEARS",
     "UnitRegistry",
     "check_selection",
     "global_param_name",
@@ -50,34 +49,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-MEGATRON_TE_LINEARS = frozenset(
-    {
-        "TELinear",
-        "TEColumnParallelLinear",
-        "TERowParallelLinear",
-        "TELayerNormColumnParallelLinear",
-        "TEGroupedLinear",
-        "TEColumnParallelGroupedLinear",
-        "TERowParallelGroupedLinear",
-    }
-)
-"""megatron-core's wrappers of Transformer Engine linears: their forward reads
-``self.te_quant_params`` (0.16-0.19); subclasses (0.19's ``TELMHeadColumnParallelLinear``) are
-matched through their MRO by the ``te_fp8`` backend."""
-
-OPERATOR_TYPES = MEGATRON_TE_LINEARS | frozenset(
-    {
-        # megatron-core
-        "ColumnParallelLinear",
-        "RowParallelLinear",
-        # Transformer Engine
-        "Linear",
-        "LayerNormLinear",
-        "LayerNormMLP",
-        "GroupedLinear",
-    }
-)
-"""Class names of projection operators (matched by name so nothing optional is imported)."""
+MEGATRON_LINEARS = frozenset({"ColumnParallelLinear", "RowParallelLinear"})
+"""megatron-core's own tensor-parallel linears: with ``nn.Linear`` and LoRA layers, the operators
+every registry finds. Other operator classes (Transformer Engine's) are named by the caller:
+the integrations pass :func:`gnmr_dist.backends.registered_operator_types`, the class names
+every registered backend declares (matched by name, so nothing optional is imported)."""
 
 _LAYER_LISTS = ("layers", "h", "layer", "blocks")
 _WRAPPERS = re.compile(r"^(?:module\.|_orig_mod\.|base_model\.model\.)+")
@@ -89,11 +65,13 @@ def is_lora_layer(module: nn.Module) -> bool:
     return isinstance(getattr(module, "base_layer", None), nn.Module) and hasattr(module, "lora_A")
 
 
-def is_operator(module: nn.Module) -> bool:
-    """True for a projection operator: ``nn.Linear``, a parallel/TE linear, or a LoRA layer."""
+def is_operator(module: nn.Module, operator_types: Collection[str] = MEGATRON_LINEARS) -> bool:
+    """True for a projection operator: ``nn.Linear``, a LoRA layer, or a module whose class is
+    named in ``operator_types`` (megatron-core's parallel linears by default; TE's linears when
+    the caller names them)."""
     return (
         isinstance(module, nn.Linear)
-        or type(module).__name__ in OPERATOR_TYPES
+        or type(module).__name__ in operator_types
         or is_lora_layer(module)
     )
 
@@ -162,14 +140,24 @@ def global_param_names(model: nn.Module, layer_offset: int = 0) -> dict[str, str
     return {name: _globalize(name, layers) for name, _ in model.named_parameters()}
 
 
-def _local_units(
-    model: nn.Module,
-    granularity: str,
-    layer_offset: int,
-    eligible_fn: Callable[[str, nn.Module], bool],
-) -> list[_LocalUnit]:
-    layers = _find_layers(model, layer_offset)
-    if granularity == "layer":
+def _every_unit(name: str, module: nn.Module) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class _Search:
+    """How the units of a model are found (the arguments of :meth:`UnitRegistry.from_model`)."""
+
+    granularity: str
+    layer_offset: int
+    operator_types: Collection[str]
+    eligible_fn: Callable[[str, nn.Module], bool] = _every_unit
+
+
+def _local_units(model: nn.Module, search: _Search) -> list[_LocalUnit]:
+    layers = _find_layers(model, search.layer_offset)
+    eligible_fn = search.eligible_fn
+    if search.granularity == "layer":
         modules = dict(model.named_modules())
         return [
             _LocalUnit(g, (0, i, ""), path, eligible_fn(g, modules[path]))
@@ -180,7 +168,9 @@ def _local_units(
     taken: list[str] = []
     for path, module in model.named_modules():
         # an operator nested in another (peft's lora.Linear holds base_layer, lora_A) is part of it
-        if not is_operator(module) or any(t == "" or path.startswith(t + ".") for t in taken):
+        if not is_operator(module, search.operator_types) or any(
+            t == "" or path.startswith(t + ".") for t in taken
+        ):
             continue
         taken.append(path)
         layer = _enclosing_layer(path, layers)
@@ -196,19 +186,14 @@ def _local_units(
     return units
 
 
-def _chunk_units(
-    chunks: Sequence[nn.Module],
-    granularity: str,
-    layer_offset: int,
-    eligible_fn: Callable[[str, nn.Module], bool],
-) -> list[_LocalUnit]:
+def _chunk_units(chunks: Sequence[nn.Module], search: _Search) -> list[_LocalUnit]:
     """:func:`_local_units` of every model chunk; module paths become ``"<chunk>:<path>"``."""
     if len(chunks) == 1:
-        return _local_units(chunks[0], granularity, layer_offset, eligible_fn)
+        return _local_units(chunks[0], search)
     return [
         _LocalUnit(u.name, u.key, f"{i}:{u.module_path}", u.eligible)
         for i, chunk in enumerate(chunks)
-        for u in _local_units(chunk, granularity, layer_offset, eligible_fn)
+        for u in _local_units(chunk, search)
     ]
 
 
@@ -231,30 +216,35 @@ def _select(
 
 
 def _nothing_selected(
-    chunks: Sequence[nn.Module], granularity: str, include: Sequence[str],
-    exclude: Sequence[str], layer_offset: int,
-) -> str:  # fmt: skip
+    chunks: Sequence[nn.Module], search: _Search, include: Sequence[str], exclude: Sequence[str]
+) -> str:
     """The error message of a selection that is empty, naming the first units there are."""
-    there = [u.name for u in _chunk_units(chunks, granularity, layer_offset, lambda n, m: True)]
+    there = [u.name for u in _chunk_units(chunks, search)]
     listed = ", ".join(there[:6]) + (f", ... ({len(there)} in all)" if len(there) > 6 else "")
     return (
-        f"no units selected with units={granularity!r}, include={list(include)}, "
-        f"exclude={list(exclude)}; the model's {granularity} units are: "
+        f"no units selected with units={search.granularity!r}, include={list(include)}, "
+        f"exclude={list(exclude)}; the model's {search.granularity} units are: "
         f"{listed or 'none (does it have transformer layers or linear operators?)'}"
     )
 
 
 def check_selection(
-    model: nn.Module | Sequence[nn.Module], *, granularity: str = "operator",
-    include: Sequence[str] = (), exclude: Sequence[str] = (), layer_offset: int = 0,
-) -> None:  # fmt: skip
+    model: nn.Module | Sequence[nn.Module],
+    *,
+    granularity: str = "operator",
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+    layer_offset: int = 0,
+    operator_types: Collection[str] = MEGATRON_LINEARS,
+) -> None:
     """``ValueError`` when ``include``/``exclude`` select no unit of ``model``, listing the
-    first units it has. Local: for integrations whose every rank holds the whole model
-    (data parallel), to refuse before any process group work."""
+    first units it has (the arguments as :meth:`UnitRegistry.from_model`'s). Local: for
+    integrations whose every rank holds the whole model (data parallel), to refuse before any
+    process group work."""
     chunks = [model] if isinstance(model, nn.Module) else list(model)
-    units = _chunk_units(chunks, granularity, layer_offset, lambda n, m: True)
-    if not _select(units, include, exclude):
-        raise ValueError(_nothing_selected(chunks, granularity, include, exclude, layer_offset))
+    search = _Search(granularity, layer_offset, operator_types)
+    if not _select(_chunk_units(chunks, search), include, exclude):
+        raise ValueError(_nothing_selected(chunks, search, include, exclude))
 
 
 class UnitRegistry:
@@ -303,6 +293,7 @@ class UnitRegistry:
         tp_group: Group | None = None,
         layer_offset: int = 0,
         eligible_fn: Callable[[str, nn.Module], bool] | None = None,
+        operator_types: Collection[str] = MEGATRON_LINEARS,
     ) -> UnitRegistry:
         """Find the units of ``model`` and agree on their ids with every rank of ``group``.
 
@@ -322,20 +313,22 @@ class UnitRegistry:
                 ``layer_number`` (a hand-split pipeline stage).
             eligible_fn: ``(name, module) -> bool``: whether the unit has a recovery path;
                 default: all units are eligible.
+            operator_types: class names of the modules that are operators besides
+                ``nn.Linear`` and LoRA layers (:func:`is_operator`); default: megatron-core's
+                parallel linears. The integrations pass
+                :func:`gnmr_dist.backends.registered_operator_types` (Transformer Engine's
+                linears too), whatever the backend, so unit ids never depend on it.
         """
         if granularity not in _GRANULARITIES:
             raise ValueError(
                 f"granularity must be one of {list(_GRANULARITIES)}, got {granularity!r}"
             )
         chunks = [model] if isinstance(model, nn.Module) else list(model)
-        local = _select(
-            _chunk_units(chunks, granularity, layer_offset, eligible_fn or (lambda n, m: True)),
-            include,
-            exclude,
-        )
+        search = _Search(granularity, layer_offset, operator_types, eligible_fn or _every_unit)
+        local = _select(_chunk_units(chunks, search), include, exclude)
         names, eligible = _agree(local, group)
         if not names:
-            raise ValueError(_nothing_selected(chunks, granularity, include, exclude, layer_offset))
+            raise ValueError(_nothing_selected(chunks, search, include, exclude))
         return cls._bind(chunks, names, eligible, local, group_rank(tp_group), layer_offset)
 
     @classmethod
@@ -356,10 +349,9 @@ class UnitRegistry:
         for c, chunk in enumerate(chunks):
             prefix = f"{c}:" if len(chunks) > 1 else ""
             modules = dict(chunk.named_modules())
-            local_modules.update(
-                {index[u.name]: modules[u.module_path[len(prefix) :]]
-                 for u in local if u.module_path.startswith(prefix)}
-            )  # fmt: skip
+            for u in local:
+                if u.module_path.startswith(prefix):
+                    local_modules[index[u.name]] = modules[u.module_path[len(prefix) :]]
             layers = _find_layers(chunk, layer_offset)
             for pname, param in chunk.named_parameters():
                 slot = _slot_of(pname, path_slot, len(names), prefix)
@@ -369,10 +361,10 @@ class UnitRegistry:
                 params.append(param)
                 slots.append(slot)
                 pnames.append(_globalize(pname, layers))
+        slot_of_param = {id(p): s for p, s in every}
         return cls(
-            names, eligible, local_modules, params, slots, pnames,
-            slot_of_param={id(p): s for p, s in every},
-        )  # fmt: skip
+            names, eligible, local_modules, params, slots, pnames, slot_of_param=slot_of_param
+        )
 
     def unit_params(self, unit: int) -> list[nn.Parameter]:
         """This rank's counted parameters of ``unit`` (``num_units`` for the rest bucket)."""

@@ -80,7 +80,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gnmr_dist.backends import PrecisionBackend
+from gnmr_dist.backends import PrecisionBackend, registered_operator_types
 from gnmr_dist.core import Decision
 from gnmr_dist.distributed import GNMRRuntime, UnitNorms, UnitRegistry
 from gnmr_dist.distributed.probe import ProbeResult, RecoveryProbe
@@ -100,9 +100,15 @@ from gnmr_dist.telemetry.selection import top_k
 from gnmr_dist.telemetry.trace import ProbeRecord
 
 __all__ = [
-    "STATE_FILE", "DeepSpeedGNMR", "disable", "enable", "enabled", "initialize", "load_ds_config",
+    "STATE_FILE",
+    "DeepSpeedGNMR",
+    "disable",
+    "enable",
+    "enabled",
+    "initialize",
+    "load_ds_config",
     "probe_loss",
-]  # fmt: skip
+]
 
 logger = logging.getLogger(__name__)
 
@@ -200,9 +206,10 @@ def initialize(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
     ds_initialize = _deepspeed_initialize()
     params = dict(inspect.signature(ds_initialize).bind(*args, **kwargs).arguments)
     ds_config = load_ds_config(
-        params.pop("config", None) or params.pop("config_params", None)
+        params.pop("config", None)
+        or params.pop("config_params", None)
         or getattr(params.get("args"), "deepspeed_config", None)
-    )  # fmt: skip
+    )
     block = GNMRBlock.of(ds_config.pop("gnmr", None))  # parsed once: a program's block passes
     params["config"] = ds_config  # DeepSpeed never sees the gnmr block
     if getattr(params.get("args"), "deepspeed_config", None):
@@ -223,7 +230,13 @@ def initialize(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
     _check_probe(block, ds_config)
     backend = block.build_backend()
     check_error_source(block, backend)
-    check_selection(model, granularity=block.units, include=block.include, exclude=block.exclude)
+    check_selection(
+        model,
+        granularity=block.units,
+        include=block.include,
+        exclude=block.exclude,
+        operator_types=registered_operator_types(),
+    )
     if not dist.is_initialized():
         import deepspeed
 
@@ -343,9 +356,14 @@ def _registry(model: Any, block: GNMRBlock, backend: PrecisionBackend | None) ->
     them (so a trace can be replayed to tune the policy), but no plan is ever applied.
     """
     registry = UnitRegistry.from_model(
-        model, granularity=block.units, include=block.include, exclude=block.exclude,
-        group=dist.group.WORLD, eligible_fn=backend.is_eligible if backend else None,
-    )  # fmt: skip
+        model,
+        granularity=block.units,
+        include=block.include,
+        exclude=block.exclude,
+        group=dist.group.WORLD,
+        eligible_fn=backend.is_eligible if backend else None,
+        operator_types=registered_operator_types(),
+    )
     if backend is None:
         return registry
     backend.wrap(registry.local_modules)
@@ -372,12 +390,16 @@ class DeepSpeedGNMR(IntegrationSession):
         self.engine, self.registry, self.backend, self.block = engine, registry, backend, block
         dp = dist.get_world_size(engine.data_parallel_group)
         self.runtime = GNMRRuntime(
-            registry, block.policy, group=engine.data_parallel_group,
-            grad_fn=grad_piece_fn(engine), check_group=dist.group.WORLD,
+            registry,
+            block.policy,
+            group=engine.data_parallel_group,
+            grad_fn=grad_piece_fn(engine),
+            check_group=dist.group.WORLD,
             check_consistency=block.check_consistency,
-            error_fn=error_source(block, backend, registry.num_units), error_scale=1.0 / dp,
+            error_fn=error_source(block, backend, registry.num_units),
+            error_scale=1.0 / dp,
             error_every=block.error_every,
-        )  # fmt: skip
+        )
         self.skipped = 0
         self._trace: TraceWriter | None = None
         self._notes: dict[str, float] = {}
@@ -472,14 +494,23 @@ class DeepSpeedGNMR(IntegrationSession):
             return None
         r, ms = measured
         k = self.block.probe.k
-        sets = {"risk_topk": top_k(decision.risk, k), "active": ran,
-                "decided": frozenset(decision.active)}  # fmt: skip
+        sets = {
+            "risk_topk": top_k(decision.risk, k),
+            "active": ran,
+            "decided": frozenset(decision.active),
+        }
         self.last_probe = ProbeRecord(
-            step=decision.step, k=k, grad_gap=r.grad_gap,
+            step=decision.step,
+            k=k,
+            grad_gap=r.grad_gap,
             update_gap=r.update_gap if self._has_update_gap else None,
-            grad_low_norm=r.grad_low_norm, grad_high_norm=r.grad_high_norm,
-            loss_low=r.loss_low, loss_high=r.loss_high, sets=sets, probe_ms=ms,
-        )  # fmt: skip
+            grad_low_norm=r.grad_low_norm,
+            grad_high_norm=r.grad_high_norm,
+            loss_low=r.loss_low,
+            loss_high=r.loss_high,
+            sets=sets,
+            probe_ms=ms,
+        )
         return self.last_probe
 
     def _grad_scale(self) -> float:
@@ -491,8 +522,9 @@ class DeepSpeedGNMR(IntegrationSession):
             self.skipped += 1
             logger.warning(
                 "gnmr: optimizer step skipped (overflow); controller history left untouched, "
-                "plan kept: %s", sorted(self.runtime.plan.active),
-            )  # fmt: skip
+                "plan kept: %s",
+                sorted(self.runtime.plan.active),
+            )
             self._measured = None  # the retried step is probed again, on its own batch
             self._apply_plan()
             return
@@ -509,8 +541,11 @@ class DeepSpeedGNMR(IntegrationSession):
             return
         trace = self._trace_writer()
         samples = int(self.engine.global_samples)  # DeepSpeed's own monitor axis
-        extra = {"global_norm": norms.global_norm, "engine_step": int(self.engine.global_steps),
-                 "engine_samples": samples}  # fmt: skip
+        extra = {
+            "global_norm": norms.global_norm,
+            "engine_step": int(self.engine.global_steps),
+            "engine_samples": samples,
+        }
         extra.update(self._notes)
         self._notes = {}
         if trace is not None:
@@ -562,8 +597,11 @@ class DeepSpeedGNMR(IntegrationSession):
         found: list[Any] = [read_state(path) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(found, src=0)
         if restore_or_refuse(self.block, str(path), found[0], self):
-            logger.info("gnmr: restored controller at step %d from %s",
-                        self.runtime.controller.step_count, path)  # fmt: skip
+            logger.info(
+                "gnmr: restored controller at step %d from %s",
+                self.runtime.controller.step_count,
+                path,
+            )
 
 
 def console_logger() -> logging.Logger:
@@ -585,9 +623,14 @@ def _console(decision: Decision, norms: UnitNorms, names: Sequence[str], samples
     t = decision.telemetry
     console_logger().info(
         "gnmr | step %d | samples %d | exceed %d | active %d %s | max risk %.3g | grad norm %.4g",
-        decision.step, samples, t.num_exceed, len(decision.active),
-        [names[u] for u in decision.active], t.max_risk, norms.global_norm,
-    )  # fmt: skip
+        decision.step,
+        samples,
+        t.num_exceed,
+        len(decision.active),
+        [names[u] for u in decision.active],
+        t.max_risk,
+        norms.global_norm,
+    )
 
 
 def _latest_tag(load_dir: str) -> str | None:

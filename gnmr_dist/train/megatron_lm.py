@@ -61,13 +61,8 @@ import torch
 
 from gnmr_dist.integrations.config import GNMRBlock, read_block
 from gnmr_dist.integrations.session import refuse_probe
+from gnmr_dist.train import megatron_gpt
 from gnmr_dist.train.common import setup_logging
-from gnmr_dist.train.megatron_gpt import (
-    datasets_provider,
-    forward_step,
-    model_provider,
-    prebuilt_dataset_helpers,
-)
 from gnmr_dist.train.megatron_hooks import Hooks
 
 __all__ = ["CPU_FLAGS", "add_gnmr_args", "check_args", "cpu_argv", "main"]
@@ -309,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             logger.error("%s", err)
             return 2
         enable_cpu_compat(training=True)
-    prebuilt_dataset_helpers()
+    megatron_gpt.prebuilt_dataset_helpers()
     hooks = Hooks()
     try:
         gnmr_args = _gnmr_namespace(argv)
@@ -326,10 +321,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         pretrain(
-            datasets_provider,
-            model_provider,
+            megatron_gpt.datasets_provider,
+            megatron_gpt.model_provider,
             ModelType.encoder_or_decoder,
-            forward_step,
+            megatron_gpt.forward_step,
             extra_args_provider=add_gnmr_args,
         )
     finally:

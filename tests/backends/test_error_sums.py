@@ -16,6 +16,7 @@ from gnmr_dist.backends import LOW_COST, get_backend
 from gnmr_dist.backends.act_quant import pack, unpack
 from gnmr_dist.backends.int8 import dequantize, quantize_symmetric
 from gnmr_dist.distributed import UnitNorms
+from tests.backends.registered import backend_params
 
 CPU = torch.device("cpu")
 IN, OUT = 200, 48  # 200 features: act_quant's last 128-group is padded, fp8's last tile ragged
@@ -23,7 +24,7 @@ IN, OUT = 200, 48  # 200 features: act_quant's last 128-group is padded, fp8's l
 FP6_TENSOR = {"format": "e2m3", "grad_format": "e3m2", "granularity": "tensor"}
 """The FP6 experiment's formats with one scale per tensor (the issue's injected-fault setting)."""
 
-BACKENDS = {
+VARIANTS = {
     "act_quant": ("act_quant", {}),
     "act_quant 2-bit/64": ("act_quant", {"bits": 2, "group_size": 64}),
     "fp8_emulated": ("fp8_emulated", {}),
@@ -34,9 +35,12 @@ BACKENDS = {
 }
 """Test id -> (backend, low-cost options): defaults and the other granularities."""
 
+REPORTING = backend_params(reports_errors=True)
+"""Every registered backend that reports error sums, with its defaults (test id: its name)."""
+
 
 def make(key: str):
-    name, low_cost = BACKENDS[key]
+    name, low_cost = VARIANTS.get(key, (key, {}))
     return get_backend(name, low_cost=low_cost)
 
 
@@ -54,6 +58,7 @@ def reference_bound(backend, x: torch.Tensor, dy: torch.Tensor) -> float:
     if backend.name == "int8":
         x_q, scale = quantize_symmetric(x2, backend.low_cost.act_granularity)
         return f64_norm(dy2) * f64_norm(x2.double() - dequantize(x_q, scale).double())
+    assert backend.name == "fp8_emulated", f"no float64 reference bound for {backend.name!r}"
     spec = backend.specs[LOW_COST]
     xq = spec.act(x2, spec.x_format, dim=0)  # the wgrad GEMM's own tiles (along M)
     dyq = spec.act(dy2, spec.grad_format, dim=0)
@@ -80,7 +85,7 @@ def gemm(lin: nn.Linear, seed: int, scale: float = 1.0):
     return x, dy
 
 
-@pytest.mark.parametrize("key", sorted(BACKENDS))
+@pytest.mark.parametrize("key", sorted(VARIANTS))
 def test_one_gemm_equals_the_explicit_float64_bound(key):
     backend, lin = one_unit(key)
     backend.apply((), step=1)
@@ -92,7 +97,7 @@ def test_one_gemm_equals_the_explicit_float64_bound(key):
     assert got[0] == 0 and got[2] == 0  # units the backend does not wrap
 
 
-@pytest.mark.parametrize("key", ["act_quant", "fp8_emulated", "int8"])
+@pytest.mark.parametrize("key", REPORTING)
 def test_sums_accumulate_over_micro_batches_and_reset_at_apply(key):
     backend, lin = one_unit(key)
     backend.apply((), step=1)
@@ -107,7 +112,7 @@ def test_sums_accumulate_over_micro_batches_and_reset_at_apply(key):
     )
 
 
-@pytest.mark.parametrize("key", sorted(BACKENDS))
+@pytest.mark.parametrize("key", sorted(VARIANTS))
 def test_a_recovered_unit_reports_its_low_cost_bound_in_shadow(key):
     backend, lin = one_unit(key)
     backend.apply((1,), step=1)
@@ -117,7 +122,7 @@ def test_a_recovered_unit_reports_its_low_cost_bound_in_shadow(key):
     assert float(backend.error_sums(CPU)[1]) == pytest.approx(want, rel=1e-6)
 
 
-@pytest.mark.parametrize("key", ["act_quant", "fp8_emulated", "int8"])
+@pytest.mark.parametrize("key", REPORTING)
 def test_measuring_changes_no_output_or_gradient_and_is_off_by_default(key):
     results = []
     for track in (False, True):
@@ -249,7 +254,7 @@ def test_e4m3_per_tensor_absorbs_the_outlier_and_b_over_n_says_so():
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
-@pytest.mark.parametrize("key", ["act_quant", "fp8_emulated", "int8"])
+@pytest.mark.parametrize("key", REPORTING)
 def test_activation_recomputation_counts_each_gemm_once(key, reentrant):
     from torch.utils.checkpoint import checkpoint
 
@@ -264,9 +269,9 @@ def test_activation_recomputation_counts_each_gemm_once(key, reentrant):
 
 
 def test_many_micro_batches_without_apply_are_folded_not_kept(monkeypatch):
-    from gnmr_dist.backends.base import _ErrorSums
+    from gnmr_dist.backends.error_sums import ErrorSums
 
-    monkeypatch.setattr(_ErrorSums, "FOLD_AT", 5)
+    monkeypatch.setattr(ErrorSums, "FOLD_AT", 5)
     backend, lin = one_unit("fp8_emulated")  # two terms per GEMM
     backend.apply((), step=1)
     calls = [gemm(lin, seed=s) for s in range(7)]
@@ -277,7 +282,7 @@ def test_many_micro_batches_without_apply_are_folded_not_kept(monkeypatch):
     assert not bool(backend.error_sums(CPU).any())
 
 
-@pytest.mark.parametrize("key", ["act_quant", "fp8_emulated", "int8"])
+@pytest.mark.parametrize("key", REPORTING)
 def test_error_every_measures_only_on_its_steps_and_does_no_work_between(key, monkeypatch):
     backend, lin = one_unit(key)
     backend.track_errors(3, every=2)

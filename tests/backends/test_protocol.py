@@ -1,14 +1,32 @@
-"""The backend protocol: one plan for the whole step, recomputation included; clean unwrap."""
+"""The backend protocol: one plan for the whole step, recomputation included; clean unwrap.
+
+The contract tests run every registered backend (``tests/backends/registered.py``).
+"""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from gnmr_dist.backends import LOW_COST, RECOVERY, get_backend
+from gnmr_dist.backends import (
+    BACKENDS,
+    LOW_COST,
+    RECOVERY,
+    PrecisionBackend,
+    backend_class,
+    get_backend,
+    registered_operator_types,
+)
 from gnmr_dist.backends.base import operators_of
+from gnmr_dist.backends.te_megatron import MEGATRON_TE_LINEARS
+from gnmr_dist.backends.te_runtime import TE_MODULE_TYPES
+from gnmr_dist.distributed.units import MEGATRON_LINEARS
+from tests.backends.registered import backend_params
 
 
 def model_and_units():
@@ -17,7 +35,7 @@ def model_and_units():
     return model, {0: model[0], 1: model[2]}
 
 
-@pytest.mark.parametrize("name", ["act_quant", "fp8_emulated", "int8"])
+@pytest.mark.parametrize("name", backend_params())
 def test_recomputation_and_micro_batches_see_the_step_plan(name):
     model, units = model_and_units()
     backend = get_backend(name)
@@ -37,9 +55,10 @@ def test_recomputation_and_micro_batches_see_the_step_plan(name):
     assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters(), strict=True))
 
 
-def test_apply_resets_the_report_and_unknown_units_are_harmless():
+@pytest.mark.parametrize("name", backend_params())
+def test_apply_resets_the_report_and_unknown_units_are_harmless(name):
     model, units = model_and_units()
-    backend = get_backend("act_quant")
+    backend = get_backend(name)
     backend.wrap(units)
     backend.apply({0, 99}, step=1)
     model(torch.randn(2, 32))
@@ -68,3 +87,46 @@ def test_nested_operators_belong_to_the_outer_one():
     block.out = nn.Linear(8, 8)
     assert [p for p, _ in operators_of(block)] == ["proj", "out"]
     assert [p for p, _ in operators_of(block.proj)] == [""]
+
+
+# -------------------------------------------------------------------------- the registry
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_every_registered_backend_declares_the_protocol(name):
+    cls = backend_class(name)  # importable on every host: no optional package at module level
+    assert issubclass(cls, PrecisionBackend) and cls.name == name
+    assert isinstance(cls.operator_types, frozenset)
+    assert all(isinstance(t, str) for t in cls.operator_types)
+    assert cls.operator_types <= registered_operator_types()
+    assert cls.options is not None  # its low_cost / recovery blocks are parsed strictly
+
+
+def test_importing_every_backend_imports_no_optional_package():
+    code = (
+        "import sys; from gnmr_dist.backends import registered_operator_types as r; r(); "
+        "print(sorted(m for m in sys.modules "
+        "if m.split('.')[0] in ('transformer_engine', 'megatron', 'peft', 'deepspeed')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_unit_registries_find_every_backends_operator_types():
+    assert registered_operator_types() >= MEGATRON_LINEARS | TE_MODULE_TYPES | MEGATRON_TE_LINEARS
+    assert backend_class("te_fp8").operator_types == TE_MODULE_TYPES | MEGATRON_TE_LINEARS
+
+
+def test_the_base_class_defaults():
+    class Plain(PrecisionBackend):
+        name = "plain"
+
+    backend = Plain()
+    assert backend.recovery_region() is None  # megatron keeps its per-layer context
+    assert backend.error_sums(torch.device("cpu")) is None and not backend.reports_errors
+    with backend.measuring(), backend.step_context():
+        pass
+    with pytest.raises(ValueError, match="the plain backend takes no options"):
+        Plain(low_cost={"bits": 4})
+    with pytest.raises(ValueError, match=r"unknown backend 'int9'; did you mean 'int8'\? \("):
+        get_backend("int9")

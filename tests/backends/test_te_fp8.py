@@ -294,8 +294,13 @@ def test_recipes_are_built_from_names_with_te_defaults(fake_te):
         "margin": 0,
     }
     assert be.recovery_recipe is None
-    low = {"fp8_format": "e4m3", "amax_history_len": 16, "amax_compute_algo": "most_recent",
-           "margin": 1, "reseed": "keep"}  # fmt: skip
+    low = {
+        "fp8_format": "e4m3",
+        "amax_history_len": 16,
+        "amax_compute_algo": "most_recent",
+        "margin": 1,
+        "reseed": "keep",
+    }
     be = TEFp8Backend(low_cost=low)
     assert be.low_cost_recipe.kwargs == {
         "fp8_format": fmt.E4M3,
@@ -401,8 +406,7 @@ def test_reset_applies_exactly_to_units_returning_to_fp8_in_place(fake_te):
     be = TEFp8Backend()
     _, layers = stack(rec.te, n=4)
     be.wrap(dict(enumerate(layers)))
-    tensors = [[id(t) for s in _scaling(m) for t in (s.scale, s.amax_history)]
-               for m in layers]  # fmt: skip
+    tensors = [[id(t) for s in _scaling(m) for t in (s.scale, s.amax_history)] for m in layers]
     be.apply({0, 1}, step=1)
     _staleify(layers)
     be.apply({1, 2}, step=2)  # unit 0 returns; 1 stays in recovery; 2 enters; 3 never left
@@ -413,8 +417,7 @@ def test_reset_applies_exactly_to_units_returning_to_fp8_in_place(fake_te):
     be.apply(set(), step=4)  # nobody returns
     assert [m.resets for m in layers] == [1, 1, 1, 0]
     assert [_is_reset(m) for m in layers] == [False, True, True, False]
-    after = [[id(t) for s in _scaling(m) for t in (s.scale, s.amax_history)]
-             for m in layers]  # fmt: skip
+    after = [[id(t) for s in _scaling(m) for t in (s.scale, s.amax_history)] for m in layers]
     assert after == tensors
 
 
@@ -589,8 +592,9 @@ def _exec(tree: ast.Module, namespace: dict, path: Path) -> None:
 
 def build_fake_megatron(rec, monkeypatch, amax_group=None) -> types.ModuleType:
     """megatron's ``extensions.transformer_engine`` over the stand-in TE, in ``sys.modules``."""
-    te_file, enums_file = (megatron_file(f"core/{f}") for f in ("extensions/transformer_engine.py",
-                                                                 "enums.py"))  # fmt: skip
+    te_file, enums_file = (
+        megatron_file(f"core/{f}") for f in ("extensions/transformer_engine.py", "enums.py")
+    )
     if te_file is None or enums_file is None:
         pytest.skip("needs megatron-core's source (pip install megatron-core)")
     enums: dict = {"enum": enum}
@@ -605,14 +609,20 @@ def build_fake_megatron(rec, monkeypatch, amax_group=None) -> types.ModuleType:
         return amax_group
 
     module.__dict__.update(
-        dataclasses=dataclasses, enum=enum, torch=torch, nullcontext=contextlib.nullcontext,
-        override=typing_extensions.override, te=sys.modules["transformer_engine"],
-        FP8GlobalStateManager=legacy.FP8GlobalStateManager, fp8_autocast=legacy.fp8_autocast,
-        Fp8Recipe=enums["Fp8Recipe"], Fp4Recipe=enums["Fp4Recipe"],
+        dataclasses=dataclasses,
+        enum=enum,
+        torch=torch,
+        nullcontext=contextlib.nullcontext,
+        override=typing_extensions.override,
+        te=sys.modules["transformer_engine"],
+        FP8GlobalStateManager=legacy.FP8GlobalStateManager,
+        fp8_autocast=legacy.fp8_autocast,
+        Fp8Recipe=enums["Fp8Recipe"],
+        Fp4Recipe=enums["Fp4Recipe"],
         model_parallel_is_initialized=lambda: amax_group is not None,
         get_amax_reduction_group=get_amax_reduction_group,
         **{k: getattr(typing, k) for k in ("Any", "Callable", "Dict", "List", "Optional", "Set")},
-    )  # fmt: skip
+    )
     tree, linears = megatron_definitions(te_file, MCORE_DEFS, te_linears=True)
     _exec(tree, module.__dict__, te_file)
     module.LINEARS = frozenset(linears)
@@ -621,8 +631,14 @@ def build_fake_megatron(rec, monkeypatch, amax_group=None) -> types.ModuleType:
 
 def mcore_config(**overrides) -> SimpleNamespace:
     """The TransformerConfig fields megatron's TE linears and the backend read."""
-    fields = {"fp8": "hybrid", "fp8_recipe": "tensorwise", "fp4": None, "tp_only_amax_red": False,
-              "disable_parameter_transpose_cache": False, "cuda_graph_impl": "none"}  # fmt: skip
+    fields = {
+        "fp8": "hybrid",
+        "fp8_recipe": "tensorwise",
+        "fp4": None,
+        "tp_only_amax_red": False,
+        "disable_parameter_transpose_cache": False,
+        "cuda_graph_impl": "none",
+    }
     return SimpleNamespace(**(fields | overrides))
 
 
@@ -683,9 +699,12 @@ def test_megatron_source_reads_te_quant_params_in_every_forward(mcore):
         read = "_get_fp8_autocast_for_quant_params(self.te_quant_params, self.training)"
         assert read in forward and "with quant_context:" in forward, name
         init = inspect.getsource(getattr(module, name).__init__)
-        for attr in ("self.te_quant_params: Optional[TEQuantizationParams] = None",
-                     "self.is_first_microbatch = True", "self.te_return_bias = ",
-                     "self.disable_parameter_transpose_cache = "):  # fmt: skip
+        for attr in (
+            "self.te_quant_params: Optional[TEQuantizationParams] = None",
+            "self.is_first_microbatch = True",
+            "self.te_return_bias = ",
+            "self.disable_parameter_transpose_cache = ",
+        ):
             assert attr in init, (name, attr)
     for name in module.LINEARS:  # ...or calls it (0.19's LM head) and is detected by its MRO
         cls = getattr(module, name)
@@ -761,8 +780,9 @@ def test_micro_batches_and_recomputation_read_the_same_te_quant_params(mcore):
 def test_original_te_quant_params_come_back_as_the_same_object(mcore):
     _, module, make = mcore()
     layer, other = make("TERowParallelLinear"), make("TELinear", seed=1)
-    original = quant_params(module, {"fp8_quantization_recipe": "tensorwise",
-                                     "fp8_format": "hybrid"}, evaluation={})  # fmt: skip
+    original = quant_params(
+        module, {"fp8_quantization_recipe": "tensorwise", "fp8_format": "hybrid"}, evaluation={}
+    )
     layer.te_quant_params = original
     frozen, pickled = copy.deepcopy(original), pickle.dumps(original)
     be = TEFp8Backend(low_cost={"recipe": "tensorwise"})
@@ -806,8 +826,12 @@ def test_stronger_recovery_recipe_is_megatrons_enabled_region_with_its_amax_grou
 
 def test_layer_units_keep_nested_regions_and_their_te_quant_params(mcore):
     _, _, make = mcore()
-    layer_unit = nn.ModuleDict({"qkv": make("TELayerNormColumnParallelLinear"),
-                                "proj": make("TERowParallelLinear", seed=1)})  # fmt: skip
+    layer_unit = nn.ModuleDict(
+        {
+            "qkv": make("TELayerNormColumnParallelLinear"),
+            "proj": make("TERowParallelLinear", seed=1),
+        }
+    )
     operator = make("TERowParallelLinear", seed=2)
     be = TEFp8Backend(low_cost={"recipe": "tensorwise"})
     be.wrap({0: layer_unit, 1: operator})
@@ -846,8 +870,9 @@ def test_megatron_operator_back_from_recovery_follows_the_reseed_policy(mcore, r
 
 BF16_OWN = {"training": {}}
 MXFP8_OWN = {"training": {"fp8_quantization_recipe": "mxfp8", "fp8_format": "hybrid"}}
-CUSTOM_OWN = {"training": {"fp8_quantization_recipe": "custom",
-                                  "custom_recipe_factory": "my.recipes.factory"}}  # fmt: skip
+CUSTOM_OWN = {
+    "training": {"fp8_quantization_recipe": "custom", "custom_recipe_factory": "my.recipes.factory"}
+}
 
 
 @pytest.mark.parametrize(

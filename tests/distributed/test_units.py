@@ -33,9 +33,11 @@ def test_include_exclude_patterns():
     assert reg.names == ("layers.1.fc1", "layers.2.fc1")
     reg = UnitRegistry.from_model(model, include=["head", "layers.2.*"])
     assert reg.names == ("layers.2.fc1", "layers.2.fc2", "head")  # layers first, then by name
-    said = (r"no units selected with units='operator', include=\['nothing\*'\], exclude=\[\]; "
-            r"the model's operator units are: layers\.0\.fc1, layers\.0\.fc2, "
-            r"layers\.1\.fc1")  # fmt: skip
+    said = (
+        r"no units selected with units='operator', include=\['nothing\*'\], exclude=\[\]; "
+        r"the model's operator units are: layers\.0\.fc1, layers\.0\.fc2, "
+        r"layers\.1\.fc1"
+    )
     with pytest.raises(ValueError, match=said):
         UnitRegistry.from_model(model, include=["nothing*"])
     with pytest.raises(ValueError, match=said):  # the same, locally, before any collective

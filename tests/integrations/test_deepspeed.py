@@ -27,9 +27,21 @@ GNMR = {
 }
 
 
+def _reference_unit_norms(engine) -> tuple[list[float], float]:
+    """The test's own reference: each unit's norm of DeepSpeed's full gradient, gathered for
+    the test only (``safe_get_full_grad``), in fp64, and the global norm."""
+    from deepspeed.utils import safe_get_full_grad
+
+    full = {n: safe_get_full_grad(p).double() for n, p in engine.module.named_parameters()}
+    units = [
+        sum(float(full[n].square().sum()) for n in full if n.startswith(u + ".")) ** 0.5
+        for u in engine.gnmr.registry.names
+    ]
+    return units, sum(float(g.square().sum()) for g in full.values()) ** 0.5
+
+
 def _norms_worker(rank, world, configs):
     import deepspeed
-    from deepspeed.utils import safe_get_full_grad
 
     import gnmr_dist.deepspeed as gds
 
@@ -42,19 +54,14 @@ def _norms_worker(rank, world, configs):
         engine.backward(loss)
         with multiproc.CollectiveSpy() as spy:
             got = engine.gnmr.runtime.monitor.compute()
-        # the test's own reference: DeepSpeed's full gradient, gathered for the test only
-        full = {n: safe_get_full_grad(p).double() for n, p in engine.module.named_parameters()}
-        ref = [
-            sum(float(full[n].square().sum()) for n in full if n.startswith(u + ".")) ** 0.5
-            for u in engine.gnmr.registry.names
-        ]
+        ref, ref_global = _reference_unit_norms(engine)
         engine.step()
         out[(stage, dtype)] = {
             "names": engine.gnmr.registry.names,
             "norms": got.norms,
             "global": got.global_norm,
             "ref": ref,
-            "ref_global": sum(float(g.double().square().sum()) for g in full.values()) ** 0.5,
+            "ref_global": ref_global,
             "calls": spy.calls,
             "active": engine.gnmr.last_decision.active,
         }
@@ -109,7 +116,6 @@ OFFLOAD = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
 
 
 def _offload_worker(rank, world):
-    from deepspeed.utils import safe_get_full_grad
 
     import gnmr_dist.deepspeed as gds
 
@@ -121,11 +127,7 @@ def _offload_worker(rank, world):
     loss = engine(input_ids=dsc.batch(1, rank), labels=dsc.batch(1, rank)).loss
     engine.backward(loss)
     got = engine.gnmr.runtime.monitor.compute()
-    full = {n: safe_get_full_grad(p).double() for n, p in engine.module.named_parameters()}
-    ref = [
-        sum(float(full[n].square().sum()) for n in full if n.startswith(u + ".")) ** 0.5
-        for u in engine.gnmr.registry.names
-    ]
+    ref, _ = _reference_unit_norms(engine)
     engine.step()
     return {
         "offload": bool(engine.optimizer.cpu_offload),

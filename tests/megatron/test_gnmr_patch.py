@@ -116,19 +116,14 @@ def _fp8_context_worker(rank, world):
     from megatron.core.transformer import transformer_block
 
     import megatron_patches
+    from gnmr_dist.backends import PrecisionBackend
     from gnmr_dist.distributed import Plan
     from megatron_patches import enable_cpu_compat
     from tests.megatron import gpt
 
-    class RecoveryRegion:  # stand-in for te_fp8's region (TE cannot run here)
+    class RecoveryRegion(PrecisionBackend):  # stand-in for te_fp8's region (TE cannot run here)
         def recovery_region(self):
             return contextlib.nullcontext("recovery")
-
-        def apply(self, active, step):
-            pass
-
-        def unwrap(self):
-            pass
 
     enable_cpu_compat()
     full, _ = gpt.full_reference(1)

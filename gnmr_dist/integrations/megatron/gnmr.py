@@ -218,26 +218,35 @@ class MegatronGNMR(IntegrationSession):
     ) -> None:
         from megatron.core import parallel_state as ps
 
+        from gnmr_dist.backends import registered_operator_types
         from gnmr_dist.distributed import GNMRRuntime, UnitRegistry
 
         self.model, self.block, self.backend, self.fused = list(model), block, backend, fused
         self.info, self.optimizer = info, optimizer
         self.registry = UnitRegistry.from_model(
-            self.model, granularity=block.units, include=block.include,
-            exclude=block.exclude, group=dist.group.WORLD,
+            self.model,
+            granularity=block.units,
+            include=block.include,
+            exclude=block.exclude,
+            group=dist.group.WORLD,
             tp_group=ps.get_tensor_model_parallel_group(),
             eligible_fn=backend.is_eligible if backend is not None else None,
-        )  # fmt: skip
+            operator_types=registered_operator_types(),
+        )
         if backend is not None:
             backend.wrap(self.registry.local_modules)
         self._dp_group = ps.get_data_parallel_group(with_context_parallel=True)
         self._dp = dist.get_world_size(self._dp_group)
         self.runtime = GNMRRuntime(
-            self.registry, block.policy, group=ps.get_model_parallel_group(),
-            check_group=dist.group.WORLD, check_consistency=block.check_consistency,
+            self.registry,
+            block.policy,
+            group=ps.get_model_parallel_group(),
+            check_group=dist.group.WORLD,
+            check_consistency=block.check_consistency,
             error_fn=error_source(block, backend, self.registry.num_units),
-            error_scale=1.0 / self._dp, error_every=block.error_every,  # DDP's mean over DP
-        )  # fmt: skip
+            error_scale=1.0 / self._dp,
+            error_every=block.error_every,  # DDP's mean over DP
+        )
         self.attribution = GradAttribution(
             self.registry.slot_of_param, self.registry.num_units, optimizer
         )
@@ -370,17 +379,18 @@ class MegatronGNMR(IntegrationSession):
     def layer_context(self, layer_no: int, default: Any) -> Any:
         """The precision context of global layer ``layer_no`` (0-based) under the plan.
 
-        A layer unit on the recovery path gets the backend's recovery region (``te_fp8``: FP8
-        off, or its stronger recipe) in place of megatron's per-layer FP8 context; every other
-        layer keeps megatron's. Operator-granularity plans are applied by the backend on the
-        operators themselves, so they leave the layer context alone.
+        A layer unit on the recovery path gets the backend's ``recovery_region()`` (``te_fp8``:
+        FP8 off, or its stronger recipe) in place of megatron's per-layer FP8 context; every other
+        layer, and every layer of a backend without one (``None``), keeps megatron's.
+        Operator-granularity plans are applied by the backend on the operators themselves, so
+        they leave the layer context alone.
         """
         self.settle()
         uid = self._layer_units().get(layer_no)
-        region = getattr(self.backend, "recovery_region", None)
-        if uid is None or region is None or uid not in self.runtime.plan.active:
+        if uid is None or self.backend is None or uid not in self.runtime.plan.active:
             return default
-        return region()
+        region = self.backend.recovery_region()
+        return default if region is None else region
 
     def _layer_units(self) -> dict[int, int]:
         if not hasattr(self, "_layers"):
@@ -435,9 +445,11 @@ class MegatronGNMR(IntegrationSession):
         sums, total, errors = vector[: u + 2], float(vector[u + 2].sqrt()), vector[u + 3 :]
         self._check_attribution(sums)
         norms = UnitNorms(
-            sums[:u].sqrt(), float(sums[u].sqrt()), global_norm=total,
+            sums[:u].sqrt(),
+            float(sums[u].sqrt()),
+            global_norm=total,
             error_sums=errors if errors.numel() else None,
-        )  # fmt: skip
+        )
         self.runtime.observe(norms)
         self._apply_plan()
 
@@ -459,9 +471,11 @@ class MegatronGNMR(IntegrationSession):
     def setting(self) -> str:
         """The megatron setting the attribution runs under, for messages."""
         ddp = getattr(self.model[0], "ddp_config", None)
-        leaves = sorted({type(o).__name__ for o in leaf_optimizers(self.optimizer)}) if (
-            self.optimizer is not None
-        ) else []  # fmt: skip
+        leaves = (
+            sorted({type(o).__name__ for o in leaf_optimizers(self.optimizer)})
+            if (self.optimizer is not None)
+            else []
+        )
         return (
             f"megatron-core {self.info.checked.rsplit('.', 1)[0]}.x, optimizer {leaves}, "
             f"use_distributed_optimizer={getattr(ddp, 'use_distributed_optimizer', None)}, "
