@@ -77,15 +77,13 @@ class _Report(Protocol):
 
 
 class SwitchableBackend(Protocol):
-    """What the probe uses of a precision backend (:class:`gnmr_dist.backends.PrecisionBackend`).
-
-    Optional: ``measuring() -> AbstractContextManager[None]``, entered around the probe's passes
-    and its restoring ``apply`` (state that training passes update is read but not updated
-    inside); a backend without it is used as it is.
-    """
+    """What the probe uses of a precision backend (:class:`gnmr_dist.backends.PrecisionBackend`
+    declares all three). ``measuring()`` is entered around the probe's passes and its restoring
+    ``apply``: state that training passes update is read but not updated inside."""
 
     def apply(self, active: Iterable[int], step: int) -> None: ...
     def report(self) -> _Report: ...
+    def measuring(self) -> contextlib.AbstractContextManager[None]: ...
 
 
 @dataclass(frozen=True)
@@ -176,7 +174,7 @@ class RecoveryProbe:
                 "before the step's own forward, so that its plan and report can be restored"
             )
         rng = _rng_state()
-        with getattr(self.backend, "measuring", contextlib.nullcontext)():
+        with self.backend.measuring():
             try:
                 low, loss_low = self._pass(closure, (), before.step, rng)
                 high, loss_high = self._pass(closure, self._recover_all, before.step, rng)

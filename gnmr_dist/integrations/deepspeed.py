@@ -70,38 +70,31 @@ import functools
 import inspect
 import json
 import logging
-import os
-import sys
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from gnmr_dist.backends import PrecisionBackend, registered_operator_types
-from gnmr_dist.core import Decision
-from gnmr_dist.distributed import GNMRRuntime, UnitNorms, UnitRegistry
-from gnmr_dist.distributed.probe import ProbeResult, RecoveryProbe
+from gnmr_dist.distributed import UnitRegistry
 from gnmr_dist.distributed.units import check_selection
 from gnmr_dist.integrations.config import GNMRBlock
-from gnmr_dist.integrations.deepspeed_grads import grad_piece_fn
-from gnmr_dist.integrations.session import (
-    IntegrationSession,
-    check_error_source,
-    error_source,
-    open_trace,
-    telemetry_scalars,
+from gnmr_dist.integrations.deepspeed_session import (
+    STATE_FILE,
+    DeepSpeedGNMR,
+    console_logger,
+    probe_loss,
 )
-from gnmr_dist.integrations.state_file import read_state, restore_or_refuse, write_atomic
-from gnmr_dist.telemetry import TraceWriter
-from gnmr_dist.telemetry.selection import top_k
-from gnmr_dist.telemetry.trace import ProbeRecord
+from gnmr_dist.integrations.patching import Patches
+from gnmr_dist.integrations.session import (
+    check_error_source,
+)
 
 __all__ = [
     "STATE_FILE",
     "DeepSpeedGNMR",
+    "console_logger",
     "disable",
     "enable",
     "enabled",
@@ -111,8 +104,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-STATE_FILE = "gnmr_state.pt"
 
 
 def load_ds_config(config: Any) -> dict[str, Any]:
@@ -133,8 +124,8 @@ def load_ds_config(config: Any) -> dict[str, Any]:
         return dict(hjson.loads(text))
 
 
-_ORIGINAL_INITIALIZE: list[Any] = []
-"""``deepspeed.initialize`` as DeepSpeed defines it, while :func:`enable` has replaced it."""
+_PATCHES = Patches("gnmr_dist.deepspeed.enable")
+"""``deepspeed.initialize`` replaced by :func:`enable` (and, through it, ``Trainer.log``)."""
 _WARNED_NO_BLOCK: list[bool] = []
 
 
@@ -142,7 +133,7 @@ def _deepspeed_initialize() -> Any:
     """DeepSpeed's own ``initialize`` (never the patched one: no recursion)."""
     import deepspeed
 
-    return _ORIGINAL_INITIALIZE[0] if _ORIGINAL_INITIALIZE else deepspeed.initialize
+    return _PATCHES.original(deepspeed, "initialize") or deepspeed.initialize
 
 
 def enable() -> None:
@@ -159,16 +150,14 @@ def enable() -> None:
     """
     import deepspeed
 
-    if _ORIGINAL_INITIALIZE:
+    if _PATCHES:
         return
-    original = deepspeed.initialize
-    _ORIGINAL_INITIALIZE.append(original)
 
-    @functools.wraps(original)
+    @functools.wraps(deepspeed.initialize)
     def gnmr_initialize(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
         return initialize(*args, **kwargs)
 
-    deepspeed.initialize = gnmr_initialize
+    _PATCHES.set(deepspeed, "initialize", gnmr_initialize)
     with contextlib.suppress(ImportError):  # no transformers: nothing to log into
         from gnmr_dist.integrations import trainer
 
@@ -178,10 +167,8 @@ def enable() -> None:
 
 def disable() -> None:
     """Undo :func:`enable` (no-op when not enabled)."""
-    import deepspeed
-
-    if _ORIGINAL_INITIALIZE:
-        deepspeed.initialize = _ORIGINAL_INITIALIZE.pop()
+    if _PATCHES:
+        _PATCHES.restore()
         _WARNED_NO_BLOCK.clear()
         with contextlib.suppress(ImportError):
             from gnmr_dist.integrations import trainer
@@ -192,7 +179,7 @@ def disable() -> None:
 @contextlib.contextmanager
 def enabled() -> Any:
     """:func:`enable` for the duration of a ``with`` block (restored after, if it enabled)."""
-    was = bool(_ORIGINAL_INITIALIZE)
+    was = bool(_PATCHES)
     enable()
     try:
         yield
@@ -216,7 +203,7 @@ def initialize(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
         params["args"] = copy.copy(params["args"])  # the config now travels in config=
         params["args"].deepspeed_config = None
     if not block.enabled:
-        if _ORIGINAL_INITIALIZE and not _WARNED_NO_BLOCK:
+        if _PATCHES and not _WARNED_NO_BLOCK:
             _WARNED_NO_BLOCK.append(True)
             logger.warning(
                 "gnmr: gnmr_dist.deepspeed.enable() is on, but this DeepSpeed config has no "
@@ -302,53 +289,6 @@ def _check_probe(block: GNMRBlock, ds_config: Mapping[str, Any]) -> None:
         )
 
 
-def probe_loss(output: Any) -> torch.Tensor:
-    """The loss in a forward's ``output``: a scalar tensor, ``output.loss`` or ``output["loss"]``.
-
-    Raises ``RuntimeError`` naming ``gnmr.probe``, what the forward returned and the fix.
-    """
-    if isinstance(output, Mapping):
-        loss = output.get("loss")
-    else:
-        loss = output if torch.is_tensor(output) else getattr(output, "loss", None)
-    if torch.is_tensor(loss) and loss.numel() == 1 and loss.is_floating_point():
-        return loss if loss.dim() == 0 else loss.reshape(())
-    raise RuntimeError(
-        f"gnmr.probe: the model's forward returned {_describe(output)}, not a loss. The probe "
-        "differentiates the loss the forward returns: a scalar tensor, or an output with .loss "
-        "or a mapping with 'loss' (a Hugging Face model given labels=). Return the loss from "
-        "forward, or drop the gnmr.probe key"
-    )
-
-
-def _describe(output: Any) -> str:
-    name = type(output).__name__
-    if torch.is_tensor(output):
-        return f"a tensor of shape {tuple(output.shape)}"
-    if isinstance(output, Mapping):
-        return f"a {name} with keys {list(output)} (no tensor 'loss')"
-    if hasattr(output, "loss"):
-        return f"a {name} with loss={type(output.loss).__name__}"
-    return f"a {name}"
-
-
-def _adam_state(engine: Any, registry: UnitRegistry) -> torch.optim.Optimizer | None:
-    """``engine.optimizer`` when it is a torch Adam/AdamW whose state is keyed by the module's
-    own parameters (ZeRO 0, fp32), so the probe can read ``exp_avg_sq``; else ``None``."""
-    opt = engine.optimizer
-    if not isinstance(opt, torch.optim.Adam | torch.optim.AdamW):
-        return None
-    held = {id(p) for group in opt.param_groups for p in group["params"]}
-    return opt if all(id(p) in held for p in registry.params if p.requires_grad) else None
-
-
-def _autocast(engine: Any) -> Any:
-    """DeepSpeed's ``torch_autocast`` region of ``engine.forward`` (0.19)."""
-    from deepspeed.runtime.torch_autocast import autocast_if_enabled
-
-    return autocast_if_enabled(engine)
-
-
 def _registry(model: Any, block: GNMRBlock, backend: PrecisionBackend | None) -> UnitRegistry:
     """Units agreed over the world, wrapped with the backend (before DeepSpeed sees the model).
 
@@ -375,267 +315,3 @@ def _registry(model: Any, block: GNMRBlock, backend: PrecisionBackend | None) ->
             "nn.Linear or megatron-core linears"
         )
     return registry
-
-
-class DeepSpeedGNMR(IntegrationSession):
-    """GNMR attached to a DeepSpeed engine (``engine.gnmr``)."""
-
-    def __init__(
-        self,
-        engine: Any,
-        registry: UnitRegistry,
-        backend: PrecisionBackend | None,
-        block: GNMRBlock,
-    ) -> None:
-        self.engine, self.registry, self.backend, self.block = engine, registry, backend, block
-        dp = dist.get_world_size(engine.data_parallel_group)
-        self.runtime = GNMRRuntime(
-            registry,
-            block.policy,
-            group=engine.data_parallel_group,
-            grad_fn=grad_piece_fn(engine),
-            check_group=dist.group.WORLD,
-            check_consistency=block.check_consistency,
-            error_fn=error_source(block, backend, registry.num_units),
-            error_scale=1.0 / dp,
-            error_every=block.error_every,
-        )
-        self.skipped = 0
-        self._trace: TraceWriter | None = None
-        self._notes: dict[str, float] = {}
-        self.probe: RecoveryProbe | None = None
-        """The recovery-gap probe (``gnmr.probe``; ``None``: off)."""
-        self.last_probe: ProbeRecord | None = None
-        """The last probe step's measurements and graded sets (identical on every rank)."""
-        self._dp = dp
-        self._probe_due = False  # the next training forward opens a cycle whose plan is fresh
-        self._measured: tuple[ProbeResult, float] | None = None
-        adam = _adam_state(engine, registry)
-        self._has_update_gap = adam is not None
-        if block.probe is not None and backend is not None:
-            self.probe = RecoveryProbe(registry, backend, adam, dp_group=engine.data_parallel_group)
-        self._install_hooks()
-        self._apply_plan()
-
-    # ------------------------------------------------------------------ public view
-
-    def note(self, **values: float) -> None:
-        """Attach numbers (e.g. ``loss=...``) to the next decision's trace record."""
-        self._notes.update({k: float(v) for k, v in values.items()})
-
-    def telemetry(self) -> dict[str, float]:
-        """The last decision's counts plus the global gradient norm and skipped steps."""
-        d, n = self.runtime.last_decision, self.runtime.last_norms
-        out = dict(d.telemetry.as_dict()) if d is not None else {}
-        if n is not None:
-            out["global_grad_norm"] = n.global_norm
-        out["skipped_steps"] = float(self.skipped)
-        return out
-
-    # ------------------------------------------------------------------ hooks
-
-    def _install_hooks(self) -> None:
-        engine = self.engine
-        take_step, forward = engine._take_model_step, engine.forward
-        save, load = engine.save_checkpoint, engine.load_checkpoint
-
-        def take_model_step(*args: Any, **kwargs: Any) -> Any:
-            # local sums now (gradients final, not yet unscaled/clipped/consumed); the one
-            # all-reduce runs while the optimizer steps
-            finish = self.runtime.monitor.start(
-                grad_scale=self._grad_scale(), with_errors=self.runtime.errors_due()
-            )
-            result = take_step(*args, **kwargs)
-            self._after_step(finish())
-            return result
-
-        def gnmr_forward(*args: Any, **kwargs: Any) -> Any:
-            self._maybe_probe(args, kwargs)
-            if self.backend is None:
-                return forward(*args, **kwargs)
-            with self.backend.step_context():
-                return forward(*args, **kwargs)
-
-        engine._take_model_step = take_model_step
-        engine.forward = gnmr_forward
-        engine.save_checkpoint = lambda *a, **kw: self._save(save, *a, **kw)
-        engine.load_checkpoint = lambda *a, **kw: self._load(load, *a, **kw)
-
-    def _apply_plan(self) -> None:
-        super()._apply_plan()
-        self._probe_due = True  # a fresh plan: the next training forward opens the cycle
-
-    def _maybe_probe(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """The probe, on a probe step's first training forward of the cycle, before it runs."""
-        if self.probe is None or self.block.probe is None or not self._probe_due:
-            return
-        if not (self.engine.module.training and torch.is_grad_enabled()):
-            return  # an evaluation forward: the cycle has not started
-        self._probe_due = False
-        if not self.block.probe.due(self.runtime.plan.step):
-            return
-        if self.backend is not None and self.backend.report().ran:
-            super()._apply_plan()  # evaluation forwards ran since the plan: a fresh report
-        t0 = time.perf_counter()
-        result = self.probe.measure(lambda: self._probe_loss(args, kwargs))
-        self._measured = (result, 1e3 * (time.perf_counter() - t0))
-
-    def _probe_loss(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
-        """The forward as ``engine.forward`` runs it, its loss over the data-parallel size."""
-        context = self.backend.step_context() if self.backend else contextlib.nullcontext()
-        with context, _autocast(self.engine):
-            output = self.engine.module(*args, **kwargs)
-        return probe_loss(output) / self._dp
-
-    def _take_probe(self, decision: Decision, ran: frozenset[int]) -> ProbeRecord | None:
-        """This step's probe as a trace record (``ran``: the plan the step ran), or ``None``."""
-        measured, self._measured = self._measured, None
-        if measured is None or measured[0].step != decision.step or self.block.probe is None:
-            return None
-        r, ms = measured
-        k = self.block.probe.k
-        sets = {
-            "risk_topk": top_k(decision.risk, k),
-            "active": ran,
-            "decided": frozenset(decision.active),
-        }
-        self.last_probe = ProbeRecord(
-            step=decision.step,
-            k=k,
-            grad_gap=r.grad_gap,
-            update_gap=r.update_gap if self._has_update_gap else None,
-            grad_low_norm=r.grad_low_norm,
-            grad_high_norm=r.grad_high_norm,
-            loss_low=r.loss_low,
-            loss_high=r.loss_high,
-            sets=sets,
-            probe_ms=ms,
-        )
-        return self.last_probe
-
-    def _grad_scale(self) -> float:
-        """The fp16 loss scale the gradients still carry at the hook (1 for fp32/bf16)."""
-        return float(getattr(self.engine.optimizer, "loss_scale", 1.0) or 1.0)
-
-    def _after_step(self, norms: UnitNorms) -> None:
-        if not self.engine.was_step_applied():
-            self.skipped += 1
-            logger.warning(
-                "gnmr: optimizer step skipped (overflow); controller history left untouched, "
-                "plan kept: %s",
-                sorted(self.runtime.plan.active),
-            )
-            self._measured = None  # the retried step is probed again, on its own batch
-            self._apply_plan()
-            return
-        ran = self.runtime.plan.active
-        decision = self.runtime.observe(norms)
-        probe = self._take_probe(decision, ran)
-        self._apply_plan()
-        self._log(norms, decision, probe)
-
-    # ------------------------------------------------------------------ logging
-
-    def _log(self, norms: UnitNorms, decision: Decision, probe: ProbeRecord | None) -> None:
-        if dist.get_rank() != 0:
-            return
-        trace = self._trace_writer()
-        samples = int(self.engine.global_samples)  # DeepSpeed's own monitor axis
-        extra = {
-            "global_norm": norms.global_norm,
-            "engine_step": int(self.engine.global_steps),
-            "engine_samples": samples,
-        }
-        extra.update(self._notes)
-        self._notes = {}
-        if trace is not None:
-            trace.write(norms.norms, decision, extra, probe=probe)
-        monitor = getattr(self.engine, "monitor", None)
-        log = self.block.log
-        if decision.step % log.every:
-            return
-        _console(decision, norms, self.registry.names, samples)
-        if log.monitor and monitor is not None and monitor.enabled:
-            tele = telemetry_scalars(decision, norms.global_norm)
-            monitor.write_events([(f"gnmr/{k}", v, samples) for k, v in tele.items()])
-
-    def _trace_writer(self) -> TraceWriter | None:
-        if self._trace is None:
-            done = self.runtime.controller.step_count - 1  # decided before this run's first record
-            self._trace = open_trace(self.block, self.registry, done)
-        return self._trace
-
-    # ------------------------------------------------------------------ checkpoints
-
-    def _save(self, save: Any, save_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
-        """Write the GNMR state atomically into the tag's directory, then let DeepSpeed write
-        its files and its ``latest`` tag: a kill at any instant leaves ``latest`` naming a
-        checkpoint whose GNMR state is complete (module docstring, item 6)."""
-        tag = str(tag) if tag is not None else f"global_step{self.engine.global_steps}"
-        path = Path(save_dir, tag, STATE_FILE)
-        failed: list[str | None] = [None]
-        if dist.get_rank() == 0:
-            try:
-                write_atomic(self.state_dict(), path)
-            except OSError as err:  # a full disk, a read-only mount: every rank stops with it
-                failed[0] = f"{type(err).__name__}: {err}"
-        dist.broadcast_object_list(failed, src=0)
-        if failed[0] is not None:
-            raise OSError(f"gnmr: cannot write {path} ({failed[0]}); the checkpoint was not saved")
-        return save(save_dir, tag, *args, **kwargs)
-
-    def _load(self, load: Any, load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
-        tag = tag if tag is not None else _latest_tag(load_dir)
-        result = load(load_dir, tag, *args, **kwargs)
-        if result[0] is None:
-            return result  # DeepSpeed found nothing to load and said so
-        self._restore(Path(load_dir, str(tag), STATE_FILE))
-        return result
-
-    def _restore(self, path: Path) -> None:
-        """Rank 0 reads the state and hands it to every rank, so all ranks restore the same."""
-        found: list[Any] = [read_state(path) if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(found, src=0)
-        if restore_or_refuse(self.block, str(path), found[0], self):
-            logger.info(
-                "gnmr: restored controller at step %d from %s",
-                self.runtime.controller.step_count,
-                path,
-            )
-
-
-def console_logger() -> logging.Logger:
-    """``gnmr_dist.console``: the per-step line. Like DeepSpeed's own logger it prints to stdout
-    by itself (INFO, ``[gnmr]`` prefix) when the program has configured no logging; once the
-    root logger has a handler it propagates there instead, under the program's settings."""
-    log = logging.getLogger("gnmr_dist.console")
-    if not logging.getLogger().handlers and not log.handlers:
-        handler = logging.StreamHandler(sys.stdout)
-        handler.setFormatter(logging.Formatter("[gnmr] %(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
-        log.propagate = False
-    return log
-
-
-def _console(decision: Decision, norms: UnitNorms, names: Sequence[str], samples: int) -> None:
-    """One line per logged decision (rank 0 calls it), in any DeepSpeed script."""
-    t = decision.telemetry
-    console_logger().info(
-        "gnmr | step %d | samples %d | exceed %d | active %d %s | max risk %.3g | grad norm %.4g",
-        decision.step,
-        samples,
-        t.num_exceed,
-        len(decision.active),
-        [names[u] for u in decision.active],
-        t.max_risk,
-        norms.global_norm,
-    )
-
-
-def _latest_tag(load_dir: str) -> str | None:
-    latest = os.path.join(load_dir, "latest")
-    if not os.path.isfile(latest):
-        return None
-    with open(latest) as fh:
-        return fh.read().strip()

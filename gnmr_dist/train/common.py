@@ -1,5 +1,7 @@
-"""What the training programs share: logging set-up, the ``"gnmr"`` block's preflight, the
-next-token loss."""
+"""What the training programs share beyond the integrations: logging set-up and the next-token
+loss. Both read their ``"gnmr"`` block through the one reader,
+:func:`gnmr_dist.integrations.config.read_block`, in their preflight, and hand the parsed block
+(with the backend built while checking it) to the integration: nothing is parsed twice."""
 
 from __future__ import annotations
 

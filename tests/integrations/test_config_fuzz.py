@@ -24,11 +24,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from gnmr_dist.backends import BACKENDS, get_backend
-from gnmr_dist.backends.act_quant import ActQuantOptions
-from gnmr_dist.backends.fp8_emulated import Fp8Options
-from gnmr_dist.backends.int8 import Int8LowCost, Int8Recovery
-from gnmr_dist.backends.te_fp8 import TELowCostOptions, TERecoveryOptions
+from gnmr_dist.backends import BACKENDS, backend_class, get_backend
 from gnmr_dist.core import GNMRConfig
 from gnmr_dist.integrations.config import AttributionGuard, GNMRBlock, LogOptions, ProbeOptions
 
@@ -67,11 +63,11 @@ BLOCK_KEYS: dict[str, str] = {
 }
 
 OPTION_CLASSES = {
-    "act_quant": (ActQuantOptions, ActQuantOptions),
-    "fp8_emulated": (Fp8Options, Fp8Options),
-    "int8": (Int8LowCost, Int8Recovery),
-    "te_fp8": (TELowCostOptions, TERecoveryOptions),
+    name: (backend_class(name).options.low_cost, backend_class(name).options.recovery)
+    for name in BACKENDS
 }
+"""Every registered backend's option dataclasses, from the registry (a new backend is fuzzed
+without a line here)."""
 
 
 def _kind_of(annotation: Any) -> str:
