@@ -61,15 +61,9 @@ def make_tiny(path: str) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
+    layers = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    width = {"hidden_size": 64, "intermediate_size": 128}
+    config = LlamaConfig(vocab_size=256, max_position_embeddings=256, **width, **layers)
     LlamaForCausalLM(config).save_pretrained(path)
 
 

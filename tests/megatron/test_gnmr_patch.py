@@ -253,8 +253,8 @@ def _paths_worker(rank, world, arm):
         settings.CLIP_GRAD = 0.0  # megatron then computes no norm in a plain optimizer's step
     chunks, chained = settings.build(settings.SETTINGS_BY_NAME["distopt-fp32-dp2"], full)
     opt = chained.chained_optimizers[0] if arm == "no-clip" else chained
-    handle = megatron_patches.apply(chunks, {"max_active": 1}, optimizer=opt,
-                                    fused_norm=arm != "unfused")  # fmt: skip
+    fused = arm != "unfused"
+    handle = megatron_patches.apply(chunks, {"max_active": 1}, optimizer=opt, fused_norm=fused)
     settings.train_step(chunks, 0)
     with multiproc.CollectiveSpy() as spy:
         _, megatron_norm, _ = opt.step()
