@@ -30,14 +30,16 @@ def closest(key: str, valid: Iterable[str]) -> str | None:
     return matches[0] if matches else None
 
 
-def did_you_mean(value: Any, valid: Iterable[str], *, n: int = 1, quote: bool = True) -> str:
+def did_you_mean(
+    value: Any, valid: Iterable[str], *, n: int = 1, quote: bool = True, cutoff: float = 0.4
+) -> str:
     """``"; did you mean 'x'?"`` for the (up to ``n``) valid names closest to ``value``, or
     ``""`` when none is close or ``value`` is not a string: the one suffix every "unknown name"
     message in gnmr-dist ends its first clause with (``quote=False``: names as file names,
-    unquoted)."""
+    unquoted; ``cutoff``: difflib's similarity floor)."""
     if not isinstance(value, str):
         return ""
-    matches = difflib.get_close_matches(value, list(valid), n=n, cutoff=0.4)
+    matches = difflib.get_close_matches(value, list(valid), n=n, cutoff=cutoff)
     if not matches:
         return ""
     return f"; did you mean {', '.join(repr(m) if quote else m for m in matches)}?"

@@ -35,6 +35,7 @@ and ``hf_model/``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -153,7 +154,7 @@ def pretrain_defaults(
     known = {a.dest for a in parser._actions if a.dest not in _NOT_IN_BLOCK}
     for key in block:
         if key.replace("-", "_") not in known:
-            hint = did_you_mean(key.replace("-", "_"), sorted(known))
+            hint = did_you_mean(key.replace("-", "_"), sorted(known), cutoff=0.6)
             raise ValueError(f"{where}: unknown key '{PRETRAIN_BLOCK}.{key}'{hint}")
     return {k.replace("-", "_"): v for k, v in block.items()}
 
@@ -183,7 +184,8 @@ def _validate(
         )
     check_batch(config, world)
     check_monitors(config)
-    return _check_gnmr(_with_trace(config, args.run_dir), f"{args.config}: gnmr", check_host)
+    gnmr = config.get("gnmr", {})
+    return _check_gnmr(gnmr, f"{args.config}: gnmr", args.run_dir, check_host)
 
 
 def check_monitors(config: Mapping[str, Any]) -> None:
@@ -199,20 +201,11 @@ def check_monitors(config: Mapping[str, Any]) -> None:
             )
 
 
-def _with_trace(config: Mapping[str, Any], run_dir: str) -> Any:
-    """The config's ``"gnmr"`` block (``{}`` when absent: GNMR observes) with ``log.trace`` set
-    to ``RUN_DIR/trace.jsonl``, where the report reads it; a malformed block is passed as it
-    is, for the parser to name."""
-    block = config.get("gnmr", {})
-    if not isinstance(block, Mapping) or not isinstance(block.get("log", {}), Mapping):
-        return block
-    log = {**block.get("log", {}), "trace": str(Path(run_dir, "trace.jsonl"))}
-    return {**block, "log": log}
-
-
-def _check_gnmr(block: Any, path: str, check_host: bool = True) -> GNMRBlock:
-    """The ``"gnmr"`` block and its backend's option blocks, read once (``read_block``): the
-    parsed block goes to ``initialize`` as it is, with the backend built while checking it.
+def _check_gnmr(block: Any, path: str, run_dir: str, check_host: bool = True) -> GNMRBlock:
+    """The ``"gnmr"`` block as ``initialize`` will run it, read once: parsed as given (an absent
+    block is ``{}``: GNMR observes; ``null`` or ``"enabled": false``: plain DeepSpeed), its
+    ``log.trace`` then set to ``RUN_DIR/trace.jsonl`` (where the report reads it), and the
+    backend's option blocks checked by building the backend ``initialize`` takes over.
 
     A backend this host cannot load (``te_fp8`` without CUDA) is an error only when
     ``check_host``: its options are parsed before the import fails.
@@ -225,7 +218,8 @@ def _check_gnmr(block: Any, path: str, check_host: bool = True) -> GNMRBlock:
             "from your own DeepSpeed script with a forward that returns the loss (a Hugging Face "
             f"model given labels=), or drop {path}.probe"
         )
-    return read_block(parsed, path, check_host=check_host)
+    log = dataclasses.replace(parsed.log, trace=str(Path(run_dir, "trace.jsonl")))
+    return read_block(dataclasses.replace(parsed, log=log), path, check_host=check_host)
 
 
 def check_batch(config: Mapping[str, Any], world: int) -> None:
@@ -410,8 +404,8 @@ def _summary(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    setup_logging(int(os.environ.get("RANK", "0")))  # first: the backend is built in parse_args
     args = parse_args(argv)
-    setup_logging(int(os.environ.get("RANK", "0")))
     summary = train(args)
     if dist.get_rank() == 0:
         _finish(Path(args.run_dir), summary, args.title)

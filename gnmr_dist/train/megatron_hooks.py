@@ -62,11 +62,11 @@ class Hooks:
     def _attach(self, model: list[Any], optimizer: Any) -> None:
         from megatron.training import get_args
 
-        from gnmr_dist.integrations.megatron import gnmr as megatron_gnmr
+        from gnmr_dist.integrations import megatron as megatron_patches
 
         if self.block is None or not self.block.enabled:
             return
-        handle = megatron_gnmr.apply(model, self.block, optimizer=optimizer)
+        handle = megatron_patches.apply(model, self.block, optimizer=optimizer)
         handle.install_rerun_hooks()
         self._restore(handle, get_args())
         self.layers = _layer_params(model)
@@ -103,10 +103,10 @@ class Hooks:
 
     def _with_state(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def generate_state_dict(*args: Any, **kwargs: Any) -> Any:
-            from gnmr_dist.integrations.megatron import gnmr as megatron_gnmr
+            from gnmr_dist.integrations import megatron as megatron_patches
 
             state = original(*args, **kwargs)
-            handle = megatron_gnmr.current()
+            handle = megatron_patches.current()
             if handle is not None:
                 handle.settle()
                 state["gnmr"] = handle.state_dict()
@@ -141,9 +141,9 @@ class Hooks:
     def _log(self, iteration: int, loss_dict: Mapping[str, Any]) -> None:
         from megatron.training import get_args, get_tensorboard_writer, get_wandb_writer
 
-        from gnmr_dist.integrations.megatron import gnmr as megatron_gnmr
+        from gnmr_dist.integrations import megatron as megatron_patches
 
-        handle = megatron_gnmr.current()
+        handle = megatron_patches.current()
         if handle is None or self.block is None:
             return
         handle.settle()
