@@ -207,30 +207,16 @@ def test_the_lora_example_runs_on_cpu(tmp_path):
     """``examples/trainer_lora_int8.py`` as its docstring runs it: 2 processes, a tiny local
     Llama, peft LoRA, the int8 backend, the block from ``examples/trainer_lora_int8.json``."""
     import os
+    import shlex
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
     script = str(root / "examples" / "trainer_lora_int8.py")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(multiproc.free_port()),
-        script,
-        "--make-tiny",
-        "tiny",
-        "--model",
-        "tiny",
-        "--max-steps",
-        "4",
-        "--output-dir",
-        "out",
-    ]
+    run = f"-m torch.distributed.run --nproc_per_node 2 --master_port {multiproc.free_port()}"
+    args = shlex.split("--make-tiny tiny --model tiny --max-steps 4 --output-dir out")
+    cmd = [sys.executable, *run.split(), script, *args]
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
