@@ -65,7 +65,14 @@ from gnmr_dist.train import megatron_gpt
 from gnmr_dist.train.common import setup_logging
 from gnmr_dist.train.megatron_hooks import Hooks
 
-__all__ = ["CPU_FLAGS", "add_gnmr_args", "check_args", "cpu_argv", "main"]
+__all__ = [
+    "CPU_FLAGS",
+    "add_gnmr_args",
+    "check_args",
+    "check_data_split",
+    "cpu_argv",
+    "main",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -205,6 +212,50 @@ def _fail_at(value: int | None) -> int | None:
 # =============================================================================== CLI
 
 
+_LEGACY_SPLIT = "969, 30, 1"
+"""Megatron-LM's ``--split`` when ``--data-path`` is given without one (``validate_args``)."""
+
+
+def check_data_split(data_path: Sequence[str] | None, split: str | None, mock: bool) -> None:
+    """``ValueError`` when ``--split`` leaves a split of positive weight without a sequence of a
+    single ``--data-path`` prefix.
+
+    megatron-core splits a GPT data set by sequence (one per document as written by
+    ``gnmr-prepare-data``): split ``i`` holds sequences ``round(b_i n)`` to ``round(e_i n)``.
+    An empty one never finishes building: ``GPTDataset._get_num_epochs`` adds epochs of zero
+    tokens until the requested tokens are reached, so the run would hang before its first
+    step. A blend, mock data or a prefix not on this host is not checked.
+    """
+    if mock or not data_path or len(data_path) != 1 or not Path(data_path[0] + ".idx").is_file():
+        return
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    prefix, split = data_path[0], split or _LEGACY_SPLIT
+    n = len(IndexedDataset(prefix, mmap=True).sequence_lengths)
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    for name, bounds in zip(("train", "valid", "test"), matrix, strict=True):
+        if bounds is not None and round(bounds[0] * n) == round(bounds[1] * n):
+            raise ValueError(
+                f"--data-path {prefix} holds {n} sequences and --split {split!r} leaves the "
+                f"{name} split none of them: megatron-core would loop forever building that "
+                f"empty split. Write more documents (gnmr-prepare-data writes one per file) or "
+                f"give the {name} split weight 0"
+            )
+
+
+def _data_namespace(argv: Sequence[str]) -> argparse.Namespace:
+    """``--data-path``, ``--split`` and ``--mock-data`` as Megatron-LM will read them."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--data-path", nargs="*", default=None)
+    parser.add_argument("--split", default=None)
+    parser.add_argument("--mock-data", action="store_true")
+    return parser.parse_known_args(argv)[0]
+
+
 def _require_training() -> None:
     """``ValueError`` unless this megatron-core ships an importable ``megatron.training``."""
     from gnmr_dist.integrations.megatron.versions import megatron_series, series_info
@@ -264,6 +315,7 @@ def check_args(argv: Sequence[str], world_size: int, check_host: bool = True) ->
             else:
                 os.environ[key] = value
     _check_batches(args)
+    check_data_split(args.data_path, args.split, args.mock_data)
     _read_block(args, check_host=check_host)
     _spikes(args.gnmr_inject_grad_spike)
 
@@ -311,6 +363,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         hooks.spikes = _spikes(gnmr_args.gnmr_inject_grad_spike)
         hooks.fail_at = _fail_at(gnmr_args.gnmr_fail_at)
         hooks.block = _read_block(gnmr_args)  # a bad block fails before any process group
+        data = _data_namespace(argv)
+        check_data_split(data.data_path, data.split, data.mock_data)
     except ValueError as err:
         logger.error("%s", err)
         return 2

@@ -24,3 +24,24 @@ def test_megatron_reads_the_stream_the_deepspeed_program_trains_on(tmp_path, spe
     assert [theirs[i].tolist() for i in (0, len(theirs) - 1)] == [
         ours[i].tolist() for i in (0, len(ours) - 1)
     ]
+
+
+def test_a_split_without_a_sequence_is_refused_before_megatron_loops_on_it(tmp_path):
+    """megatron-core never finishes building a split of positive weight that holds no
+    sequence; ``gnmr-megatron-pretrain`` refuses it first, naming the split."""
+    from gnmr_dist.train.megatron_lm import check_data_split
+
+    (tmp_path / "texts").mkdir()
+    for i in range(12):
+        (tmp_path / "texts" / f"{i:02}.txt").write_text(f"document {i}")
+    write_indexed_dataset(tmp_path / "texts", tmp_path / "doc")
+    prefix = str(tmp_path / "doc")
+    said = r"holds 12 sequences and --split '90,5,5' leaves the valid split none of them"
+    with pytest.raises(ValueError, match=said):
+        check_data_split([prefix], "90,5,5", mock=False)
+    with pytest.raises(ValueError, match=r"--split '969, 30, 1' leaves the valid split"):
+        check_data_split([prefix], None, mock=False)  # Megatron-LM's legacy default
+    check_data_split([prefix], "50,50,0", mock=False)  # 6 and 6 sequences, no test split
+    check_data_split(["0.5", prefix, "0.5", prefix], "90,5,5", mock=False)  # a blend: not read
+    check_data_split([prefix], "90,5,5", mock=True)
+    check_data_split([str(tmp_path / "elsewhere")], "90,5,5", mock=False)  # not on this host

@@ -23,8 +23,9 @@ def data_prefix(tmp_path_factory) -> str:
 
     prefix = str(tmp_path_factory.mktemp("data") / "corpus")
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
-    builder.add_item(torch.arange(0, 32000, 7, dtype=torch.int32))
-    builder.end_document()
+    for part in torch.arange(0, 32000, 7, dtype=torch.int32).chunk(100):
+        builder.add_item(part)  # 100 sequences: --split 99,1,0 gives the valid split one
+        builder.end_document()
     builder.finalize(prefix + ".idx")
     return prefix
 
