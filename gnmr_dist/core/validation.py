@@ -19,15 +19,8 @@ __all__ = [
     "check_nonnegative_int",
     "check_positive_int",
     "check_positive_number",
-    "closest",
     "did_you_mean",
 ]
-
-
-def closest(key: str, valid: Iterable[str]) -> str | None:
-    """The valid key most similar to ``key``, or ``None`` when nothing is close."""
-    matches = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.4)
-    return matches[0] if matches else None
 
 
 def did_you_mean(

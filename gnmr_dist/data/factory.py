@@ -6,9 +6,9 @@ from pathlib import Path
 
 from gnmr_dist.data.corpus import SPLITS, embedded_corpus
 from gnmr_dist.data.datasets import MegatronIndexedDataset, TextTokenDataset, TokenStreamDataset
-from gnmr_dist.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from gnmr_dist.data.tokenizer import Tokenizer, as_tokenizer
 
-__all__ = ["embedded_files", "make_dataset"]
+__all__ = ["embedded_files", "is_embedded", "make_dataset"]
 
 
 def _parse_embedded(spec: str) -> tuple[str, str | None]:
@@ -20,6 +20,11 @@ def _parse_embedded(spec: str) -> tuple[str, str | None]:
         raise ValueError(f"split in {spec!r} must be one of {SPLITS}, got {split!r}")
     domain = parts[2] if len(parts) > 2 and parts[2] else None
     return split, domain
+
+
+def is_embedded(spec: str) -> bool:
+    """Whether `spec` names the embedded corpus (`"embedded[:split[:domain]]"`)."""
+    return spec == "embedded" or spec.startswith("embedded:")
 
 
 def embedded_files(spec: str, max_bytes: int | None = None) -> list[Path]:
@@ -44,10 +49,9 @@ def make_dataset(
     `max_bytes` caps the embedded corpus (ignored by other sources). A megatron prefix holds
     token ids already, so `tokenizer` is not used for it.
     """
-    tok = load_tokenizer(tokenizer) if isinstance(tokenizer, (str, Path)) else tokenizer
-    tok = tok if tok is not None else ByteTokenizer()
+    tok = as_tokenizer(tokenizer)
     spec = str(spec)
-    if spec == "embedded" or spec.startswith("embedded:"):
+    if is_embedded(spec):
         return TextTokenDataset(embedded_files(spec, max_bytes), tok, seq_len)
     if Path(spec + ".bin").is_file() and Path(spec + ".idx").is_file():
         return MegatronIndexedDataset(spec, seq_len)

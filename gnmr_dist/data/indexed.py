@@ -18,8 +18,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from gnmr_dist.data.datasets import encode_file, resolve_paths
-from gnmr_dist.data.factory import embedded_files
-from gnmr_dist.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from gnmr_dist.data.factory import embedded_files, is_embedded
+from gnmr_dist.data.tokenizer import Tokenizer, as_tokenizer
 
 __all__ = ["write_indexed_dataset"]
 
@@ -39,11 +39,9 @@ def write_indexed_dataset(
     import numpy as np
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    tok = load_tokenizer(tokenizer) if isinstance(tokenizer, (str, Path)) else tokenizer
-    tok = tok if tok is not None else ByteTokenizer()
+    tok = as_tokenizer(tokenizer)
     spec = str(spec)
-    embedded = spec == "embedded" or spec.startswith("embedded:")
-    files = embedded_files(spec, max_bytes) if embedded else resolve_paths(spec)
+    files = embedded_files(spec, max_bytes) if is_embedded(spec) else resolve_paths(spec)
     prefix = str(prefix)
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)

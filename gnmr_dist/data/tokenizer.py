@@ -19,7 +19,15 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["EOD_ID", "PAD_ID", "ByteTokenizer", "HFTokenizer", "Tokenizer", "load_tokenizer"]
+__all__ = [
+    "EOD_ID",
+    "PAD_ID",
+    "ByteTokenizer",
+    "HFTokenizer",
+    "Tokenizer",
+    "as_tokenizer",
+    "load_tokenizer",
+]
 
 EOD_ID = 256
 """End-of-document id of `ByteTokenizer`, written after every document of a concatenation."""
@@ -103,3 +111,11 @@ def load_tokenizer(path: str | Path, *, eod_id: int | None = None) -> HFTokenize
     return HFTokenizer(
         AutoTokenizer.from_pretrained(str(path), local_files_only=True), eod_id=eod_id
     )
+
+
+def as_tokenizer(tokenizer: Tokenizer | str | Path | None) -> Tokenizer:
+    """`tokenizer` as the datasets take it: None -> `ByteTokenizer()`, a path -> the local
+    Hugging Face tokenizer there (`load_tokenizer`), a tokenizer object as it is."""
+    if isinstance(tokenizer, (str, Path)):
+        return load_tokenizer(tokenizer)
+    return tokenizer if tokenizer is not None else ByteTokenizer()

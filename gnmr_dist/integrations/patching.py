@@ -64,8 +64,5 @@ class Patches:
         """The replacements in the order they were made (``owner``, ``name``, ``original``)."""
         return iter(list(self._done))
 
-    def __len__(self) -> int:
+    def __len__(self) -> int:  # truthy while any replacement holds
         return len(self._done)
-
-    def __bool__(self) -> bool:
-        return bool(self._done)

@@ -247,15 +247,6 @@ def check_data_split(data_path: Sequence[str] | None, split: str | None, mock: b
             )
 
 
-def _data_namespace(argv: Sequence[str]) -> argparse.Namespace:
-    """``--data-path``, ``--split`` and ``--mock-data`` as Megatron-LM will read them."""
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    parser.add_argument("--data-path", nargs="*", default=None)
-    parser.add_argument("--split", default=None)
-    parser.add_argument("--mock-data", action="store_true")
-    return parser.parse_known_args(argv)[0]
-
-
 def _require_training() -> None:
     """``ValueError`` unless this megatron-core ships an importable ``megatron.training``."""
     from gnmr_dist.integrations.megatron.versions import megatron_series, series_info
@@ -363,8 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         hooks.spikes = _spikes(gnmr_args.gnmr_inject_grad_spike)
         hooks.fail_at = _fail_at(gnmr_args.gnmr_fail_at)
         hooks.block = _read_block(gnmr_args)  # a bad block fails before any process group
-        data = _data_namespace(argv)
-        check_data_split(data.data_path, data.split, data.mock_data)
+        check_data_split(gnmr_args.data_path, gnmr_args.split, gnmr_args.mock_data)
     except ValueError as err:
         logger.error("%s", err)
         return 2
@@ -388,6 +378,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _gnmr_namespace(argv: Sequence[str]) -> argparse.Namespace:
-    """The GNMR arguments alone (megatron's parser reads the rest later)."""
+    """The GNMR arguments, and the data flags :func:`check_data_split` reads, as Megatron-LM
+    will parse them (its parser reads everything later)."""
     parser = add_gnmr_args(argparse.ArgumentParser(add_help=False))
+    parser.add_argument("--data-path", nargs="*", default=None)
+    parser.add_argument("--split", default=None)
+    parser.add_argument("--mock-data", action="store_true")
     return parser.parse_known_args(argv)[0]
