@@ -1,4 +1,4 @@
-"""FP8/FP6 rounding against an independent brute-force reference, and scaled quantization.
+"""FP8/FP6/FP4 rounding against an independent brute-force reference, and scaled quantization.
 
 The reference enumerates every finite code of each format from its bit fields, picks the
 nearest value by exhaustive comparison, breaks ties towards the code whose mantissa LSB is 0
@@ -27,8 +27,10 @@ SPECS = {
     "e5m2": (5, 2, 15, lambda e, m: e == 31),  # IEEE-like: top exponent is inf/NaN
     "e3m2": (3, 2, 3, lambda e, m: False),  # FP6: every code finite
     "e2m3": (2, 3, 1, lambda e, m: False),
+    "e2m1": (2, 1, 1, lambda e, m: False),  # FP4: every code finite
 }
 NARROW = tuple(SPECS)
+FP8_FP6 = NARROW[:4]
 
 
 # ------------------------------------------------------------------ the independent reference
@@ -133,7 +135,7 @@ def test_registry_matches_bit_fields(name):
 
 
 def test_documented_maxima():
-    want = {"e4m3": 448.0, "e5m2": 57344.0, "e3m2": 28.0, "e2m3": 7.5}
+    want = {"e4m3": 448.0, "e5m2": 57344.0, "e3m2": 28.0, "e2m3": 7.5, "e2m1": 6.0}
     assert {k: FORMATS[k].max_value for k in want} == want
 
 
@@ -202,7 +204,7 @@ def reference_quantize(x2d, name, block):
     return out
 
 
-@pytest.mark.parametrize("name", NARROW)
+@pytest.mark.parametrize("name", FP8_FP6)
 @pytest.mark.parametrize(
     "granularity, block", [("tensor", None), ("row", None), ("block", (1, 8)), ("block", (3, 5))]
 )
@@ -258,7 +260,7 @@ def gaussian():
 def sqnr_table(gaussian):
     return {
         (name, g): sqnr_db(gaussian, quantize_dequantize(gaussian, name, g, block=ACT_BLOCK))
-        for name in NARROW
+        for name in FP8_FP6
         for g in ("tensor", "row", "block")
     }
 
@@ -274,7 +276,7 @@ def test_sqnr_table_on_gaussian(gaussian, sqnr_table):
     ideal = {m: ideal_sqnr(gaussian, m) for m in (2, 3)}
     print(f"\nideal: M=2 {ideal[2]:.2f} dB, M=3 {ideal[3]:.2f} dB")
     print(f"{'format':8}{'tensor':>9}{'row':>9}{'block':>9}")
-    for name in NARROW:
+    for name in FP8_FP6:
         row = [sqnr_table[name, g] for g in ("tensor", "row", "block")]
         print(f"{name:8}" + "".join(f"{v:9.2f}" for v in row))
     for (name, g), value in sqnr_table.items():
@@ -287,7 +289,7 @@ def test_sqnr_table_on_gaussian(gaussian, sqnr_table):
 def test_sqnr_ordering_on_gaussian(sqnr_table):
     """A mantissa bit is worth ~6 dB and outweighs range on well-scaled Gaussian data."""
     for g in ("tensor", "row", "block"):
-        s = {name: sqnr_table[name, g] for name in NARROW}
+        s = {name: sqnr_table[name, g] for name in FP8_FP6}
         assert s["e4m3"] >= s["e2m3"] > s["e3m2"] + 4.5
         assert abs(s["e3m2"] - s["e5m2"]) < 0.2  # same mantissa, both have enough range
         assert s["e4m3"] > s["e5m2"] + 5.5
