@@ -1,4 +1,4 @@
-"""``fp8_emulated``: linear layers whose GEMM inputs are rounded to FP8/FP6, on any device.
+"""``fp8_emulated``: linear layers whose GEMM inputs are rounded to FP8/FP6/FP4, on any device.
 
 A linear layer ``y = x W^T + b`` (``x``: [M tokens, K in], ``W``: [N out, K]) runs three GEMMs
 per training step. Each one's inputs are fake-quantized (:mod:`gnmr_dist.backends.numerics`:
@@ -21,11 +21,16 @@ it into 128 x 1 tiles, a second rounding this emulation does not model.
 
 Options (one block per path, parsed strictly):
 
-    format       "e4m3" | "e5m2" | "e3m2" | "e2m3" | "bf16" | "fp16" | "fp32"   (x and W)
-    grad_format  same choices or None (= format)                                  (dy)
-    granularity  "tensor" | "row" | "block" | "none" or None
-                 (None = "block" for FP8/FP6, "none" for bf16/fp16/fp32: a plain cast)
-    block        tile length along the reduction dimension (default 128)
+    format       "e4m3" | "e5m2" | "e3m2" | "e2m3" | "e2m1" | "bf16" | "fp16" | "fp32"  (x, W)
+    grad_format  same choices or None (= format)                                         (dy)
+    granularity  "tensor" | "row" | "block" | "none" | "nvfp4" | "mxfp4" or None
+                 (None = "nvfp4" for e2m1, "block" for FP8/FP6, "none" for bf16/fp16/fp32)
+    block        tile length along the reduction dimension (default 128; nvfp4 16, mxfp4 32)
+    weight_2d    FP4: W in block x block tiles (None = true for nvfp4, false for mxfp4)
+    stochastic_rounding  dy rounded stochastically (None = true for nvfp4)
+    hadamard     wgrad inputs rotated by the 16 x 16 random Hadamard transform (None = true
+                 for nvfp4)
+    seed         stochastic rounding's seed option (default 0)
     scaling      "current" (default: each call scales by its own tensor's amax) | "delayed"
                  (Transformer Engine's recipe, below; needs "granularity": "tensor")
     amax_history_len   delayed only: steps of amax history H, int >= 1 (default 16; TE's
@@ -39,6 +44,21 @@ DeepSeek-V3: fine-grained scales make e5m2's extra range for gradients unnecessa
 inputs, fp32 accumulation). A path whose formats are both ``fp32`` is the unwrapped module:
 plain ``F.linear``.
 
+FP4 (``"format": "e2m1"``): NVIDIA's NVFP4 recipe (arXiv 2509.25149) by default --
+``Q_K(x)`` and ``Q_N(dy)`` in 1 x 16 blocks, ``W`` in 16 x 16 tiles (one quantized weight for
+fprop and dgrad), ``dy`` rounded stochastically in both backward GEMMs, and the wgrad GEMM run
+on ``Q_M(H dy)^T Q_M(H x)`` with ``H`` the 16 x 16 random Hadamard transform along the tokens
+(:func:`~gnmr_dist.backends.numerics.hadamard_rotate`: ``(H dy)^T (H x) = dy^T x``); each
+element of that recipe can be turned off. ``"granularity": "mxfp4"`` is OCP MXFP4: 1 x 32
+blocks with power-of-two scales along each GEMM's reduction dimension, round to nearest. The
+recovery path is ``{"format": "bf16"}`` (default) or an FP8 block (``{"format": "e4m3"}``).
+
+Stochastic rounding draws from a generator seeded per call by the path's ``seed`` option, the
+step, the unit, the operator and the call's number in the step (``_call_key``): never from
+torch's global generator, so every rank that holds the same values draws the same bits, a
+resumed run draws what the uninterrupted one would have, and the probe's passes never shift
+the training step's draws.
+
 On the CPU the rounding costs a few elementwise passes per GEMM (see the step-time check in
 ``tests/backends/test_fp8_emulated.py``); nothing is faster than fp32, it only behaves like FP8.
 
@@ -49,10 +69,13 @@ Both factors of the weight gradient are rounded, so per GEMM the backend reports
     ||dy||_F ||x - Q_M(x)||_F + ||Q_M(dy) - dy||_F ||x||_F
 
 with the wgrad GEMM's own quantizers (tiles along M, the low-cost formats; a term whose format
-is ``fp32`` is dropped), summed into ``B(u)``. On the low-cost path the backward already holds
+is ``fp32`` is dropped), summed into ``B(u)``. With the Hadamard transform the two factors are
+the rotated ``H x`` and ``H dy``, whose norms and product are the originals'. A stochastically
+rounded ``dy`` scores its realised rounding. On the low-cost path the backward already holds
 ``Q_M(x)`` and ``Q_M(dy)``: the score costs two subtractions and four norms per GEMM. A unit on
 the recovery path is measured in shadow: ``Q_M(x)`` at the low-cost format once in the forward
-and ``Q_M(dy)`` once in a hook on the output gradient, only to take the norms. The rounding of
+and ``Q_M(dy)`` once in a hook on the output gradient, only to take the norms (with the seed
+the low-cost path would have drawn with). The rounding of
 ``W`` does not enter the weight gradient and is not scored. No GEMM, no host sync.
 
 Delayed scaling (``"scaling": "delayed"``, TE's ``DelayedScaling``)
@@ -123,7 +146,7 @@ from gnmr_dist.backends.fp8_scaling import (
     commit_all,
     scale_of,
 )
-from gnmr_dist.backends.numerics import quantize_dequantize_scaled
+from gnmr_dist.backends.numerics import quantize_dequantize_scaled, sr_seed
 
 __all__ = [
     "AMAX_ALGOS",
@@ -168,6 +191,8 @@ class Fp8EmulatedBackend(PrecisionBackend):
         self._measuring = False
         self._training_plan: frozenset[int] = frozenset()  # the plan measuring() was entered in
         self._stand_ins: dict[tuple[int, str], DelayedScales] = {}  # (id(op), path), measuring
+        self._calls: dict[int, int] = {}  # id(op) -> calls this step (stochastic rounding)
+        self._probe_calls: dict[int, int] = {}  # the same inside measuring()
 
     # ------------------------------------------------------------------ delayed scaling
 
@@ -182,6 +207,7 @@ class Fp8EmulatedBackend(PrecisionBackend):
         of the step that trains enter the history.
         """
         if not self._measuring:
+            self._calls = {}
             histories = [h for d in self._all_delayed() for h in d.histories]
             if step > self._step:
                 commit_all(histories)
@@ -243,7 +269,7 @@ class Fp8EmulatedBackend(PrecisionBackend):
         another path inside uses a stand-in history there (module docstring)."""
         outer, self._measuring = self._measuring, True
         if not outer:
-            self._training_plan, self._stand_ins = self._recover, {}
+            self._training_plan, self._stand_ins, self._probe_calls = self._recover, {}, {}
         try:
             yield
         finally:
@@ -275,19 +301,36 @@ class Fp8EmulatedBackend(PrecisionBackend):
         def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
             probe, record = None, not self._measuring
             scales = self._scales_now(op, path, path_scales)
+            key = self._call_key(op)
+            seed = sr_seed(spec.seed, *key)
             if weight.requires_grad and not low.is_identity:
                 probe = self._probe(x)
             if path == LOW_COST and probe is not None:
-                return Fp8Call(spec, probe, scales, record)(x, weight, bias)
+                return Fp8Call(spec, probe, scales, record, seed)(x, weight, bias)
             if spec.is_identity:
                 y = F.linear(x, weight, bias)
             else:
-                y = Fp8Call(spec, scales=scales, record=record)(x, weight, bias)
+                y = Fp8Call(spec, scales=scales, record=record, seed=seed)(x, weight, bias)
             if probe is not None and y.requires_grad:
-                self._shadow(probe, x, y, low_scales)
+                self._shadow(probe, x, y, low_scales, sr_seed(low.seed, *key))
             return y
 
         return gemm
+
+    def _call_key(self, op: nn.Module) -> tuple[int, ...]:
+        """What the stochastic-rounding seed of this call of ``op`` is mixed from, besides the
+        path's ``seed`` option: the step, the running unit, the operator's place in it, the
+        call's number among the operator's calls of the step (micro-batches) and whether it is
+        a measuring pass. Every rank that runs the same step draws the same bits, and so does a
+        resumed run; the passes inside :meth:`measuring` count apart, so they never shift the
+        training step's draws. A recovered unit's shadow uses its call's key, so it draws what
+        the low-cost path would have drawn."""
+        uid = -1 if self._unit is None else self._unit
+        index = next((i for i, o in enumerate(self._wrapped.get(uid, ())) if o is op), -1)
+        calls = self._probe_calls if self._measuring else self._calls
+        n = calls.get(id(op), 0)
+        calls[id(op)] = n + 1
+        return self._step, uid, index, n, int(self._measuring)
 
     def _probe(self, x: torch.Tensor) -> Fp8Probe | None:
         """A probe for the running unit, sharing ``x``'s norms with the last GEMM of the same
@@ -304,7 +347,12 @@ class Fp8EmulatedBackend(PrecisionBackend):
         return Fp8Probe(base.sink, base.unit, shared=shared)
 
     def _shadow(
-        self, probe: Fp8Probe, x: torch.Tensor, y: torch.Tensor, low_scales: DelayedScales | None
+        self,
+        probe: Fp8Probe,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        low_scales: DelayedScales | None,
+        seed: int,
     ) -> None:
         """Measure the low-cost wgrad error of a recovered GEMM: ``x`` now, ``dy`` in a hook.
 
@@ -315,28 +363,39 @@ class Fp8EmulatedBackend(PrecisionBackend):
         """
         low = self.specs[LOW_COST]
         if not probe.shared.done:  # projections of one input share its norms: cast it once
-            x2 = x.detach().reshape(-1, x.shape[-1])
-            x2 = x2.to(torch.promote_types(x2.dtype, torch.float32))
+            x2 = low.rotate(_flat(x.detach()))
             probe.shared.fill(low, x2, _low_cost_q(low, low_scales, x2, "x").to(x2.dtype))
+        dy_seed = Fp8Call(low, seed=seed).seed_of(1)
 
         def hook(dy: torch.Tensor) -> None:
-            dy2 = dy.reshape(-1, dy.shape[-1])
-            dy2 = dy2.to(torch.promote_types(dy2.dtype, torch.float32))
-            probe.record_dy(low, dy2, _low_cost_q(low, low_scales, dy2, "dy").to(dy2.dtype))
+            dy2 = low.rotate(_flat(dy))
+            q = _low_cost_q(low, low_scales, dy2, "dy", dy_seed).to(dy2.dtype)
+            probe.record_dy(low, dy2, q)
 
         y.register_hook(hook)  # type: ignore[no-untyped-call]
 
 
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as ``[M, last]`` in fp32 at least."""
+    t = t.reshape(-1, t.shape[-1])
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def _low_cost_q(
-    low: LinearQuantSpec, scales: DelayedScales | None, t: torch.Tensor, role: str
+    low: LinearQuantSpec,
+    scales: DelayedScales | None,
+    t: torch.Tensor,
+    role: str,
+    seed: int | None = None,
 ) -> torch.Tensor:
-    """The low-cost wgrad quantization ``Q_M`` of ``t`` (role ``"x"`` or ``"dy"``), for the
-    shadow measurement: the spec's tiles along M, or, under delayed scaling, the scale of a
-    reset history (``t``'s own amax, the margin applied; nothing recorded)."""
+    """The low-cost wgrad quantization ``Q_M`` of ``t`` (role ``"x"`` or ``"dy"``; already
+    rotated when the spec rotates), for the shadow measurement: the spec's tiles along M (``dy``
+    rounded with ``seed`` when the spec rounds it stochastically), or, under delayed scaling,
+    the scale of a reset history (``t``'s own amax, the margin applied; nothing recorded)."""
     fmt = low.x_format if role == "x" else low.grad_format
     if scales is not None:
         if fmt.is_identity:
             return t
         margin = (scales.x if role == "x" else scales.dy).recipe.margin
         return quantize_dequantize_scaled(t, fmt, scale_of(amax_of(t), fmt, margin))
-    return t if fmt.is_identity else low.act(t, fmt, dim=0)
+    return t if fmt.is_identity else low.act(t, fmt, dim=0, seed=seed if role == "dy" else None)

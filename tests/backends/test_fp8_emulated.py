@@ -218,13 +218,14 @@ def test_options_defaults_and_resolution():
         ),
         (
             {"low_cost": {"format": "e4m2"}},
-            r"gnmr\.low_cost\.format must be one of \['bf16', 'e2m3', 'e3m2', 'e4m3', 'e5m2', "
-            r"'fp16', 'fp32'\], got 'e4m2'",
+            r"gnmr\.low_cost\.format must be one of \['bf16', 'e2m1', 'e2m3', 'e3m2', 'e4m3', "
+            r"'e5m2', 'fp16', 'fp32'\], got 'e4m2'",
         ),
         ({"recovery": {"grad_format": "fp8"}}, r"gnmr\.recovery\.grad_format must be one of \["),
         (
             {"low_cost": {"granularity": "channel"}},
-            r"gnmr\.low_cost\.granularity must be one of \['tensor', 'row', 'block', 'none'\]",
+            r"gnmr\.low_cost\.granularity must be one of \['tensor', 'row', 'block', 'none', "
+            r"'nvfp4', 'mxfp4'\]",
         ),
         ({"low_cost": {"block": 0}}, r"gnmr\.low_cost\.block must be an integer >= 1, got 0"),
         ({"low_cost": {"block": True}}, r"gnmr\.low_cost\.block must be an integer >= 1"),
