@@ -168,14 +168,16 @@ def test_draws_depend_on_step_unit_and_seed_not_on_the_global_generator():
     torch.rand(1000)  # a data loader drawing from torch's generator in between
     b = grads_at(backend, net, 5, batch)
     c = grads_at(backend, net, 6, batch)
-    assert all(torch.equal(u.view(torch.int32), v.view(torch.int32)) for u, v in zip(a, b))
+    assert all(
+        torch.equal(u.view(torch.int32), v.view(torch.int32)) for u, v in zip(a, b, strict=True)
+    )
     assert not torch.equal(a[0], c[0])
     # a fresh backend (a resumed run) at step 5 draws the same bits
     net2 = model()
     fresh = get_backend("fp8_emulated", low_cost=NVFP4)
     fresh.wrap({0: net2[0], 1: net2[2]})
     d = grads_at(fresh, net2, 5, batch)
-    assert all(torch.equal(u, v) for u, v in zip(a, d))
+    assert all(torch.equal(u, v) for u, v in zip(a, d, strict=True))
     # another seed option is another draw of the rounding noise
     net3 = model()
     other = get_backend("fp8_emulated", low_cost={**NVFP4, "seed": 1})
@@ -193,7 +195,7 @@ def test_probe_passes_do_not_shift_the_training_draws():
         net(batch).square().mean().backward()  # a probe pass before the step's own
     net.zero_grad()
     net(batch).square().mean().backward()
-    assert all(torch.equal(p.grad, g) for p, g in zip(net.parameters(), plain))
+    assert all(torch.equal(p.grad, g) for p, g in zip(net.parameters(), plain, strict=True))
 
 
 def _rank_grads(rank: int, world: int) -> list[bytes]:
