@@ -15,6 +15,10 @@ batches in the same order (one process; CPU), and differs only in its precision 
   clipped to ``mean + z_thresh * std``; Kumar et al., 2025), the global guard users pick today;
 - ``random``: ``max_active`` eligible units on the recovery path, re-drawn every step (a
   generator seeded by ``Setup.seed``): the control every budgeted policy must beat;
+- ``last_units``: NVIDIA's static rule -- the last ``max_active`` units (in the model's order:
+  the last projections of the last layer) always on the recovery path;
+- ``late``: NVIDIA's other rule -- every unit on the low-cost path, then on the recovery path
+  for the run's last ``Arm.late_steps`` steps;
 - ``oracle``: every step, the recovery-gap probe measures every unit's gap on the step's own
   weights and batch first, and the ``max_active`` eligible units with the largest gap
   (``Arm.oracle_by``: gradient or update gap) run the recovery path: the upper bound of any

@@ -7,7 +7,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-POLICIES = ("full", "static", "recovery", "gnmr", "first_last", "zclip", "random", "oracle")
+POLICIES = (
+    "full",
+    "static",
+    "recovery",
+    "gnmr",
+    "first_last",
+    "zclip",
+    "random",
+    "oracle",
+    "last_units",
+    "late",
+)
 
 
 @dataclass(frozen=True)
@@ -85,6 +96,10 @@ class Arm:
     """Further steps to probe (and record) besides every ``probe_every``-th: a fault's window."""
     oracle_by: str = "grad"
     """``oracle`` policy: rank units by the measured ``"grad"`` or ``"update"`` gap."""
+    late_steps: int = 0
+    """``late`` policy: every unit runs the recovery path in the run's last ``late_steps``
+    steps (the low-cost path before): NVIDIA's switch of the whole model to BF16 near the end
+    of training."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -99,8 +114,10 @@ class Arm:
         probed = self.probe_every or self.probe_steps or self.policy == "oracle"
         if probed and self.backend is None:
             raise ValueError(f"arm {self.name}: the probe needs a backend (two paths to compare)")
-        if self.policy in ("random", "oracle") and self.max_active < 1:
+        if self.policy in ("random", "oracle", "last_units") and self.max_active < 1:
             raise ValueError(f"arm {self.name}: policy {self.policy} needs max_active >= 1")
+        if self.policy == "late" and self.late_steps < 1:
+            raise ValueError(f"arm {self.name}: policy late needs late_steps >= 1")
         if self.oracle_by not in ("grad", "update"):
             raise ValueError(f"arm {self.name}: oracle_by must be 'grad' or 'update'")
 

@@ -69,8 +69,10 @@ class ArmRun:
     every arm by one step in turn.
     """
 
-    def __init__(self, setup: Setup, arm: Arm, heldout: Batches) -> None:
+    def __init__(self, setup: Setup, arm: Arm, heldout: Batches, *, evaluates: bool = True) -> None:
         self.setup, self.arm, self.heldout = setup, arm, heldout
+        self.evaluates = evaluates
+        """Whether :meth:`step` evaluates on the ``eval_every`` grid (a branch evaluates apart)."""
         self.model = build_model(setup)
         self.registry = UnitRegistry.from_model(self.model, granularity="operator")
         self.backend = self._wrapped_backend()
@@ -104,6 +106,8 @@ class ArmRun:
         self.first_last = layer_units(self.registry, (0, setup.layers - 1))
         self.probe = self._probe()
         self.current_step = 0
+        self.last_step = setup.steps
+        """The run's last step (a branch of :mod:`benchmarks.branch` ends earlier)."""
         install_faults(self.model, setup.faults, lambda: self.current_step)
 
     def _wrapped_backend(self) -> PrecisionBackend | None:
@@ -164,7 +168,8 @@ class ArmRun:
             if self._records(step):
                 self._record_probe(step, probed[0], decision, active, scores or {})
         self._count(step, float(loss.detach()), decision, active)
-        self._evaluate_and_save(step)
+        if self.evaluates:
+            self._evaluate_and_save(step)
 
     def _apply(self, active: frozenset[int], step: int) -> frozenset[int]:
         """Put ``active`` on the recovery path for this step's passes (with a backend)."""
@@ -210,6 +215,9 @@ class ArmRun:
         """This step's recovery set before any measurement (the oracle's comes after its probe)."""
         if self.fixed is not None:
             return self.fixed
+        if self.arm.policy == "late":
+            late = self.current_step > self.last_step - self.arm.late_steps
+            return frozenset(range(self.registry.num_units)) if late else frozenset()
         if self.arm.policy == "random":
             return self._draw(self.arm.max_active, self.draw_gen)
         if self.arm.policy == "oracle":
@@ -341,7 +349,10 @@ def _fixed_active(arm: Arm, registry: UnitRegistry, layers: int) -> frozenset[in
         return frozenset(range(registry.num_units))
     if arm.policy == "first_last":
         return layer_units(registry, (0, layers - 1))
-    return None  # gnmr, random, oracle: chosen every step
+    if arm.policy == "last_units":
+        eligible = torch.nonzero(registry.eligible).flatten().tolist()
+        return frozenset(eligible[-arm.max_active :])
+    return None  # gnmr, random, oracle, late: chosen every step
 
 
 def _cosine(warmup: int, total: int) -> Callable[[int], float]:

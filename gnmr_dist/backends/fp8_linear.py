@@ -137,6 +137,7 @@ class Fp8Options:
             raise ValueError(
                 f"stochastic_rounding needs a narrow grad_format (FP8/FP6/FP4), got {grad!r}"
             )
+
     def _check_delayed(self) -> None:
         if self.granularity != "tensor":
             shown = "None (= 'block')" if self.granularity is None else repr(self.granularity)
@@ -158,7 +159,7 @@ class Fp8Options:
             if getattr(self, name):
                 raise ValueError(
                     f"{name} applies to current scaling; delayed scaling rounds with one tensor "
-                    f"scale per step (remove {name} or use \"scaling\": \"current\")"
+                    f'scale per step (remove {name} or use "scaling": "current")'
                 )
 
     def _refuse_delayed_only(self) -> None:

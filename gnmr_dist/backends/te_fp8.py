@@ -206,8 +206,10 @@ class TEFp8Backend(PrecisionBackend):
 
     def _recipe(self, name: str) -> Any:
         check_available(self._te, name)
-        delayed = self.low_cost.delayed_kwargs()
-        return build_recipe(self._te, name, self.low_cost.fp8_format, delayed)
+        low = self.low_cost
+        return build_recipe(
+            self._te, name, low.fp8_format, low.delayed_kwargs(), low.nvfp4_kwargs()
+        )
 
     @property
     def te_version(self) -> str:
@@ -324,14 +326,25 @@ class TEFp8Backend(PrecisionBackend):
         )
 
     def _check_outer(self, label: str, config: Any) -> None:
-        """megatron's own FP8 setting of the module must be this backend's low-cost path."""
+        """megatron's own FP8/FP4 setting of the module must be this backend's low-cost path."""
         outer, low = megatron_outer_recipe(config), self.low_cost
         if outer == "bf16":
             raise ValueError(
-                f"te_fp8: {label}: megatron runs it without FP8 (config.fp8 is None), so te_fp8 "
-                "has no low-cost path to switch: set config.fp8 / config.fp8_recipe (--fp8-format,"
-                " --fp8-recipe) or use backend 'fp8_emulated'"
+                f"te_fp8: {label}: megatron runs it without FP8 or FP4 (config.fp8 and "
+                "config.fp4 are None), so te_fp8 has no low-cost path to switch: set "
+                "config.fp8 / config.fp8_recipe (--fp8-format, --fp8-recipe) or config.fp4 "
+                "(--fp4-format e2m1), or use backend 'fp8_emulated'"
             )
+        if low.recipe == "nvfp4" or outer == "nvfp4":
+            if outer != low.recipe:
+                fp4 = getattr(config, "fp4", None)
+                raise ValueError(
+                    f"te_fp8: {label}: megatron runs it with fp4={fp4!r}, fp8="
+                    f"{getattr(config, 'fp8', None)!r} (recipe {outer!r}) but gnmr.low_cost is "
+                    f"recipe {low.recipe!r}; make them the same (--fp4-format e2m1 with "
+                    "--fp4-recipe nvfp4 for low_cost 'nvfp4')"
+                )
+            return
         fp8 = config.fp8
         if outer != low.recipe or fp8 != low.fp8_format:
             raise ValueError(

@@ -1,7 +1,8 @@
 """``te_fp8``'s option blocks, and which Transformer Engine recipe may recover which.
 
 Megatron's recipe names (``"delayed"``, ``"tensorwise"``, ``"blockwise"``, ``"mxfp8"``; DESIGN.md's
-``"current"`` and ``"block"`` are aliases) map to TE recipe classes (:data:`RECIPES`). Recovery
+``"current"`` and ``"block"`` are aliases; ``"nvfp4"``, megatron's ``--fp4-recipe``) map to TE
+recipe classes (:data:`RECIPES`). Recovery
 must be of strictly higher fidelity than the low-cost recipe (:func:`check_pair`) and than what a
 megatron module runs on its own (:func:`check_own`); :mod:`gnmr_dist.backends.te_fp8` explains
 why, and why a delayed low-cost recipe only recovers in BF16.
@@ -19,6 +20,7 @@ __all__ = [
     "DELAYED_DEFAULTS",
     "FIDELITY",
     "FORMATS",
+    "NVFP4_SWITCHES",
     "RECIPES",
     "TELowCostOptions",
     "TERecoveryOptions",
@@ -31,11 +33,20 @@ RECIPES: dict[str, tuple[str, str]] = {
     "tensorwise": ("Float8CurrentScaling", "2.2"),
     "blockwise": ("Float8BlockScaling", "2.3"),
     "mxfp8": ("MXFP8BlockScaling", "2.0"),
+    "nvfp4": ("NVFP4BlockScaling", "2.8"),
 }
 """Megatron's recipe names -> (class in ``transformer_engine.common.recipe``, first TE with it)."""
 
-FIDELITY = {"delayed": 0, "tensorwise": 1, "blockwise": 2, "mxfp8": 2, "bf16": 3}
+FIDELITY = {"nvfp4": -1, "delayed": 0, "tensorwise": 1, "blockwise": 2, "mxfp8": 2, "bf16": 3}
 """How faithful each recipe is: recovery must rank strictly above low-cost."""
+
+NVFP4_SWITCHES = {
+    "stochastic_rounding": "disable_stochastic_rounding",
+    "hadamard": "disable_rht",
+    "weight_2d": "disable_2d_quantization",
+}
+"""``low_cost`` options of the ``"nvfp4"`` recipe -> the ``NVFP4BlockScaling`` field each one
+negates (TE's defaults, all on, are NVIDIA's recipe)."""
 
 FORMATS = {"hybrid": "HYBRID", "e4m3": "E4M3"}
 """``fp8_format`` names -> ``transformer_engine.common.recipe.Format`` members."""
@@ -71,6 +82,12 @@ class TELowCostOptions:
     reseed: str | None = None
     """Delayed only, for a unit back from recovery: ``"reset"`` (default) its scale to 1 and its
     amax history to 0, or ``"keep"`` the frozen ones (the trade-off: ``te_fp8``'s docstring)."""
+    stochastic_rounding: bool | None = None
+    """NVFP4 only: stochastic rounding of the gradients (``None``: TE's default, on)."""
+    hadamard: bool | None = None
+    """NVFP4 only: the 16 x 16 random Hadamard transform of the wgrad inputs (``None``: on)."""
+    weight_2d: bool | None = None
+    """NVFP4 only: 16 x 16 weight tiles (``None``: on)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recipe", _canonical_recipe(self.recipe))
@@ -78,6 +95,13 @@ class TELowCostOptions:
         check_choice(self.fp8_format, sorted(FORMATS), "fp8_format")
         if self.recipe != "delayed":
             self._refuse_delayed_only()
+        for name in NVFP4_SWITCHES:
+            value = getattr(self, name)
+            if value is not None and (self.recipe != "nvfp4" or not isinstance(value, bool)):
+                raise ValueError(
+                    f"{name} is an option of recipe 'nvfp4' (true or false), got {value!r} "
+                    f"with recipe {self.recipe!r}"
+                )
         if self.amax_history_len is not None:
             check_positive_int(self.amax_history_len, "amax_history_len")
         if self.margin is not None:
@@ -99,6 +123,14 @@ class TELowCostOptions:
         """``reseed`` with its default filled in."""
         return self.reseed or "reset"
 
+    def nvfp4_kwargs(self) -> dict[str, Any]:
+        """``NVFP4BlockScaling`` keyword arguments for the options given (the others: TE's)."""
+        return {
+            field: not getattr(self, name)
+            for name, field in NVFP4_SWITCHES.items()
+            if getattr(self, name) is not None
+        }
+
     def delayed_kwargs(self) -> dict[str, Any]:
         """``DelayedScaling`` keyword arguments (without ``fp8_format``), defaults filled in."""
         given = {k: getattr(self, k) for k in DELAYED_DEFAULTS}
@@ -110,11 +142,12 @@ class TERecoveryOptions:
     """The recovery path: FP8 off for the unit, or a stronger recipe in an inner region."""
 
     recipe: str = "bf16"
-    """``"bf16"`` (FP8 off) | ``"tensorwise"`` | ``"blockwise"`` | ``"mxfp8"``."""
+    """``"bf16"`` (FP8/FP4 off) | ``"tensorwise"`` | ``"blockwise"`` | ``"mxfp8"``."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recipe", _canonical_recipe(self.recipe))
-        check_choice(self.recipe, sorted([*RECIPES.keys() - {"delayed"}, "bf16"]), "recipe")
+        allowed = sorted([*RECIPES.keys() - {"delayed", "nvfp4"}, "bf16"])
+        check_choice(self.recipe, allowed, "recipe")
 
 
 def check_pair(low: str, recovery: str) -> None:
@@ -136,7 +169,7 @@ def check_pair(low: str, recovery: str) -> None:
 
 def check_own(label: str, own: str, recovery: str) -> None:
     """Recovery must be stronger than what the module runs on its own (its te_quant_params)."""
-    rank = {**FIDELITY, "nvfp4": -1}.get(own)  # None: megatron's "custom" recipe, unranked
+    rank = FIDELITY.get(own)  # None: megatron's "custom" recipe, unranked
     if own == "bf16":
         raise ValueError(
             f"te_fp8: {label}: its te_quant_params already run it in BF16 (training_recipe has "

@@ -26,9 +26,12 @@ from torch import nn
 from gnmr_dist.backends.te_recipes import FORMATS, RECIPES
 
 __all__ = [
+    "FP4_MIN_CAPABILITY",
     "TE_MODULE_TYPES",
     "build_recipe",
     "check_available",
+    "check_fp4_device",
+    "cuda_device",
     "is_te_module",
     "load_te",
     "reset_delayed_scaling",
@@ -42,7 +45,11 @@ _SUPPORT_KIND = {
     "tensorwise": "fp8",
     "blockwise": "fp8_block_scaling",
     "mxfp8": "mxfp8",
+    "nvfp4": "nvfp4",
 }
+
+FP4_MIN_CAPABILITY = (10, 0)
+"""The first compute capability with FP4 tensor-core GEMMs (Blackwell: B200, GB200)."""
 _META_KEYS = ("scaling_fwd", "scaling_bwd")
 
 NO_TE_HINT = (
@@ -106,8 +113,43 @@ def _support(te: TE, kind: str) -> tuple[bool, str] | None:
     return bool(ok), str(reason)
 
 
+def cuda_device() -> tuple[str, tuple[int, int]] | None:
+    """``(name, compute capability)`` of the current CUDA device; ``None`` without one."""
+    if not torch.cuda.is_available():
+        return None
+    index = torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(index)
+    return torch.cuda.get_device_name(index), (int(major), int(minor))
+
+
+def check_fp4_device(what: str) -> None:
+    """Raise a ``RuntimeError`` naming the device when it has no FP4 GEMMs (``what``: the
+    setting that asked for them)."""
+    device = cuda_device()
+    need = ".".join(map(str, FP4_MIN_CAPABILITY))
+    fallback = (
+        "The 'fp8_emulated' backend runs NVFP4 emulated on any device (low_cost {\"format\": "
+        '"e2m1"}), or run FP8 here.'
+    )
+    if device is None:
+        raise RuntimeError(
+            f"{what} needs FP4 GEMMs (an NVIDIA GPU of compute capability {need} or higher: "
+            f"Blackwell), but this machine has no CUDA device: it runs on the CPU. {fallback}"
+        )
+    name, cap = device
+    if cap < FP4_MIN_CAPABILITY:
+        raise RuntimeError(
+            f"{what} needs FP4 GEMMs (compute capability {need} or higher: Blackwell), but "
+            f"this GPU, {name}, has compute capability {cap[0]}.{cap[1]} and none (H100 and "
+            f"H200 are 9.0). {fallback}"
+        )
+
+
 def check_available(te: TE, name: str) -> None:
-    """Raise a ``RuntimeError`` naming TE's reason when recipe ``name`` cannot run here."""
+    """Raise a ``RuntimeError`` naming TE's reason when recipe ``name`` cannot run here (for
+    ``"nvfp4"``, naming the device first: :func:`check_fp4_device`)."""
+    if name == "nvfp4":
+        check_fp4_device("te_fp8 recipe 'nvfp4'")
     try:
         answer = _support(te, _SUPPORT_KIND[name])
     except Exception as err:  # no device: TE's capability query fails inside torch.cuda
@@ -119,8 +161,15 @@ def check_available(te: TE, name: str) -> None:
         )
 
 
-def build_recipe(te: TE, name: str, fp8_format: str, delayed: Mapping[str, Any]) -> Any:
-    """The TE recipe object for Megatron's recipe ``name``."""
+def build_recipe(
+    te: TE,
+    name: str,
+    fp8_format: str,
+    delayed: Mapping[str, Any],
+    nvfp4: Mapping[str, Any] | None = None,
+) -> Any:
+    """The TE recipe object for Megatron's recipe ``name`` (``nvfp4``: ``NVFP4BlockScaling``
+    with the ``disable_*`` fields given, TE's defaults for the others)."""
     cls_name, since = RECIPES[name]
     cls = getattr(te.recipe, cls_name, None)
     if cls is None:
@@ -128,6 +177,8 @@ def build_recipe(te: TE, name: str, fp8_format: str, delayed: Mapping[str, Any])
             f"recipe {name!r} ({cls_name}) needs transformer_engine >= {since}; "
             f"installed: {te.version}. Upgrade Transformer Engine or choose another recipe."
         )
+    if name == "nvfp4":
+        return cls(**(nvfp4 or {}))
     fmt = getattr(te.recipe.Format, FORMATS[fp8_format])
     if name == "delayed":
         return cls(fp8_format=fmt, **delayed)

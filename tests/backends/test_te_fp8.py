@@ -39,8 +39,14 @@ from torch.utils.checkpoint import checkpoint
 from gnmr_dist.backends import LOW_COST, RECOVERY, get_backend
 from gnmr_dist.backends.te_fp8 import TEFp8Backend, is_te_module, reset_delayed_scaling
 
-ALL_RECIPES = ("DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling", "MXFP8BlockScaling")
-KINDS = ("fp8", "mxfp8", "fp8_block_scaling")
+ALL_RECIPES = (
+    "DelayedScaling",
+    "Float8CurrentScaling",
+    "Float8BlockScaling",
+    "MXFP8BlockScaling",
+    "NVFP4BlockScaling",
+)
+KINDS = ("fp8", "mxfp8", "fp8_block_scaling", "nvfp4")
 TE_NAMES = (
     "transformer_engine",
     "transformer_engine.pytorch",
@@ -881,7 +887,7 @@ CUSTOM_OWN = {
         ({"fp8_recipe": "delayed"}, None, {},
          r"fp8_recipe='delayed' but gnmr\.low_cost is recipe='tensorwise'"),
         ({"fp8": "e4m3"}, None, {}, r"config\.fp8='e4m3', .*fp8_format='hybrid'"),
-        ({"fp8": None}, None, {}, r"without FP8 \(config\.fp8 is None\)"),
+        ({"fp8": None}, None, {}, r"without FP8 or FP4 \(config\.fp8 and config\.fp4 are None\)"),
         ({"cuda_graph_impl": "local"}, None, {}, r"CUDA-graphs its layer \(cuda_graph_impl='local"),
         ({"enable_cuda_graph": True}, None, {}, r"\(enable_cuda_graph=True\)"),
         ({}, BF16_OWN, {}, r"te_quant_params already run it in BF16"),

@@ -129,6 +129,7 @@ def _fp8_context_worker(rank, world):
     full, _ = gpt.full_reference(1)
     model = gpt.parallel_model(1, 1, full)
     original = transformer_block.get_fp8_context
+    original_fp4 = transformer_block.get_fp4_context
     handle = megatron_patches.apply(model, {"units": "layer", "max_active": 2})
     handle.backend = RecoveryRegion()
     names = handle.registry.names
@@ -136,17 +137,47 @@ def _fp8_context_worker(rank, world):
         step=5, active=frozenset({names.index("decoder.layers.2")}), names=("decoder.layers.2",)
     )
     cfg = model.config
-    got = {n: transformer_block.get_fp8_context(cfg, n).__enter__() for n in range(-1, 4)}
-    init = transformer_block.get_fp8_context(cfg, 2, is_init=True).__enter__()
+    got, init = {}, {}
+    for name in ("get_fp8_context", "get_fp4_context"):  # megatron's FP8 and FP4 runs alike
+        context = getattr(transformer_block, name)
+        got[name] = {n: context(cfg, n).__enter__() for n in range(-1, 4)}
+        init[name] = context(cfg, 2, is_init=True).__enter__()
     megatron_patches.remove()
-    return names, got, init, transformer_block.get_fp8_context is original
+    restored = transformer_block.get_fp8_context is original and (
+        transformer_block.get_fp4_context is original_fp4
+    )
+    return names, got, init, restored
 
 
 def test_per_layer_context_follows_the_plan_by_global_layer():
     names, got, init, restored = multiproc.run(_fp8_context_worker, 1)[0]
     assert names == tuple(f"decoder.layers.{i}" for i in range(4))
-    assert got == {-1: None, 0: None, 1: None, 2: "recovery", 3: None}
-    assert init is None and restored
+    for name in ("get_fp8_context", "get_fp4_context"):
+        assert got[name] == {-1: None, 0: None, 1: None, 2: "recovery", 3: None}, name
+        assert init[name] is None
+    assert restored
+
+
+def _fp4_refusal_worker(rank, world):
+    import megatron_patches
+    from megatron_patches import enable_cpu_compat
+    from tests.megatron import gpt
+
+    enable_cpu_compat()
+    full, _ = gpt.full_reference(1)
+    model = gpt.parallel_model(1, 1, full)
+    model.config.fp4 = "e2m1"  # megatron's --fp4-format e2m1
+    try:
+        megatron_patches.apply(model, {"max_active": 1})
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+def test_an_fp4_run_without_fp4_gemms_is_refused_naming_the_device():
+    message = multiproc.run(_fp4_refusal_worker, 1)[0]
+    assert message is not None and "--fp4-format e2m1" in message
+    assert "no CUDA device: it runs on the CPU" in message
 
 
 def _rerun_worker(rank, world):

@@ -51,10 +51,17 @@ whole gradient: the controller would score 1.0 forever and never act. Every step
 reduction, an unattributed gradient, units at zero under a positive total, or a rest share above
 ``gnmr.attribution.max_rest_share`` stops the run with the cause named (or warns once).
 
-**Per-layer precision.** ``get_fp8_context`` as imported by ``TransformerBlock`` is replaced:
-a layer unit on the recovery path gets the backend's recovery region (``te_fp8``: FP8 off or a
-stronger recipe) instead of megatron's per-layer FP8 context, by global layer number. Operator
-units are switched by the backend on the operators themselves.
+**Per-layer precision.** ``get_fp8_context`` and ``get_fp4_context`` as imported by
+``TransformerBlock`` (and by 0.19's ``megatron.core.recompute``, full recomputation) are replaced:
+a layer unit on the recovery path gets the backend's recovery region (``te_fp8``: FP8/FP4 off or
+a stronger FP8 recipe) instead of megatron's per-layer FP8 or FP4 context (its
+``--first-last-layers-bf16`` layers included), by global layer number. Operator units are
+switched by the backend on the operators themselves (``te_quant_params``).
+
+**FP4.** megatron's ``--fp4-format`` runs TE's NVFP4 recipe, which needs FP4 GEMMs (compute
+capability 10.0+). :func:`apply` refuses a model whose config asks for FP4 on any other device,
+naming it: on a CPU megatron's ``get_fp4_context`` silently returns a null context without TE,
+and on Hopper TE fails inside its autocast after switching its global state on.
 
 **Layouts.** Several model chunks per rank (virtual pipeline) form one registry: megatron's
 layers carry their global ``layer_number``, so unit names do not depend on the layout. Sequence
@@ -77,6 +84,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gnmr_dist.backends.te_runtime import check_fp4_device
 from gnmr_dist.integrations.megatron.attribution import leaf_optimizers
 from gnmr_dist.integrations.megatron.session import MegatronGNMR
 from gnmr_dist.integrations.megatron.versions import SeriesInfo, megatron_series, series_info
@@ -115,17 +123,26 @@ def _fused_grad_norm(original: Any) -> Any:
     return get_grad_norm_fp32
 
 
-def _plan_fp8_context(original: Any) -> Any:
-    """``get_fp8_context`` whose per-layer contexts follow the GNMR plan (global layer number)."""
+CONTEXT_FUNCTIONS = ("get_fp8_context", "get_fp4_context")
+"""megatron's per-layer precision contexts (``fp8_utils`` / ``fp4_utils``, same signature)."""
 
-    def get_fp8_context(config: Any, layer_no: int = -1, is_init: bool = False) -> Any:
+CONTEXT_IMPORTERS = ("megatron.core.transformer.transformer_block", "megatron.core.recompute")
+"""Modules that import them by name at module level (``recompute``: 0.19's full recompute)."""
+
+
+def _plan_context(original: Any) -> Any:
+    """megatron's ``get_fp8_context`` / ``get_fp4_context`` whose per-layer contexts follow the
+    GNMR plan (global layer number)."""
+
+    def get_context(config: Any, layer_no: int = -1, is_init: bool = False) -> Any:
         context = original(config, layer_no, is_init)
         handle = current()
         if handle is None or is_init or layer_no < 0:
             return context  # build-time and outer (delayed-recipe) contexts stay megatron's
         return handle.layer_context(layer_no, context)
 
-    return get_fp8_context
+    get_context.__name__ = getattr(original, "__name__", "get_context")
+    return get_context
 
 
 def _wrap_optimizer(optimizer: Any) -> None:
@@ -212,6 +229,8 @@ def _refuse_unsupported(chunks: Sequence[nn.Module], block: Any, optimizer: Any)
     """Settings GNMR cannot handle, refused before anything is patched."""
     emulated = block.backend not in (None, "te_fp8")
     for config in _configs(chunks):
+        if getattr(config, "fp4", None):
+            check_fp4_device(f"megatron-core's --fp4-format {config.fp4} (config.fp4)")
         if emulated and getattr(config, "gradient_accumulation_fusion", False):
             raise ValueError(
                 f"megatron_patches.apply: backend {block.backend!r} runs megatron's linears "
@@ -232,8 +251,6 @@ def _refuse_unsupported(chunks: Sequence[nn.Module], block: Any, optimizer: Any)
 
 
 def _install(handle: MegatronGNMR, optimizer: Any, info: SeriesInfo) -> None:
-    from megatron.core.transformer import transformer_block
-
     for home in info.norm_call_sites:
         try:
             module = importlib.import_module(home)
@@ -241,8 +258,14 @@ def _install(handle: MegatronGNMR, optimizer: Any, info: SeriesInfo) -> None:
             continue
         original = module.get_grad_norm_fp32
         _PATCHES.set(module, "get_grad_norm_fp32", _fused_grad_norm(original))
-    context = _plan_fp8_context(transformer_block.get_fp8_context)
-    _PATCHES.set(transformer_block, "get_fp8_context", context)
+    for home in CONTEXT_IMPORTERS:
+        try:
+            module = importlib.import_module(home)
+        except ImportError:  # recompute is a module of 0.19 only
+            continue
+        for name in CONTEXT_FUNCTIONS:
+            if hasattr(module, name):
+                _PATCHES.set(module, name, _plan_context(getattr(module, name)))
     if optimizer is not None:
         _wrap_optimizer(optimizer)
     _CURRENT.append(handle)
