@@ -17,19 +17,13 @@ import types
 import pytest
 import torch
 
-from gnmr_dist.backends import LOW_COST, RECOVERY, get_backend
-from gnmr_dist.backends import te_runtime
+from gnmr_dist.backends import LOW_COST, RECOVERY, get_backend, te_runtime
 from gnmr_dist.backends.te_fp8 import TEFp8Backend
-from tests.backends.test_te_fp8 import (  # noqa: F401  (fixtures)
-    _exec,
-    call,
-    fake_te,
-    mcore,
-    mcore_config,
-    megatron_file,
-    quant_params,
-    stack,
-)
+from tests.backends import test_te_fp8 as stand_ins
+from tests.backends.test_te_fp8 import _exec, call, mcore_config, megatron_file, stack
+
+fake_te = stand_ins.fake_te  # the fixtures of test_te_fp8
+mcore = stand_ins.mcore
 
 B200 = ("NVIDIA B200", (10, 0))
 H200 = ("NVIDIA H200", (9, 0))
@@ -190,7 +184,7 @@ def fp4_config(**overrides):
 
 
 def test_megatron_fp4_operators_recover_through_te_quant_params(mcore, device, monkeypatch):
-    rec, module, make = mcore()
+    rec, _, make = mcore()
     device(B200)
     get_fp4_context = megatron_fp4_context(rec, monkeypatch)
     config = fp4_config()
