@@ -163,9 +163,8 @@ def run_branch(
     heldout = Batches(s.heldout, s)
     run = ArmRun(s, arm, heldout, evaluates=False)
     start = _load(run, trunk_file(root, seed, point))
-    run.last_step = (
-        start + inst.horizon
-    )  # the late switch: the branch's last steps    run.draw_gen.manual_seed(seed * 100_003 + point)  # random-k: its own draws per branch
+    run.last_step = start + inst.horizon  # the late switch: the branch's last steps
+    run.draw_gen.manual_seed(seed * 100_003 + point)  # random-k: its own draws per branch
     if perturbed:
         perturb(run.model, PERTURBATION, seed * 7 + point)
     reference = build_model(s)
