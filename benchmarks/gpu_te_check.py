@@ -3,10 +3,21 @@
     python -m benchmarks.gpu_te_check [--hidden 2048] [--layers 4] [--tokens 8192] [--steps 12]
 
 Needs one NVIDIA GPU with FP8 (compute capability >= 8.9) and Transformer Engine; about a
-minute on one H200. It is independent of pytest: ``pytest -m gpu tests/gpu -q`` is the separate,
+minute on one H200. NVFP4 (TE >= 2.8) runs where the GPU has FP4 GEMMs (compute capability
+>= 10.0, Blackwell); elsewhere the check that it is refused, naming the device, runs instead.
+It is independent of pytest: ``pytest -m gpu tests/gpu -q`` is the separate,
 finer-grained suite (bitwise checks on a stack of ``te.Linear``), this script is the
 transformer-ish end-to-end check with numbers. On a machine without CUDA or TE it prints why and
 exits with status 2, without a traceback.
+
+NVFP4 (issue 24): on a GPU with FP4 GEMMs ``nvfp4`` joins the recipes above (``fp8_equal[nvfp4]``
+is the backend against plain ``te.autocast(NVFP4BlockScaling())``, bitwise where TE's stochastic
+rounding is deterministic and else within the plain-vs-plain control; ``switching[nvfp4->bf16]``
+and ``[nvfp4->mxfp8]``), plus ``megatron_operator[nvfp4->bf16]`` under megatron's own
+``--fp4-format e2m1`` context. On any other GPU, ``nvfp4_refused``: ``te_fp8`` with recipe
+``nvfp4`` and ``megatron_patches.apply`` on an FP4 megatron config both raise before any region,
+naming the device and its compute capability; TE's global quantization state is still off
+afterwards, and an FP8 step still trains.
 
 The model: ``--layers`` blocks of ``x + Linear(gelu(LayerNormLinear(x)))`` then
 ``h + LayerNormMLP(h)`` (BF16 parameters), every TE module one unit. For each FP8 recipe the
@@ -53,7 +64,7 @@ from gnmr_dist.backends import LOW_COST, RECOVERY
 from gnmr_dist.backends.te_fp8 import TEFp8Backend
 
 DEVICE = "cuda"
-RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8", "nvfp4")
 OVERHEAD_LIMIT = 1.25
 MCORE_HIDDEN, MCORE_HEADS, MCORE_SEQ, MCORE_BATCH, MCORE_VOCAB = 512, 8, 256, 4, 1024
 Region = Callable[[], contextlib.AbstractContextManager[Any]]
@@ -143,6 +154,8 @@ def plain_recipe(name: str) -> Any:
 
     if name == "delayed":
         return r.DelayedScaling()
+    if name == "nvfp4":
+        return r.NVFP4BlockScaling()
     cls = {"tensorwise": "Float8CurrentScaling", "blockwise": "Float8BlockScaling"}
     return getattr(r, cls.get(name, "MXFP8BlockScaling"))(fp8_format=r.Format.HYBRID)
 
@@ -327,7 +340,8 @@ def megatron_parallel_state() -> Iterator[None]:
 
 
 def megatron_gpt(recipe: str) -> tuple[Any, nn.Module]:
-    """(GPTModel with the TE layer spec and FP8 ``recipe``, hybrid; its BF16 Float16Module)."""
+    """(GPTModel with the TE layer spec and FP8 ``recipe``, hybrid, or ``"nvfp4"``: megatron's
+    ``--fp4-format e2m1``; its BF16 Float16Module)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_with_transformer_engine_spec,
@@ -345,8 +359,8 @@ def megatron_gpt(recipe: str) -> tuple[Any, nn.Module]:
         bf16=True,
         params_dtype=torch.bfloat16,
         pipeline_dtype=torch.bfloat16,
-        fp8="hybrid",
-        fp8_recipe=recipe,
+        **({"fp4": "e2m1", "fp4_recipe": "nvfp4"} if recipe == "nvfp4" else {}),
+        **({} if recipe == "nvfp4" else {"fp8": "hybrid", "fp8_recipe": recipe}),
     )
     torch.manual_seed(0)
     spec = get_gpt_layer_with_transformer_engine_spec()
@@ -354,25 +368,32 @@ def megatron_gpt(recipe: str) -> tuple[Any, nn.Module]:
     return gpt, Float16Module(config, gpt)
 
 
-def check_megatron_operator(te: Any, args: argparse.Namespace, recovery: str = "bf16") -> Check:
-    """One projection of a megatron GPT recovered through its ``te_quant_params`` (see above).
+def check_megatron_operator(
+    te: Any, args: argparse.Namespace, recovery: str = "bf16", low: str = "tensorwise"
+) -> Check:
+    """One projection of a megatron GPT recovered through its ``te_quant_params`` (see above),
+    under megatron's own ``low`` context (tensorwise FP8, or NVFP4).
 
     The model is fixed and tiny (``MCORE_*``, not ``args``): the check is about paths and numbers.
     """
-    name = f"megatron_operator[{recovery}]"
+    name = (
+        f"megatron_operator[{recovery}]"
+        if low == "tensorwise"
+        else f"megatron_operator[{low}->{recovery}]"
+    )
     try:
         import megatron.core  # noqa: F401
     except ImportError as err:
         return Check(name, True, f"skipped: megatron-core is not importable ({err})", True)
     with megatron_parallel_state():
-        return _megatron_operator(te, name, recovery)
+        return _megatron_operator(te, name, recovery, low)
 
 
-def _megatron_operator(te: Any, name: str, recovery: str) -> Check:
-    gpt, model = megatron_gpt("tensorwise")
+def _megatron_operator(te: Any, name: str, recovery: str, low: str) -> Check:
+    gpt, model = megatron_gpt(low)
     layer = gpt.decoder.layers[0]
     proj, fc2 = layer.self_attention.linear_proj, layer.mlp.linear_fc2
-    backend = TEFp8Backend(low_cost={"recipe": "tensorwise"}, recovery={"recipe": recovery})
+    backend = TEFp8Backend(low_cost={"recipe": low}, recovery={"recipe": recovery})
     names = {0: "decoder.layers.0.self_attention.linear_proj", 1: "decoder.layers.0.mlp.linear_fc2"}
     backend.wrap({0: proj, 1: fc2}, names=names)
     original, seen = proj.te_quant_params, dict[str, Any]()
@@ -398,7 +419,7 @@ def _megatron_operator(te: Any, name: str, recovery: str) -> Check:
         with torch.no_grad(), region():
             return module(x)[0]  # type: ignore[no-any-return]
 
-    tensorwise = plain_region(te, plain_recipe("tensorwise"))
+    tensorwise = plain_region(te, plain_recipe(low))
     strong = (
         contextlib.nullcontext if recovery == "bf16" else plain_region(te, plain_recipe(recovery))
     )
@@ -437,6 +458,54 @@ def _capture(module: nn.Module, key: str, seen: dict[str, Any]) -> Any:
 
 def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max())
+
+
+# ---------------------------------------------------------------------- NVFP4 refused
+
+
+def check_nvfp4_refused(te: Any, args: argparse.Namespace) -> Check:
+    """On a GPU without FP4 GEMMs: ``te_fp8`` recipe ``nvfp4`` and megatron's FP4 config are
+    refused before any region, naming the device; TE's state stays off; FP8 still trains."""
+    name, (major, minor) = torch.cuda.get_device_name(), torch.cuda.get_device_capability()
+    messages = []
+    try:
+        TEFp8Backend(low_cost={"recipe": "nvfp4"})
+        messages.append("te_fp8 accepted recipe 'nvfp4'")
+    except RuntimeError as err:
+        messages.append(str(err))
+    named = all(name in m and f"{major}.{minor}" in m for m in messages)
+    from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+
+    state_off = not FP8GlobalStateManager.is_fp8_enabled()
+    steps = [train_step(build(te, args), batch(args, 0), plain_region(te, plain_recipe("delayed")))]
+    trains = nonfinite(steps) == 0
+    megatron = _megatron_fp4_refusal(name)
+    ok = named and state_off and trains and megatron in ("refused", "skipped")
+    detail = (
+        f"{name} ({major}.{minor}): te_fp8 message names the device {named}, TE state off "
+        f"{state_off}, FP8 still trains {trains}, megatron_patches.apply on --fp4-format "
+        f"{megatron}; te_fp8 said: {messages[0][:160]}"
+    )
+    return Check("nvfp4_refused", ok, detail)
+
+
+def _megatron_fp4_refusal(device: str) -> str:
+    """``refused`` (naming ``device``), ``ACCEPTED`` or ``skipped`` (no megatron-core)."""
+    try:
+        import megatron_patches
+    except ImportError:
+        return "skipped"
+    try:
+        with megatron_parallel_state():
+            gpt, _ = megatron_gpt("nvfp4")
+            try:
+                megatron_patches.apply(gpt, {"max_active": 1})
+            except RuntimeError as err:
+                return "refused" if device in str(err) else f"refused without the name: {err}"
+            megatron_patches.remove()
+            return "ACCEPTED"
+    except ImportError:
+        return "skipped"
 
 
 # ---------------------------------------------------------------------- driver
@@ -479,6 +548,12 @@ def run_checks(te: Any, args: argparse.Namespace, recipes: list[str]) -> list[Ch
         checks += [check_fp8_equal(te, args, name), check_switching(te, args, name)]
     if {"tensorwise", "blockwise"} <= set(recipes):
         checks.append(check_switching(te, args, "tensorwise", "blockwise"))
+    if "nvfp4" in recipes:
+        if "mxfp8" in recipes:
+            checks.append(check_switching(te, args, "nvfp4", "mxfp8"))
+        checks.append(check_megatron_operator(te, args, "bf16", low="nvfp4"))
+    else:
+        checks.append(check_nvfp4_refused(te, args))
     checks.append(check_overhead(te, args))
     return checks
 
