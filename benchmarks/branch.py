@@ -27,11 +27,12 @@ branch points takes the rest down. What it measures is the *local* cost of a pol
 changes; it is a faithful stand-in for the final-loss cost when that cost accrues along the run
 (the regimes' static gaps grow steadily with the horizon, shown in ``benchmarks/RESULTS.md``).
 
-**Null controls** (:data:`NULL_ARMS`): the same policy twice, one copy with a perturbation that
-changes nothing on average: the weights moved by 1e-6 relative at the branch point (BF16), or
-another draw of the stochastic rounding's noise (the low-cost FP4 path with another ``seed``
-option). Their paired difference is the estimator's own noise: its interval must hold 0, and be
-narrow next to the gaps it is asked to resolve.
+**Null controls** (:data:`NULL_ARMS`): the same policy twice, one copy with the weights moved by
+1e-6 relative at the branch point, a perturbation that changes nothing on average; for BF16 and
+for the low-cost path. Their paired difference is the estimator's own noise: its interval must
+hold 0, and be narrow next to the gaps it is asked to resolve. A low-cost path that rounds
+stochastically has a third: another draw of its rounding noise (another ``seed`` option), which
+measures how much the path's own realization moves the outcome.
 
 Jobs are (arm, seed, branch point), run in a pool and written one JSON file each as they end,
 so a sweep stops and resumes at any time (:mod:`benchmarks.sweep_fp4`).
@@ -61,7 +62,7 @@ __all__ = [
     "trunk_file",
 ]
 
-NULL_ARMS = ("null BF16 (1e-6)", "null low-cost (SR seed)")
+NULL_ARMS = ("null BF16 (1e-6)", "null low-cost (1e-6)")
 """The two null controls' names (each paired with its unperturbed twin)."""
 
 PERTURBATION = 1e-6

@@ -96,6 +96,9 @@ class Arm:
     """Further steps to probe (and record) besides every ``probe_every``-th: a fault's window."""
     oracle_by: str = "grad"
     """``oracle`` policy: rank units by the measured ``"grad"`` or ``"update"`` gap."""
+    error_every: int = 1
+    """``GNMR+e``: measure the error sums on every ``error_every``-th step and carry the score
+    in between (``gnmr.error_every``)."""
     late_steps: int = 0
     """``late`` policy: every unit runs the recovery path in the run's last ``late_steps``
     steps (the low-cost path before): NVIDIA's switch of the whole model to BF16 near the end

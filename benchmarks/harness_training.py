@@ -69,10 +69,21 @@ class ArmRun:
     every arm by one step in turn.
     """
 
-    def __init__(self, setup: Setup, arm: Arm, heldout: Batches, *, evaluates: bool = True) -> None:
+    def __init__(
+        self,
+        setup: Setup,
+        arm: Arm,
+        heldout: Batches,
+        *,
+        evaluates: bool = True,
+        monitors: bool = True,
+    ) -> None:
         self.setup, self.arm, self.heldout = setup, arm, heldout
         self.evaluates = evaluates
         """Whether :meth:`step` evaluates on the ``eval_every`` grid (a branch evaluates apart)."""
+        self.monitors = monitors or arm.policy in ("gnmr", "zclip")
+        """Whether GNMR's monitor and controller run (always for the policies that use them;
+        ``False`` times a static policy without them, :mod:`benchmarks.fp4_step_time`)."""
         self.model = build_model(setup)
         self.registry = UnitRegistry.from_model(self.model, granularity="operator")
         self.backend = self._wrapped_backend()
@@ -130,12 +141,12 @@ class ArmRun:
     def _runtime(self) -> GNMRRuntime:
         """GNMR's monitor and controller; the controller gets the backend's error sums when
         its policy has the error term (``gamma``)."""
-        backend = self.backend
+        backend, every = self.backend, self.arm.error_every
         if self.scored and backend is not None:
-            backend.track_errors(self.registry.num_units)
+            backend.track_errors(self.registry.num_units, every=every)
         uses_errors = self.cfg.gamma is not None
         error_fn = backend.error_sums if uses_errors and backend is not None else None
-        return GNMRRuntime(self.registry, self.cfg, error_fn=error_fn)
+        return GNMRRuntime(self.registry, self.cfg, error_fn=error_fn, error_every=every)
 
     def _probe(self) -> RecoveryProbe | None:
         """The recovery-gap probe of an arm that probes (or selects by it: the oracle)."""
@@ -159,13 +170,13 @@ class ArmRun:
         loss = lm_loss(self.model, batch)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        decision = self.runtime.step()
+        decision = self.runtime.step() if self.monitors else None
         scores = self._error_scores() if probed is not None and self._records(step) else None
         self._clip_and_update()
         self.times.append(time.perf_counter() - t0 - (probed[1] if probed else 0.0))
         if probed is not None:
             self.probe_times.append(probed[1])
-            if self._records(step):
+            if self._records(step) and decision is not None:
                 self._record_probe(step, probed[0], decision, active, scores or {})
         self._count(step, float(loss.detach()), decision, active)
         if self.evaluates:
@@ -180,21 +191,25 @@ class ArmRun:
     def _clip_and_update(self) -> None:
         """Clip the gradient to ``setup.clip`` (or to ZClip's lower limit on a spike), then the
         AdamW step and the learning-rate schedule."""
-        norm = self.runtime.last_norms.global_norm
-        limit = self.guard.limit(norm) if self.guard is not None else None
+        limit = None
+        if self.guard is not None and self.runtime.last_norms is not None:
+            limit = self.guard.limit(self.runtime.last_norms.global_norm)
         self.clipped += limit is not None
         torch.nn.utils.clip_grad_norm_(self.params, min(self.setup.clip, limit or math.inf))
         self.opt.step()
         self.sched.step()
 
-    def _count(self, step: int, loss: float, decision: Decision, active: frozenset[int]) -> None:
+    def _count(
+        self, step: int, loss: float, decision: Decision | None, active: frozenset[int]
+    ) -> None:
         """The step's loss and plan size; after GNMR's warm-up, the eligible units whose risk
         exceeds 1 and those whose forward ran the recovery path (the backend's report)."""
         self.losses.append(loss)
         if step > self.cfg.warmup_steps:
-            over = (decision.risk > 1.0) & self.elig
-            self.exceed.append(int(over.sum()) / self.n_elig)
-            self.unit_exceed += over
+            if decision is not None:
+                over = (decision.risk > 1.0) & self.elig
+                self.exceed.append(int(over.sum()) / self.n_elig)
+                self.unit_exceed += over
             ran = self.backend.report().recovered if self.backend is not None else frozenset()
             self.recovered.append(len(ran) / self.n_elig)
             self.unit_recovered[list(ran)] += 1

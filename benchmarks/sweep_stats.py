@@ -26,14 +26,18 @@ _T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8
         18: 2.101, 19: 2.093, 20: 2.086, 25: 2.060, 30: 2.042}  # fmt: skip
 
 
+def t95(df: int) -> float:
+    """The two-sided 95% Student-t quantile for ``df`` degrees of freedom (a df between the
+    table's entries takes the lower one: the wider interval)."""
+    return _T95[max(d for d in _T95 if d <= df)]
+
+
 def interval(values: Sequence[float]) -> tuple[float, float]:
     """Mean and the half-width of its two-sided 95% Student-t interval (NaN for one value)."""
     m = statistics.fmean(values)
     if len(values) < 2:
         return m, math.nan
-    df = len(values) - 1
-    t = _T95[max(d for d in _T95 if d <= df)]  # a df between entries takes the lower (wider)
-    return m, t * statistics.stdev(values) / math.sqrt(len(values))
+    return m, t95(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
 
 
 def summarize(

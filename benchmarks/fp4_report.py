@@ -1,0 +1,197 @@
+"""The report of an FP4 branch sweep (:mod:`benchmarks.sweep_fp4`): the estimator's noise, one
+row per arm, the verdicts per budget, a JSON summary and the quality-against-budget plot."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.branch import NULL_ARMS
+from benchmarks.branch_stats import (
+    Design,
+    Records,
+    paired,
+    share_closed,
+    troubles,
+    unit_step_share,
+)
+from benchmarks.common import RESULTS
+from benchmarks.regimes import Regime
+from benchmarks.sweep_stats import plus_minus
+
+
+def complete(records: Records, d: Design, arm: str) -> bool:
+    return all((arm, s, p) in records for s in d.seeds for p in d.points)
+
+
+def summarize(records: Records, d: Design, arms: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Per arm with every branch done: its paired figures (``benchmarks.branch_stats``)."""
+    out: dict[str, dict[str, Any]] = {}
+    for arm in arms:
+        if not complete(records, d, arm):
+            continue
+        spikes, diverged = troubles(records, d, arm)
+        out[arm] = {
+            "vs_bf16": paired(records, d, arm, d.high),
+            "vs_low_cost": paired(records, d, arm, d.low),
+            "closed": share_closed(records, d, arm),
+            "unit_steps": unit_step_share(records, d, arm),
+            "spikes": spikes,
+            "diverged": diverged,
+        }
+    return out
+
+
+def noise(records: Records, d: Design) -> dict[str, tuple[float, float]]:
+    """The null controls and the static gap (paired mean, 95% half-width)."""
+    pairs = {
+        "static gap (low-cost - BF16)": (d.low, d.high),
+        f"{NULL_ARMS[0]} - BF16": (NULL_ARMS[0], d.high),
+        f"{NULL_ARMS[1]} - low-cost": (NULL_ARMS[1], d.low),
+        "low-cost (SR seed 1) - low-cost": ("low-cost (SR seed 1)", d.low),
+    }
+    return {
+        name: paired(records, d, a, b)
+        for name, (a, b) in pairs.items()
+        if complete(records, d, a) and complete(records, d, b)
+    }
+
+
+def comparisons(
+    records: Records, d: Design, budgets: Sequence[int], nvidia: Sequence[str]
+) -> list[tuple[str, tuple[float, float]]]:
+    """Paired differences a - b that carry the verdicts (negative: a better)."""
+    out = []
+    for k in budgets:
+        for policy in ("GNMR+e", "GNMR", "oracle"):
+            a, b = f"{policy} {k}", f"random {k}"
+            if complete(records, d, a) and complete(records, d, b):
+                out.append((f"{a} - {b}", paired(records, d, a, b)))
+        a = f"GNMR+e {k}"
+        for b in [*nvidia, f"oracle {k}"]:
+            same_budget = b.startswith("oracle") or b.endswith(f"-{k}") or "late" in b
+            if same_budget and complete(records, d, a) and complete(records, d, b):
+                out.append((f"{a} - {b}", paired(records, d, a, b)))
+    return out
+
+
+def verdict(pair: tuple[float, float]) -> str:
+    m, h = pair
+    if math.isnan(h):
+        return "one seed: no interval"
+    if m + h < 0:
+        return "better"
+    if m - h > 0:
+        return "worse"
+    return "not resolved"
+
+
+def table(summary: dict[str, dict[str, Any]]) -> str:
+    rows = [
+        "| arm | recovered unit-steps | held-out - BF16 | held-out - low-cost "
+        "| share of the static gap closed | loss spikes | diverged |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for arm, r in summary.items():
+        cells = [
+            f"{100 * r['unit_steps']:.1f}%",
+            plus_minus(r["vs_bf16"]),
+            plus_minus(r["vs_low_cost"]),
+            plus_minus(r["closed"], 2),
+            str(r["spikes"]),
+            str(r["diverged"]),
+        ]
+        rows.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def report(
+    regime: Regime, d: Design, records: Records, arms: Sequence[str], budgets: Sequence[int]
+) -> dict[str, Any]:
+    """Print the report, write ``results/sweep_fp4_<regime>.json`` and its plot."""
+    summary = summarize(records, d, arms)
+    nvidia = [a for a in arms if a.startswith("NVIDIA")]
+    est = noise(records, d)
+    comp = comparisons(records, d, budgets, nvidia)
+    lines = [f"{regime.name}: {regime.description}"]
+    lines.append(
+        f"{len(d.seeds)} seeds x {len(d.points)} branch points {list(d.points)}, "
+        f"{d.horizon} steps each; held-out loss in fp32 after {d.horizon} steps, paired by "
+        "branch, mean over a seed's points, 95% Student-t interval over seeds"
+    )
+    lines += [f"- {name}: {plus_minus(pair)}" for name, pair in est.items()]
+    lines += ["", table(summary), ""]
+    lines += [f"- {name}: {plus_minus(pair)} -> {verdict(pair)}" for name, pair in comp]
+    print("\n".join(lines))
+    out = {
+        "regime": regime.name,
+        "description": regime.description,
+        "seeds": list(d.seeds),
+        "points": list(d.points),
+        "horizon": d.horizon,
+        "instrument": regime.instrument.__dict__,
+        "noise": est,
+        "summary": summary,
+        "comparisons": dict(comp),
+        "verdicts": {name: verdict(pair) for name, pair in comp},
+        "branches": len(records),
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"sweep_fp4_{regime.name}.json").write_text(json.dumps(_jsonable(out), indent=1))
+    if summary:
+        plot(regime, summary, budgets, RESULTS / f"sweep_fp4_{regime.name}.png")
+    return out
+
+
+def plot(
+    regime: Regime, summary: dict[str, dict[str, Any]], budgets: Sequence[int], path: Path
+) -> None:
+    """Held-out loss minus BF16's against the share of unit-steps on the recovery path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for policy, marker in zip(("random", "GNMR", "GNMR+e", "oracle"), "osD^", strict=True):
+        names = [f"{policy} {k}" for k in budgets if f"{policy} {k}" in summary]
+        if names:
+            _errorbar(ax, summary, names, marker, policy)
+    for name in summary:
+        if name.startswith(("NVIDIA", "first+last")):
+            _errorbar(ax, summary, [name], "*", name, ms=11, ls="none")
+    ax.axhline(0.0, ls=":", color="gray", label="BF16 everywhere")
+    if "low-cost" in summary:
+        m, h = summary["low-cost"]["vs_bf16"]
+        ax.axhspan(m - h, m + h, color="red", alpha=0.12)
+        ax.axhline(m, ls="--", color="red", lw=1, label="FP4 everywhere (band: 95% CI)")
+    ax.set(
+        title=f"{regime.name}: held-out loss after a branch vs recovery spent",
+        xlabel="share of unit-steps on the recovery path (BF16)",
+        ylabel="held-out loss - BF16 (paired)",
+    )
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _errorbar(
+    ax: Any, summary: dict[str, Any], names: list[str], marker: str, label: str, **kw: Any
+) -> None:
+    xs = [summary[n]["unit_steps"] for n in names]
+    ms = [summary[n]["vs_bf16"][0] for n in names]
+    hs = [0.0 if math.isnan(summary[n]["vs_bf16"][1]) else summary[n]["vs_bf16"][1] for n in names]
+    ax.errorbar(xs, ms, yerr=hs, marker=marker, capsize=3, label=label, **kw)
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, tuple | list):
+        return [_jsonable(v) for v in x]
+    return None if isinstance(x, float) and math.isnan(x) else x

@@ -1,0 +1,154 @@
+"""The branch estimator (issue 24): a branch is the trunk's own continuation when its policy is
+the trunk's, its perturbation is the size it claims, the FP4 controls run what they say, and
+the statistics return known answers on constructed records."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import replace
+
+import pytest
+import torch
+
+from benchmarks.branch import Instrument, perturb, run_branch, run_trunk, trunk_file
+from benchmarks.branch_stats import Design, paired, share_closed, troubles, unit_step_share
+from benchmarks.harness_arms import Arm
+from benchmarks.harness_model import Batches
+from benchmarks.harness_training import ArmRun
+from benchmarks.regimes import FP4_REGIMES
+from benchmarks.sweep_fp4 import make_arms, nvidia_k
+from tests.benchmarks.test_harness import tiny
+
+Q = {"backend": "fp8_emulated", "low_cost": {"format": "e2m1"}, "recovery": {"format": "bf16"}}
+INST = Instrument(trunk_steps=8, points=(3, 5), horizon=3, evals=(1, 3), eval_batches=1)
+
+
+@pytest.fixture(scope="module")
+def trunk(tmp_path_factory):
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("trunk")
+    setup = tiny(steps=8, lr=1e-3)
+    run_trunk(setup, Arm("trunk", "recovery", **Q), INST, 3, root)
+    return setup, root
+
+
+def test_a_branch_with_the_trunks_policy_is_its_continuation(trunk):
+    """Branching from step 3 with the reference policy reproduces the trunk's steps 4-5 and its
+    checkpoint at 5 bit for bit: the branches start where the trunk was, nothing else moved."""
+    setup, root = trunk
+    record = run_branch(setup, Arm("BF16", "recovery", **Q), INST, 3, 3, root, False)
+    saved = torch.load(trunk_file(root, 3, 5), weights_only=True)
+    s = replace(setup, steps=INST.trunk_steps, seed=3, eval_every=10**9)
+    run = ArmRun(s, Arm("BF16", "recovery", **Q), Batches(s.heldout, s), evaluates=False)
+    from benchmarks.branch import _load
+
+    _load(run, trunk_file(root, 3, 3))
+    train = Batches(s.data, s)
+    for step in (4, 5):
+        run.step(step, train)
+    assert run.losses == record["train_loss"][:2]
+    model = run.model.state_dict()
+    assert all(torch.equal(model[k], v) for k, v in saved["model"].items())
+    assert set(record["heldout"]) == {"1", "3"} and record["unit_steps"] == 3 * 14
+    assert record["recovered_unit_steps"] == 3 * 14  # BF16: every unit (14), every step
+
+
+def test_fp4_arms_differ_from_bf16_and_the_nulls_are_small(trunk):
+    setup, root = trunk
+    runs = {
+        name: run_branch(setup, Arm(name, policy, **Q), INST, 3, 5, root, pert)
+        for name, policy, pert in [
+            ("BF16", "recovery", False),
+            ("null", "recovery", True),
+            ("FP4", "static", False),
+        ]
+    }
+    h = {n: r["heldout"]["3"] for n, r in runs.items()}
+    assert h["FP4"] != h["BF16"] and runs["FP4"]["recovered_unit_steps"] == 0
+    assert abs(h["null"] - h["BF16"]) < 1e-4 < abs(h["FP4"] - h["BF16"])
+
+
+def test_perturb_moves_every_tensor_by_the_relative_size():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32)
+    before = [p.detach().clone() for p in model.parameters()]
+    perturb(model, 1e-6, seed=4)
+    for old, new in zip(before, model.parameters(), strict=True):
+        rel = (new - old).norm() / old.square().mean().sqrt() / math.sqrt(old.numel())
+        assert 0.8e-6 < rel < 1.2e-6
+
+
+def test_late_and_last_units_policies(trunk):
+    setup, root = trunk
+    late = run_branch(setup, Arm("late", "late", late_steps=1, **Q), INST, 3, 3, root, False)
+    assert late["recovered_unit_steps"] == 14  # every unit, the branch's last step only
+    last = run_branch(setup, Arm("last", "last_units", max_active=2, **Q), INST, 3, 3, root, False)
+    assert last["recovered_unit_steps"] == 2 * 3
+    s = replace(setup, steps=8, seed=3)
+    run = ArmRun(s, Arm("last", "last_units", max_active=2, **Q), Batches(s.heldout, s))
+    names = [run.registry.names[u] for u in sorted(run.fixed)]
+    assert names == ["model.layers.1.mlp.up_proj", "model.layers.1.mlp.down_proj"]
+
+
+def test_the_sweep_arms_and_nvidias_budget():
+    regime = FP4_REGIMES["nvfp4"]
+    arms = {a.name: (a, p) for a, p in make_arms(regime, (2, 4), 28)}
+    assert nvidia_k(28) == 4 and "NVIDIA last-4" in arms and "NVIDIA late-7" in arms
+    assert arms["NVIDIA late-7"][0].late_steps == round(50 * 4 / 28)
+    assert arms["low-cost (SR seed 1)"][0].low_cost["seed"] == 1
+    assert arms["null BF16 (1e-6)"][1] and arms["null low-cost (1e-6)"][1]
+    assert arms["GNMR+e 4"][0].controller == {"gamma": regime.gamma}
+    assert {f"{p} {k}" for p in ("random", "GNMR", "GNMR+e", "oracle") for k in (2, 4)} <= set(arms)
+
+
+# ---------------------------------------------------------------------------- statistics
+
+
+def records_of(values: dict[str, list[list[float]]], horizon: int = 5) -> dict:
+    """Constructed records: values[arm][seed][point] is the held-out loss at the horizon."""
+    out = {}
+    for arm, rows in values.items():
+        for s, row in enumerate(rows):
+            for p, v in enumerate(row):
+                out[(arm, s, p)] = {
+                    "heldout": {str(horizon): v},
+                    "train_loss": [1.0, 1.0],
+                    "nonfinite": 0,
+                    "recovered_unit_steps": {"low-cost": 0, "BF16": 10}.get(arm, 2),
+                    "unit_steps": 10,
+                }
+    return out
+
+
+def test_paired_differences_average_points_then_take_the_interval_over_seeds():
+    r = records_of(
+        {
+            "BF16": [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]],
+            "low-cost": [[1.1, 2.1], [3.2, 4.2], [5.3, 6.3]],
+            "half": [[1.05, 2.05], [3.1, 4.1], [5.15, 6.15]],
+        }
+    )
+    d = Design(seeds=(0, 1, 2), points=(0, 1), horizon=5)
+    m, h = paired(r, d, "low-cost", "BF16")
+    assert m == pytest.approx(0.2) and h == pytest.approx(4.303 * 0.1 / math.sqrt(3))
+    share, half = share_closed(r, d, "half")
+    assert share == pytest.approx(0.5) and half == pytest.approx(0.0, abs=1e-6)
+    assert unit_step_share(r, d, "half") == pytest.approx(0.2)
+    assert troubles(r, d, "low-cost") == (0, 0)
+
+
+def test_share_interval_grows_with_the_spread_of_the_arm():
+    base = {"BF16": [[1.0], [1.0], [1.0], [1.0]], "low-cost": [[1.2], [1.2], [1.2], [1.2]]}
+    r = records_of({**base, "arm": [[1.05], [1.15], [1.1], [1.1]]})
+    d = Design(seeds=(0, 1, 2, 3), points=(0,), horizon=5)
+    share, half = share_closed(r, d, "arm")
+    sd = statistics.stdev([0.15, 0.05, 0.1, 0.1]) / 0.2
+    assert share == pytest.approx(0.5) and half == pytest.approx(3.182 * sd / 2)
+
+
+def test_spikes_and_divergence_are_counted_against_bf16():
+    r = records_of({"BF16": [[1.0]], "low-cost": [[3.0]]})
+    r[("low-cost", 0, 0)]["train_loss"] = [1.2, math.nan]
+    d = Design(seeds=(0,), points=(0,), horizon=5)
+    assert troubles(r, d, "low-cost") == (2, 1)  # +0.2 and a non-finite step; held-out +2 > 1
