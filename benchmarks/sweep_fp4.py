@@ -56,7 +56,7 @@ from benchmarks.regimes import FP4_REGIMES, Regime
 logger = logging.getLogger("benchmarks.sweep_fp4")
 
 SEEDS = (1234, 7, 42, 5, 11)
-BUDGETS = (2, 4, 7)
+BUDGETS = (4,)
 ERROR_EVERY = 4
 NVIDIA_SHARE = 0.15
 """NVIDIA keeps about 15% of the linear layers in BF16 (arXiv 2509.25149)."""
@@ -104,7 +104,11 @@ def make_arms(regime: Regime, budgets: Sequence[int], units: int) -> list[tuple[
 
 
 def _trunk_root(regime: str) -> Path:
-    return RESULTS / "sweep" / "fp4" / regime
+    """The trunks' folder: one for every FP4 regime, whose trunks are the same BF16 runs (the
+    same setup and recovery path: ``tests/benchmarks/test_branch.py`` checks it), so that
+    branches of different regimes start from the same checkpoints too."""
+    del regime
+    return RESULTS / "sweep" / "fp4" / "trunks"
 
 
 def _records_file(regime: str) -> Path:

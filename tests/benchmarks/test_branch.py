@@ -91,6 +91,13 @@ def test_late_and_last_units_policies(trunk):
     assert names == ["model.layers.1.mlp.up_proj", "model.layers.1.mlp.down_proj"]
 
 
+def test_fp4_regimes_share_their_trunks():
+    """The trunk is the regime's recovery path on the same setup: one for every FP4 regime."""
+    trunks = {(repr(r.setup), repr(r.recovery), r.backend) for r in FP4_REGIMES.values()}
+    assert len(trunks) == 1
+    assert len({r.instrument for r in FP4_REGIMES.values()}) == 1
+
+
 def test_the_sweep_arms_and_nvidias_budget():
     regime = FP4_REGIMES["nvfp4"]
     arms = {a.name: (a, p) for a, p in make_arms(regime, (2, 4), 28)}

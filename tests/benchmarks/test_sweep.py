@@ -1,4 +1,4 @@
-"""benchmarks/sweep*.py: the statistics and verdicts the README's selection tables rest on."""
+"""benchmarks/sweep*.py: the statistics and verdicts behind the selection tables (RESULTS.md)."""
 
 from __future__ import annotations
 
