@@ -179,7 +179,7 @@ def commit_all(histories: Iterable[AmaxHistory]) -> None:
     if not ran:
         return
     amaxes = [h.finite_step_amax() for h in ran]
-    torch._foreach_copy_([h.next_slot() for h in ran], amaxes)  # type: ignore[misc]
+    torch._foreach_copy_([h.next_slot() for h in ran], amaxes)
     for h in ran:
         h.advance()
 

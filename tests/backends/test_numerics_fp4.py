@@ -164,28 +164,36 @@ def test_sqnr_nvfp4_beats_mxfp4_and_tensor_scaling():
 # ----------------------------------------------------------------------- stochastic rounding
 
 
+def _mean_is_the_value(mean: float, value: float, name: str) -> None:
+    """Within 1% wherever the two neighbours are within ~1/2 of the value (normal range: the
+    mean's standard deviation over 10,000 draws is at most q / 200 <= 0.25% of it); within four
+    standard deviations, ``4 q / 200``, in the subnormal range (an unbiased rounding of 0.07 to
+    {0, 0.5} averages 0.07 +- 2.5% over 10,000 draws)."""
+    if abs(value) < FORMATS[name].min_normal:
+        assert abs(mean - value) < 4 * FORMATS[name].min_subnormal * 0.5 / 100
+    else:
+        assert abs(mean / value - 1) < 0.01
+
+
 @pytest.mark.parametrize("name", ["e2m1", "e4m3", "e3m2"])
 @pytest.mark.parametrize("value", [1.2, 2.7, -5.1, 0.3, 0.07])
 def test_stochastic_rounding_is_unbiased(name, value):
-    """The mean of 10,000 roundings (10,000 draws of one seed, and 10,000 seeds of one value)
-    is the value: within 1% wherever the two neighbours are within ~1/2 of the value (normal
-    range: the mean's standard deviation is at most q / 200 <= 0.25% of it), and within four
-    of its standard deviations below (e2m1's subnormals, 0 and 0.5, around 0.3 or 0.07: an
-    unbiased rounding of 0.07 to {0, 0.5} averages 0.07 +- 2.5% over 10,000 draws)."""
-    x = torch.full((10_000,), value)
-    draws = round_to_format(x, name, rounding="stochastic", seed=sr_seed(11, 3))
+    """The mean of 10,000 roundings of the value (one seed, 10,000 draws) is the value, and
+    every rounding is one of its two neighbours."""
+    draws = round_to_format(
+        torch.full((10_000,), value), name, rounding="stochastic", seed=sr_seed(11, 3)
+    )
     lo, hi = draws.min().item(), draws.max().item()
     assert lo <= value <= hi and len(torch.unique(draws)) <= 2
+    _mean_is_the_value(draws.double().mean().item(), value, name)
+
+
+@pytest.mark.parametrize("value", [1.2, 0.3])
+def test_stochastic_rounding_over_seeds_is_unbiased(value):
+    """The same over 10,000 calls with 10,000 seeds (the draws of different steps and units)."""
     one = torch.tensor([value])
-    seeds = torch.cat(
-        [round_to_format(one, name, rounding="stochastic", seed=s) for s in range(10_000)]
-    )
-    subnormal = abs(value) < FORMATS[name].min_normal
-    for mean in (draws.double().mean().item(), seeds.double().mean().item()):
-        if subnormal:
-            assert abs(mean - value) < 4 * FORMATS[name].min_subnormal * 0.5 / 100
-        else:
-            assert abs(mean / value - 1) < 0.01
+    draws = [round_to_format(one, "e2m1", rounding="stochastic", seed=s) for s in range(10_000)]
+    _mean_is_the_value(torch.cat(draws).double().mean().item(), value, "e2m1")
 
 
 def test_stochastic_rounding_keeps_codes_saturation_and_nan():
