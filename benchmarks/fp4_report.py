@@ -109,9 +109,14 @@ def table(summary: dict[str, dict[str, Any]]) -> str:
 
 
 def report(
-    regime: Regime, d: Design, records: Records, arms: Sequence[str], budgets: Sequence[int]
+    regime: Regime,
+    d: Design,
+    records: Records,
+    arms: Sequence[str],
+    budgets: Sequence[int],
+    out_dir: Path = RESULTS,
 ) -> dict[str, Any]:
-    """Print the report, write ``results/sweep_fp4_<regime>.json`` and its plot."""
+    """Print the report, write ``<out_dir>/sweep_fp4_<regime>.json`` and its plot."""
     summary = summarize(records, d, arms)
     nvidia = [a for a in arms if a.startswith("NVIDIA")]
     est = noise(records, d)
@@ -139,10 +144,10 @@ def report(
         "verdicts": {name: verdict(pair) for name, pair in comp},
         "branches": len(records),
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"sweep_fp4_{regime.name}.json").write_text(json.dumps(_jsonable(out), indent=1))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"sweep_fp4_{regime.name}.json").write_text(json.dumps(_jsonable(out), indent=1))
     if summary:
-        plot(regime, summary, budgets, RESULTS / f"sweep_fp4_{regime.name}.png")
+        plot(regime, summary, budgets, out_dir / f"sweep_fp4_{regime.name}.png")
     return out
 
 

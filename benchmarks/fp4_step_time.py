@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -34,14 +35,17 @@ from benchmarks.regimes import Regime
 WARMUP = 5
 
 
-def step_time(regime: Regime, steps: int, seed: int = 1234) -> dict[str, float]:
-    """Interleave the two arms for ``steps`` steps each; print and return the medians (ms)."""
+def step_time(
+    regime: Regime, steps: int, seed: int = 1234, root: Path | None = None
+) -> dict[str, float]:
+    """Interleave the two arms for ``steps`` steps each; print and return the medians (ms).
+    ``root``: where the trunk is (built there when missing; default: the sweep's)."""
     from benchmarks.sweep_fp4 import ERROR_EVERY, _trunk_root, nvidia_k
 
     torch.set_num_threads(1)
     inst = regime.instrument
     point = inst.points[min(1, len(inst.points) - 1)]
-    root, q = _trunk_root(regime.name), regime.backend_args()
+    root, q = root or _trunk_root(regime.name), regime.backend_args()
     run_trunk(regime.setup, Arm("trunk", "recovery", **q), inst, seed, root)
     k = nvidia_k(regime.units)
     arms = {
@@ -69,7 +73,9 @@ def step_time(regime: Regime, steps: int, seed: int = 1234) -> dict[str, float]:
     for i in range(1, steps + 1):
         for run in order if i % 2 else order[::-1]:
             run.step(start + i, train)
-    ms = {name: 1e3 * statistics.median(run.times[WARMUP:]) for name, run in runs.items()}
+    ms = {
+        name: 1e3 * statistics.median(run.times[WARMUP:] or run.times) for name, run in runs.items()
+    }
     (a, ta), (b, tb) = ms.items()
     recovered = {n: int(r.unit_recovered.sum()) for n, r in runs.items()}
     print(

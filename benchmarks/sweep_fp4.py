@@ -131,6 +131,7 @@ def _worker_init() -> None:
 
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("gnmr_dist.core.controller").setLevel(logging.ERROR)  # the trunk's policy
 
 
 def _job(payload: tuple[str, str, dict[str, Any], int, int, bool]) -> dict[str, Any]:

@@ -159,3 +159,49 @@ def test_spikes_and_divergence_are_counted_against_bf16():
     r[("low-cost", 0, 0)]["train_loss"] = [1.2, math.nan]
     d = Design(seeds=(0,), points=(0,), horizon=5)
     assert troubles(r, d, "low-cost") == (2, 1)  # +0.2 and a non-finite step; held-out +2 > 1
+
+
+def test_step_time_interleaves_gnmr_e_and_nvidias_rule(tmp_path):
+    from benchmarks.fp4_step_time import step_time
+
+    regime = replace(
+        FP4_REGIMES["nvfp4"],
+        setup=tiny(steps=8, lr=1e-3, gnmr={"warmup_steps": 0}),
+        instrument=INST,
+        units=14,
+    )
+    got = step_time(regime, steps=3, root=tmp_path)
+    assert set(got) == {"NVIDIA last-2", "GNMR+e 2", "ratio"}
+    assert got["ratio"] == pytest.approx(got["GNMR+e 2"] / got["NVIDIA last-2"])
+
+
+def test_report_reads_constructed_records(tmp_path, capsys):
+    """A regime where the oracle closes the gap and GNMR+e half of it, random nothing."""
+    import json
+
+    from benchmarks.fp4_report import report
+
+    regime = FP4_REGIMES["fp4_tensor"]
+    arms = [a.name for a, _ in make_arms(regime, (4,), 28)]
+    base = [[2.0, 2.1], [2.2, 2.3], [2.4, 2.5]]
+    shift = {"low-cost": 0.2, "oracle 4": 0.0, "GNMR+e 4": 0.1, "random 4": 0.2}
+    noise = [0.002, -0.001, 0.0005]
+    values = {
+        a: [
+            [v + shift.get(a, 0.2) + noise[s] * (a != "BF16") for v in row]
+            for s, row in enumerate(base)
+        ]
+        for a in arms
+    }
+    values["BF16"] = base
+    values["null BF16 (1e-6)"] = base
+    r = records_of(values, horizon=50)
+    d = Design(seeds=(0, 1, 2), points=(0, 1), horizon=50)
+    out = report(regime, d, r, arms, (4,), out_dir=tmp_path)
+    text = capsys.readouterr().out
+    assert "- GNMR+e 4 - random 4: -0.1000 +- 0.0000 -> better" in text
+    assert out["verdicts"]["oracle 4 - random 4"] == "better"
+    assert out["summary"]["GNMR+e 4"]["closed"][0] == pytest.approx(0.1 / 0.2005)
+    saved = json.loads((tmp_path / "sweep_fp4_fp4_tensor.json").read_text())
+    assert saved["noise"]["static gap (low-cost - BF16)"][0] == pytest.approx(0.2005)
+    assert (tmp_path / "sweep_fp4_fp4_tensor.png").exists()
