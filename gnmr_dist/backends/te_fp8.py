@@ -93,6 +93,18 @@ the path it was captured with), one whose own ``te_quant_params`` already run it
 recipe the recovery recipe is not known to be stronger than, and a megatron-core without these
 fields.
 
+NVFP4 (``low_cost={"recipe": "nvfp4"}``, TE >= 2.8). TE runs FP4 through the same autocast with
+an ``NVFP4BlockScaling`` recipe (``stochastic_rounding``, ``hadamard`` and ``weight_2d`` map to
+its ``disable_*`` fields; TE's defaults are NVIDIA's recipe), so both nestings above hold: a
+recovered unit runs inside ``autocast(enabled=False)`` (BF16) or a stronger FP8 recipe's region
+(TE warns "Recipe type changed" the first time a module flips class). NVFP4 keeps no per-module
+scaling state, so nothing is reset on the way back. Under megatron-core's ``--fp4-format``,
+megatron opens one NVFP4 region per layer (``get_fp4_context``, no outer region) and a
+``te_quant_params`` unit overrides it as it overrides FP8 (``module_recipe`` reads FP4 as
+``"nvfp4"``). FP4 GEMMs need compute capability 10.0; any other device is refused when the
+backend is built, naming it (:func:`~gnmr_dist.backends.te_runtime.check_fp4_device`), because TE
+fails inside its autocast's ``__enter__`` after switching its global state on.
+
 Modules holding FP8 primary weights (``fp8_model_init``) have no high-precision weight to
 recover with; they are left unwrapped, which makes their units ineligible. CUDA-graphed modules
 (``te.make_graphed_callables``) replay the one path they were captured with: do not wrap them.
