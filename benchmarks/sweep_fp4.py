@@ -115,14 +115,20 @@ def _records_file(regime: str) -> Path:
     return RESULTS / "fp4" / f"{regime}.jsonl"
 
 
-def read_records(regime: str) -> Records:
-    """Every finished branch of ``regime`` by (arm, seed, point) (the last line wins)."""
-    path, records = _records_file(regime), {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                r = json.loads(line)
-                records[(r["arm"], r["seed"], r["point"])] = r
+def read_records(regime: str, path: Path | None = None) -> Records:
+    """Every finished branch of ``regime`` by (arm, seed, point) (the last line wins). A last
+    line cut short (the sweep killed while writing it) is skipped: that branch runs again."""
+    path, records = path or _records_file(regime), {}
+    lines = path.read_text().splitlines() if path.exists() else []
+    for i, line in enumerate(lines):
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                logger.warning("%s: the last line is cut short; its branch runs again", path)
+                continue
+            raise
+        records[(r["arm"], r["seed"], r["point"])] = r
     return records
 
 

@@ -205,3 +205,17 @@ def test_report_reads_constructed_records(tmp_path, capsys):
     saved = json.loads((tmp_path / "sweep_fp4_fp4_tensor.json").read_text())
     assert saved["noise"]["static gap (low-cost - BF16)"][0] == pytest.approx(0.2005)
     assert (tmp_path / "sweep_fp4_fp4_tensor.png").exists()
+
+
+def test_records_survive_a_line_cut_short(tmp_path):
+    import json
+
+    from benchmarks.sweep_fp4 import read_records
+
+    path = tmp_path / "x.jsonl"
+    rows = [{"arm": "a", "seed": 1, "point": p, "heldout": {"5": p}} for p in (3, 5)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + '\n{"arm": "a", "se')
+    assert sorted(read_records("x", path)) == [("a", 1, 3), ("a", 1, 5)]
+    path.write_text('{"arm": \n' + json.dumps(rows[0]) + "\n")
+    with pytest.raises(json.JSONDecodeError):
+        read_records("x", path)
