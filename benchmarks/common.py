@@ -1,4 +1,5 @@
-"""What several benchmarks share: the results folder, the command line, a Llama, a gloo world.
+"""What several benchmarks share: the results folder, the command line, a Llama, a gloo world,
+strict JSON and the last lines of every plot.
 
 Nothing here measures; the measuring lives with each benchmark.
 """
@@ -76,3 +77,23 @@ def deepspeed_world(port: int | None = None) -> Iterator[None]:
     with gloo_world(port=port):
         skip_deepspeed_shm_comm()
         yield
+
+
+def jsonable(x: Any) -> Any:
+    """``x`` with tuples as lists, keys as strings and NaN as ``None`` (strict JSON)."""
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, tuple | list):
+        return [jsonable(v) for v in x]
+    return None if isinstance(x, float) and x != x else x
+
+
+def finish_plot(fig: Any, ax: Any, path: Path, legend_size: int = 8) -> None:
+    """Grid and legend on ``ax``, then ``fig`` written to ``path`` (110 dpi) and closed."""
+    import matplotlib.pyplot as plt
+
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=legend_size)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -18,7 +18,7 @@ from benchmarks.branch_stats import (
     troubles,
     unit_step_share,
 )
-from benchmarks.common import RESULTS
+from benchmarks.common import RESULTS, finish_plot, jsonable
 from benchmarks.regimes import Regime
 from benchmarks.sweep_stats import plus_minus
 
@@ -145,7 +145,7 @@ def report(
         "branches": len(records),
     }
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"sweep_fp4_{regime.name}.json").write_text(json.dumps(_jsonable(out), indent=1))
+    (out_dir / f"sweep_fp4_{regime.name}.json").write_text(json.dumps(jsonable(out), indent=1))
     if summary:
         plot(regime, summary, budgets, out_dir / f"sweep_fp4_{regime.name}.png")
     return out
@@ -178,11 +178,7 @@ def plot(
         xlabel="share of unit-steps on the recovery path (BF16)",
         ylabel="held-out loss - BF16 (paired)",
     )
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    finish_plot(fig, ax, path, 7)
 
 
 def _errorbar(
@@ -192,11 +188,3 @@ def _errorbar(
     ms = [summary[n]["vs_bf16"][0] for n in names]
     hs = [0.0 if math.isnan(summary[n]["vs_bf16"][1]) else summary[n]["vs_bf16"][1] for n in names]
     ax.errorbar(xs, ms, yerr=hs, marker=marker, capsize=3, label=label, **kw)
-
-
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, tuple | list):
-        return [_jsonable(v) for v in x]
-    return None if isinstance(x, float) and math.isnan(x) else x

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import multiprocessing as mp
 import time
 from collections.abc import Sequence
@@ -41,7 +40,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS, arg_parser
+from benchmarks.common import RESULTS, arg_parser, jsonable
 from benchmarks.harness_arms import Arm, Fault, Setup
 from benchmarks.harness_model import Batches
 from benchmarks.harness_training import run_arm
@@ -195,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "seeds": seeds,
         "budgets": budgets,
         "static_gap": static,
-        "summary": _jsonable(summary),
+        "summary": jsonable(summary),
         "verdicts": verdicts(summary, budgets),
         "wall_s": time.perf_counter() - t0,
     }
@@ -203,15 +202,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     plot(regime.name, summary, budgets, RESULTS / f"{name}.png")
     print(f"{regime.name}: {regime.description}; seeds {seeds}; {regime.setup.steps} steps")
     print_report(summary, static, out["verdicts"], windows)
-
-
-def _jsonable(x: Any) -> Any:
-    """``x`` with tuples as lists and NaN as ``None`` (strict JSON)."""
-    if isinstance(x, dict):
-        return {k: _jsonable(v) for k, v in x.items()}
-    if isinstance(x, tuple | list):
-        return [_jsonable(v) for v in x]
-    return None if isinstance(x, float) and math.isnan(x) else x
 
 
 if __name__ == "__main__":

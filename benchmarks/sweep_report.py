@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import finish_plot
 from benchmarks.sweep_stats import POLICY_PREFIXES, plus_minus
 
 
@@ -170,11 +171,7 @@ def plot(regime: str, summary: dict[str, Any], budgets: Sequence[int], path: Pat
     )
     ax.set_xscale("log", base=2)
     ax.set_xticks(list(budgets), [str(k) for k in budgets])
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    finish_plot(fig, ax, path, 8)
 
 
 def print_report(
