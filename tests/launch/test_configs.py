@@ -47,6 +47,7 @@ def test_the_expected_configs_ship():
         "megatron/demo_cpu.args",
         "deepspeed/llama2_60m_act_quant.hjson",
         "deepspeed/llama2_130m_fp6_fp8.hjson",
+        "deepspeed/llama2_130m_nvfp4.hjson",
         "deepspeed/llama2_13b_lora_int8.hjson",
         "megatron/llama2_60m_act_quant.args",
         "megatron/llama2_130m_fp6_fp8.args",
