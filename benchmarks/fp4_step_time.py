@@ -10,12 +10,16 @@ process with one torch thread, so both sample the same stretch of machine load:
   monitor, no controller, no error score (what a user of the static rule runs);
 - ``GNMR+e k``: the same backend with GNMR's monitor (one fused norm pass), the controller, and
   the error score measured every ``ERROR_EVERY``-th step (shadow of the recovered units
-  included) and carried in between, as in the sweep.
+  included) and carried in between, as in the sweep;
+- ``GNMR+e k replayed``: GNMR+e's own plan of each step run without GNMR (no monitor, no
+  controller, no error score). It trains exactly as ``GNMR+e k`` (checked: the same weights at
+  the end), so ``GNMR+e / replayed`` is the runtime's cost alone.
 
-Printed: each arm's median step time over the steps after the first 5, and their ratio. The
-ratio is the cost of the runtime policy at the same number of recovered units; on the CPU the
-FP4 emulation dominates a step, so the ratio of the GPU (where FP4 GEMMs are fast and the
-monitor's norm pass weighs more) is the one ``benchmarks/gpu_te_check.py`` reports for TE.
+Printed: each arm's median step time over the steps after the first 5, and the two ratios.
+Against NVIDIA's rule the ratio also holds *which* units run BF16: on the CPU a BF16 unit is
+cheaper than an emulated FP4 one, and more so for the wide MLP projections NVIDIA's last units
+are (on a Blackwell GPU it is the other way round), so the runtime's cost is the replayed ratio;
+the GPU's is the one ``benchmarks/gpu_te_check.py`` reports for TE.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -64,23 +69,53 @@ def step_time(
     }
     setup = replace(regime.setup, steps=inst.trunk_steps, seed=seed, eval_every=10**9)
     train, heldout = Batches(setup.data, setup), Batches(setup.heldout, setup)
-    runs = {}
+    runs: dict[str, ArmRun] = {}
     for name, (arm, monitors) in arms.items():
-        run = ArmRun(setup, arm, heldout, evaluates=False, monitors=monitors)
-        start = _load(run, trunk_file(root, seed, point))
-        runs[name] = run
+        runs[name] = ArmRun(setup, arm, heldout, evaluates=False, monitors=monitors)
+    gnmr, nvidia = runs[f"GNMR+e {k}"], runs[f"NVIDIA last-{k}"]
+    replayed = replace(gnmr.arm, name=f"GNMR+e {k} replayed", policy="static")
+    runs[replayed.name] = Replayed(setup, replayed, heldout, gnmr)
+    (start,) = {_load(run, trunk_file(root, seed, point)) for run in runs.values()}
     order = list(runs.values())
     for i in range(1, steps + 1):
         for run in order if i % 2 else order[::-1]:
             run.step(start + i, train)
-    ms = {
-        name: 1e3 * statistics.median(run.times[WARMUP:] or run.times) for name, run in runs.items()
+    ms = {n: 1e3 * statistics.median(r.times[WARMUP:] or r.times) for n, r in runs.items()}
+    replay = runs[replayed.name]
+    same = all(
+        torch.equal(a, b)
+        for a, b in zip(
+            gnmr.model.state_dict().values(), replay.model.state_dict().values(), strict=True
+        )
+    )
+    ratios = {
+        "vs_nvidia": ms[gnmr.arm.name] / ms[nvidia.arm.name],
+        "vs_replayed": ms[gnmr.arm.name] / ms[replayed.name],
     }
-    (a, ta), (b, tb) = ms.items()
     recovered = {n: int(r.unit_recovered.sum()) for n, r in runs.items()}
     print(
         f"{regime.name}, seed {seed}, from step {point}, {steps} steps each, interleaved: "
-        f"{a} {ta:.1f} ms, {b} {tb:.1f} ms, ratio {b} / {a} = {tb / ta:.3f} "
-        f"(recovered unit-steps {recovered})"
+        + ", ".join(f"{n} {t:.1f} ms" for n, t in ms.items())
+        + f"; GNMR+e / NVIDIA's rule {ratios['vs_nvidia']:.3f}, GNMR+e / its plan replayed "
+        f"{ratios['vs_replayed']:.3f} (same weights at the end: {same}; recovered unit-steps "
+        f"{recovered})"
     )
-    return {**ms, "ratio": tb / ta}
+    return {**ms, **ratios}
+
+
+class Replayed(ArmRun):
+    """A static arm that runs, each step, the plan a GNMR run (``source``, stepped in the same
+    rounds) has for that step: GNMR's decisions without GNMR's work."""
+
+    def __init__(self, setup: Any, arm: Arm, heldout: Batches, source: ArmRun) -> None:
+        super().__init__(setup, arm, heldout, evaluates=False, monitors=False)
+        self.source = source
+        self.fixed = None  # chosen every step, from the source
+
+    def _planned(self) -> frozenset[int]:
+        plan = self.source.runtime.plan
+        if plan.step == self.current_step:  # the source has not run this step yet
+            return frozenset(plan.active)
+        report = self.source.backend.report() if self.source.backend else None
+        assert report is not None and report.step == self.current_step, "out of step"
+        return report.planned

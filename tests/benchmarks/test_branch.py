@@ -161,7 +161,7 @@ def test_spikes_and_divergence_are_counted_against_bf16():
     assert troubles(r, d, "low-cost") == (2, 1)  # +0.2 and a non-finite step; held-out +2 > 1
 
 
-def test_step_time_interleaves_gnmr_e_and_nvidias_rule(tmp_path):
+def test_step_time_interleaves_gnmr_e_and_nvidias_rule(tmp_path, capsys):
     from benchmarks.fp4_step_time import step_time
 
     regime = replace(
@@ -171,8 +171,15 @@ def test_step_time_interleaves_gnmr_e_and_nvidias_rule(tmp_path):
         units=14,
     )
     got = step_time(regime, steps=3, root=tmp_path)
-    assert set(got) == {"NVIDIA last-2", "GNMR+e 2", "ratio"}
-    assert got["ratio"] == pytest.approx(got["GNMR+e 2"] / got["NVIDIA last-2"])
+    assert set(got) == {
+        "NVIDIA last-2",
+        "GNMR+e 2",
+        "GNMR+e 2 replayed",
+        "vs_nvidia",
+        "vs_replayed",
+    }
+    assert got["vs_nvidia"] == pytest.approx(got["GNMR+e 2"] / got["NVIDIA last-2"])
+    assert "same weights at the end: True" in capsys.readouterr().out
 
 
 def test_report_reads_constructed_records(tmp_path, capsys):
