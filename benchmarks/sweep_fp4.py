@@ -57,7 +57,7 @@ logger = logging.getLogger("benchmarks.sweep_fp4")
 
 SEEDS = (1234, 7, 42, 5, 11)
 BUDGETS = (4,)
-ERROR_EVERY = 4
+ERROR_EVERY = 8
 NVIDIA_SHARE = 0.15
 """NVIDIA keeps about 15% of the linear layers in BF16 (arXiv 2509.25149)."""
 
