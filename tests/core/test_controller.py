@@ -212,3 +212,25 @@ def test_active_mask_and_telemetry_dict():
     assert d.active_mask.tolist() == [False, True, True]
     t = d.telemetry.as_dict()
     assert t["num_active"] == 2.0 and t["num_locked"] == 2.0 and t["num_candidates"] == 2.0
+
+
+def test_decision_matches_the_numpy_twin_and_its_lazy_fields_agree():
+    """The controller decides as benchmarks.controller's numpy twin on a trace with spikes and
+    NaNs; a decision's tensors are read-only views made on demand, its telemetry counts them."""
+    import numpy as np
+
+    from benchmarks.controller import NumpyTwin, trace
+
+    cfg = GNMRConfig(max_active=2, warmup_steps=3)
+    ctrl, twin = GNMRController(64, cfg), NumpyTwin(64, cfg)
+    for row in trace(64, 300, seed=3):
+        d = ctrl.step(row)
+        assert d.active == twin.step(row.numpy())
+    t = d.telemetry
+    assert t.num_exceed == int(d.exceed.sum()) and t.num_candidates == len(d.candidates)
+    assert t.num_active == len(d.active) and t.max_risk == float(d.risk.max())
+    assert d.risk is d.risk and d.risk.dtype == torch.float64  # one tensor, made once
+    assert set(d.active) <= set(d.candidates) and d.active_mask.sum() == len(d.active)
+    with pytest.raises(AttributeError):
+        d.step = 5  # read-only
+    assert np.shares_memory(d.risk.numpy(), d.risk.numpy())
