@@ -30,6 +30,8 @@ def complete(records: Records, d: Design, arm: str) -> bool:
 def summarize(records: Records, d: Design, arms: Sequence[str]) -> dict[str, dict[str, Any]]:
     """Per arm with every branch done: its paired figures (``benchmarks.branch_stats``)."""
     out: dict[str, dict[str, Any]] = {}
+    if not (complete(records, d, d.low) and complete(records, d, d.high)):
+        return out  # every figure pairs with the two static arms
     for arm in arms:
         if not complete(records, d, arm):
             continue
