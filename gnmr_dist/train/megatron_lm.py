@@ -137,6 +137,30 @@ def add_gnmr_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+CUSTOMARY = {"--eval-interval": "1000"}
+"""Megatron-LM flags whose default became ``None`` in megatron-core 0.17's ``megatron.training``
+while its loop still divides by them (``train_iters // eval_interval`` when it sizes the
+validation split, unless ``--skip-train`` or ``--full-validation``): given Megatron-LM's
+customary value (its ``arguments.py`` defaulted ``--eval-interval`` to 1000) when absent."""
+
+
+def customary_argv(argv: Sequence[str]) -> list[str]:
+    """``argv`` plus the :data:`CUSTOMARY` flags it lacks (each added is logged)."""
+    out = list(argv)
+    if "--skip-train" in argv or "--full-validation" in argv:
+        return out
+    for flag, value in CUSTOMARY.items():
+        if flag not in argv and not any(w.startswith(flag + "=") for w in argv):
+            out += [flag, value]
+            logger.info(
+                "%s not given: Megatron-LM's customary %s (megatron-core 0.17+ leaves it unset "
+                "and then fails sizing the validation split)",
+                flag,
+                value,
+            )
+    return out
+
+
 def cpu_argv(argv: Sequence[str]) -> list[str]:
     """``argv`` plus the :data:`CPU_FLAGS` it lacks; ``ValueError`` on a contradicting flag."""
     out = list(argv)
@@ -281,7 +305,7 @@ def check_args(argv: Sequence[str], world_size: int, check_host: bool = True) ->
     import os
 
     _require_training()
-    argv = list(argv)
+    argv = customary_argv(argv)
     if not torch.cuda.is_available():
         from gnmr_dist.integrations.megatron.cpu import enable_cpu_compat
 
@@ -338,6 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         logger.error("%s", err)
         return 2
+    argv = customary_argv(argv)
     if not torch.cuda.is_available():
         from gnmr_dist.integrations.megatron.cpu import enable_cpu_compat
 

@@ -33,8 +33,9 @@ LLAMA = f"""
 --lr-decay-style cosine --lr-decay-iters {ITERS} --weight-decay 0.1 --clip-grad 1.0
 --tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer --bf16
 --tokenizer-type NullTokenizer --vocab-size 256 --split 90,5,5 --log-interval 4 --eval-iters 0
---eval-interval 1000 --seed 1234
+--seed 1234
 """.split()
+"""A LLaMA set without --eval-interval: the program supplies Megatron-LM's customary 1000."""
 
 GNMR = {
     "backend": "act_quant",
