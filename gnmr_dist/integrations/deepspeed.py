@@ -83,7 +83,6 @@ from gnmr_dist.integrations.config import GNMRBlock
 from gnmr_dist.integrations.deepspeed_session import (
     STATE_FILE,
     DeepSpeedGNMR,
-    console_logger,
     probe_loss,
 )
 from gnmr_dist.integrations.patching import Patches
@@ -94,7 +93,6 @@ from gnmr_dist.integrations.session import (
 __all__ = [
     "STATE_FILE",
     "DeepSpeedGNMR",
-    "console_logger",
     "disable",
     "enable",
     "enabled",

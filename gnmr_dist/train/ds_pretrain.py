@@ -427,6 +427,7 @@ def _summary(
         "decisions": gnmr.controller.step_count if gnmr is not None else 0,
         "skipped_steps": tele["skipped_steps"],
         "backend": gnmr.block.backend if gnmr is not None else "off",
+        "warmup_steps": gnmr.runtime.controller.config.warmup_steps if gnmr is not None else 0,
         "units": gnmr.registry.num_units if gnmr is not None else 0,
     }
 
@@ -461,9 +462,12 @@ def _finish(run: Path, summary: dict[str, Any], title: str) -> None:
         f"loss {summary['heldout_loss']:.3f} (perplexity {summary['heldout_ppl']:.1f})"
     )
     if "exceedance_rate" in summary:
+        counted = (
+            f"after the {summary['warmup_steps']} warm-up steps" if summary["warmup_steps"] else ""
+        )
         print(
             f"  exceedances {100 * summary['exceedance_rate']:.3f}% and recovery "
-            f"{100 * summary['recovery_rate']:.3f}% of eligible unit-steps; "
+            f"{100 * summary['recovery_rate']:.3f}% of the eligible unit-steps {counted}; "
             f"{summary['skipped_steps']:.0f} skipped steps"
         )
     print(f"  run folder: {run}/ (trace.jsonl, report.png, summary.json, checkpoint/, hf_model/)")

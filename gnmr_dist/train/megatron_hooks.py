@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from gnmr_dist.integrations.config import GNMRBlock
+from gnmr_dist.integrations.console import console_line, emit
 from gnmr_dist.integrations.session import open_trace, telemetry_scalars
 from gnmr_dist.integrations.state_file import restart_drill, restore_or_refuse
 
@@ -80,8 +81,10 @@ class Hooks:
         assert self.block is not None
         where = f"--load {args.load} (iteration {args.iteration})"
         found = ("missing", None) if self.loaded is None else ("ok", self.loaded)
-        if restore_or_refuse(self.block, where, found, handle):
-            logger.info("GNMR state restored (controller step %d)", handle.controller.step_count)
+        restored = restore_or_refuse(self.block, where, found, handle)
+        if restored and torch.distributed.get_rank() == 0:
+            step = handle.controller.step_count
+            emit(f"gnmr: state restored at controller step {step} from {where}")
 
     def _spiking(self, step: Callable[..., Any]) -> Callable[..., Any]:
         def spiked_step(*args: Any, **kwargs: Any) -> Any:
@@ -139,7 +142,7 @@ class Hooks:
         return training_log
 
     def _log(self, iteration: int, loss_dict: Mapping[str, Any]) -> None:
-        from megatron.training import get_args, get_tensorboard_writer, get_wandb_writer
+        from megatron.training import get_tensorboard_writer, get_wandb_writer
 
         from gnmr_dist.integrations import megatron as megatron_patches
 
@@ -164,15 +167,8 @@ class Hooks:
             scalars = telemetry_scalars(decision, norms.global_norm)
             scalars.update({f"risk/{names[u]}": float(decision.risk[u]) for u in decision.active})
             _write_scalars(scalars, iteration, tb, wandb)
-        if iteration % get_args().log_interval == 0 and torch.distributed.get_rank() == 0:
-            logger.info(
-                " gnmr | step %d | exceed %d | active %d %s | max risk %.3f",
-                decision.step,
-                decision.telemetry.num_exceed,
-                len(decision.active),
-                [names[u] for u in decision.active],
-                decision.telemetry.max_risk,
-            )
+        if log.console and decision.step % log.console == 0 and torch.distributed.get_rank() == 0:
+            emit(console_line(decision, norms.global_norm, names))
 
     def _trace_writer(self, handle: Any) -> Any:
         if self.block is None or self.block.log.trace is None:

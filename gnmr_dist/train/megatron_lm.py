@@ -30,8 +30,8 @@ unchanged. What it adds:
 * Logging on megatron's iteration axis (``training_log``): the block's trace file (rank 0),
   ``gnmr/*`` scalars (the decision's counts, the global gradient norm, and ``gnmr/risk/<unit>``
   for each active unit) through megatron's own TensorBoard and W&B writers when
-  ``log.monitor`` is true and the step is a multiple of ``log.every``, and one line in the
-  iteration log every ``--log-interval``.
+  ``log.monitor`` is true and the step is a multiple of ``log.every``, and the console line
+  (:mod:`gnmr_dist.integrations.console`) every ``log.console`` steps on rank 0.
 
 Without CUDA (CPU hosts, tests) ``megatron_patches.cpu`` with ``training=True`` is enabled and
 the program appends the Megatron-LM flags a CPU run needs and does not yet say

@@ -48,6 +48,7 @@ GNMR = {
     "warmup_steps": 4,
     "low_cost": {"bits": 4, "group_size": 32},
     "recovery": {"bits": 8, "group_size": 32},
+    "log": {"console": 4},
 }
 SPIKE = ["--gnmr-inject-grad-spike", "9:1:100"]
 
@@ -157,7 +158,7 @@ def test_resume_gives_the_uninterrupted_decisions(runs, work):
     for a, b in zip(full, resumed, strict=True):
         assert a["active"] == b["active"], (a["step"], a["active"], b["active"])
         assert a["norms"] == pytest.approx(b["norms"], rel=1e-5, abs=1e-9)
-    assert "GNMR state restored (controller step 8)" in runs["second"]
+    assert "gnmr: state restored at controller step 8 from --load" in runs["second"]
     assert _losses(runs["full"])[ITERS] == _losses(runs["second"])[ITERS]
 
 
@@ -182,7 +183,7 @@ def test_null_backend_observes_only(work):
     observe = _torchrun(_args(work, "observe", *short, *gnmr), work)
     assert list(_losses(off)) == list(range(1, 9))
     assert _losses(off) == _losses(observe)
-    assert " gnmr | step 8 " in observe and " gnmr | " not in off
+    assert "\ngnmr step 8 | exceed " in observe and "gnmr step" not in off
     load = ["--load", str(work / "ckpt_off"), "--train-iters", "8"]
     refused = _torchrun(_args(work, "refused", *load, *gnmr), work, fails=True)
     assert "(iteration 8) has no GNMR state. Resuming without it" in refused
