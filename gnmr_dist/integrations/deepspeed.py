@@ -97,6 +97,7 @@ __all__ = [
     "enable",
     "enabled",
     "initialize",
+    "engines_with_gnmr",
     "load_ds_config",
     "probe_loss",
 ]
@@ -125,6 +126,14 @@ def load_ds_config(config: Any) -> dict[str, Any]:
 _PATCHES = Patches("gnmr_dist.deepspeed.enable")
 """``deepspeed.initialize`` replaced by :func:`enable` (and, through it, ``Trainer.log``)."""
 _WARNED_NO_BLOCK: list[bool] = []
+_BUILT = [0]
+"""How many engines :func:`initialize` has given GNMR in this process (read by
+:class:`~gnmr_dist.integrations.trainer.GNMRCallback`: an engine built without it is warned of)."""
+
+
+def engines_with_gnmr() -> int:
+    """How many DeepSpeed engines this process has built with GNMR so far."""
+    return _BUILT[0]
 
 
 def _deepspeed_initialize() -> Any:
@@ -231,6 +240,7 @@ def initialize(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
         block.probe.check_units(registry.num_units)
     engine, optimizer, loader, scheduler = ds_initialize(**params)
     engine.gnmr = DeepSpeedGNMR(engine, registry, backend, block)
+    _BUILT[0] += 1
     return engine, optimizer, loader, scheduler
 
 

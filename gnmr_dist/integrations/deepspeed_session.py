@@ -26,6 +26,7 @@ from gnmr_dist.integrations.console import console_line, emit
 from gnmr_dist.integrations.deepspeed_grads import grad_piece_fn
 from gnmr_dist.integrations.session import (
     IntegrationSession,
+    Interval,
     error_source,
     open_trace,
     telemetry_scalars,
@@ -114,6 +115,8 @@ class DeepSpeedGNMR(IntegrationSession):
             error_every=block.error_every,
         )
         self.skipped = 0
+        self.interval = Interval()
+        """The decisions since the last Trainer log (:mod:`gnmr_dist.integrations.trainer`)."""
         self._trace: TraceWriter | None = None
         self._notes: dict[str, float] = {}
         self.probe: RecoveryProbe | None = None
@@ -243,6 +246,7 @@ class DeepSpeedGNMR(IntegrationSession):
             return
         ran = self.runtime.plan.active
         decision = self.runtime.observe(norms)
+        self.interval.add(decision, norms.global_norm, ran)
         probe = self._take_probe(decision, ran)
         self._apply_plan()
         self._log(norms, decision, probe)

@@ -81,3 +81,29 @@ def test_log_console_is_its_own_switch(given, console):
 def test_bad_console_values_are_named(value, message):
     with pytest.raises(ValueError, match=message):
         LogOptions.from_dict({"console": value}, "gnmr.log")
+
+
+def test_the_callback_warns_once_when_an_engine_missed_it(caplog):
+    """The config enables GNMR but no engine got it after the callback was made: one warning;
+    training ends and the callback disables what it enabled."""
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("transformers")
+    import types
+
+    from gnmr_dist import GNMRCallback
+    from gnmr_dist.integrations import deepspeed as gds
+
+    args = types.SimpleNamespace(deepspeed={"gnmr": {"max_active": 2}})
+    callback = GNMRCallback()
+    assert gds._PATCHES  # enabled by the callback itself
+    with caplog.at_level("WARNING", logger="gnmr_dist.integrations.trainer"):
+        callback.on_train_begin(args, None, None)
+        callback.on_train_begin(args, None, None)
+    said = [r.getMessage() for r in caplog.records if "has no GNMR" in r.getMessage()]
+    assert len(said) == 1 and "Make the callback before the Trainer" in said[0]
+    off = types.SimpleNamespace(deepspeed={"gnmr": {"enabled": False}})
+    caplog.clear()
+    GNMRCallback().on_train_begin(off, None, None)
+    assert not caplog.records
+    callback.on_train_end(args, None, None)
+    assert not gds._PATCHES
