@@ -271,15 +271,29 @@ def check_data_split(data_path: Sequence[str] | None, split: str | None, mock: b
             )
 
 
+INSTALL_MEGATRON = (
+    "Python 3.12+: pip install 'gnmr-dist[megatron]' (megatron-core 0.17+). Python 3.11: "
+    "megatron-core 0.17.1 declares Requires-Python >= 3.12 but ships cp311 wheels: pip install "
+    "--ignore-requires-python megatron-core==0.17.1"
+)
+"""What installs a megatron-core with Megatron-LM's training loop, on either Python."""
+
+
 def _require_training() -> None:
     """``ValueError`` unless this megatron-core ships an importable ``megatron.training``."""
-    from gnmr_dist.integrations.megatron.versions import megatron_series, series_info
+    try:
+        from gnmr_dist.integrations.megatron.versions import megatron_series, series_info
 
+        series = megatron_series()
+    except ImportError:
+        raise ValueError(
+            "gnmr-megatron-pretrain runs Megatron-LM's training loop, and megatron-core is not "
+            f"installed. {INSTALL_MEGATRON}"
+        ) from None
     if not series_info(what="gnmr-megatron-pretrain").has_training:
         raise ValueError(
             f"gnmr-megatron-pretrain runs Megatron-LM's training loop (megatron.training), which "
-            f"megatron-core {megatron_series()} does not ship: install megatron-core 0.17+ "
-            "(the image's 0.17.1)"
+            f"megatron-core {series} does not ship (0.17+ does). {INSTALL_MEGATRON}"
         )
     try:
         import megatron.training.training  # noqa: F401

@@ -116,7 +116,8 @@ def test_megatron_sets_need_megatron_training(capsys):
     if megatron_series() != "0.16":
         pytest.skip("the refusal is for 0.16 (no megatron.training)")
     err = refused(capsys, "check", "--world-size", "2", "megatron/demo_cpu")
-    assert "megatron-core 0.16 does not ship: install megatron-core 0.17+" in err
+    assert "megatron-core 0.16 does not ship (0.17+ does). Python 3.12+: pip install" in err
+    assert "--ignore-requires-python megatron-core==0.17.1" in err
 
 
 def test_missing_and_malformed_hostfile(capsys, tmp_path):
