@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from gnmr_dist.core import Decision
 
@@ -61,7 +62,7 @@ def emit(message: str) -> None:
         print(message, file=sys.stdout, flush=True)  # noqa: T201  (nothing else would show it)
 
 
-def _open_tqdm() -> type | None:
+def _open_tqdm() -> Any:
     """tqdm's class when a bar is open in this process (tqdm is never imported here)."""
     module = sys.modules.get("tqdm")
     cls = getattr(module, "tqdm", None)

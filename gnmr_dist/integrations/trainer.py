@@ -90,7 +90,7 @@ def unpatch() -> None:
     _PATCHES.restore()
 
 
-class GNMRCallback(TrainerCallback):  # type: ignore[misc]
+class GNMRCallback(TrainerCallback):
     """Turns GNMR on for a Trainer run whose DeepSpeed config has a ``"gnmr"`` block.
 
     Usage::
