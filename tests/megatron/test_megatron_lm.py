@@ -11,6 +11,8 @@ rank (its sharding over DP is covered by tests/megatron/test_gnmr_settings.py).
 from __future__ import annotations
 
 import json
+import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -218,8 +220,53 @@ def test_bad_block_exits_2_before_any_process_group(tmp_path):
 
 
 def test_fail_at_must_be_an_iteration():
-    from gnmr_dist.train.megatron_lm import _fail_at
+    from megatron_patches.loop import check_fail_at as _fail_at
 
     assert _fail_at(None) is None and _fail_at(5) == 5
     with pytest.raises(ValueError, match="--gnmr-fail-at must be an iteration >= 1, got 0"):
         _fail_at(0)
+
+
+OWN = shlex.split("""
+--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128
+--seq-length 32 --max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 4
+--lr 1e-3 --lr-warmup-iters 2 --lr-decay-style constant --clip-grad 1.0 --seed 7
+--tokenizer-type NullTokenizer --vocab-size 128 --log-interval 4 --eval-iters 0 --train-iters 12
+--gnmr-inject-grad-spike 6:1:100
+""")
+"""The own script's set: LayerNorm + GELU (the script's spec), no data path (its own data)."""
+
+
+def _own(work: Path, name: str, *extra: str, fails: bool = False) -> str:
+    """``tests/megatron/own_pretrain.py`` under torchrun (2 ranks) with ``OWN`` and GNMR."""
+    script = Path(__file__).with_name("own_pretrain.py")
+    trace = ["--gnmr-trace", str(work / name / "trace.jsonl")]
+    args = [*OWN, "--gnmr-config", str(work / "gnmr.json"), *trace, *extra]
+    port = ["--master_port", str(free_port())]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", *port]
+    env = {**_env(), "PYTHONPATH": os.pathsep.join([str(ROOT), _env().get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [*cmd, str(script), *args], cwd=work, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return done.stdout + done.stderr
+
+
+def test_a_pretrain_script_of_its_own_gets_gnmr_from_two_lines(work):
+    """Decisions on every iteration, the spike's layer selected, the "gnmr" checkpoint entry
+    restored by a resume that makes the uninterrupted run's decisions."""
+    _own(work, "own_full")
+    ckpt = ["--save", str(work / "own_ckpt"), "--load", str(work / "own_ckpt")]
+    _own(work, "own_resumed", *ckpt, "--save-interval", "100", "--exit-interval", "6")
+    second = _own(work, "own_resumed", *ckpt, "--save-interval", "100")
+    full, resumed = (
+        _trace(work / "own_full" / "trace.jsonl"),
+        _trace(work / "own_resumed" / "trace.jsonl"),
+    )
+    assert [r["step"] for r in full] == list(range(1, 13))
+    names = json.loads((work / "own_full" / "trace.jsonl").read_text().splitlines()[0])["units"]
+    assert any("layers.1." in names[u] for u in full[5]["active"]), full[5]
+    assert "gnmr: state restored at controller step 6 from --load" in second
+    assert [r["step"] for r in resumed] == list(range(1, 13))
+    for a, b in zip(full, resumed, strict=True):
+        assert a["active"] == b["active"] and a["norms"] == pytest.approx(b["norms"], rel=1e-5)
