@@ -376,7 +376,7 @@ class Hooks:
 
             iteration = get_args().curr_iteration + 1  # the iteration this step completes
             for it, layer, factor in self.spikes:
-                grads = [p.main_grad for p in self.layers.get(layer, [])]
+                grads = [getattr(p, "main_grad") for p in self.layers.get(layer, [])]  # noqa: B009
                 if it == iteration and grads:
                     torch._foreach_mul_(grads, factor)
                     logger.info(
