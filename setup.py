@@ -6,6 +6,18 @@ from setuptools import find_packages, setup
 
 HERE = Path(__file__).parent
 
+HF = ["transformers>=5", "peft>=0.17", "accelerate>=1.0"]
+"""Hugging Face Trainer, peft and accelerate (GNMRCallback, the LoRA example)."""
+REPORT = ["matplotlib>=3.8", "tqdm"]
+"""gnmr-report's figure and the programs' progress bar."""
+MEGATRON = [
+    'megatron-core>=0.17; python_version >= "3.12"',
+    'megatron-core>=0.16,<0.17; python_version < "3.12"',
+]
+"""megatron-core: 0.17+ (with Megatron-LM's training loop) on Python 3.12+, where it installs;
+on 3.11 pip resolves 0.16.1 (megatron_patches on your own loop; gnmr-megatron-pretrain says how
+to get 0.17.1 there)."""
+
 setup(
     name="gnmr-dist",
     version="0.1.0",
@@ -17,15 +29,23 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
-    packages=find_packages(
-        include=["gnmr_dist", "gnmr_dist.*", "megatron_patches", "megatron_patches.*"]
-    ),
+    packages=[
+        *find_packages(
+            include=["gnmr_dist", "gnmr_dist.*", "megatron_patches", "megatron_patches.*"]
+        ),
+        "gnmr_dist.configs",
+    ],
+    # configs/ (the launchable DeepSpeed configs and Megatron argument sets) ships inside the
+    # package, where gnmr-launch finds it in an installed wheel
+    package_dir={"gnmr_dist.configs": "configs"},
+    package_data={"gnmr_dist.configs": ["*.hjson", "*.json", "*/*.hjson", "*/*.json", "*/*.args"]},
     install_requires=["torch>=2.4", "numpy"],
     extras_require={
-        "deepspeed": ["deepspeed>=0.16"],
-        "megatron": ["megatron-core>=0.16"],
-        "hf": ["transformers>=5", "peft>=0.17"],
-        "report": ["matplotlib>=3.8", "tqdm"],
+        # each program's extra holds everything it imports
+        "deepspeed": ["deepspeed>=0.16", "hjson", *HF, *REPORT],  # gnmr-ds-pretrain, gnmr-launch
+        "megatron": [*MEGATRON, *REPORT],  # gnmr-megatron-pretrain (megatron-core 0.17+)
+        "hf": [*HF, "deepspeed>=0.16", "hjson"],  # GNMRCallback under Trainer with DeepSpeed
+        "report": REPORT,  # gnmr-report
         "dev": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "ruff>=0.6", "mypy>=1.10"],
     },
     entry_points={

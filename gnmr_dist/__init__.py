@@ -3,8 +3,11 @@
 GNMR (Gradient Norm-to-Mean Ratio) scores every unit's gradient norm against its own history and
 switches a budget of at most ``max_active`` riskiest units to a higher-fidelity recovery path for
 the next step. ``import gnmr_dist`` needs torch alone; the DeepSpeed, Megatron-core and
-Transformer Engine parts load only when used.
+Transformer Engine parts load only when used. ``gnmr_dist.GNMRCallback`` (Hugging Face Trainer)
+imports transformers when it is first named.
 """
+
+from typing import Any
 
 from gnmr_dist.core import Decision, GNMRConfig, GNMRController, Schedule, Telemetry
 
@@ -12,9 +15,19 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Decision",
+    "GNMRCallback",
     "GNMRConfig",
     "GNMRController",
     "Schedule",
     "Telemetry",
     "__version__",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``GNMRCallback`` on first use (it subclasses transformers' ``TrainerCallback``)."""
+    if name == "GNMRCallback":
+        from gnmr_dist.integrations.trainer import GNMRCallback
+
+        return GNMRCallback
+    raise AttributeError(f"module 'gnmr_dist' has no attribute {name!r}")

@@ -17,13 +17,13 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("gnmr_dist", "megatron_patches", "benchmarks")
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("gnmr_dist.core",),  # the algorithm: torch only
-    ("gnmr_dist.distributed", "gnmr_dist.telemetry", "gnmr_dist.data", "gnmr_dist"),
+    ("gnmr_dist.core",),  # the algorithm: torch and numpy only
+    ("gnmr_dist.distributed", "gnmr_dist.telemetry", "gnmr_dist.data"),
     ("gnmr_dist.backends",),  # precision paths, switched per unit
     ("gnmr_dist.integrations.config",),  # the "gnmr" block, read once
     ("gnmr_dist.integrations.session", "gnmr_dist.integrations.state_file"),
     ("gnmr_dist.integrations",),  # framework glue: DeepSpeed, megatron-core, Trainer
-    ("gnmr_dist.deepspeed", "megatron_patches"),  # the public names of that glue
+    ("gnmr_dist.deepspeed", "megatron_patches", "gnmr_dist"),  # the public names
     ("gnmr_dist.train.common",),
     ("gnmr_dist.train",),  # the programs
     ("gnmr_dist.cli",),  # thin entry points

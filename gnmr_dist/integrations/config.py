@@ -76,6 +76,10 @@ class AttributionGuard:
         return cls(float(share), action)
 
 
+CONSOLE_EVERY = 25
+"""Default steps between two console lines (about a dozen in a 300-step run)."""
+
+
 @dataclass(frozen=True)
 class LogOptions:
     """Where decisions go."""
@@ -85,19 +89,36 @@ class LogOptions:
     monitor: bool = True
     """Send telemetry to DeepSpeed's monitor (tensorboard / csv_monitor / wandb) when enabled."""
     every: int = 1
-    """Log every this many optimizer steps (the trace always records every step)."""
+    """Send the monitor's telemetry every this many optimizer steps (the trace records every
+    step)."""
+    console: int = CONSOLE_EVERY
+    """Print the console line every this many optimizer steps; 0 (``false`` in a config): never
+    (:mod:`gnmr_dist.integrations.console`)."""
 
     @classmethod
     def from_dict(cls, given: Mapping[str, Any] | None, path: str) -> LogOptions:
         given = dict(given or {})
-        check_keys(given, ("trace", "monitor", "every"), path)
+        check_keys(given, ("trace", "monitor", "every", "console"), path)
         trace = given.get("trace")
         if trace is not None and not isinstance(trace, str):
             raise ValueError(f"{path}.trace must be a file path or null, got {trace!r}")
         monitor = given.get("monitor", True)
         if not isinstance(monitor, bool):
             raise ValueError(f"{path}.monitor must be true or false, got {monitor!r}")
-        return cls(trace, monitor, check_positive_int(given.get("every", 1), f"{path}.every"))
+        every = check_positive_int(given.get("every", 1), f"{path}.every")
+        return cls(trace, monitor, every, _console_every(given.get("console", CONSOLE_EVERY), path))
+
+
+def _console_every(value: Any, path: str) -> int:
+    """``log.console``: a positive step count, or ``false`` (0) for none."""
+    if value is False or (isinstance(value, int) and not isinstance(value, bool) and value == 0):
+        return 0
+    if value is True:
+        raise ValueError(
+            f"{path}.console must be a number of steps (e.g. 25) or false, got true; write the "
+            "number of steps between two lines"
+        )
+    return check_positive_int(value, f"{path}.console")
 
 
 @dataclass(frozen=True)

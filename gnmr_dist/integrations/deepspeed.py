@@ -83,7 +83,6 @@ from gnmr_dist.integrations.config import GNMRBlock
 from gnmr_dist.integrations.deepspeed_session import (
     STATE_FILE,
     DeepSpeedGNMR,
-    console_logger,
     probe_loss,
 )
 from gnmr_dist.integrations.patching import Patches
@@ -94,11 +93,11 @@ from gnmr_dist.integrations.session import (
 __all__ = [
     "STATE_FILE",
     "DeepSpeedGNMR",
-    "console_logger",
     "disable",
     "enable",
     "enabled",
     "initialize",
+    "engines_with_gnmr",
     "load_ds_config",
     "probe_loss",
 ]
@@ -127,6 +126,14 @@ def load_ds_config(config: Any) -> dict[str, Any]:
 _PATCHES = Patches("gnmr_dist.deepspeed.enable")
 """``deepspeed.initialize`` replaced by :func:`enable` (and, through it, ``Trainer.log``)."""
 _WARNED_NO_BLOCK: list[bool] = []
+_BUILT = [0]
+"""How many engines :func:`initialize` has given GNMR in this process (read by
+:class:`~gnmr_dist.integrations.trainer.GNMRCallback`: an engine built without it is warned of)."""
+
+
+def engines_with_gnmr() -> int:
+    """How many DeepSpeed engines this process has built with GNMR so far."""
+    return _BUILT[0]
 
 
 def _deepspeed_initialize() -> Any:
@@ -233,6 +240,7 @@ def initialize(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
         block.probe.check_units(registry.num_units)
     engine, optimizer, loader, scheduler = ds_initialize(**params)
     engine.gnmr = DeepSpeedGNMR(engine, registry, backend, block)
+    _BUILT[0] += 1
     return engine, optimizer, loader, scheduler
 
 

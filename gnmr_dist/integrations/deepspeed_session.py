@@ -9,9 +9,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +22,11 @@ from gnmr_dist.core import Decision
 from gnmr_dist.distributed import GNMRRuntime, UnitNorms, UnitRegistry
 from gnmr_dist.distributed.probe import ProbeResult, RecoveryProbe
 from gnmr_dist.integrations.config import GNMRBlock
+from gnmr_dist.integrations.console import console_line, emit
 from gnmr_dist.integrations.deepspeed_grads import grad_piece_fn
 from gnmr_dist.integrations.session import (
     IntegrationSession,
+    Interval,
     error_source,
     open_trace,
     telemetry_scalars,
@@ -35,7 +36,7 @@ from gnmr_dist.telemetry import TraceWriter
 from gnmr_dist.telemetry.selection import top_k
 from gnmr_dist.telemetry.trace import ProbeRecord
 
-__all__ = ["STATE_FILE", "DeepSpeedGNMR", "console_logger", "probe_loss"]
+__all__ = ["STATE_FILE", "DeepSpeedGNMR", "probe_loss"]
 
 logger = logging.getLogger("gnmr_dist.integrations.deepspeed")
 
@@ -114,6 +115,8 @@ class DeepSpeedGNMR(IntegrationSession):
             error_every=block.error_every,
         )
         self.skipped = 0
+        self.interval = Interval()
+        """The decisions since the last Trainer log (:mod:`gnmr_dist.integrations.trainer`)."""
         self._trace: TraceWriter | None = None
         self._notes: dict[str, float] = {}
         self.probe: RecoveryProbe | None = None
@@ -243,6 +246,7 @@ class DeepSpeedGNMR(IntegrationSession):
             return
         ran = self.runtime.plan.active
         decision = self.runtime.observe(norms)
+        self.interval.add(decision, norms.global_norm, ran)
         probe = self._take_probe(decision, ran)
         self._apply_plan()
         self._log(norms, decision, probe)
@@ -265,9 +269,10 @@ class DeepSpeedGNMR(IntegrationSession):
             trace.write(norms.norms, decision, extra, probe=probe)
         monitor = getattr(self.engine, "monitor", None)
         log = self.block.log
+        if log.console and decision.step % log.console == 0:
+            emit(console_line(decision, norms.global_norm, self.registry.names, samples))
         if decision.step % log.every:
             return
-        _console(decision, norms, self.registry.names, samples)
         if log.monitor and monitor is not None and monitor.enabled:
             tele = telemetry_scalars(decision, norms.global_norm)
             monitor.write_events([(f"gnmr/{k}", v, samples) for k, v in tele.items()])
@@ -309,41 +314,9 @@ class DeepSpeedGNMR(IntegrationSession):
         """Rank 0 reads the state and hands it to every rank, so all ranks restore the same."""
         found: list[Any] = [read_state(path) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(found, src=0)
-        if restore_or_refuse(self.block, str(path), found[0], self):
-            logger.info(
-                "gnmr: restored controller at step %d from %s",
-                self.runtime.controller.step_count,
-                path,
-            )
-
-
-def console_logger() -> logging.Logger:
-    """``gnmr_dist.console``: the per-step line. Like DeepSpeed's own logger it prints to stdout
-    by itself (INFO, ``[gnmr]`` prefix) when the program has configured no logging; once the
-    root logger has a handler it propagates there instead, under the program's settings."""
-    log = logging.getLogger("gnmr_dist.console")
-    if not logging.getLogger().handlers and not log.handlers:
-        handler = logging.StreamHandler(sys.stdout)
-        handler.setFormatter(logging.Formatter("[gnmr] %(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
-        log.propagate = False
-    return log
-
-
-def _console(decision: Decision, norms: UnitNorms, names: Sequence[str], samples: int) -> None:
-    """One line per logged decision (rank 0 calls it), in any DeepSpeed script."""
-    t = decision.telemetry
-    console_logger().info(
-        "gnmr | step %d | samples %d | exceed %d | active %d %s | max risk %.3g | grad norm %.4g",
-        decision.step,
-        samples,
-        t.num_exceed,
-        len(decision.active),
-        [names[u] for u in decision.active],
-        t.max_risk,
-        norms.global_norm,
-    )
+        if restore_or_refuse(self.block, str(path), found[0], self) and dist.get_rank() == 0:
+            step = self.runtime.controller.step_count
+            emit(f"gnmr: state restored at controller step {step} from {path}")
 
 
 def _latest_tag(load_dir: str) -> str | None:

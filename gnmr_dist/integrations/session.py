@@ -9,7 +9,8 @@ refusal of ``gnmr.probe`` by the integrations that do not run it (megatron-core)
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from gnmr_dist.backends import PrecisionBackend
@@ -21,7 +22,9 @@ from gnmr_dist.integrations.config import GNMRBlock
 from gnmr_dist.telemetry import TraceHeader, TraceWriter
 
 __all__ = [
+    "SUMMED",
     "IntegrationSession",
+    "Interval",
     "check_error_source",
     "error_source",
     "open_trace",
@@ -68,6 +71,62 @@ def error_source(
         return None
     backend.track_errors(num_units, every=block.error_every)
     return backend.error_sums
+
+
+SUMMED = ("num_exceed", "num_exceed_eligible", "num_active", "num_nonfinite", "num_error_exceed")
+"""The decision counts an :class:`Interval` sums (the others are per-step states)."""
+
+
+class Interval:
+    """What the decisions since the last log add up to, for loggers that log every N steps
+    (Trainer's ``logging_steps``): the way Trainer averages its loss over its interval, so a
+    spike between two logs shows in the next one.
+
+    :meth:`add` takes each decision, the global gradient norm and the units that *ran* the
+    recovery path during that step; :meth:`drain` returns the sums and resets. The entries:
+    ``steps`` (decisions), ``step`` (the last controller step), ``max_risk`` (the largest risk of
+    the interval), the :data:`SUMMED` counts, ``recovered_unit_steps``, ``global_grad_norm`` (the
+    mean), and per recovered unit the steps it ran recovery at.
+    """
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self.steps, self.last_step = 0, 0
+        self.max_risk, self.norm_sum = -math.inf, 0.0
+        self.sums = dict.fromkeys(SUMMED, 0.0)
+        self.recovered: dict[int, list[int]] = {}
+
+    def add(self, decision: Decision, global_norm: float, ran: Collection[int]) -> None:
+        """One decision; ``ran``: the units on the recovery path during its step."""
+        t = decision.telemetry
+        self.steps += 1
+        self.last_step = decision.step
+        self.max_risk = max(self.max_risk, t.max_risk)
+        self.norm_sum += float(global_norm)
+        for key in SUMMED:
+            self.sums[key] += getattr(t, key)
+        for u in ran:
+            self.recovered.setdefault(int(u), []).append(decision.step)
+
+    def drain(self, names: Sequence[str]) -> tuple[dict[str, float], dict[str, list[int]]]:
+        """(scalars, the steps each recovered unit ran recovery at, by name); then reset.
+        Empty when no decision came since the last drain."""
+        if not self.steps:
+            return {}, {}
+        scalars = {
+            "steps": float(self.steps),
+            "step": float(self.last_step),
+            "max_risk": self.max_risk,
+            **self.sums,
+            "recovered_unit_steps": float(sum(len(v) for v in self.recovered.values())),
+            "global_grad_norm": self.norm_sum / self.steps,
+        }
+        scalars.update({f"recovered/{names[u]}": float(len(v)) for u, v in self.recovered.items()})
+        steps = {names[u]: list(v) for u, v in sorted(self.recovered.items())}
+        self._reset()
+        return scalars, steps
 
 
 def telemetry_scalars(decision: Decision, global_norm: float) -> dict[str, float]:

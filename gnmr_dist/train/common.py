@@ -6,22 +6,46 @@ loss. Both read their ``"gnmr"`` block through the one reader,
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 import torch
 
+from gnmr_dist.integrations.console import LOGGER as CONSOLE
+
 __all__ = ["next_token_loss", "setup_logging"]
 
 _NOISY = ("DeepSpeed", "deepspeed", "torch.distributed")
+_FORMAT = "%(levelname)s %(name)s: %(message)s"
+
+
+class _Formatter(logging.Formatter):
+    """The programs' format, except GNMR's console line, which carries its own plain prefix."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return record.getMessage() if record.name == CONSOLE else super().format(record)
+
+
+class _BarAwareHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """A stream handler that writes above an open tqdm bar (``tqdm.write``) instead of into it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        cls = getattr(sys.modules.get("tqdm"), "tqdm", None)
+        if cls is None or not getattr(cls, "_instances", None):
+            super().emit(record)
+            return
+        try:
+            cls.write(self.format(record), file=self.stream)
+        except Exception:  # logging's own contract: a failing handler reports, never raises
+            self.handleError(record)
 
 
 def setup_logging(rank: int = 0) -> None:
     """INFO on rank 0, WARNING elsewhere, one format for every program; the frameworks' own
     chatter (DeepSpeed, torch.distributed) at WARNING."""
-    logging.basicConfig(
-        level=logging.WARNING if rank else logging.INFO,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
+    handler = _BarAwareHandler()
+    handler.setFormatter(_Formatter(_FORMAT))
+    logging.basicConfig(level=logging.WARNING if rank else logging.INFO, handlers=[handler])
     for noisy in _NOISY:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 

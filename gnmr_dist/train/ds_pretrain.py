@@ -182,10 +182,38 @@ def _validate(
             "--lora-rank fine-tunes a pretrained model: give --init-from DIR (a local Hugging "
             "Face directory, e.g. a previous run's RUN_DIR/hf_model)"
         )
+    gnmr = _check_gnmr(config.get("gnmr", {}), f"{args.config}: gnmr", args.run_dir, check_host)
+    refuse_auto(config, args.config)
     check_batch(config, world)
     check_monitors(config)
-    gnmr = config.get("gnmr", {})
-    return _check_gnmr(gnmr, f"{args.config}: gnmr", args.run_dir, check_host)
+    return gnmr
+
+
+def auto_keys(config: Any, prefix: str = "") -> list[str]:
+    """The dotted keys of ``config`` whose value is ``"auto"``."""
+    if not isinstance(config, Mapping):
+        return []
+    found = []
+    for key, value in config.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, str) and value == "auto":
+            found.append(path)
+        found += auto_keys(value, path + ".")
+    return found
+
+
+def refuse_auto(config: Mapping[str, Any], where: str) -> None:
+    """A Hugging Face Trainer config (``"auto"`` values, which Trainer fills from its
+    ``TrainingArguments``) cannot run here: refused, naming the keys and the two ways out."""
+    keys = auto_keys(config)
+    if keys:
+        shown = ", ".join(keys[:6]) + (f" and {len(keys) - 6} more" if len(keys) > 6 else "")
+        raise ValueError(
+            f'{where}: "auto" values ({shown}) are Hugging Face Trainer\'s placeholders, '
+            "filled from its TrainingArguments when Trainer builds the engine; gnmr-ds-pretrain "
+            "(what gnmr-launch runs) reads numbers from the config. Set them, or train this "
+            'config under Trainer (its "gnmr" block is valid as checked above)'
+        )
 
 
 def check_monitors(config: Mapping[str, Any]) -> None:
@@ -399,6 +427,7 @@ def _summary(
         "decisions": gnmr.controller.step_count if gnmr is not None else 0,
         "skipped_steps": tele["skipped_steps"],
         "backend": gnmr.block.backend if gnmr is not None else "off",
+        "warmup_steps": gnmr.runtime.controller.config.warmup_steps if gnmr is not None else 0,
         "units": gnmr.registry.num_units if gnmr is not None else 0,
     }
 
@@ -433,9 +462,12 @@ def _finish(run: Path, summary: dict[str, Any], title: str) -> None:
         f"loss {summary['heldout_loss']:.3f} (perplexity {summary['heldout_ppl']:.1f})"
     )
     if "exceedance_rate" in summary:
+        counted = (
+            f"after the {summary['warmup_steps']} warm-up steps" if summary["warmup_steps"] else ""
+        )
         print(
             f"  exceedances {100 * summary['exceedance_rate']:.3f}% and recovery "
-            f"{100 * summary['recovery_rate']:.3f}% of eligible unit-steps; "
+            f"{100 * summary['recovery_rate']:.3f}% of the eligible unit-steps {counted}; "
             f"{summary['skipped_steps']:.0f} skipped steps"
         )
     print(f"  run folder: {run}/ (trace.jsonl, report.png, summary.json, checkpoint/, hf_model/)")

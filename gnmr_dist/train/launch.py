@@ -83,9 +83,11 @@ class Job:
 
 
 def config_dirs() -> list[Path]:
-    """Where config names are looked up: ``$GNMR_CONFIG_DIR``, ``./configs``, the repo's."""
+    """Where config names are looked up: ``$GNMR_CONFIG_DIR``, ``./configs``, the repository's
+    ``configs/`` (a checkout), the installed package's ``gnmr_dist/configs`` (a wheel)."""
     dirs = [Path(d) for d in os.environ.get("GNMR_CONFIG_DIR", "").split(os.pathsep) if d]
-    dirs += [Path.cwd() / "configs", Path(__file__).resolve().parents[2] / "configs"]
+    package = Path(__file__).resolve().parents[1]
+    dirs += [Path.cwd() / "configs", package.parent / "configs", package / "configs"]
     seen: list[Path] = []
     for d in dirs:
         if d.is_dir() and d.resolve() not in seen:

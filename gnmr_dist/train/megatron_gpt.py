@@ -1,7 +1,7 @@
 """Megatron-LM's ``pretrain_gpt.py`` providers, as :func:`megatron.training.pretrain` takes them:
 the GPT model, the forward step with its loss, and the blended GPT data sets (megatron-core's own
 classes, from Megatron-LM's parsed arguments). :mod:`gnmr_dist.train.megatron_lm` hands them to
-``pretrain`` unchanged; GNMR attaches through :mod:`gnmr_dist.train.megatron_hooks`.
+``pretrain`` unchanged; GNMR attaches through :func:`megatron_patches.loop.attach`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["datasets_provider", "forward_step", "model_provider", "prebuilt_dataset_helpers"]
+__all__ = ["datasets_provider", "forward_step", "model_provider"]
 
 
 def model_provider(
@@ -120,23 +120,3 @@ def datasets_provider(num_samples: Sequence[int], vp_stage: int | None = None) -
 
 
 datasets_provider.is_distributed = True  # type: ignore[attr-defined]  # as pretrain_gpt.py
-
-
-def prebuilt_dataset_helpers() -> None:
-    """Use the wheel's compiled ``helpers_cpp`` instead of running ``make`` on its sources.
-
-    ``initialize_megatron`` calls ``megatron.core.datasets.utils.compile_helpers``, which runs
-    ``make`` in the package directory; the megatron-core wheels ship the compiled extension
-    and no Makefile, so that ``make`` fails and megatron exits. Compile only when it is absent.
-    """
-    from megatron.core.datasets import utils as dataset_utils
-
-    original = dataset_utils.compile_helpers
-
-    def compile_helpers() -> None:
-        try:
-            from megatron.core.datasets import helpers_cpp  # noqa: F401
-        except ImportError:
-            original()
-
-    dataset_utils.compile_helpers = compile_helpers

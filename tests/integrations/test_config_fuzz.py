@@ -50,6 +50,7 @@ BLOCK_KEYS: dict[str, str] = {
     "log.trace": "str|None",
     "log.monitor": "bool",
     "log.every": "int",
+    "log.console": "int|bool",
     "check_consistency": "bool",
     "on_missing_state": "str",
     "on_corrupt_state": "str",

@@ -120,13 +120,13 @@ def test_probe_loss_reads_tensor_attribute_or_mapping():
 
 
 def test_megatron_refuses_the_probe_before_patching(tmp_path):
-    from gnmr_dist.train.megatron_lm import _read_block
+    from gnmr_dist.integrations.megatron.loop import gnmr_block as _read_block
 
     path = tmp_path / "gnmr.json"
     path.write_text(json.dumps({"backend": "act_quant", "probe": {"every": 2}}))
     args = argparse.Namespace(gnmr_config=str(path), gnmr_backend=None, gnmr_trace=None)
     said = (
-        r"gnmr-megatron-pretrain: gnmr\.probe is supported under DeepSpeed .*benchmark "
+        r"GNMR on Megatron-LM's loop: gnmr\.probe is supported under DeepSpeed .*benchmark "
         r"harness; megatron-core .*drop the gnmr\.probe key"
     )
     with pytest.raises(ValueError, match=said):

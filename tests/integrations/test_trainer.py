@@ -1,6 +1,6 @@
-"""The "gnmr" block under Hugging Face ``Trainer`` and a plain ``accelerate`` loop with DeepSpeed:
-real transformers, accelerate and DeepSpeed, 2 ranks over gloo on CPU, turned on with
-``gnmr_dist.deepspeed.enable()``."""
+"""The "gnmr" block under Hugging Face ``Trainer`` (turned on by ``GNMRCallback``) and a plain
+``accelerate`` loop with DeepSpeed (turned on by ``gnmr_dist.deepspeed.enable()``): real
+transformers, accelerate and DeepSpeed, 2 ranks over gloo on CPU."""
 
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ from tests.integrations import ds_common as dsc
 pytestmark = pytest.mark.slow
 
 STEPS = 6
+"""Optimizer steps of the accelerate loop."""
+TRAINER_STEPS, LOGGING_STEPS, TRAINER_SPIKE = 10, 5, 6
+"""The Trainer run logs every 5 steps; its spike comes between two logs."""
 GNMR = {
     "backend": "act_quant",
     "max_active": 2,
@@ -56,8 +59,10 @@ class _Batches:
 
 
 def _train(out_dir: str, name: str, stage: int, world: int, resume: str | None) -> dict:
-    """One Trainer run (checkpoint every 3 steps); GNMR already enabled."""
+    """One Trainer run with GNMRCallback (checkpoint and log every 5 steps)."""
     from transformers import Trainer, TrainingArguments
+
+    from gnmr_dist import GNMRCallback
 
     config = dsc.ds_config(stage, gnmr={**GNMR, "log": {"trace": f"{out_dir}/{name}.jsonl"}})
     config["optimizer"]["params"]["lr"] = "auto"
@@ -66,54 +71,60 @@ def _train(out_dir: str, name: str, stage: int, world: int, resume: str | None) 
         output_dir=f"{out_dir}/{name}",
         deepspeed=config,
         per_device_train_batch_size=dsc.BATCH,
-        max_steps=STEPS,
+        max_steps=TRAINER_STEPS,
         learning_rate=1e-3,
-        logging_steps=1,
+        logging_steps=LOGGING_STEPS,
         report_to=[],
         save_strategy="steps",
-        save_steps=3,
+        save_steps=LOGGING_STEPS,
         disable_tqdm=True,
         dataloader_drop_last=True,
     )
     model = dsc.llama()
-    _spike(model, SPIKE_STEP if resume is None else SPIKE_STEP - 3)  # the same optimizer step
-    trainer = Trainer(model=model, args=args, train_dataset=_Batches(STEPS * world))
+    after = 0 if resume is None else LOGGING_STEPS  # the same optimizer step after a resume
+    _spike(model, TRAINER_SPIKE - after)
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=_Batches(TRAINER_STEPS * world),
+        callbacks=[GNMRCallback()],
+    )
     trainer.train(resume_from_checkpoint=resume)
     engine, history = trainer.model_wrapped, trainer.state.log_history
     return {
         "has_gnmr": hasattr(engine, "gnmr"),
         "decisions": int(engine.gnmr.controller.step_count),
-        "logged": [e["grad_norm"] for e in history if "grad_norm" in e],
+        "logged": {e["step"]: e["grad_norm"] for e in history if "grad_norm" in e},
         "gnmr_logs": [
-            {k: v for k, v in e.items() if k.startswith("gnmr/") or k == "step"}
+            {k: v for k, v in e.items() if k.startswith("gnmr/") and k != "gnmr/recovered_at"}
+            | {"step": e["step"]}
             for e in history
             if "loss" in e
         ],
+        "recovered_at": {
+            e["step"]: e["gnmr/recovered_at"] for e in history if "gnmr/recovered_at" in e
+        },
     }
 
 
 def _trainer_worker(rank, world, out_dir, stage):
-    """The Trainer run, the same run resumed from its checkpoint-3, plain engines after."""
+    """The Trainer run, the same run resumed from its checkpoint-5, plain engines after."""
     import deepspeed
 
     import gnmr_dist.deepspeed as gds
 
     dsc.no_shm_build()
     original = deepspeed.initialize
+    full = _train(out_dir, "full", stage, world, None)
+    resumed = _train(out_dir, "resumed", stage, world, f"{out_dir}/full/checkpoint-5")
+    restored = deepspeed.initialize is original  # the callback disabled what it enabled
     gds.enable()
     gds.enable()  # idempotent: still one wrapper, no recursion
     try:
-        full = _train(out_dir, "full", stage, world, None)
-        resumed = _train(out_dir, "resumed", stage, world, f"{out_dir}/full/checkpoint-3")
         said = _warnings_of_plain_engines(twice=True)
     finally:
         gds.disable()
-    return {
-        "full": full,
-        "resumed": resumed,
-        "said": said,
-        "restored": deepspeed.initialize is original,
-    }
+    return {"full": full, "resumed": resumed, "said": said, "restored": restored}
 
 
 def _warnings_of_plain_engines(twice: bool) -> list[str]:
@@ -146,23 +157,37 @@ def test_trainer_with_a_gnmr_block(tmp_path, stage):
     full = a["full"]
     assert full["has_gnmr"] and b["full"]["has_gnmr"]
     assert len(a["said"]) == 1 and 'has no enabled "gnmr" block' in a["said"][0]  # once
-    assert a["restored"]  # disable() put DeepSpeed's own function back
-    assert full["decisions"] == b["full"]["decisions"] == STEPS  # one per optimizer step
+    assert a["restored"]  # the callback put DeepSpeed's own function back
+    assert full["decisions"] == b["full"]["decisions"] == TRAINER_STEPS  # one per step
     names, rows = _trace(tmp_path / "full.jsonl")
-    assert names.index(SPIKED) in rows[SPIKE_STEP - 1]["active"]  # selected (on both ranks)
+    spiked = names.index(SPIKED)
+    assert spiked in rows[TRAINER_SPIKE - 1]["active"]  # selected (on both ranks)
     ours = [r["extra"]["global_norm"] for r in rows]
-    assert len(ours) == len(full["logged"]) == STEPS and min(ours) > 0
-    assert ours == pytest.approx(full["logged"], rel=1e-5)  # Trainer's grad_norm, pre-clipping
-    # GNMR's counts in Trainer's own logs, at Trainer's step, for every report_to integration
+    assert len(ours) == TRAINER_STEPS and min(ours) > 0
+    logged = full["logged"]  # Trainer's grad_norm, pre-clipping, at its logging steps
+    assert sorted(logged) == [5, 10]
+    assert [logged[5], logged[10]] == pytest.approx([ours[4], ours[9]], rel=1e-5)
+    # GNMR's interval in Trainer's own logs, at Trainer's steps (the spike is at step 6)
     logs = full["gnmr_logs"]
-    assert [e["step"] for e in logs] == [e["gnmr/step"] for e in logs] == list(range(1, STEPS + 1))
-    assert [e["gnmr/num_active"] for e in logs] == [float(len(r["active"])) for r in rows]
-    assert [e["gnmr/global_grad_norm"] for e in logs] == pytest.approx(ours, rel=1e-12)
-    # resume_from_checkpoint: the uninterrupted run's decisions from step 4 on
-    assert a["resumed"]["decisions"] == b["resumed"]["decisions"] == STEPS
+    assert [e["step"] for e in logs] == [e["gnmr/step"] for e in logs] == [5, 10]
+    assert [e["gnmr/steps"] for e in logs] == [5, 5]
+    for entry, window in zip(logs, (rows[:5], rows[5:]), strict=True):
+        tele = [r["telemetry"] for r in window]
+        assert entry["gnmr/max_risk"] == max(t["max_risk"] for t in tele)
+        assert entry["gnmr/num_exceed"] == sum(t["num_exceed"] for t in tele)
+        norms = [r["extra"]["global_norm"] for r in window]
+        assert entry["gnmr/global_grad_norm"] == pytest.approx(sum(norms) / 5, rel=1e-12)
+    spike_risk = rows[TRAINER_SPIKE - 1]["telemetry"]["max_risk"]
+    assert logs[1]["gnmr/max_risk"] >= spike_risk > logs[0]["gnmr/max_risk"]
+    assert logs[1][f"gnmr/recovered/{SPIKED}"] >= 1  # the unit, in the interval's entry
+    recovered_at = full["recovered_at"][10][SPIKED]
+    assert TRAINER_SPIKE + 1 in recovered_at  # decided at the spike, recovered the step after
+    assert all(spiked in rows[s - 2]["active"] for s in recovered_at)  # the plan that ran
+    # resume_from_checkpoint: the uninterrupted run's decisions from step 6 on
+    assert a["resumed"]["decisions"] == b["resumed"]["decisions"] == TRAINER_STEPS
     _, resumed = _trace(tmp_path / "resumed.jsonl")
-    assert [r["step"] for r in resumed] == list(range(4, STEPS + 1))  # after checkpoint-3
-    for want, got in zip(rows[3:], resumed, strict=True):
+    assert [r["step"] for r in resumed] == list(range(6, TRAINER_STEPS + 1))
+    for want, got in zip(rows[5:], resumed, strict=True):
         assert got["active"] == want["active"]
         assert got["norms"] == pytest.approx(want["norms"], rel=1e-5)
 
@@ -221,19 +246,7 @@ def test_the_lora_example_runs_on_cpu(tmp_path):
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     out = done.stdout + done.stderr
-    assert "int8 backend wrapped 14 units" in out and "gnmr | step 4 | samples 16 |" in out
+    assert "int8 backend wrapped 14 units" in out and "gnmr step 4 | samples 16 |" in out
     names, rows = _trace(tmp_path / "runs" / "trainer_lora_int8" / "trace.jsonl")
     assert len(names) == 14 and [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(".lora_" not in n for n in names)  # one unit per projection, adapters inside it
-
-
-def test_console_line_prints_without_any_logging_configured():
-    import subprocess
-    import sys
-
-    code = (
-        "from gnmr_dist.integrations.deepspeed import console_logger\n"
-        "console_logger().info('gnmr | step 1')\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert done.returncode == 0 and done.stdout == "[gnmr] gnmr | step 1\n", done.stderr

@@ -116,7 +116,8 @@ def test_megatron_sets_need_megatron_training(capsys):
     if megatron_series() != "0.16":
         pytest.skip("the refusal is for 0.16 (no megatron.training)")
     err = refused(capsys, "check", "--world-size", "2", "megatron/demo_cpu")
-    assert "megatron-core 0.16 does not ship: install megatron-core 0.17+" in err
+    assert "megatron-core 0.16 does not ship (0.17+ does). Python 3.12+: pip install" in err
+    assert "--ignore-requires-python megatron-core==0.17.1" in err
 
 
 def test_missing_and_malformed_hostfile(capsys, tmp_path):
@@ -165,6 +166,28 @@ def test_batch_sizes_against_world_size(capsys, tmp_path):
     err = refused(capsys, "torchrun", "--nproc-per-node", "2", str(path))
     assert "train_batch_size (6) != train_micro_batch_size_per_gpu x" in err
     assert "(2 x 1 x 2 = 4)" in err
+
+
+def test_trainer_configs_with_auto_values_are_refused_by_name(capsys, tmp_path):
+    """A standard Trainer ZeRO-2 config: its "gnmr" block is checked, then the "auto" values
+    are named (never a traceback)."""
+    path = tmp_path / "trainer_zero2.json"
+    config = {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "bf16": {"enabled": "auto"},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"},
+        "gnmr": {"enabled": True, "backend": "act_quant", "max_active": 2},
+    }
+    path.write_text(json.dumps(config))
+    err = refused(capsys, "check", "--world-size", "2", str(path))
+    assert '"auto" values (train_batch_size, train_micro_batch_size_per_gpu,' in err
+    assert "and 1 more) are Hugging Face Trainer's placeholders" in err
+    assert "Traceback" not in err
+    path.write_text(json.dumps({**config, "gnmr": {"max_activ": 2}}))
+    assert "max_activ" in refused(capsys, "check", "--world-size", "2", str(path))
 
 
 def test_bad_options_and_blocks_are_refused(capsys, tmp_path):

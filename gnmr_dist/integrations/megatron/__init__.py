@@ -6,6 +6,8 @@ Public under its design-card name :mod:`megatron_patches`, a thin alias of this 
   hosts); :mod:`~gnmr_dist.integrations.megatron.cpu_training` its ``megatron.training`` part.
 * :mod:`~gnmr_dist.integrations.megatron.gnmr`: GNMR in a megatron-core run (``apply`` /
   ``remove``).
+* :mod:`~gnmr_dist.integrations.megatron.loop`: GNMR on Megatron-LM's own training loop for any
+  pretrain script (``loop.attach()`` before ``pretrain``).
 * :mod:`~gnmr_dist.integrations.megatron.versions`: the one table of what differs between
   megatron-core series.
 """

@@ -30,12 +30,13 @@ is patched, and why:
   read and write the CPU default generator; ``CudaRNGStatesTracker.add`` seeds its named states
   on a private CPU generator, and ``CudaRNGStatesTracker.fork`` swaps them in and out of the CPU
   default generator; ``model_parallel_cuda_manual_seed`` (also re-exported by
-  ``tensor_parallel``) runs the original and then seeds the CPU default generator with the
-  data-parallel seed. Dropout on CPU tensors draws from the CPU default generator, so this is
-  the generator the tracker must fork. Consequence: unlike on a GPU,
-  ``model_parallel_cuda_manual_seed(seed)`` also reseeds ``torch``'s CPU generator, and the
-  tracker's "CPU RNG state changed within GPU RNG context" check is dropped (the CPU generator
-  *is* the forked one here).
+  ``tensor_parallel``) runs the original and then seeds the CUDA stream with the data-parallel
+  seed. Dropout on CPU tensors draws from the CPU default generator, so this is the generator
+  the tracker must fork, and with megatron-core alone the CUDA stream *is* the CPU generator
+  (:class:`CudaRng`): ``model_parallel_cuda_manual_seed(seed)`` also reseeds ``torch``'s CPU
+  generator, and the tracker's "CPU RNG state changed within GPU RNG context" check is dropped.
+  Megatron-LM's loop keeps the two streams apart, as on a GPU
+  (:mod:`megatron_patches.cpu_training`).
 * The name ``torch`` inside four megatron modules -> a stand-in module that forwards every
   attribute to ``torch`` except the factories ``empty/full/ones/tensor/zeros``, which turn
   ``device="cuda"`` into the CPU. ``pipeline_parallel.schedules`` creates ``total_num_tokens``
@@ -195,16 +196,72 @@ class _CpuTorch(types.ModuleType):
 # --------------------------------------------------------------------------- RNG
 
 
+class CudaRng:
+    """The "CUDA default generator" of a CPU host.
+
+    Dropout on CPU tensors draws from torch's CPU default generator, so that is where the CUDA
+    state must be while the model computes. With megatron-core alone (``separate`` false) the
+    two are one generator. Megatron-LM's loop (:mod:`megatron_patches.cpu_training`) makes them
+    two, as on a GPU (``separate`` true): the CUDA state is kept here, swapped into the CPU
+    generator for each training step and evaluation (:meth:`swapped_in`) and out after, so the
+    CPU stream (data loaders draw their base seed from it) and the CUDA stream (dropout) are
+    saved in a checkpoint as the ``torch_rng_state`` / ``cuda_rng_state`` they are on a GPU, and
+    a run resumed from it draws what the uninterrupted run drew.
+    """
+
+    def __init__(self) -> None:
+        self.separate = False
+        """Whether the CUDA stream is its own (Megatron-LM's loop), or the CPU generator's."""
+        self._state = torch.Generator().get_state()  # torch's default seed until megatron seeds
+        self._swapped = False
+
+    def get_state(self) -> torch.Tensor:
+        """The CUDA stream's state (a copy)."""
+        if not self.separate or self._swapped:
+            return torch.get_rng_state()
+        return self._state.clone()
+
+    def set_state(self, state: torch.Tensor) -> None:
+        """Set the CUDA stream."""
+        if not self.separate or self._swapped:
+            torch.set_rng_state(state)
+        else:
+            self._state = state.clone()
+
+    def seed(self, seed: int) -> None:
+        """``torch.cuda.manual_seed``: the CUDA stream starts at ``seed``."""
+        self.set_state(torch.Generator().manual_seed(seed).get_state())
+
+    @contextlib.contextmanager
+    def swapped_in(self) -> Iterator[None]:
+        """The CUDA stream in the CPU generator for the block (the CPU stream set aside)."""
+        if not self.separate or self._swapped:
+            yield
+            return
+        cpu = torch.get_rng_state()
+        torch.set_rng_state(self._state)
+        self._swapped = True
+        try:
+            yield
+        finally:
+            self._state, self._swapped = torch.get_rng_state(), False
+            torch.set_rng_state(cpu)
+
+
+CUDA_RNG = CudaRng()
+"""The one CUDA stream of this process (:class:`CudaRng`)."""
+
+
 def _cpu_get_rng_state(
     device: Any = "cuda", clone: bool = False, graph_safe: bool = False
 ) -> torch.Tensor:
-    """CPU stand-in for ``random._get_cuda_rng_state``: the CPU default generator's state."""
-    return torch.get_rng_state()
+    """CPU stand-in for ``random._get_cuda_rng_state`` (and ``torch.cuda.get_rng_state``)."""
+    return CUDA_RNG.get_state()
 
 
 def _cpu_set_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
-    """CPU stand-in for ``random._set_cuda_rng_state``: set the CPU default generator."""
-    torch.set_rng_state(new_state)
+    """CPU stand-in for ``random._set_cuda_rng_state`` (and ``torch.cuda.set_rng_state``)."""
+    CUDA_RNG.set_state(new_state)
 
 
 _MODEL_PARALLEL_RNG = "model-parallel-rng"  # random._MODEL_PARALLEL_RNG_TRACKER_NAME
@@ -279,7 +336,7 @@ def _cpu_manual_seed(original: Any) -> Any:
     @functools.wraps(original)
     def model_parallel_cuda_manual_seed(seed: int, *args: Any, **kwargs: Any) -> None:
         original(seed, *args, **kwargs)
-        torch.default_generator.manual_seed(seed)  # data-parallel ("default") state = `seed`
+        CUDA_RNG.seed(seed)  # data-parallel ("default") state = `seed`
 
     return model_parallel_cuda_manual_seed
 

@@ -30,6 +30,13 @@ imports ``typing.override``, new in 3.12, so it has not run here):
   nothing. Any other ``torch.cuda`` attribute is the real one (it raises without CUDA, as it
   would have). The rest of torch, and every module outside ``megatron.training``, sees the
   real ``torch.cuda``.
+* The CUDA RNG stream (:class:`megatron_patches.cpu.CudaRng`) -> its own state, apart from the
+  CPU generator's, as on a GPU; ``training.train_step`` and ``training.evaluate`` -> the
+  originals with the CUDA stream swapped into the CPU generator for their duration (where
+  dropout draws). Checkpoints then save and restore the two streams separately
+  (``torch_rng_state``, ``cuda_rng_state``), and what draws from the CPU stream between a
+  ``--load`` and the first step (the data loaders' base seed) no longer shifts the dropout
+  masks: a resumed run with dropout on is the uninterrupted run, bit for bit.
 * ``initialize._warmup_jit_function`` -> nothing: it compiles CUDA fusions that are off on CPU.
 * ``torch.Tensor.cuda`` -> the identity. ``get_batch_on_this_tp_rank`` moves each batch with
   ``.cuda(non_blocking=True)``; without CUDA the original can only raise.
@@ -42,6 +49,7 @@ Not patched (unverified on CPU): the CUDA profiler (``--profile``), memory snaps
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import sys
 import types
@@ -51,6 +59,7 @@ from typing import Any
 import torch
 
 from gnmr_dist.integrations.megatron.cpu import (
+    CUDA_RNG,
     _cpu_current_device,
     _cpu_get_rng_state,
     _cpu_set_rng_state,
@@ -151,6 +160,24 @@ def training_patch_plan() -> list[tuple[Any, str, Any]]:
     shim = _TrainingTorch()
     plan: list[tuple[Any, str, Any]] = [(module, "torch", shim) for module in _training_modules()]
     initialize = importlib.import_module("megatron.training.initialize")
+    training = importlib.import_module("megatron.training.training")
     plan.append((initialize, "_warmup_jit_function", _skip_jit_warmup))
     plan.append((torch.Tensor, "cuda", _tensor_cuda_identity))
+    plan.append((CUDA_RNG, "separate", True))
+    plan += [(training, name, _on_cuda_stream(getattr(training, name))) for name in _STEPPERS]
     return plan
+
+
+_STEPPERS = ("train_step", "evaluate")
+"""The loop's functions that run the model (dropout draws there)."""
+
+
+def _on_cuda_stream(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``original`` run with the CUDA RNG stream in the CPU generator."""
+
+    @functools.wraps(original)
+    def stepped(*args: Any, **kwargs: Any) -> Any:
+        with CUDA_RNG.swapped_in():
+            return original(*args, **kwargs)
+
+    return stepped

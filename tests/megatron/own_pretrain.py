@@ -1,0 +1,85 @@
+"""A pretrain script of its own on Megatron-LM's loop, with GNMR from the two documented lines.
+
+Its providers are not ``gnmr-megatron-pretrain``'s: a GPT from megatron-core's local layer spec
+with LayerNorm and a GELU MLP, a synthetic token data set (deterministic per index), and a
+forward step that reads its batch straight from the iterator. Run under torchrun with
+Megatron-LM's flags plus ``--gnmr-config`` (``tests/megatron/test_megatron_lm.py``).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import megatron_patches.loop
+import torch
+
+
+class TokenSet(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """``n`` samples of ``seq`` random tokens below ``vocab``, sample ``i`` from seed ``i``."""
+
+    def __init__(self, n: int, seq: int, vocab: int) -> None:
+        self.n, self.seq, self.vocab = n, seq, vocab
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        gen = torch.Generator().manual_seed(int(i))
+        text = torch.randint(0, self.vocab, (self.seq + 1,), generator=gen)
+        return {
+            "tokens": text[:-1],
+            "labels": text[1:],
+            "loss_mask": torch.ones(self.seq),
+            "position_ids": torch.arange(self.seq),
+        }
+
+
+def model_provider(pre_process: bool = True, post_process: bool = True, **_: Any) -> Any:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.training import get_args
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    args = get_args()
+    return GPTModel(
+        config=core_transformer_config_from_args(args),
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+    )
+
+
+def datasets_provider(num_samples: list[int]) -> tuple[Any, None, None]:
+    from megatron.training import get_args
+
+    args = get_args()
+    return TokenSet(num_samples[0], args.seq_length, args.vocab_size), None, None
+
+
+def _loss(mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    loss = (output.view(-1).float() * mask.view(-1)).sum()
+    tokens = mask.sum().to(torch.int)
+    return loss, tokens, {"lm loss": torch.cat([loss.detach().view(1), tokens.view(1)])}
+
+
+def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(_loss, batch["loss_mask"].float())
+
+
+if __name__ == "__main__":
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+
+    extra_args_provider = megatron_patches.loop.attach()  # reads --gnmr-* from sys.argv
+    pretrain(
+        datasets_provider,
+        model_provider,
+        ModelType.encoder_or_decoder,
+        forward_step,
+        extra_args_provider=extra_args_provider,
+    )
