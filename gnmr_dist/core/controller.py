@@ -271,6 +271,11 @@ def _as_tensor(values: NormsLike, name: str) -> torch.Tensor:
         raise ValueError(f"{name} must be a 1-D vector of real numbers: {err}") from None
 
 
+def _array(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
+    """A numpy copy of a loaded state tensor (whatever its autograd flag or layout)."""
+    return t.detach().to(device="cpu", dtype=dtype).contiguous().numpy().copy()
+
+
 def _fast_vector(values: NormsLike, num_units: int) -> np.ndarray | None:
     """The float64 host vector itself when ``values`` already is one of ``num_units`` entries
     (what the runtime passes: no copy, no conversion); ``None`` for anything else."""
@@ -558,11 +563,11 @@ class GNMRController:
                 "GNMR state was saved with a different eligibility mask; using the current one"
             )
         self._step = int(state["step"])
-        self._sum = state["norm_sum"].to(torch.float64).numpy().copy()
-        self._count = state["norm_count"].to(torch.int64).numpy().copy()
-        self._wbuf = state["window_buffer"].to(torch.float64).numpy().copy()
-        self._wlen = state["window_len"].to(torch.int64).numpy().copy()
-        self._lock = self._conformed_locks(state["lock"]).numpy().copy()
+        self._sum = _array(state["norm_sum"], torch.float64)
+        self._count = _array(state["norm_count"], torch.int64)
+        self._wbuf = _array(state["window_buffer"], torch.float64)
+        self._wlen = _array(state["window_len"], torch.int64)
+        self._lock = _array(self._conformed_locks(state["lock"]), torch.int64)
 
     def _conformed_locks(self, saved: torch.Tensor) -> torch.Tensor:
         """Saved locks under the current policy: at most ``lock_steps``, only on eligible units,

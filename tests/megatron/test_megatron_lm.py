@@ -255,10 +255,11 @@ def _own(work: Path, name: str, *extra: str, fails: bool = False) -> str:
 def test_a_pretrain_script_of_its_own_gets_gnmr_from_two_lines(work):
     """Decisions on every iteration, the spike's layer selected, the "gnmr" checkpoint entry
     restored by a resume that makes the uninterrupted run's decisions."""
-    _own(work, "own_full")
-    ckpt = ["--save", str(work / "own_ckpt"), "--load", str(work / "own_ckpt")]
-    _own(work, "own_resumed", *ckpt, "--save-interval", "100", "--exit-interval", "6")
-    second = _own(work, "own_resumed", *ckpt, "--save-interval", "100")
+    _own(work, "own_full", "--save", str(work / "own_ckpt"), "--save-interval", "6")
+    from_6 = ["--load", str(work / "own_ckpt"), "--ckpt-step", "6"]  # the full run's iteration 6
+    second = _own(
+        work, "own_resumed", *from_6, "--save", str(work / "own_2"), "--save-interval", "100"
+    )
     full, resumed = (
         _trace(work / "own_full" / "trace.jsonl"),
         _trace(work / "own_resumed" / "trace.jsonl"),
@@ -267,6 +268,6 @@ def test_a_pretrain_script_of_its_own_gets_gnmr_from_two_lines(work):
     names = json.loads((work / "own_full" / "trace.jsonl").read_text().splitlines()[0])["units"]
     assert any("layers.1." in names[u] for u in full[5]["active"]), full[5]
     assert "gnmr: state restored at controller step 6 from --load" in second
-    assert [r["step"] for r in resumed] == list(range(1, 13))
-    for a, b in zip(full, resumed, strict=True):
+    assert [r["step"] for r in resumed] == list(range(7, 13))
+    for a, b in zip(full[6:], resumed, strict=True):
         assert a["active"] == b["active"] and a["norms"] == pytest.approx(b["norms"], rel=1e-5)
