@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gnmr_dist.deepspeed import load_ds_config
 from gnmr_dist.telemetry import read_trace
 from tests.multiproc import free_port
 
@@ -35,25 +36,67 @@ def _tiny_llama(vocab: int, hidden: int, layers: int, heads: int, positions: int
     return LlamaForCausalLM(config)
 
 
-def test_demo_job_writes_trace_report_summary_and_checkpoint(tmp_path):
-    run = tmp_path / "run"
+def _demo(run: Path, steps: int, *extra: str, program: list[str] | None = None):
+    """The demo config on a tiny model (1 layer x 32, 7 units) for ``steps`` steps."""
     cmd = [
-        *_torchrun(),
+        *(program or _torchrun()),
         *("--config", str(ROOT / "configs" / "demo_deepspeed.hjson"), "--run-dir", str(run)),
-        *shlex.split("--steps 25 --layers 2 --hidden 64 --seq-len 64 --max-bytes 400000"),
+        *shlex.split(f"--steps {steps} --layers 1 --hidden 32 --seq-len 32 --max-bytes 200000"),
         "--no-progress",
+        *extra,
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "gnmr-ds-pretrain: 25 steps on 2 processes" in out.stdout
+    return out
+
+
+def _console_lines(out: subprocess.CompletedProcess) -> list[str]:
+    """GNMR's console lines, wherever the program's logging sent them."""
+    text = out.stdout + out.stderr
+    return [line for line in text.splitlines() if line.startswith("gnmr step ")]
+
+
+def test_demo_job_writes_trace_report_summary_and_checkpoint(tmp_path):
+    """300 steps of the demo: the run folder, and a console that stays quiet (at most ~15
+    lines of GNMR's in a 300-step run: one every ``log.console`` = 25 steps)."""
+    run = tmp_path / "run"
+    out = _demo(run, 300)
+    assert "gnmr-ds-pretrain: 300 steps on 2 processes" in out.stdout
+    lines = _console_lines(out)
+    assert [int(line.split()[2]) for line in lines] == list(range(25, 301, 25))
     summary = json.loads((run / "summary.json").read_text())
     _, norms, records = read_trace(run / "trace.jsonl")
-    assert summary["steps"] == 25 and summary["decisions"] == 25 and norms.shape == (25, 14)
+    assert summary["steps"] == 300 and summary["decisions"] == 300 and norms.shape == (300, 7)
     assert all("loss" in r["extra"] for r in records)  # the job notes its loss per step
     assert summary["last_loss"] < summary["first_loss"]
     assert (run / "report.png").stat().st_size > 20_000
-    assert (run / "checkpoint" / "latest").read_text().strip() == "global_step25"
-    assert (run / "checkpoint" / "global_step25" / "gnmr_state.pt").is_file()
+    assert (run / "checkpoint" / "latest").read_text().strip() == "global_step300"
+    assert (run / "checkpoint" / "global_step300" / "gnmr_state.pt").is_file()
+
+
+USER_PROGRAM = """
+import logging, sys
+logging.getLogger("gnmr_dist.console").setLevel(logging.WARNING)  # the user's choice
+from gnmr_dist.train.ds_pretrain import main
+sys.exit(main())
+"""
+
+
+@pytest.mark.parametrize("how", ["log.console false", "user's setLevel(WARNING)"])
+def test_the_console_line_is_the_users_to_switch_off(tmp_path, how):
+    """Off by the config's switch, or by the user's level on its logger: no line at all, and
+    the rest of the run's output as usual."""
+    if how == "log.console false":
+        cfg = load_ds_config(ROOT / "configs" / "demo_deepspeed.hjson")
+        cfg["gnmr"]["log"] = {"console": False}
+        (tmp_path / "quiet.json").write_text(json.dumps(cfg))
+        out = _demo(tmp_path / "run", 50, "--config", str(tmp_path / "quiet.json"))
+    else:
+        (tmp_path / "user.py").write_text(USER_PROGRAM)
+        program = [*_torchrun()[:-2], str(tmp_path / "user.py")]
+        out = _demo(tmp_path / "run", 50, program=program)
+    assert _console_lines(out) == []
+    assert "gnmr-ds-pretrain: 50 steps on 2 processes" in out.stdout
 
 
 def test_missing_config_is_reported(tmp_path, capsys):
