@@ -62,6 +62,24 @@ def noise(records: Records, d: Design) -> dict[str, tuple[float, float]]:
     }
 
 
+def noise_checks(est: dict[str, tuple[float, float]]) -> list[str]:
+    """Each null's check: its interval holds 0, and its half-width is at most a third of the
+    static gap's mean (the gap the estimator is asked to resolve)."""
+    gap_name = "static gap (low-cost - BF16)"
+    if gap_name not in est:
+        return []
+    gap, gap_h = est[gap_name]
+    out = [f"- static gap resolved (interval excludes 0): {abs(gap) > gap_h}"]
+    for name, (m, h) in est.items():
+        if name != gap_name and gap:
+            holds = abs(m) <= h
+            out.append(
+                f"- check {name}: holds 0 {holds}; half-width / static gap "
+                f"{h / abs(gap):.2f} (<= 1/3: {h <= abs(gap) / 3})"
+            )
+    return out
+
+
 def comparisons(
     records: Records, d: Design, budgets: Sequence[int], nvidia: Sequence[str]
 ) -> list[tuple[str, tuple[float, float]]]:
@@ -130,6 +148,7 @@ def report(
         "branch, mean over a seed's points, 95% Student-t interval over seeds"
     )
     lines += [f"- {name}: {plus_minus(pair)}" for name, pair in est.items()]
+    lines += noise_checks(est)
     lines += ["", table(summary), ""]
     lines += [f"- {name}: {plus_minus(pair)} -> {verdict(pair)}" for name, pair in comp]
     print("\n".join(lines))
@@ -141,6 +160,7 @@ def report(
         "horizon": d.horizon,
         "instrument": regime.instrument.__dict__,
         "noise": est,
+        "noise_checks": noise_checks(est),
         "summary": summary,
         "comparisons": dict(comp),
         "verdicts": {name: verdict(pair) for name, pair in comp},

@@ -212,6 +212,9 @@ def test_report_reads_constructed_records(tmp_path, capsys):
     saved = json.loads((tmp_path / "sweep_fp4_fp4_tensor.json").read_text())
     assert saved["noise"]["static gap (low-cost - BF16)"][0] == pytest.approx(0.2005)
     assert (tmp_path / "sweep_fp4_fp4_tensor.png").exists()
+    # the null's interval (0 +- 0: the same values) holds 0 and is within a third of the gap
+    assert "- static gap resolved (interval excludes 0): True" in text
+    assert "- check null BF16 (1e-6) - BF16: holds 0 True; half-width / static gap 0.00" in text
 
 
 def test_records_survive_a_line_cut_short(tmp_path):
