@@ -157,8 +157,10 @@ def run_sweep(
     budgets: Sequence[int],
     jobs: int,
     arm_filter: Sequence[str] = (),
+    points: Sequence[int] | None = None,
 ) -> Records:
-    """Build missing trunks, run (or resume) every missing branch; return all records."""
+    """Build missing trunks, run (or resume) every missing branch at ``points`` (default: the
+    regime's); return all records."""
     arms = make_arms(regime, budgets, regime.units)
     if arm_filter:
         arms = [(a, p) for a, p in arms if any(f in a.name for f in arm_filter)]
@@ -168,7 +170,7 @@ def run_sweep(
     branches = [
         ("branch", regime.name, asdict(a), s, p, pert)
         for s in seeds
-        for p in regime.instrument.points
+        for p in (points or regime.instrument.points)
         for a, pert in arms
         if (a.name, s, p) not in done
     ]
@@ -201,10 +203,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budgets", default=",".join(map(str, BUDGETS)))
     p.add_argument("--jobs", type=int, default=2, help="worker processes (one thread each)")
     p.add_argument("--arms", default="", help="only arms whose name contains one of these")
+    p.add_argument("--points", default="", help="a subset of the regime's branch points")
     p.add_argument("--report-only", action="store_true", help="report the records as they are")
     p.add_argument("--step-time", action="store_true", help="GNMR+e vs NVIDIA's rule, timed")
     p.add_argument("--steps", type=int, default=40, help="--step-time: steps per arm")
     return p.parse_args(argv)
+
+
+def _points(text: str, regime: Regime) -> tuple[int, ...]:
+    """``--points``: branch points the trunks save (the regime's), a subset of them or all."""
+    have = tuple(regime.instrument.points)
+    points = tuple(int(p) for p in text.split(",") if p.strip()) or have
+    if not set(points) <= set(have):
+        raise SystemExit(
+            f"--points {text!r}: the trunks of {regime.name!r} are saved at {list(have)}; "
+            "choose branch points among them"
+        )
+    return points
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -218,14 +233,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     seeds = [int(s) for s in a.seeds.split(",")]
     budgets = [int(k) for k in a.budgets.split(",")]
+    points = _points(a.points, regime)
     if a.report_only:
         records = read_records(regime.name)
     else:
         arm_filter = [x.strip() for x in a.arms.split(",") if x.strip()]
-        records = run_sweep(regime, seeds, budgets, a.jobs, arm_filter)
+        records = run_sweep(regime, seeds, budgets, a.jobs, arm_filter, points)
     from benchmarks.fp4_report import report
 
-    design = Design(tuple(seeds), regime.instrument.points, regime.instrument.horizon)
+    design = Design(tuple(seeds), points, regime.instrument.horizon)
     arms = [arm.name for arm, _ in make_arms(regime, budgets, regime.units)]
     report(regime, design, records, arms, budgets)
 

@@ -229,3 +229,13 @@ def test_records_survive_a_line_cut_short(tmp_path):
     path.write_text('{"arm": \n' + json.dumps(rows[0]) + "\n")
     with pytest.raises(json.JSONDecodeError):
         read_records("x", path)
+
+
+def test_points_are_a_subset_of_the_trunks_checkpoints():
+    from benchmarks.sweep_fp4 import _points
+
+    regime = FP4_REGIMES["nvfp4"]
+    assert _points("", regime) == tuple(regime.instrument.points)
+    assert _points("250,100", regime) == (250, 100)
+    with pytest.raises(SystemExit, match=r"--points '100,150'.*saved at \[100, 175, 250, 325\]"):
+        _points("100,150", regime)
