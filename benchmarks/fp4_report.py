@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -55,11 +56,28 @@ def noise(records: Records, d: Design) -> dict[str, tuple[float, float]]:
         f"{NULL_ARMS[1]} - low-cost": (NULL_ARMS[1], d.low),
         "low-cost (SR seed 1) - low-cost": ("low-cost (SR seed 1)", d.low),
     }
-    return {
+    out = {
         name: paired(records, d, a, b)
         for name, (a, b) in pairs.items()
         if complete(records, d, a) and complete(records, d, b)
     }
+    if "static gap (low-cost - BF16)" in out:  # how the gap grows along a branch
+        for e in _horizons(records, d):
+            out[f"static gap after {e} steps"] = paired(
+                records, replace(d, horizon=e), d.low, d.high
+            )
+    return out
+
+
+def _horizons(records: Records, d: Design) -> list[int]:
+    """The other evaluation steps every branch of the two static arms recorded."""
+    keys = [
+        set(records[(a, s, p)]["heldout"])
+        for a in (d.low, d.high)
+        for s in d.seeds
+        for p in d.points
+    ]
+    return sorted(int(e) for e in set.intersection(*keys) if int(e) != d.horizon)
 
 
 def noise_checks(est: dict[str, tuple[float, float]]) -> list[str]:

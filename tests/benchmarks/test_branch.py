@@ -239,3 +239,14 @@ def test_points_are_a_subset_of_the_trunks_checkpoints():
     assert _points("250,100", regime) == (250, 100)
     with pytest.raises(SystemExit, match=r"--points '100,150'.*saved at \[100, 175, 250, 325\]"):
         _points("100,150", regime)
+
+
+def test_noise_reports_the_static_gap_at_every_recorded_horizon():
+    from benchmarks.fp4_report import noise
+
+    r = records_of({"low-cost": [[2.3, 2.4], [2.5, 2.7]], "BF16": [[2.0, 2.1], [2.2, 2.3]]}, 50)
+    for (arm, _, _), rec in r.items():
+        rec["heldout"]["25"] = rec["heldout"]["50"] - (0.1 if arm == "low-cost" else 0.0)
+    est = noise(r, Design(seeds=(0, 1), points=(0, 1), horizon=50))
+    assert est["static gap (low-cost - BF16)"][0] == pytest.approx(0.325)
+    assert est["static gap after 25 steps"][0] == pytest.approx(0.225)
