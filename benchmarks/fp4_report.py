@@ -89,7 +89,7 @@ def noise_checks(est: dict[str, tuple[float, float]]) -> list[str]:
     gap, gap_h = est[gap_name]
     out = [f"- static gap resolved (interval excludes 0): {abs(gap) > gap_h}"]
     for name, (m, h) in est.items():
-        if name != gap_name and gap:
+        if not name.startswith("static gap") and gap:
             holds = abs(m) <= h
             out.append(
                 f"- check {name}: holds 0 {holds}; half-width / static gap "
