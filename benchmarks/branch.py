@@ -184,6 +184,7 @@ def run_branch(
         "heldout": {str(k): v for k, v in losses.items()},
         "train_loss": run.losses,
         "recovered_unit_steps": _recovered_unit_steps(run),
+        "unit_recovered": [int(x) for x in run.unit_recovered.tolist()],  # per unit, in order
         "unit_steps": run.n_elig * inst.horizon,
         "step_ms": 1e3 * sorted(run.times)[len(run.times) // 2],
         "nonfinite": sum(1 for x in run.losses if not math.isfinite(x)),

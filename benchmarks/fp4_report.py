@@ -80,6 +80,23 @@ def _horizons(records: Records, d: Design) -> list[int]:
     return sorted(int(e) for e in set.intersection(*keys) if int(e) != d.horizon)
 
 
+PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
+"""The harness Llama's projection units in registry order, per layer."""
+
+
+def picks(records: Records, d: Design, arm: str, top: int = 6) -> list[tuple[str, float]]:
+    """The units ``arm`` ran on the recovery path most, as ``("L<layer>.<proj>", share of the
+    arm's recovered unit-steps)``; empty for records that predate the per-unit counts."""
+    rows = [records[(arm, s, p)].get("unit_recovered") for s in d.seeds for p in d.points]
+    if not rows or any(r is None for r in rows):
+        return []
+    totals = [sum(col) for col in zip(*rows, strict=True)]
+    whole = sum(totals) or 1
+    ranked = sorted(range(len(totals)), key=lambda i: -totals[i])[:top]
+    n = len(PROJECTIONS)
+    return [(f"L{i // n}.{PROJECTIONS[i % n]}", totals[i] / whole) for i in ranked if totals[i]]
+
+
 def noise_checks(est: dict[str, tuple[float, float]]) -> list[str]:
     """Each null's check: its interval holds 0, and its half-width is at most a third of the
     static gap's mean (the gap the estimator is asked to resolve)."""
@@ -169,6 +186,14 @@ def report(
     lines += noise_checks(est)
     lines += ["", table(summary), ""]
     lines += [f"- {name}: {plus_minus(pair)} -> {verdict(pair)}" for name, pair in comp]
+    chosen = {
+        a: picks(records, d, a) for a in summary if a.split()[0] in {"GNMR", "GNMR+e", "oracle"}
+    }
+    lines += [
+        f"- {a} recovered most: " + ", ".join(f"{u} {100 * x:.0f}%" for u, x in got)
+        for a, got in chosen.items()
+        if got
+    ]
     print("\n".join(lines))
     out = {
         "regime": regime.name,
@@ -182,6 +207,7 @@ def report(
         "summary": summary,
         "comparisons": dict(comp),
         "verdicts": {name: verdict(pair) for name, pair in comp},
+        "picks": chosen,
         "branches": len(records),
     }
     out_dir.mkdir(parents=True, exist_ok=True)

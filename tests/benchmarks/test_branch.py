@@ -85,6 +85,7 @@ def test_late_and_last_units_policies(trunk):
     assert late["recovered_unit_steps"] == 14  # every unit, the branch's last step only
     last = run_branch(setup, Arm("last", "last_units", max_active=2, **Q), INST, 3, 3, root, False)
     assert last["recovered_unit_steps"] == 2 * 3
+    assert last["unit_recovered"] == [0] * 12 + [3, 3]  # per unit: the last two, every step
     s = replace(setup, steps=8, seed=3)
     run = ArmRun(s, Arm("last", "last_units", max_active=2, **Q), Batches(s.heldout, s))
     names = [run.registry.names[u] for u in sorted(run.fixed)]
@@ -250,3 +251,16 @@ def test_noise_reports_the_static_gap_at_every_recorded_horizon():
     est = noise(r, Design(seeds=(0, 1), points=(0, 1), horizon=50))
     assert est["static gap (low-cost - BF16)"][0] == pytest.approx(0.325)
     assert est["static gap after 25 steps"][0] == pytest.approx(0.225)
+
+
+def test_picks_name_the_units_an_arm_recovered_most():
+    from benchmarks.fp4_report import picks
+
+    r = records_of({"GNMR+e 4": [[2.0, 2.0]]}, 50)
+    d = Design(seeds=(0,), points=(0, 1), horizon=50)
+    assert picks(r, d, "GNMR+e 4") == []  # records from before the per-unit counts
+    counts = [0] * 28
+    counts[2], counts[27] = 30, 10
+    for rec in r.values():
+        rec["unit_recovered"] = counts
+    assert picks(r, d, "GNMR+e 4") == [("L0.v", 0.75), ("L3.down", 0.25)]
