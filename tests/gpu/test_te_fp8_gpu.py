@@ -29,16 +29,11 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from gnmr_dist.backends.te_fp8 import TEFp8Backend
+from tests.gpu.te_guard import require_cuda_and_te
 
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
-try:
-    import transformer_engine.pytorch as te
-    from transformer_engine.common import recipe as te_recipe
-except Exception as err:  # TE's import fails with OSError/RuntimeError too without its libs
-    pytest.skip(f"needs Transformer Engine ({err})", allow_module_level=True)
+te, te_recipe = require_cuda_and_te()
 try:
     TEFp8Backend()
 except (ImportError, RuntimeError) as err:
