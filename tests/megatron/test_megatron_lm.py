@@ -134,7 +134,7 @@ was kept apart (``megatron_patches.cpu_training``)."""
 def runs(work: Path) -> dict[str, str]:
     """The uninterrupted run (saving at half way), and a run resumed from that checkpoint."""
     gnmr = ["--gnmr-config", str(work / "gnmr.json"), *SPIKE, *TP1]
-    iters = ["--train-iters", str(ITERS)]
+    iters = ["--train-iters", str(ITERS), "--log-interval", "1"]  # every iteration's loss
     half = str(ITERS // 2)
     full = _torchrun(
         _args(
@@ -182,11 +182,15 @@ def test_resume_gives_the_uninterrupted_decisions(runs, work):
         assert a["active"] == b["active"], (a["step"], a["active"], b["active"])
         assert a["norms"] == pytest.approx(b["norms"], rel=1e-5, abs=1e-9)
     assert f"gnmr: state restored at controller step {half} from --load" in runs["resumed"]
-    # megatron averages the loss over each log interval and also logs a run's first iteration:
-    # the intervals of 4 (--log-interval) that both runs logged whole must print the same figure
     full_losses, after = _losses(runs["full"]), _losses(runs["resumed"])
-    whole = [i for i in after if i - 4 in after and i - 4 in full_losses]
-    assert ITERS in whole and [after[i] for i in whole] == [full_losses[i] for i in whole]
+    # megatron logs a run's first iteration without resetting its interval sums (training_log:
+    # "On first iteration, log stats but don't reset accumulators"), so the resumed run's second
+    # figure is the mean of its first two iterations; every other figure is the full run's
+    first, second = half + 1, half + 2
+    assert sorted(after) == list(range(first, ITERS + 1)) and after[first] == full_losses[first]
+    both = (float(full_losses[first]) + float(full_losses[second])) / 2
+    assert float(after[second]) == pytest.approx(both, rel=2e-6)
+    assert all(after[i] == full_losses[i] for i in range(second + 1, ITERS + 1))
 
 
 def test_gnmr_scalars_reach_megatrons_tensorboard(runs, work):
