@@ -114,17 +114,28 @@ class GNMRCallback(TrainerCallback):
         self._warned = False
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Warn once when the config enables GNMR but no engine got it since the callback
-        was made (Trainer builds its engine just before this event)."""
+        """Refuse a run without DeepSpeed (GNMR runs inside its engine: the callback would do
+        nothing); warn once when the config has no ``"gnmr"`` block, or enables one that no
+        engine got since the callback was made (Trainer builds its engine just before this)."""
         from gnmr_dist.integrations import deepspeed as gds
 
+        if not _is_deepspeed(args):
+            self.on_train_end(args, state, control)
+            raise ValueError(
+                "GNMRCallback: TrainingArguments.deepspeed is not set, so this run has no "
+                "DeepSpeed engine for GNMR to run in. Give Trainer a DeepSpeed config with a "
+                '"gnmr" block (TrainingArguments(deepspeed=...)), or drop the callback'
+            )
+        block = _ds_block(args)
+        if block is None and not self._warned:
+            self._warned = True
+            logger.warning(
+                'gnmr: GNMRCallback is on, but the DeepSpeed config has no "gnmr" block: GNMR '
+                'is off for this run (add one, e.g. {"gnmr": {"backend": "act_quant", '
+                '"max_active": 2}})'
+            )
         built = gds.engines_with_gnmr() > self._built
-        if (
-            _is_deepspeed(args)
-            and _block_enabled(_ds_block(args))
-            and not built
-            and not self._warned
-        ):
+        if _block_enabled(block) and not built and not self._warned:
             self._warned = True
             logger.warning(
                 'gnmr: the DeepSpeed config has an enabled "gnmr" block but this run\'s engine '

@@ -250,3 +250,44 @@ def test_the_lora_example_runs_on_cpu(tmp_path):
     names, rows = _trace(tmp_path / "runs" / "trainer_lora_int8" / "trace.jsonl")
     assert len(names) == 14 and [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(".lora_" not in n for n in names)  # one unit per projection, adapters inside it
+
+
+def test_the_callback_refuses_a_run_without_deepspeed(tmp_path):
+    """A Trainer without a DeepSpeed config has no engine for GNMR: refused when training
+    starts, and GNMR turned off again."""
+    from transformers import Trainer, TrainingArguments
+
+    from gnmr_dist import GNMRCallback
+    from gnmr_dist.integrations import deepspeed as gds
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=1, report_to=[], use_cpu=True, disable_tqdm=True
+    )
+    before = bool(gds._PATCHES)
+    callback = GNMRCallback()
+    trainer = Trainer(model=dsc.llama(), args=args, train_dataset=_Batches(2), callbacks=[callback])
+    with pytest.raises(
+        ValueError, match=r"TrainingArguments.deepspeed is not set.*drop the callback"
+    ):
+        trainer.train()
+    assert bool(gds._PATCHES) == before  # as the callback found it
+
+
+def test_the_callback_warns_once_when_the_deepspeed_config_has_no_gnmr_block(tmp_path, caplog):
+    import logging
+
+    from transformers import TrainingArguments
+
+    from gnmr_dist import GNMRCallback
+    from gnmr_dist.integrations import deepspeed as gds
+
+    args = TrainingArguments(output_dir=str(tmp_path), deepspeed=dsc.ds_config(2), report_to=[])
+    before = bool(gds._PATCHES)
+    callback = GNMRCallback()
+    with caplog.at_level(logging.WARNING, logger="gnmr_dist"):
+        callback.on_train_begin(args, None, None)
+        callback.on_train_begin(args, None, None)
+    callback.on_train_end(args, None, None)
+    said = [r.getMessage() for r in caplog.records if 'no "gnmr" block' in r.getMessage()]
+    assert len(said) == 1 and "GNMR is off for this run" in said[0]
+    assert bool(gds._PATCHES) == before
