@@ -127,7 +127,10 @@ def comparisons(
                 out.append((f"{a} - {b}", paired(records, d, a, b)))
         a = f"GNMR+e {k}"
         for b in [*nvidia, f"oracle {k}"]:
-            same_budget = b.startswith("oracle") or b.endswith(f"-{k}") or "late" in b
+            # the late switch spends NVIDIA's share of unit-steps: the last-k rule's budget
+            at_nvidias = f"NVIDIA last-{k}" in nvidia
+            last_k = b == f"NVIDIA last-{k}"
+            same_budget = b.startswith("oracle") or last_k or ("late" in b and at_nvidias)
             if same_budget and complete(records, d, a) and complete(records, d, b):
                 out.append((f"{a} - {b}", paired(records, d, a, b)))
     return out
@@ -170,8 +173,9 @@ def report(
     arms: Sequence[str],
     budgets: Sequence[int],
     out_dir: Path = RESULTS,
+    suffix: str = "",
 ) -> dict[str, Any]:
-    """Print the report, write ``<out_dir>/sweep_fp4_<regime>.json`` and its plot."""
+    """Print the report, write ``<out_dir>/sweep_fp4_<regime><suffix>.json`` and its plot."""
     summary = summarize(records, d, arms)
     nvidia = [a for a in arms if a.startswith("NVIDIA")]
     est = noise(records, d)
@@ -211,9 +215,10 @@ def report(
         "branches": len(records),
     }
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"sweep_fp4_{regime.name}.json").write_text(json.dumps(jsonable(out), indent=1))
+    stem = out_dir / f"sweep_fp4_{regime.name}{suffix}"
+    stem.with_suffix(".json").write_text(json.dumps(jsonable(out), indent=1))
     if summary:
-        plot(regime, summary, budgets, out_dir / f"sweep_fp4_{regime.name}.png")
+        plot(regime, summary, budgets, stem.with_suffix(".png"))
     return out
 
 

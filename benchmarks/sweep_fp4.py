@@ -222,6 +222,15 @@ def _points(text: str, regime: Regime) -> tuple[int, ...]:
     return points
 
 
+def design_suffix(regime: Regime, budgets: Sequence[int], points: Sequence[int]) -> str:
+    """The report files' suffix: what the design changes from the default (all the regime's
+    branch points, NVIDIA's budget), so that reports of two designs do not overwrite each other."""
+    out = "" if tuple(budgets) == BUDGETS else "_k" + "-".join(map(str, budgets))
+    if tuple(points) != tuple(regime.instrument.points):
+        out += "_p" + "-".join(map(str, points))
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     a = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -243,7 +252,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     design = Design(tuple(seeds), points, regime.instrument.horizon)
     arms = [arm.name for arm, _ in make_arms(regime, budgets, regime.units)]
-    report(regime, design, records, arms, budgets)
+    report(regime, design, records, arms, budgets, suffix=design_suffix(regime, budgets, points))
 
 
 if __name__ == "__main__":

@@ -264,3 +264,24 @@ def test_picks_name_the_units_an_arm_recovered_most():
     for rec in r.values():
         rec["unit_recovered"] = counts
     assert picks(r, d, "GNMR+e 4") == [("L0.v", 0.75), ("L3.down", 0.25)]
+
+
+def test_nvidias_rules_are_compared_at_their_own_budget_only():
+    from benchmarks.fp4_report import comparisons
+
+    regime = FP4_REGIMES["fp4_tensor"]
+    arms = [a.name for a, _ in make_arms(regime, (2, 4, 7), 28)]
+    r = records_of({a: [[2.0, 2.1], [2.2, 2.3]] for a in arms}, 50)
+    nvidia = [a for a in arms if a.startswith("NVIDIA")]
+    names = [n for n, _ in comparisons(r, Design((0, 1), (0, 1), 50), (2, 4, 7), nvidia)]
+    assert "GNMR+e 4 - NVIDIA late-7" in names and "GNMR+e 4 - NVIDIA last-4" in names
+    assert not [n for n in names if n.startswith(("GNMR+e 2 - NVIDIA", "GNMR+e 7 - NVIDIA"))]
+
+
+def test_report_files_name_a_design_other_than_the_default():
+    from benchmarks.sweep_fp4 import design_suffix
+
+    regime = FP4_REGIMES["mxfp4"]
+    assert design_suffix(regime, (4,), regime.instrument.points) == ""
+    assert design_suffix(regime, (4,), (100, 250)) == "_p100-250"
+    assert design_suffix(regime, (2, 4, 7), (100, 250)) == "_k2-4-7_p100-250"
