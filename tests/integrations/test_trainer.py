@@ -4,7 +4,9 @@ transformers, accelerate and DeepSpeed, 2 ranks over gloo on CPU."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 
 import pytest
 
@@ -116,7 +118,9 @@ def _trainer_worker(rank, world, out_dir, stage):
     dsc.no_shm_build()
     original = deepspeed.initialize
     full = _train(out_dir, "full", stage, world, None)
-    resumed = _train(out_dir, "resumed", stage, world, f"{out_dir}/full/checkpoint-5")
+    with _console_lines() as lines:  # what a user with logging configured sees
+        resumed = _train(out_dir, "resumed", stage, world, f"{out_dir}/full/checkpoint-5")
+    resumed["console"] = [m for m in lines if "restored" in m]
     restored = deepspeed.initialize is original  # the callback disabled what it enabled
     gds.enable()
     gds.enable()  # idempotent: still one wrapper, no recursion
@@ -125,6 +129,24 @@ def _trainer_worker(rank, world, out_dir, stage):
     finally:
         gds.disable()
     return {"full": full, "resumed": resumed, "said": said, "restored": restored}
+
+
+@contextlib.contextmanager
+def _console_lines() -> Iterator[list[str]]:
+    """The GNMR console lines logged inside the block (a handler on ``gnmr_dist.console``)."""
+    import logging
+
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: lines.append(r.getMessage())  # type: ignore[method-assign]
+    log = logging.getLogger("gnmr_dist.console")
+    log.addHandler(handler)
+    level, log.level = log.level, logging.INFO
+    try:
+        yield lines
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
 
 
 def _warnings_of_plain_engines(twice: bool) -> list[str]:
@@ -185,6 +207,12 @@ def test_trainer_with_a_gnmr_block(tmp_path, stage):
     assert all(spiked in rows[s - 2]["active"] for s in recovered_at)  # the plan that ran
     # resume_from_checkpoint: the uninterrupted run's decisions from step 6 on
     assert a["resumed"]["decisions"] == b["resumed"]["decisions"] == TRAINER_STEPS
+    (said,) = a["resumed"]["console"]  # rank 0 says it, once
+    assert (
+        said.startswith("gnmr: state restored at controller step 5 from ")
+        and not b["resumed"]["console"]
+    )
+    assert said.endswith("checkpoint-5/global_step5/gnmr_state.pt")
     _, resumed = _trace(tmp_path / "resumed.jsonl")
     assert [r["step"] for r in resumed] == list(range(6, TRAINER_STEPS + 1))
     for want, got in zip(rows[5:], resumed, strict=True):
