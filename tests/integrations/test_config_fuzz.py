@@ -173,9 +173,10 @@ def test_the_table_covers_every_key():
 
 
 def test_the_base_block_and_options_are_valid():
-    GNMRBlock.from_dict(BASE_BLOCK)
+    block = GNMRBlock.from_dict(BASE_BLOCK)
+    assert block.backend == "act_quant" and block.probe is not None and block.probe.every == 5
     for name in ("act_quant", "fp8_emulated", "int8"):
-        get_backend(name)
+        assert get_backend(name).name == name
 
 
 # ------------------------------------------------------------------------ the entry points
