@@ -24,6 +24,7 @@ from gnmr_dist.backends.int8 import (
     int8_gemm,
     quantize_symmetric,
 )
+from tests.requires import require
 
 # fp32 division t / s rounds with relative error 2^-24, so |t/s - q| <= 1/2 + 127 * 2^-24.
 BOUND_SLACK = 1 + 2 * QMAX * 2.0**-24
@@ -253,8 +254,8 @@ PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 @pytest.fixture(scope="module")
 def lora_llama():
-    transformers = pytest.importorskip("transformers")
-    peft = pytest.importorskip("peft")
+    transformers = require("transformers")
+    peft = require("peft")
     torch.manual_seed(8)
     config = transformers.LlamaConfig(
         vocab_size=128,

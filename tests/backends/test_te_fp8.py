@@ -38,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 
 from gnmr_dist.backends import LOW_COST, RECOVERY, get_backend
 from gnmr_dist.backends.te_fp8 import TEFp8Backend, is_te_module, reset_delayed_scaling
+from tests.requires import missing
 
 ALL_RECIPES = (
     "DelayedScaling",
@@ -602,7 +603,7 @@ def build_fake_megatron(rec, monkeypatch, amax_group=None) -> types.ModuleType:
         megatron_file(f"core/{f}") for f in ("extensions/transformer_engine.py", "enums.py")
     )
     if te_file is None or enums_file is None:
-        pytest.skip("needs megatron-core's source (pip install megatron-core)")
+        missing("needs megatron-core's source (pip install megatron-core)")
     enums: dict = {"enum": enum}
     _exec(megatron_definitions(enums_file, ("Fp8Recipe", "Fp4Recipe"))[0], enums, enums_file)
     module = types.ModuleType(MCORE_MODULE)

@@ -21,6 +21,7 @@ from gnmr_dist.backends import LOW_COST, RECOVERY, get_backend, te_runtime
 from gnmr_dist.backends.te_fp8 import TEFp8Backend
 from tests.backends import test_te_fp8 as stand_ins
 from tests.backends.test_te_fp8 import _exec, call, mcore_config, megatron_file, stack
+from tests.requires import missing
 
 fake_te = stand_ins.fake_te  # the fixtures of test_te_fp8
 mcore = stand_ins.mcore
@@ -145,7 +146,7 @@ def megatron_fp4_context(rec, monkeypatch):
     """megatron's ``get_fp4_context`` (``fp4_utils``, the TE branch) over the stand-in TE."""
     path = megatron_file("core/fp4_utils.py")
     if path is None:
-        pytest.skip("needs megatron-core's source")
+        missing("needs megatron-core's source")
     tree = ast.parse(path.read_text(encoding="utf-8"))
     guards = [n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "HAVE_TE"]
     defs = [n for g in guards for n in g.body if isinstance(n, ast.FunctionDef)]

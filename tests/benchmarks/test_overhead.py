@@ -13,6 +13,7 @@ import torch
 
 from benchmarks import overhead_collectives as oh
 from benchmarks.common import gloo_world
+from tests.requires import require
 
 
 def test_payload_bytes_of_tensors_lists_and_objects():
@@ -107,7 +108,7 @@ def test_recorder_records_each_collective_once_with_its_payload(one_rank_group):
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_gnmr_adds_exactly_one_all_reduce_of_u_plus_1_float64_under_zero1():
-    pytest.importorskip("deepspeed")
+    require("deepspeed")
     spec = oh.CollectiveSpec(
         model="stack", layers=2, hidden=32, seq_len=16, batch=2, steps=2, max_active=2
     )

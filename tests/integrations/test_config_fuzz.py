@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from gnmr_dist.backends import BACKENDS, backend_class, get_backend
 from gnmr_dist.core import GNMRConfig
 from gnmr_dist.integrations.config import AttributionGuard, GNMRBlock, LogOptions, ProbeOptions
+from tests.requires import require
 
 EXAMPLES = 1000
 
@@ -237,7 +238,7 @@ def _ds_refuses(gnmr: dict[str, Any]) -> BaseException:
 def test_deepspeed_initialize_names_every_wrong_type(data):
     """Block keys and (through the block) backend option keys: refused before DeepSpeed or a
     process group starts."""
-    pytest.importorskip("deepspeed")
+    require("deepspeed")
     if data.draw(st.booleans()):
         key = data.draw(st.sampled_from(sorted(BLOCK_KEYS)))
         err = _ds_refuses(block_case(key, data.draw(JSON)))
@@ -261,7 +262,7 @@ def test_nan_and_infinity_are_not_numbers_here():
 def test_megatron_patches_apply_names_every_wrong_type(data):
     """The same through ``megatron_patches.apply`` (its block reader and backend build run
     before anything is patched, so a plain module stands in for the model)."""
-    pytest.importorskip("megatron.core")
+    require("megatron.core")
     import megatron_patches
 
     def refused(block: dict[str, Any]) -> BaseException:

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from gnmr_dist.integrations.config import LogOptions
+from tests.requires import require
 
 CASES = r"""
 import io, logging, sys
@@ -86,8 +87,8 @@ def test_bad_console_values_are_named(value, message):
 def test_the_callback_warns_once_when_an_engine_missed_it(caplog):
     """The config enables GNMR but no engine got it after the callback was made: one warning;
     training ends and the callback disables what it enabled."""
-    pytest.importorskip("deepspeed")
-    pytest.importorskip("transformers")
+    require("deepspeed")
+    require("transformers")
     import types
 
     from gnmr_dist import GNMRCallback

@@ -11,7 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-pytest.importorskip("deepspeed")
+from tests.requires import require
+
+require("deepspeed")
 
 from tests import multiproc
 from tests.integrations import ds_common as dsc

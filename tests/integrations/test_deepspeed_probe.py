@@ -11,7 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-pytest.importorskip("deepspeed")
+from tests.requires import require
+
+require("deepspeed")
 
 from gnmr_dist.integrations.config import GNMRBlock
 from tests import multiproc
@@ -131,7 +133,7 @@ def test_megatron_refuses_the_probe_before_patching(tmp_path):
     )
     with pytest.raises(ValueError, match=said):
         _read_block(args)
-    pytest.importorskip("megatron.core")
+    require("megatron.core")
     import megatron_patches
 
     with pytest.raises(ValueError, match=r"megatron_patches\.apply: gnmr\.probe is supported"):
@@ -333,7 +335,7 @@ def test_trace_has_probe_records_on_probe_steps_only(runs):
 
 @pytest.mark.slow
 def test_report_prints_the_selection_quality_of_the_run(runs, capsys):
-    pytest.importorskip("matplotlib")
+    require("matplotlib")
     from gnmr_dist.cli.report import main
 
     _, _, trace_dir = runs

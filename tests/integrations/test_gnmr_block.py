@@ -6,7 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-pytest.importorskip("deepspeed")
+from tests.requires import require
+
+require("deepspeed")
 
 from gnmr_dist.integrations.config import GNMRBlock
 from tests import multiproc

@@ -10,8 +10,10 @@ from collections.abc import Iterator
 
 import pytest
 
-pytest.importorskip("deepspeed")
-pytest.importorskip("accelerate")
+from tests.requires import require
+
+require("deepspeed")
+require("accelerate")
 
 from tests import multiproc
 from tests.integrations import ds_common as dsc

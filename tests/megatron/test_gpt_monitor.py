@@ -11,7 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
+from tests.requires import require
+
+require("megatron.core")
 
 from tests import multiproc
 

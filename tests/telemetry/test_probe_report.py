@@ -24,6 +24,7 @@ from gnmr_dist.telemetry.selection import (
 )
 from gnmr_dist.telemetry.trace import ProbeRecord, read_probes
 from tests.cli.traces import CFG, ELIGIBLE, GAMMA_CFG, errors_at
+from tests.requires import require
 
 UNITS = [f"model.layers.{i // 2}.{'qkv' if i % 2 == 0 else 'fc'}" for i in range(6)]
 K, EVERY, STEPS = 2, 3, 30
@@ -184,7 +185,7 @@ def _want_means(probes, decisions, errors=None):
 
 
 def test_report_prints_selection_quality(tmp_path, capsys):
-    pytest.importorskip("matplotlib")
+    require("matplotlib")
     from gnmr_dist.cli.report import main
     from gnmr_dist.telemetry.report import draw_report
 
@@ -217,7 +218,7 @@ def test_report_prints_selection_quality(tmp_path, capsys):
 
 
 def test_report_without_update_gap_and_with_error_scores(tmp_path, capsys):
-    pytest.importorskip("matplotlib")
+    require("matplotlib")
     from gnmr_dist.cli.report import main
 
     trace = tmp_path / "t.jsonl"
