@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from torch import nn
@@ -234,30 +232,3 @@ def test_options_defaults_and_resolution():
 def test_option_errors_name_the_field_and_the_allowed_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
         get_backend("fp8_emulated", **kwargs)
-
-
-# ------------------------------------------------------------------------------ step time
-
-
-def test_step_time_of_emulated_fp8_vs_fp32():
-    """Printed, not asserted: 1024x1024 layer, 2048 tokens, forward + backward."""
-    layer, plain = nn.Linear(1024, 1024), nn.Linear(1024, 1024)
-    backend = Fp8EmulatedBackend()
-    backend.wrap({0: layer})
-    backend.apply(active=set(), step=1)
-    x = torch.randn(2048, 1024, requires_grad=True)
-
-    def seconds(mod):
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            mod(x).sum().backward()
-            times.append(time.perf_counter() - start)
-        return sorted(times)[2]
-
-    fp8, fp32 = seconds(layer), seconds(plain)
-    print(
-        f"\nfwd+bwd 2048x1024x1024: fp32 {fp32 * 1e3:.1f} ms, emulated e4m3 block "
-        f"{fp8 * 1e3:.1f} ms ({fp8 / fp32:.2f}x)"
-    )
-    assert backend.report().low_cost == {0}
