@@ -20,8 +20,12 @@ from benchmarks.branch_stats import (
     unit_step_share,
 )
 from benchmarks.common import RESULTS, finish_plot, jsonable
+from benchmarks.harness_model import PROJECTIONS
 from benchmarks.regimes import Regime
 from benchmarks.sweep_stats import plus_minus
+
+GAP = "static gap (low-cost - BF16)"
+"""The name of the static gap among the noise figures."""
 
 
 def complete(records: Records, d: Design, arm: str) -> bool:
@@ -51,7 +55,7 @@ def summarize(records: Records, d: Design, arms: Sequence[str]) -> dict[str, dic
 def noise(records: Records, d: Design) -> dict[str, tuple[float, float]]:
     """The null controls and the static gap (paired mean, 95% half-width)."""
     pairs = {
-        "static gap (low-cost - BF16)": (d.low, d.high),
+        GAP: (d.low, d.high),
         f"{NULL_ARMS[0]} - BF16": (NULL_ARMS[0], d.high),
         f"{NULL_ARMS[1]} - low-cost": (NULL_ARMS[1], d.low),
         "low-cost (SR seed 1) - low-cost": ("low-cost (SR seed 1)", d.low),
@@ -61,7 +65,7 @@ def noise(records: Records, d: Design) -> dict[str, tuple[float, float]]:
         for name, (a, b) in pairs.items()
         if complete(records, d, a) and complete(records, d, b)
     }
-    if "static gap (low-cost - BF16)" in out:  # how the gap grows along a branch
+    if GAP in out:  # how the gap grows along a branch
         for e in _horizons(records, d):
             out[f"static gap after {e} steps"] = paired(
                 records, replace(d, horizon=e), d.low, d.high
@@ -80,10 +84,6 @@ def _horizons(records: Records, d: Design) -> list[int]:
     return sorted(int(e) for e in set.intersection(*keys) if int(e) != d.horizon)
 
 
-PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
-"""The harness Llama's projection units in registry order, per layer."""
-
-
 def picks(records: Records, d: Design, arm: str, top: int = 6) -> list[tuple[str, float]]:
     """The units ``arm`` ran on the recovery path most, as ``("L<layer>.<proj>", share of the
     arm's recovered unit-steps)``; empty for records that predate the per-unit counts."""
@@ -93,17 +93,17 @@ def picks(records: Records, d: Design, arm: str, top: int = 6) -> list[tuple[str
     totals = [sum(col) for col in zip(*rows, strict=True)]
     whole = sum(totals) or 1
     ranked = sorted(range(len(totals)), key=lambda i: -totals[i])[:top]
-    n = len(PROJECTIONS)
-    return [(f"L{i // n}.{PROJECTIONS[i % n]}", totals[i] / whole) for i in ranked if totals[i]]
+    n = len(PROJECTIONS)  # the harness Llama's units, in registry order per layer
+    short = [p.removesuffix("_proj") for p in PROJECTIONS]
+    return [(f"L{i // n}.{short[i % n]}", totals[i] / whole) for i in ranked if totals[i]]
 
 
 def noise_checks(est: dict[str, tuple[float, float]]) -> list[str]:
     """Each null's check: its interval holds 0, and its half-width is at most a third of the
     static gap's mean (the gap the estimator is asked to resolve)."""
-    gap_name = "static gap (low-cost - BF16)"
-    if gap_name not in est:
+    if GAP not in est:
         return []
-    gap, gap_h = est[gap_name]
+    gap, gap_h = est[GAP]
     out = [f"- static gap resolved (interval excludes 0): {abs(gap) > gap_h}"]
     for name, (m, h) in est.items():
         if not name.startswith("static gap") and gap:
@@ -126,9 +126,9 @@ def comparisons(
             if complete(records, d, a) and complete(records, d, b):
                 out.append((f"{a} - {b}", paired(records, d, a, b)))
         a = f"GNMR+e {k}"
+        # the late switch spends NVIDIA's share of unit-steps: the last-k rule's budget
+        at_nvidias = f"NVIDIA last-{k}" in nvidia
         for b in [*nvidia, f"oracle {k}"]:
-            # the late switch spends NVIDIA's share of unit-steps: the last-k rule's budget
-            at_nvidias = f"NVIDIA last-{k}" in nvidia
             last_k = b == f"NVIDIA last-{k}"
             same_budget = b.startswith("oracle") or last_k or ("late" in b and at_nvidias)
             if same_budget and complete(records, d, a) and complete(records, d, b):
@@ -186,8 +186,9 @@ def report(
         f"{d.horizon} steps each; held-out loss in fp32 after {d.horizon} steps, paired by "
         "branch, mean over a seed's points, 95% Student-t interval over seeds"
     )
+    checks = noise_checks(est)
     lines += [f"- {name}: {plus_minus(pair)}" for name, pair in est.items()]
-    lines += noise_checks(est)
+    lines += checks
     lines += ["", table(summary), ""]
     lines += [f"- {name}: {plus_minus(pair)} -> {verdict(pair)}" for name, pair in comp]
     chosen = {
@@ -207,7 +208,7 @@ def report(
         "horizon": d.horizon,
         "instrument": regime.instrument.__dict__,
         "noise": est,
-        "noise_checks": noise_checks(est),
+        "noise_checks": checks,
         "summary": summary,
         "comparisons": dict(comp),
         "verdicts": {name: verdict(pair) for name, pair in comp},
