@@ -27,7 +27,7 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     """``GNMRCallback`` on first use (it subclasses transformers' ``TrainerCallback``)."""
     if name == "GNMRCallback":
-        from gnmr_dist.integrations.trainer import GNMRCallback
+        from gnmr_dist.integrations.deepspeed.trainer import GNMRCallback
 
         return GNMRCallback
     raise AttributeError(f"module 'gnmr_dist' has no attribute {name!r}")

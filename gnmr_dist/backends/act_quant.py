@@ -38,7 +38,7 @@ import math
 import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -47,11 +47,11 @@ from torch import nn
 from gnmr_dist.backends.base import (
     LOW_COST,
     GemmProbe,
-    OptionBlocks,
     PrecisionBackend,
     frobenius,
-    operators_of,
 )
+from gnmr_dist.backends.operators import operators_of
+from gnmr_dist.backends.registry import register_backend
 
 __all__ = [
     "ActQuantBackend",
@@ -286,6 +286,7 @@ def check_shard_widths(
     )
 
 
+@register_backend("act_quant")
 class ActQuantBackend(PrecisionBackend):
     """4-bit saved activations on the low-cost path, 8 (or 16/32) on recovery.
 
@@ -293,9 +294,11 @@ class ActQuantBackend(PrecisionBackend):
     (defaults ``{"bits": 4, "group_size": 128}`` and ``{"bits": 8, "group_size": 128}``).
     """
 
-    name = "act_quant"
     reports_errors = True
-    options = OptionBlocks(ActQuantOptions, ActQuantOptions, recovery_defaults={"bits": 8})
+    adapted_gemms = True
+    LowCost = ActQuantOptions
+    Recovery = ActQuantOptions
+    recovery_defaults: ClassVar[Mapping[str, Any]] = {"bits": 8}
     low_cost: ActQuantOptions
     recovery: ActQuantOptions
 
@@ -307,17 +310,21 @@ class ActQuantBackend(PrecisionBackend):
     def wrap(self, units: Mapping[int, nn.Module]) -> None:
         """:meth:`PrecisionBackend.wrap`, after refusing a layout whose groups would depend on
         the tensor-parallel size (:func:`check_shard_widths`)."""
-        widths = {  # megatron's RowParallelLinear: its GEMM sees a shard (scattered or given)
-            (uid, type(op).__name__, int(op.input_size), int(op.input_size_per_partition))
+        widths = {  # an adapted operator whose GEMM sees a shard of its input features
+            (uid, type(op).__name__, *shard)
             for uid, unit in units.items()
-            for _, op in operators_of(unit)
-            if self.supports(op) and hasattr(op, "input_size_per_partition")
+            for _, op in operators_of(unit, self.operator_names())
+            if self.supports(op) and (shard := self._input_shard(op)) is not None
         }
         for path, options in (("gnmr.low_cost", self.low_cost), ("gnmr.recovery", self.recovery)):
             check_shard_widths(options, path, widths)
         super().wrap(units)
 
-    def _gemm_fn(self, op: nn.Module, path: str) -> Any:
+    def _input_shard(self, op: nn.Module) -> tuple[int, int] | None:
+        adapter = self.operators.adapter_of(op)
+        return None if adapter is None else adapter.input_widths(op)
+
+    def make_gemm(self, op: nn.Module, path: str) -> Any:
         options = self.low_cost if path == LOW_COST else self.recovery
 
         def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

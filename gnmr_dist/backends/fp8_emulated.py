@@ -119,14 +119,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from gnmr_dist.backends.base import LOW_COST, RECOVERY, OptionBlocks, PrecisionBackend
+from gnmr_dist.backends.base import LOW_COST, RECOVERY, PrecisionBackend
 from gnmr_dist.backends.fp8_linear import (
     SCALINGS,
     Fp8Call,
@@ -147,6 +147,7 @@ from gnmr_dist.backends.fp8_scaling import (
     scale_of,
 )
 from gnmr_dist.backends.numerics import quantize_dequantize_scaled, sr_seed
+from gnmr_dist.backends.registry import register_backend
 
 __all__ = [
     "AMAX_ALGOS",
@@ -166,6 +167,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
+@register_backend("fp8_emulated")
 class Fp8EmulatedBackend(PrecisionBackend):
     """Emulated FP8/FP6 GEMMs on the low-cost path, bf16 (or any format) on recovery.
 
@@ -174,9 +176,11 @@ class Fp8EmulatedBackend(PrecisionBackend):
     ``"scaling": "delayed"`` keeps amax histories per operator (module docstring).
     """
 
-    name = "fp8_emulated"
     reports_errors = True
-    options = OptionBlocks(Fp8Options, Fp8Options, recovery_defaults={"format": "bf16"})
+    adapted_gemms = True
+    LowCost = Fp8Options
+    Recovery = Fp8Options
+    recovery_defaults: ClassVar[Mapping[str, Any]] = {"format": "bf16"}
     low_cost: Fp8Options
     recovery: Fp8Options
 
@@ -220,7 +224,7 @@ class Fp8EmulatedBackend(PrecisionBackend):
         for paths in self._delayed.values():
             yield from paths.values()
 
-    def _on_plan_change(self, before: frozenset[int], after: frozenset[int]) -> None:
+    def on_plan_change(self, before: frozenset[int], after: frozenset[int]) -> None:
         """A unit entering a path starts that path's histories afresh (not inside
         :meth:`measuring`): back from recovery, a stale low-cost history must not overflow."""
         if self._measuring:
@@ -294,7 +298,7 @@ class Fp8EmulatedBackend(PrecisionBackend):
 
     # ------------------------------------------------------------------ forwards
 
-    def _gemm_fn(self, op: nn.Module, path: str) -> Callable[..., torch.Tensor]:
+    def make_gemm(self, op: nn.Module, path: str) -> Callable[..., torch.Tensor]:
         spec, low = self.specs[path], self.specs[LOW_COST]
         path_scales, low_scales = self.delayed_scales(op, path), self.delayed_scales(op, LOW_COST)
 

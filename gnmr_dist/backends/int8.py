@@ -62,13 +62,14 @@ import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from gnmr_dist.backends.base import RECOVERY, GemmProbe, OptionBlocks, PrecisionBackend, frobenius
+from gnmr_dist.backends.base import RECOVERY, GemmProbe, PrecisionBackend, frobenius
+from gnmr_dist.backends.registry import register_backend
 from gnmr_dist.core.validation import check_choice
 
 __all__ = [
@@ -287,6 +288,7 @@ def _bf16_linear(op: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return y.to(x.dtype)
 
 
+@register_backend("int8")
 class Int8Backend(PrecisionBackend):
     """W8A8 int8 base projections on the low-cost path, BF16 (or the module's own) on recovery.
 
@@ -296,10 +298,9 @@ class Int8Backend(PrecisionBackend):
     ``recovery={"dtype": "bf16"|"fp32"}``.
     """
 
-    name = "int8"
     reports_errors = True
-    operator_types: ClassVar[frozenset[str]] = frozenset()  # nn.Linear and LoRA layers only
-    options = OptionBlocks(Int8LowCost, Int8Recovery)
+    LowCost = Int8LowCost
+    Recovery = Int8Recovery
     low_cost: Int8LowCost
     recovery: Int8Recovery
 
@@ -327,7 +328,7 @@ class Int8Backend(PrecisionBackend):
         super().unwrap()
         self._caches.clear()
 
-    def _forward_fn(self, op: nn.Module, path: str) -> Callable[..., torch.Tensor]:
+    def make_forward(self, op: nn.Module, path: str) -> Callable[..., torch.Tensor]:
         lin = _as_linear(op)
         if path == RECOVERY:
             return self._recovery_forward(lin)

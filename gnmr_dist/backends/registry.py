@@ -1,51 +1,89 @@
 """The registry of backends: config name -> class, and what every unit registry needs of them.
 
-A new backend is one module plus one line in :data:`BACKENDS`; :func:`get_backend`, the config
-validation, the integrations' unit registries (:func:`registered_operator_types`) and the
-backend contract tests (``tests/backends``) all read it from here.
+A backend is registered under its config name (``gnmr.backend``) by decorating its class::
 
-A backend module is imported only when its class is asked for, and must not import an optional
-package (Transformer Engine) at module level: :func:`registered_operator_types` reads every
-registered class, also on hosts that cannot run it, and the backend imports its package when it
-is built.
+    from gnmr_dist.backends import PrecisionBackend, register_backend
+
+    @register_backend("my_fp8")
+    class MyFp8Backend(PrecisionBackend):
+        ...
+
+in any package, gnmr-dist's own backends included: importing the module that defines the class
+registers it (a user's package is imported by the user's training script before the engine is
+built). :func:`get_backend`, the config validation, the integrations' unit registries
+(:func:`registered_operator_types`) and the backend contract tests (``tests/backends``) all read
+:data:`BACKENDS`.
+
+A backend module must not import an optional package (Transformer Engine) at module level:
+:func:`registered_operator_types` reads every registered class, also on hosts that cannot run
+it; the backend imports its package when it is built.
 
 This module imports no backend (nor :mod:`gnmr_dist.backends.base`) at module level, so
-``base`` can use it.
+``base`` can use it; :mod:`gnmr_dist.backends` imports the built-in backends.
 """
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from gnmr_dist.core.validation import did_you_mean
-from gnmr_dist.distributed.units import MEGATRON_LINEARS
 
 if TYPE_CHECKING:
     from gnmr_dist.backends.base import PrecisionBackend
+    from gnmr_dist.backends.operators import Operators
 
-__all__ = ["BACKENDS", "backend_class", "get_backend", "registered_operator_types"]
+__all__ = [
+    "BACKENDS",
+    "backend_class",
+    "get_backend",
+    "register_backend",
+    "registered_operator_types",
+]
 
-BACKENDS: dict[str, str] = {
-    "act_quant": "gnmr_dist.backends.act_quant:ActQuantBackend",
-    "fp8_emulated": "gnmr_dist.backends.fp8_emulated:Fp8EmulatedBackend",
-    "int8": "gnmr_dist.backends.int8:Int8Backend",
-    "te_fp8": "gnmr_dist.backends.te_fp8:TEFp8Backend",
-}
-"""Config name -> ``module:class`` of every backend."""
+BACKENDS: dict[str, type[PrecisionBackend]] = {}
+"""Config name -> class of every registered backend (:func:`register_backend`)."""
+
+B = TypeVar("B", bound="type[PrecisionBackend]")
+
+
+def register_backend(name: str) -> Callable[[B], B]:
+    """Class decorator: make the backend class available as ``gnmr.backend = name``.
+
+    Sets the class's ``name``. A second class under a taken name is refused (a ``ValueError``
+    naming both), so two packages cannot silently shadow each other; registering the same
+    class again (a module reloaded) is a no-op.
+    """
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"register_backend: the name must be an identifier, got {name!r}")
+
+    def register(cls: B) -> B:
+        held = BACKENDS.get(name)
+        same = held is not None and (held.__module__, held.__qualname__) == (
+            cls.__module__,
+            cls.__qualname__,
+        )
+        if held is not None and not same:
+            raise ValueError(
+                f"register_backend: {name!r} is already {held.__module__}.{held.__qualname__}; "
+                f"choose another name for {cls.__module__}.{cls.__qualname__}"
+            )
+        cls.name = name
+        BACKENDS[name] = cls
+        return cls
+
+    return register
 
 
 def backend_class(name: str) -> type[PrecisionBackend]:
-    """The class registered as ``name`` (its module imported now; no optional package is)."""
+    """The class registered as ``name``."""
     if name not in BACKENDS:
         raise ValueError(
             f"unknown backend {name!r}{did_you_mean(name, BACKENDS)} "
-            f"(available: {', '.join(sorted(BACKENDS))})"
+            f"(available: {', '.join(sorted(BACKENDS))}; a backend of your own is registered "
+            "with @gnmr_dist.backends.register_backend, in a module imported before the run)"
         )
-    module_name, cls_name = BACKENDS[name].split(":")
-    cls: type[PrecisionBackend] = getattr(importlib.import_module(module_name), cls_name)
-    return cls
+    return BACKENDS[name]
 
 
 def get_backend(
@@ -53,19 +91,25 @@ def get_backend(
     *,
     low_cost: Mapping[str, Any] | None = None,
     recovery: Mapping[str, Any] | None = None,
+    operators: Operators | None = None,
 ) -> PrecisionBackend:
-    """The backend called ``name`` with its ``low_cost`` / ``recovery`` option blocks."""
-    return backend_class(name)(low_cost=low_cost, recovery=recovery)
+    """The backend called ``name`` with its ``low_cost`` / ``recovery`` option blocks and the
+    integration's ``operators`` (``None``: plain torch,
+    :data:`~gnmr_dist.backends.operators.TORCH`)."""
+    cls = backend_class(name)
+    if operators is None:
+        return cls(low_cost=low_cost, recovery=recovery)
+    return cls(low_cost=low_cost, recovery=recovery, operators=operators)
 
 
 def registered_operator_types() -> frozenset[str]:
-    """megatron-core's parallel linears and every registered backend's
+    """Every registered backend's
     :attr:`~gnmr_dist.backends.base.PrecisionBackend.operator_types`.
 
-    What the integrations pass to :meth:`~gnmr_dist.distributed.UnitRegistry.from_model`
-    whatever the backend (``None`` included: observe only), so that the units of a model, their
-    ids and names never depend on the backend a run chose (a unit no backend of the run
-    switches is found all the same, and is ineligible).
+    What the integrations add to their framework's operator types when they build a
+    :class:`~gnmr_dist.distributed.UnitRegistry`, whatever the backend (``None`` included:
+    observe only), so that the units of a model, their ids and names never depend on the backend
+    a run chose (a unit no backend of the run switches is found all the same, and is
+    ineligible).
     """
-    declared = (backend_class(name).operator_types for name in BACKENDS)
-    return MEGATRON_LINEARS.union(*declared)
+    return frozenset().union(*(cls.operator_types for cls in BACKENDS.values()))

@@ -112,7 +112,8 @@ recover with; they are left unwrapped, which makes their units ineligible. CUDA-
 Layout: the option blocks and the recipe policy live in :mod:`gnmr_dist.backends.te_recipes`,
 loading TE (version differences resolved by feature, not by number) and the modules'
 delayed-scaling state in :mod:`gnmr_dist.backends.te_runtime`, the ``te_quant_params`` mechanism
-in :mod:`gnmr_dist.backends.te_megatron`; their public names are importable from here too.
+in :mod:`gnmr_dist.integrations.megatron.te` (megatron owns it; it reaches this backend as
+the integration's ``operators.switcher``).
 
 Use::
 
@@ -136,23 +137,10 @@ from typing import Any
 
 from torch import nn
 
-from gnmr_dist.backends.base import LOW_COST, RECOVERY, OptionBlocks, PrecisionBackend
-from gnmr_dist.backends.te_megatron import (
-    MEGATRON_TE_LINEARS,
-    QuantParamsSwitch,
-    cuda_graph_setting,
-    is_megatron_te_linear,
-    megatron_outer_recipe,
-    module_recipe,
-    quant_params_switch,
-)
-from gnmr_dist.backends.te_recipes import (
-    RECIPES,
-    TELowCostOptions,
-    TERecoveryOptions,
-    check_own,
-    check_pair,
-)
+from gnmr_dist.backends.base import LOW_COST, RECOVERY, PrecisionBackend
+from gnmr_dist.backends.operators import GemmAdapter, ModuleSwitch
+from gnmr_dist.backends.registry import register_backend
+from gnmr_dist.backends.te_recipes import TELowCostOptions, TERecoveryOptions, check_pair
 from gnmr_dist.backends.te_runtime import (
     TE_MODULE_TYPES,
     build_recipe,
@@ -174,6 +162,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
+@register_backend("te_fp8")
 class TEFp8Backend(PrecisionBackend):
     """Transformer Engine FP8 on the low-cost path, BF16 or a stronger recipe on recovery.
 
@@ -187,9 +176,9 @@ class TEFp8Backend(PrecisionBackend):
     run on this machine; both point to the ``fp8_emulated`` backend.
     """
 
-    name = "te_fp8"
-    operator_types = TE_MODULE_TYPES | MEGATRON_TE_LINEARS
-    options = OptionBlocks(TELowCostOptions, TERecoveryOptions)
+    operator_types = TE_MODULE_TYPES
+    LowCost = TELowCostOptions
+    Recovery = TERecoveryOptions
     low_cost: TELowCostOptions
     recovery: TERecoveryOptions
 
@@ -207,7 +196,7 @@ class TEFp8Backend(PrecisionBackend):
         """The TE recipe object of the inner region, or None for BF16."""
         self._warned_no_fp8 = False
         self._warned_fp8_weights = False
-        self._switches: dict[int, QuantParamsSwitch] = {}
+        self._switches: dict[int, ModuleSwitch] = {}
         logger.info(
             "te_fp8: transformer_engine %s (%s), low-cost %s, recovery %s",
             self._te.version,
@@ -283,15 +272,18 @@ class TEFp8Backend(PrecisionBackend):
     ) -> None:
         """Install the switch on every unit; ``names`` (unit id -> name) label error messages.
 
-        An operator unit that *is* a megatron-core TE linear is switched through its own
-        ``te_quant_params`` (checked here, before anything is installed: see the module
-        docstring); every other unit, layer units included, through nested regions.
+        An operator unit that switches its own precision through a framework setting (the
+        integration's :attr:`~gnmr_dist.backends.operators.Operators.switcher`: a megatron-core
+        TE linear's ``te_quant_params``) is switched through it (checked here, before anything
+        is installed); every other unit, layer units included, through nested regions.
         """
-        switches = {
-            uid: self._megatron_switch(mod, (names or {}).get(uid, f"unit {uid}"))
+        switcher = self.operators.switcher
+        found = {
+            uid: switcher(mod, (names or {}).get(uid, f"unit {uid}"), self)
             for uid, mod in units.items()
-            if is_megatron_te_linear(mod) and self.supports(mod)
+            if switcher is not None and self.supports(mod)
         }
+        switches = {uid: s for uid, s in found.items() if s is not None}
         self._switches.update(switches)
         try:
             super().wrap(units)
@@ -308,68 +300,17 @@ class TEFp8Backend(PrecisionBackend):
         super().unwrap()
 
     @property
-    def quant_params_units(self) -> frozenset[int]:
-        """Units switched through megatron's ``te_quant_params`` (the others: by regions)."""
+    def switched_units(self) -> frozenset[int]:
+        """Units switched through their own framework setting (megatron's ``te_quant_params``;
+        the others: by regions)."""
         return frozenset(self._switches)
 
-    def _megatron_switch(self, module: nn.Module, name: str) -> QuantParamsSwitch:
-        """The ``te_quant_params`` switch of one megatron TE linear, or a ``ValueError``."""
-        label = f"{name} ({type(module).__name__})"
-        config = getattr(module, "config", None)
-        if config is None:
-            raise ValueError(f"te_fp8: {label} has no megatron config (module.config)")
-        graphed = cuda_graph_setting(config)
-        if graphed is not None:
-            raise ValueError(
-                f"te_fp8: {label}: megatron CUDA-graphs its layer ({graphed}); a graph replays "
-                "the path it was captured with, so its te_quant_params cannot switch it. Turn "
-                "CUDA graphs off or leave the module out of the units (gnmr.exclude)"
-            )
-        self._check_outer(label, config)
-        own = module_recipe(module.te_quant_params, megatron_outer_recipe(config))
-        check_own(label, own, self.recovery.recipe)
-        recipe = None if self.recovery.recipe == "bf16" else self.recovery.recipe
-        return quant_params_switch(
-            module,
-            label,
-            recipe=recipe,
-            recipe_class=None if recipe is None else RECIPES[recipe][0],
-            fp8_format=self.low_cost.fp8_format,
-        )
-
-    def _check_outer(self, label: str, config: Any) -> None:
-        """megatron's own FP8/FP4 setting of the module must be this backend's low-cost path."""
-        outer, low = megatron_outer_recipe(config), self.low_cost
-        if outer == "bf16":
-            raise ValueError(
-                f"te_fp8: {label}: megatron runs it without FP8 or FP4 (config.fp8 and "
-                "config.fp4 are None), so te_fp8 has no low-cost path to switch: set "
-                "config.fp8 / config.fp8_recipe (--fp8-format, --fp8-recipe) or config.fp4 "
-                "(--fp4-format e2m1), or use backend 'fp8_emulated'"
-            )
-        if low.recipe == "nvfp4" or outer == "nvfp4":
-            if outer != low.recipe:
-                fp4 = getattr(config, "fp4", None)
-                raise ValueError(
-                    f"te_fp8: {label}: megatron runs it with fp4={fp4!r}, fp8="
-                    f"{getattr(config, 'fp8', None)!r} (recipe {outer!r}) but gnmr.low_cost is "
-                    f"recipe {low.recipe!r}; make them the same (--fp4-format e2m1 with "
-                    "--fp4-recipe nvfp4 for low_cost 'nvfp4')"
-                )
-            return
-        fp8 = config.fp8
-        if outer != low.recipe or fp8 != low.fp8_format:
-            raise ValueError(
-                f"te_fp8: {label}: megatron runs it with config.fp8={fp8!r}, "
-                f"fp8_recipe={outer!r} but gnmr.low_cost is recipe={low.recipe!r}, "
-                f"fp8_format={low.fp8_format!r}; make them the same (the recovery checks and "
-                "the delayed-scaling reseed rely on it)"
-            )
-
-    def _switching(self, uid: int, op: nn.Module, attr: str) -> Callable[..., Any]:
+    def _switching(
+        self, uid: int, op: nn.Module, adapter: GemmAdapter | None
+    ) -> Callable[..., Any]:
         switch = self._switches.get(uid)
         if switch is None or switch.module is not op:
-            return super()._switching(uid, op, attr)
+            return super()._switching(uid, op, adapter)
         forward = types.MethodType(type(op).forward, op)
 
         def counted(*args: Any, **kwargs: Any) -> Any:  # megatron's forward opens the region
@@ -383,7 +324,7 @@ class TEFp8Backend(PrecisionBackend):
 
         return counted
 
-    def _forward_fn(self, op: nn.Module, path: str) -> Callable[..., Any]:
+    def make_forward(self, op: nn.Module, path: str) -> Callable[..., Any]:
         forward = types.MethodType(type(op).forward, op)
         if path == LOW_COST:
             return self._low_cost_forward(op, forward)
@@ -425,7 +366,7 @@ class TEFp8Backend(PrecisionBackend):
 
     # ------------------------------------------------------------------ plan changes
 
-    def _on_plan_change(self, before: frozenset[int], after: frozenset[int]) -> None:
+    def on_plan_change(self, before: frozenset[int], after: frozenset[int]) -> None:
         """Set ``te_quant_params`` of the switched megatron modules to the plan, then reset the
         delayed-scaling state of units returning to FP8 (``reseed="reset"``)."""
         _set_quant_params(self._switches.items(), after)
@@ -440,7 +381,7 @@ class TEFp8Backend(PrecisionBackend):
 
 
 def _set_quant_params(
-    switches: Iterable[tuple[int, QuantParamsSwitch]], recover: frozenset[int]
+    switches: Iterable[tuple[int, ModuleSwitch]], recover: frozenset[int]
 ) -> None:
     """The plan onto ``te_quant_params``: all values checked first, then all set."""
     switches = list(switches)

@@ -158,7 +158,7 @@ class GradNormMonitor:
         group: the ranks across which the gradients are split: the model-parallel group
             (tensor x pipeline) for megatron-core with its plain optimizer; DeepSpeed's
             data-parallel group with the ZeRO pieces of
-            :mod:`gnmr_dist.integrations.deepspeed_grads` (``grad_fn`` then returns each rank's
+            :mod:`gnmr_dist.integrations.deepspeed.grads` (``grad_fn`` then returns each rank's
             own piece). ``None``: no communication.
         grad_fn: returns the gradient (or gradient shard) of a parameter; default
             :func:`default_grad`.

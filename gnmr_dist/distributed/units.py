@@ -1,25 +1,27 @@
 """Units: the named parameter groups GNMR scores, with ids that every rank agrees on.
 
-A unit is either one projection operator (``granularity="operator"``: ``nn.Linear``,
-megatron-core's ``ColumnParallelLinear``/``RowParallelLinear``, LoRA layers, and the classes the
-caller names: Transformer Engine's linear modules, which the backends declare) or one whole
-transformer layer (``granularity="layer"``). Every parameter outside all units (embeddings,
+A unit is either one projection operator (``granularity="operator"``: ``nn.Linear``, LoRA
+layers, and the classes the caller names: a framework's own linears, which its integration
+names, and Transformer Engine's, which the backends declare) or one whole transformer layer
+(``granularity="layer"``). Every parameter outside all units (embeddings,
 norms between operators, final norm, output head) falls into one extra non-recoverable "rest"
 slot, so the pass that yields the per-unit norms also yields the global norm.
 
 Names are *global*: wrapper prefixes (``module.`` from DDP/Float16Module) are stripped and the
 index of a transformer layer is its global layer number, so pipeline stage 1 of 2 calls its first
-layer ``decoder.layers.4`` rather than ``decoder.layers.0``. Megatron layers carry the global
-number themselves (``layer_number``, 1-based); for other models a ``layer_offset`` shifts the
-local index. Ranks then exchange their local names once (one ``all_gather_object`` at start) and
-sort the union by (global layer, position inside the layer), which makes the id of a unit depend
-only on the model, not on the parallel layout: a checkpoint taken at TP2 x PP2 resumes at TP1.
+layer ``decoder.layers.4`` rather than ``decoder.layers.0``. A framework whose layers carry the
+global number themselves names the attribute (:class:`ModelMarks`); for other models a
+``layer_offset`` shifts the local index. Ranks then exchange their local names once (one
+``all_gather_object`` at start) and sort the union by (global layer, position inside the
+layer), which makes the id of a unit depend only on the model, not on the parallel layout: a
+checkpoint taken at TP2 x PP2 resumes at TP1.
 
-Parameters are counted once over the tensor-parallel group: a parameter marked
-``tensor_model_parallel`` (megatron) or ``model_parallel`` (DeepSpeed) holds a distinct shard on
-every TP rank; any other parameter is a replica and counts only on TP rank 0. Parameters marked
-``shared`` (megatron's tied embedding copy on the last pipeline stage) are not counted, and a
-tensor reachable under two names (tied weights inside one module) is counted once.
+Parameters are counted once over the tensor-parallel group: a parameter carrying one of the
+framework's *sharded* marks (:class:`ModelMarks`, given by its integration) holds a distinct
+shard on every TP rank; any other parameter is a replica and counts only on TP rank 0.
+Parameters carrying a *shared* mark (a tied copy held by another pipeline stage) are not
+counted, and a tensor reachable under two names (tied weights inside one module) is counted
+once.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from torch import nn
 from gnmr_dist.distributed.comm import Group, all_gather_objects, group_rank
 
 __all__ = [
-    "MEGATRON_LINEARS",
+    "ModelMarks",
     "UnitRegistry",
     "check_selection",
     "global_param_name",
@@ -49,11 +51,31 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-MEGATRON_LINEARS = frozenset({"ColumnParallelLinear", "RowParallelLinear"})
-"""megatron-core's own tensor-parallel linears: with ``nn.Linear`` and LoRA layers, the operators
-every registry finds. Other operator classes (Transformer Engine's) are named by the caller:
-the integrations pass :func:`gnmr_dist.backends.registered_operator_types`, the class names
-every registered backend declares (matched by name, so nothing optional is imported)."""
+
+@dataclass(frozen=True)
+class ModelMarks:
+    """What a framework marks on its modules and parameters, named by its integration.
+
+    The default marks nothing: a plain torch model, whose parameters are all replicas over the
+    tensor-parallel group and whose layers are numbered by their place in their list.
+    """
+
+    layer_number: str | None = None
+    """Module attribute holding the layer's *global*, 1-based number (``None``: none)."""
+    sharded: tuple[str, ...] = ()
+    """Parameter attributes that, when true, mark a distinct shard on every TP rank."""
+    shared: tuple[str, ...] = ()
+    """Parameter attributes that, when true, mark a copy counted on another rank."""
+
+    def counted(self, param: nn.Parameter, tp_rank: int) -> bool:
+        """Whether this rank counts ``param``: never a shared copy; a shard on every TP rank;
+        a replica on TP rank 0 only."""
+        if any(getattr(param, mark, False) for mark in self.shared):
+            return False
+        return any(getattr(param, mark, False) for mark in self.sharded) or tp_rank == 0
+
+
+PLAIN = ModelMarks()
 
 _LAYER_LISTS = ("layers", "h", "layer", "blocks")
 _WRAPPERS = re.compile(r"^(?:module\.|_orig_mod\.|base_model\.model\.)+")
@@ -65,10 +87,9 @@ def is_lora_layer(module: nn.Module) -> bool:
     return isinstance(getattr(module, "base_layer", None), nn.Module) and hasattr(module, "lora_A")
 
 
-def is_operator(module: nn.Module, operator_types: Collection[str] = MEGATRON_LINEARS) -> bool:
+def is_operator(module: nn.Module, operator_types: Collection[str] = frozenset()) -> bool:
     """True for a projection operator: ``nn.Linear``, a LoRA layer, or a module whose class is
-    named in ``operator_types`` (megatron-core's parallel linears by default; TE's linears when
-    the caller names them)."""
+    named in ``operator_types`` (a framework's or a backend library's, named by the caller)."""
     return (
         isinstance(module, nn.Linear)
         or type(module).__name__ in operator_types
@@ -80,10 +101,18 @@ def _strip_wrappers(name: str) -> str:
     return _WRAPPERS.sub("", name)
 
 
-def _layer_index(path: str, module: nn.Module, parent: nn.Module | None) -> int | None:
+def _own_number(module: nn.Module, marks: ModelMarks) -> int | None:
+    """The 1-based global layer number ``module`` carries (:attr:`ModelMarks.layer_number`)."""
+    number = getattr(module, marks.layer_number, None) if marks.layer_number else None
+    return number if isinstance(number, int) and not isinstance(number, bool) else None
+
+
+def _layer_index(
+    path: str, module: nn.Module, parent: nn.Module | None, marks: ModelMarks
+) -> int | None:
     """Global 0-based layer index of ``module`` at ``path``, or None if it is not a layer."""
-    number = getattr(module, "layer_number", None)
-    if isinstance(number, int) and not isinstance(number, bool):
+    number = _own_number(module, marks)
+    if number is not None:
         return number - 1
     head, _, tail = path.rpartition(".")
     if tail.isdigit() and isinstance(parent, nn.ModuleList) and head.split(".")[-1] in _LAYER_LISTS:
@@ -99,16 +128,18 @@ class _LocalUnit:
     eligible: bool
 
 
-def _find_layers(model: nn.Module, layer_offset: int) -> dict[str, tuple[str, int]]:
+def _find_layers(
+    model: nn.Module, layer_offset: int, marks: ModelMarks = PLAIN
+) -> dict[str, tuple[str, int]]:
     """Map local module path -> (global layer path, global layer index) for every layer."""
     modules = dict(model.named_modules())
     layers: dict[str, tuple[str, int]] = {}
     for path, module in modules.items():
         parent = modules.get(path.rpartition(".")[0]) if "." in path else model
-        index = _layer_index(path, module, parent)
+        index = _layer_index(path, module, parent, marks)
         if index is None or any(path.startswith(p + ".") for p in layers):
             continue
-        if getattr(module, "layer_number", None) is None:
+        if _own_number(module, marks) is None:
             index += layer_offset
         head = _strip_wrappers(path).rpartition(".")[0]
         layers[path] = (f"{head}.{index}", index)
@@ -129,14 +160,18 @@ def _globalize(local_name: str, layers: dict[str, tuple[str, int]]) -> str:
     return layers[layer][0] + local_name[len(layer) :]
 
 
-def global_param_name(model: nn.Module, local_name: str, layer_offset: int = 0) -> str:
+def global_param_name(
+    model: nn.Module, local_name: str, layer_offset: int = 0, marks: ModelMarks = PLAIN
+) -> str:
     """The layout-independent name of a parameter (``decoder.layers.7.mlp.linear_fc1.weight``)."""
-    return _globalize(local_name, _find_layers(model, layer_offset))
+    return _globalize(local_name, _find_layers(model, layer_offset, marks))
 
 
-def global_param_names(model: nn.Module, layer_offset: int = 0) -> dict[str, str]:
+def global_param_names(
+    model: nn.Module, layer_offset: int = 0, marks: ModelMarks = PLAIN
+) -> dict[str, str]:
     """``{local name: global name}`` of every parameter (layers found once for the model)."""
-    layers = _find_layers(model, layer_offset)
+    layers = _find_layers(model, layer_offset, marks)
     return {name: _globalize(name, layers) for name, _ in model.named_parameters()}
 
 
@@ -152,10 +187,11 @@ class _Search:
     layer_offset: int
     operator_types: Collection[str]
     eligible_fn: Callable[[str, nn.Module], bool] = _every_unit
+    marks: ModelMarks = PLAIN
 
 
 def _local_units(model: nn.Module, search: _Search) -> list[_LocalUnit]:
-    layers = _find_layers(model, search.layer_offset)
+    layers = _find_layers(model, search.layer_offset, search.marks)
     eligible_fn = search.eligible_fn
     if search.granularity == "layer":
         modules = dict(model.named_modules())
@@ -235,14 +271,15 @@ def check_selection(
     include: Sequence[str] = (),
     exclude: Sequence[str] = (),
     layer_offset: int = 0,
-    operator_types: Collection[str] = MEGATRON_LINEARS,
+    operator_types: Collection[str] = frozenset(),
+    marks: ModelMarks = PLAIN,
 ) -> None:
     """``ValueError`` when ``include``/``exclude`` select no unit of ``model``, listing the
     first units it has (the arguments as :meth:`UnitRegistry.from_model`'s). Local: for
     integrations whose every rank holds the whole model (data parallel), to refuse before any
     process group work."""
     chunks = [model] if isinstance(model, nn.Module) else list(model)
-    search = _Search(granularity, layer_offset, operator_types)
+    search = _Search(granularity, layer_offset, operator_types, marks=marks)
     if not _select(_chunk_units(chunks, search), include, exclude):
         raise ValueError(_nothing_selected(chunks, search, include, exclude))
 
@@ -293,7 +330,8 @@ class UnitRegistry:
         tp_group: Group | None = None,
         layer_offset: int = 0,
         eligible_fn: Callable[[str, nn.Module], bool] | None = None,
-        operator_types: Collection[str] = MEGATRON_LINEARS,
+        operator_types: Collection[str] = frozenset(),
+        marks: ModelMarks = PLAIN,
     ) -> UnitRegistry:
         """Find the units of ``model`` and agree on their ids with every rank of ``group``.
 
@@ -310,26 +348,30 @@ class UnitRegistry:
                 names happens over it. ``None``: this process holds the whole model.
             tp_group: the tensor-parallel group, to count replicated parameters on TP rank 0 only.
             layer_offset: added to the layer index of models whose layers do not carry a global
-                ``layer_number`` (a hand-split pipeline stage).
+                number (a hand-split pipeline stage).
             eligible_fn: ``(name, module) -> bool``: whether the unit has a recovery path;
                 default: all units are eligible.
             operator_types: class names of the modules that are operators besides
-                ``nn.Linear`` and LoRA layers (:func:`is_operator`); default: megatron-core's
-                parallel linears. The integrations pass
+                ``nn.Linear`` and LoRA layers (:func:`is_operator`); default: none. The
+                integrations pass their framework's and
                 :func:`gnmr_dist.backends.registered_operator_types` (Transformer Engine's
-                linears too), whatever the backend, so unit ids never depend on it.
+                linears), whatever the backend, so unit ids never depend on it.
+            marks: the framework's marks on modules and parameters (:class:`ModelMarks`);
+                default: none (a plain torch model).
         """
         if granularity not in _GRANULARITIES:
             raise ValueError(
                 f"granularity must be one of {list(_GRANULARITIES)}, got {granularity!r}"
             )
         chunks = [model] if isinstance(model, nn.Module) else list(model)
-        search = _Search(granularity, layer_offset, operator_types, eligible_fn or _every_unit)
+        search = _Search(
+            granularity, layer_offset, operator_types, eligible_fn or _every_unit, marks
+        )
         local = _select(_chunk_units(chunks, search), include, exclude)
         names, eligible = _agree(local, group)
         if not names:
             raise ValueError(_nothing_selected(chunks, search, include, exclude))
-        return cls._bind(chunks, names, eligible, local, group_rank(tp_group), layer_offset)
+        return cls._bind(chunks, names, eligible, local, group_rank(tp_group), search)
 
     @classmethod
     def _bind(
@@ -339,7 +381,7 @@ class UnitRegistry:
         eligible: list[bool],
         local: list[_LocalUnit],
         tp_rank: int,
-        layer_offset: int,
+        search: _Search,
     ) -> UnitRegistry:
         chunks = [model] if isinstance(model, nn.Module) else list(model)
         index = {n: i for i, n in enumerate(names)}
@@ -352,11 +394,11 @@ class UnitRegistry:
             for u in local:
                 if u.module_path.startswith(prefix):
                     local_modules[index[u.name]] = modules[u.module_path[len(prefix) :]]
-            layers = _find_layers(chunk, layer_offset)
+            layers = _find_layers(chunk, search.layer_offset, search.marks)
             for pname, param in chunk.named_parameters():
                 slot = _slot_of(pname, path_slot, len(names), prefix)
                 every.append((param, slot))
-                if not _counted(param, tp_rank):
+                if not search.marks.counted(param, tp_rank):
                     continue
                 params.append(param)
                 slots.append(slot)
@@ -369,15 +411,6 @@ class UnitRegistry:
     def unit_params(self, unit: int) -> list[nn.Parameter]:
         """This rank's counted parameters of ``unit`` (``num_units`` for the rest bucket)."""
         return [p for p, s in zip(self.params, self.param_slots.tolist(), strict=True) if s == unit]
-
-
-def _counted(param: nn.Parameter, tp_rank: int) -> bool:
-    if getattr(param, "shared", False):
-        return False
-    sharded = getattr(param, "tensor_model_parallel", False) or getattr(
-        param, "model_parallel", False
-    )
-    return bool(sharded) or tp_rank == 0
 
 
 def _slot_of(pname: str, path_slot: dict[str, int], rest: int, prefix: str = "") -> int:

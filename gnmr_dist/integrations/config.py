@@ -38,11 +38,11 @@ blocks are validated by building the backend.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-from gnmr_dist.backends import BACKENDS, PrecisionBackend, get_backend
+from gnmr_dist.backends import BACKENDS, TORCH, Operators, PrecisionBackend, get_backend
 from gnmr_dist.core import GNMRConfig
 from gnmr_dist.core.validation import check_choice, check_keys, check_positive_int, did_you_mean
 
@@ -65,7 +65,7 @@ class AttributionGuard:
     @classmethod
     def from_dict(cls, given: Mapping[str, Any] | None, path: str) -> AttributionGuard:
         given = dict(given or {})
-        check_keys(given, ("max_rest_share", "action"), path)
+        check_keys(given, [f.name for f in fields(cls)], path)
         share = given.get("max_rest_share", 0.99)
         if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= 1:
             raise ValueError(
@@ -98,7 +98,7 @@ class LogOptions:
     @classmethod
     def from_dict(cls, given: Mapping[str, Any] | None, path: str) -> LogOptions:
         given = dict(given or {})
-        check_keys(given, ("trace", "monitor", "every", "console"), path)
+        check_keys(given, [f.name for f in fields(cls)], path)
         trace = given.get("trace")
         if trace is not None and not isinstance(trace, str):
             raise ValueError(f"{path}.trace must be a file path or null, got {trace!r}")
@@ -130,8 +130,6 @@ class ProbeOptions:
     k: int = 3
     """Size of the risk's top-k (and of the random, error and oracle sets of the report)."""
 
-    KEYS = ("every", "k")
-
     @classmethod
     def from_dict(cls, given: Any, path: str) -> ProbeOptions | None:
         """Parse ``{"every": N, "k": 3}``; ``None`` (absent or null) means no probe."""
@@ -142,7 +140,7 @@ class ProbeOptions:
                 f'{path} must be a mapping like {{"every": N, "k": 3}}, or null for no '
                 f"probe; got {given!r}"
             )
-        check_keys(given, cls.KEYS, path)
+        check_keys(given, [f.name for f in fields(cls)], path)
         if "every" not in given:
             raise ValueError(
                 f'{path} needs "every": N (probe every N-th optimizer step, an integer >= 1); '
@@ -168,53 +166,78 @@ class ProbeOptions:
             )
 
 
+def _parser(parse: Callable[[Any, str], Any]) -> dict[str, Any]:
+    """The metadata of a :class:`GNMRBlock` field that is a key of the block: the function that
+    parses and checks its value (``parse(value, "gnmr.<key>")``); an absent key keeps the
+    field's default."""
+    return {"parse": parse}
+
+
 @dataclass(frozen=True)
 class GNMRBlock:
-    """The parsed ``"gnmr"`` block."""
+    """The parsed ``"gnmr"`` block: each field below is a key of the block (its parser in the
+    field's metadata), and the controller's keys (:class:`~gnmr_dist.core.GNMRConfig`'s fields:
+    ``max_active``, ``alpha``, ``gamma``, ...) sit at the same level and land in :attr:`policy`.
+    Immutable and free of built objects: the backend is built from it
+    (:meth:`build_backend`), with the operators of the integration that runs it."""
 
-    enabled: bool = True
-    backend: str | None = None
-    units: str = "operator"
-    include: tuple[str, ...] = ()
-    exclude: tuple[str, ...] = ()
-    policy: GNMRConfig = field(default_factory=GNMRConfig)
-    low_cost: Mapping[str, Any] = field(default_factory=dict)
-    recovery: Mapping[str, Any] = field(default_factory=dict)
-    log: LogOptions = field(default_factory=LogOptions)
-    check_consistency: bool = False
-    on_missing_state: str = "error"
-    on_corrupt_state: str = "error"
+    enabled: bool = field(default=True, metadata=_parser(lambda v, p: _bool(v, p)))
+    """``false``: the block is read and checked, and the run has no GNMR."""
+    backend: str | None = field(default=None, metadata=_parser(lambda v, p: _backend(v, p)))
+    """The precision backend's registered name; ``null``: observe without recovering."""
+    units: str = field(
+        default="operator", metadata=_parser(lambda v, p: check_choice(v, _UNITS, p))
+    )
+    """``"operator"`` (each projection) or ``"layer"`` (each transformer layer)."""
+    include: tuple[str, ...] = field(default=(), metadata=_parser(lambda v, p: _patterns(v, p)))
+    """Glob patterns on global unit names (default: every unit inside a layer)."""
+    exclude: tuple[str, ...] = field(default=(), metadata=_parser(lambda v, p: _patterns(v, p)))
+    """Glob patterns removed after ``include``."""
+    low_cost: Mapping[str, Any] = field(
+        default_factory=dict, metadata=_parser(lambda v, p: _mapping(v, p))
+    )
+    """The backend's ``low_cost`` option block (parsed by the backend)."""
+    recovery: Mapping[str, Any] = field(
+        default_factory=dict, metadata=_parser(lambda v, p: _mapping(v, p))
+    )
+    """The backend's ``recovery`` option block (parsed by the backend)."""
+    log: LogOptions = field(
+        default_factory=LogOptions,
+        metadata=_parser(lambda v, p: LogOptions.from_dict(_mapping(v, p), p)),
+    )
+    """Where decisions go: the trace file, the framework's monitor, the console line."""
+    check_consistency: bool = field(default=False, metadata=_parser(lambda v, p: _bool(v, p)))
+    """Check every step that all ranks took the same decision (one extra small all-reduce)."""
+    on_missing_state: str = field(
+        default="error", metadata=_parser(lambda v, p: check_choice(v, _ON_MISSING, p))
+    )
+    """``"fresh"``: start the controller fresh when a checkpoint holds no GNMR state (default
+    ``"error"``: refuse to resume)."""
+    on_corrupt_state: str = field(
+        default="error", metadata=_parser(lambda v, p: check_choice(v, _ON_MISSING, p))
+    )
     """``"fresh"``: start the controller fresh when a checkpoint's GNMR state is unreadable or
     fails its checksum or invariants (default ``"error"``: refuse to resume)."""
-    attribution: AttributionGuard = field(default_factory=AttributionGuard)
-    probe: ProbeOptions | None = None
+    attribution: AttributionGuard = field(
+        default_factory=AttributionGuard,
+        metadata=_parser(lambda v, p: AttributionGuard.from_dict(_mapping(v, p), p)),
+    )
+    """The per-step guard on the per-unit attribution of the gradient (megatron-core)."""
+    probe: ProbeOptions | None = field(
+        default=None, metadata=_parser(lambda v, p: ProbeOptions.from_dict(v, p))
+    )
     """The recovery-gap probe (``None``: off, the default)."""
-    error_every: int = 1
+    error_every: int = field(default=1, metadata=_parser(lambda v, p: check_positive_int(v, p)))
     """Measure the section 2.1 error sums every this many steps, carrying the score forward in
     between (needs ``gamma``; 1: every step)."""
-    _checked: list[PrecisionBackend] = field(
-        default_factory=list, init=False, repr=False, compare=False
-    )
-    """The backend :func:`read_block` built to check the option blocks, until
-    :meth:`build_backend` hands it over (so a program builds its backend once)."""
+    policy: GNMRConfig = field(default_factory=GNMRConfig)
+    """The controller's settings, read from the controller's keys at the block's top level."""
 
-    KEYS = (
-        "enabled",
-        "backend",
-        "units",
-        "include",
-        "exclude",
-        "low_cost",
-        "recovery",
-        "log",
-        "check_consistency",
-        "on_missing_state",
-        "on_corrupt_state",
-        "attribution",
-        "probe",
-        "error_every",
-        *GNMRConfig.field_names(),
-    )
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        """Every key a ``"gnmr"`` block may hold: the block's fields and the controller's."""
+        own = tuple(f.name for f in fields(cls) if "parse" in f.metadata)
+        return own + tuple(GNMRConfig.field_names())
 
     @classmethod
     def of(cls, given: GNMRBlock | Mapping[str, Any] | None, path: str = "gnmr") -> GNMRBlock:
@@ -222,65 +245,44 @@ class GNMRBlock:
         :meth:`from_dict`: what every integration calls on the block it is handed."""
         return given if isinstance(given, GNMRBlock) else cls.from_dict(given, path=path)
 
-    def build_backend(self) -> PrecisionBackend | None:
-        """The block's backend (``None`` for ``backend: null``): the one :func:`read_block`
-        built while checking the option blocks, handed over once, else a new one."""
+    def build_backend(self, operators: Operators = TORCH) -> PrecisionBackend | None:
+        """A new backend of this block (``None`` for ``backend: null``) that knows the
+        integration's ``operators`` (:mod:`gnmr_dist.backends.operators`)."""
         if self.backend is None:
             return None
-        if self._checked:
-            return self._checked.pop()
-        return get_backend(self.backend, low_cost=self.low_cost, recovery=self.recovery)
+        return get_backend(
+            self.backend, low_cost=self.low_cost, recovery=self.recovery, operators=operators
+        )
 
     @classmethod
     def from_dict(cls, block: Mapping[str, Any] | None, path: str = "gnmr") -> GNMRBlock:
         """Parse and validate the block; ``None`` (no block) means disabled."""
         if block is None:
             return cls(enabled=False)
-        check_keys(block, cls.KEYS, path)
+        check_keys(block, cls.keys(), path)
+        values = {
+            f.name: f.metadata["parse"](block[f.name], f"{path}.{f.name}")
+            for f in fields(cls)
+            if "parse" in f.metadata and f.name in block
+        }
         policy = {k: v for k, v in block.items() if k in GNMRConfig.field_names()}
-        backend = _backend(block.get("backend"), f"{path}.backend")
-        probe = ProbeOptions.from_dict(block.get("probe"), f"{path}.probe")
-        if probe is not None and backend is None:
+        parsed = cls(**values, policy=GNMRConfig.from_dict(policy, path=path))
+        parsed._check_together(path)
+        return parsed
+
+    def _check_together(self, path: str) -> None:
+        """The keys that need another: ``probe`` a backend, ``error_every`` a ``gamma``."""
+        if self.probe is not None and self.backend is None:
             raise ValueError(
                 f"{path}.probe needs a precision backend: with {path}.backend=null (observe "
                 "only) every unit runs one path and there is nothing to compare; set "
                 f"{path}.backend or drop {path}.probe"
             )
-        return cls(
-            enabled=_bool(block.get("enabled", True), f"{path}.enabled"),
-            backend=backend,
-            units=check_choice(block.get("units", "operator"), _UNITS, f"{path}.units"),
-            include=_patterns(block.get("include", ()), f"{path}.include"),
-            exclude=_patterns(block.get("exclude", ()), f"{path}.exclude"),
-            policy=GNMRConfig.from_dict(policy, path=path),
-            low_cost=_mapping(block.get("low_cost"), f"{path}.low_cost"),
-            recovery=_mapping(block.get("recovery"), f"{path}.recovery"),
-            log=LogOptions.from_dict(_mapping(block.get("log"), f"{path}.log"), f"{path}.log"),
-            check_consistency=_bool(
-                block.get("check_consistency", False), f"{path}.check_consistency"
-            ),
-            on_missing_state=check_choice(
-                block.get("on_missing_state", "error"), _ON_MISSING, f"{path}.on_missing_state"
-            ),
-            on_corrupt_state=check_choice(
-                block.get("on_corrupt_state", "error"), _ON_MISSING, f"{path}.on_corrupt_state"
-            ),
-            attribution=AttributionGuard.from_dict(
-                _mapping(block.get("attribution"), f"{path}.attribution"), f"{path}.attribution"
-            ),
-            probe=probe,
-            error_every=_error_every(block, path),
-        )
-
-
-def _error_every(block: Mapping[str, Any], path: str) -> int:
-    every = check_positive_int(block.get("error_every", 1), f"{path}.error_every")
-    if every != 1 and block.get("gamma") is None:
-        raise ValueError(
-            f"{path}.error_every={every} needs {path}.gamma (the error term it paces); set "
-            f"{path}.gamma or drop {path}.error_every"
-        )
-    return every
+        if self.error_every != 1 and self.policy.gamma is None:
+            raise ValueError(
+                f"{path}.error_every={self.error_every} needs {path}.gamma (the error term it "
+                f"paces); set {path}.gamma or drop {path}.error_every"
+            )
 
 
 def _bool(value: Any, path: str) -> bool:
@@ -326,21 +328,28 @@ def _mapping(value: Any, path: str) -> Mapping[str, Any]:
 
 
 def read_block(
-    given: GNMRBlock | Mapping[str, Any] | None, path: str = "gnmr", *, check_host: bool = True
-) -> GNMRBlock:
-    """The one reader of a ``"gnmr"`` block for a program's preflight: parsed
-    (:meth:`GNMRBlock.of`) and its backend's option blocks checked by building the backend,
-    which the integration then takes with :meth:`GNMRBlock.build_backend` (built once).
+    given: GNMRBlock | Mapping[str, Any] | None,
+    path: str = "gnmr",
+    *,
+    operators: Operators = TORCH,
+    check_host: bool = True,
+) -> tuple[GNMRBlock, PrecisionBackend | None]:
+    """The one reader of a ``"gnmr"`` block for a program's preflight: the block, parsed
+    (:meth:`GNMRBlock.of`), and its backend, built with ``operators`` to check its option blocks
+    (``None`` when the block is disabled, observes only, or ``check_host`` is off and this host
+    cannot load the backend).
 
     A backend this host cannot load (``te_fp8`` without Transformer Engine or CUDA) raises
     ``ValueError`` with the reason when ``check_host``; without it (a login node checking a
     GPU job) only the option blocks are checked, which the backend parses before it imports.
+    The integration that runs the block builds its own backend with its framework's operators.
     """
     block = GNMRBlock.of(given, path)
-    if block.enabled and block.backend is not None and not block._checked:
-        try:
-            block._checked.append(block.build_backend())  # type: ignore[arg-type]
-        except ImportError as err:  # the options parsed; the package or the hardware is missing
-            if check_host:
-                raise ValueError(str(err)) from None
-    return block
+    if not block.enabled:
+        return block, None
+    try:
+        return block, block.build_backend(operators)
+    except ImportError as err:  # the options parsed; the package or the hardware is missing
+        if check_host:
+            raise ValueError(str(err)) from None
+    return block, None

@@ -233,7 +233,7 @@ def _check_gnmr(block: Any, path: str, run_dir: str, check_host: bool = True) ->
     """The ``"gnmr"`` block as ``initialize`` will run it, read once: parsed as given (an absent
     block is ``{}``: GNMR observes; ``null`` or ``"enabled": false``: plain DeepSpeed), its
     ``log.trace`` then set to ``RUN_DIR/trace.jsonl`` (where the report reads it), and the
-    backend's option blocks checked by building the backend ``initialize`` takes over.
+    backend's option blocks checked by building it (``initialize`` builds the run's own).
 
     A backend this host cannot load (``te_fp8`` without CUDA) is an error only when
     ``check_host``: its options are parsed before the import fails.
@@ -247,7 +247,8 @@ def _check_gnmr(block: Any, path: str, run_dir: str, check_host: bool = True) ->
             f"model given labels=), or drop {path}.probe"
         )
     log = dataclasses.replace(parsed.log, trace=str(Path(run_dir, "trace.jsonl")))
-    return read_block(dataclasses.replace(parsed, log=log), path, check_host=check_host)
+    checked, _ = read_block(dataclasses.replace(parsed, log=log), path, check_host=check_host)
+    return checked
 
 
 def check_batch(config: Mapping[str, Any], world: int) -> None:

@@ -36,6 +36,7 @@ import typing_extensions
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from gnmr_dist.integrations.megatron.operators import MEGATRON_OPERATORS
 from gnmr_dist.backends import LOW_COST, RECOVERY, get_backend
 from gnmr_dist.backends.te_fp8 import TEFp8Backend, is_te_module, reset_delayed_scaling
 from tests.requires import missing
@@ -696,7 +697,7 @@ def call(layer, x):
 
 
 def test_megatron_source_reads_te_quant_params_in_every_forward(mcore):
-    from gnmr_dist.backends.te_megatron import MEGATRON_TE_LINEARS, is_megatron_te_linear
+    from gnmr_dist.integrations.megatron.te import MEGATRON_TE_LINEARS, is_megatron_te_linear
 
     _, module, make = mcore()
     forwards = {"TELinear", "TELayerNormColumnParallelLinear", "TEGroupedLinear"}
@@ -730,9 +731,9 @@ def test_megatron_operator_recovers_through_its_own_te_quant_params(mcore):
         "TEColumnParallelGroupedLinear",
     )
     layers = [make(n, seed=i) for i, n in enumerate(names)]
-    be = TEFp8Backend(low_cost={"recipe": "tensorwise"})
+    be = TEFp8Backend(operators=MEGATRON_OPERATORS, low_cost={"recipe": "tensorwise"})
     be.wrap(dict(enumerate(layers)), names={1: "linear_proj"})
-    assert be.quant_params_units == {0, 1, 2}
+    assert be.switched_units == {0, 1, 2}
     be.apply({1}, step=1)
     recipe = rec.recipe.Float8CurrentScaling(fp8_format=rec.recipe.Format.HYBRID)
     outer = (True, recipe, None)
@@ -767,7 +768,7 @@ def test_megatron_operator_recovers_through_its_own_te_quant_params(mcore):
 def test_micro_batches_and_recomputation_read_the_same_te_quant_params(mcore):
     rec, _, make = mcore()
     layers = [make("TEColumnParallelLinear", seed=0), make("TERowParallelLinear", seed=1)]
-    be = TEFp8Backend(low_cost={"recipe": "tensorwise"})
+    be = TEFp8Backend(operators=MEGATRON_OPERATORS, low_cost={"recipe": "tensorwise"})
     be.wrap(dict(enumerate(layers)))
     be.apply({0}, step=4)
     recipe = rec.recipe.Float8CurrentScaling()
@@ -792,7 +793,7 @@ def test_original_te_quant_params_come_back_as_the_same_object(mcore):
     )
     layer.te_quant_params = original
     frozen, pickled = copy.deepcopy(original), pickle.dumps(original)
-    be = TEFp8Backend(low_cost={"recipe": "tensorwise"})
+    be = TEFp8Backend(operators=MEGATRON_OPERATORS, low_cost={"recipe": "tensorwise"})
     be.wrap({0: layer, 1: other})
     for step, plan in enumerate([{0}, {0}, {1}, set(), {0, 1}], start=1):
         be.apply(plan, step)
@@ -809,7 +810,7 @@ def test_stronger_recovery_recipe_is_megatrons_enabled_region_with_its_amax_grou
     rec, module, make = mcore(amax_group=group)
     config = mcore_config(tp_only_amax_red=True)
     layers = [make("TELinear", config, seed=0), make("TELinear", config, seed=1)]
-    be = TEFp8Backend(low_cost={"recipe": "tensorwise"}, recovery={"recipe": "blockwise"})
+    be = TEFp8Backend(operators=MEGATRON_OPERATORS, low_cost={"recipe": "tensorwise"}, recovery={"recipe": "blockwise"})
     be.wrap(dict(enumerate(layers)))
     be.apply({0}, step=1)
     training = layers[0].te_quant_params.training_recipe
@@ -840,9 +841,9 @@ def test_layer_units_keep_nested_regions_and_their_te_quant_params(mcore):
         }
     )
     operator = make("TERowParallelLinear", seed=2)
-    be = TEFp8Backend(low_cost={"recipe": "tensorwise"})
+    be = TEFp8Backend(operators=MEGATRON_OPERATORS, low_cost={"recipe": "tensorwise"})
     be.wrap({0: layer_unit, 1: operator})
-    assert be.quant_params_units == {1}
+    assert be.switched_units == {1}
     be.apply({0, 1}, step=1)
     assert all(m.te_quant_params is None for m in layer_unit.values())
     low = be.low_cost_recipe
@@ -861,7 +862,7 @@ def test_megatron_operator_back_from_recovery_follows_the_reseed_policy(mcore, r
     rec, _, make = mcore()
     config = mcore_config(fp8_recipe="delayed")
     layers = [make("TERowParallelLinear", config, seed=i) for i in range(2)]
-    be = TEFp8Backend(low_cost={"recipe": "delayed", "reseed": reseed})
+    be = TEFp8Backend(operators=MEGATRON_OPERATORS, low_cost={"recipe": "delayed", "reseed": reseed})
     be.wrap(dict(enumerate(layers)))
     be.apply({0}, step=1)
     with megatron_fp8(rec, be.low_cost_recipe):  # delayed: megatron's one outer region
@@ -903,11 +904,11 @@ def test_what_te_quant_params_cannot_switch_is_refused_at_wrap(mcore, config, ow
     if own is not None:
         layer.te_quant_params = quant_params(module, **own)
     before = layer.te_quant_params
-    be = TEFp8Backend(low_cost={"recipe": "tensorwise"}, **options)
+    be = TEFp8Backend(operators=MEGATRON_OPERATORS, low_cost={"recipe": "tensorwise"}, **options)
     with pytest.raises(ValueError, match=match) as err:
         be.wrap({0: fine, 3: layer}, names={3: "decoder.layers.0.self_attention.linear_proj"})
     assert str(err.value).startswith(f"te_fp8: {LABEL}")  # names the module
-    assert be.units == set() and be.quant_params_units == set()  # nothing installed
+    assert be.units == set() and be.switched_units == set()  # nothing installed
     assert "forward" not in vars(layer) and "forward" not in vars(fine)
     assert layer.te_quant_params is before
 
@@ -917,9 +918,9 @@ def test_bf16_recovery_accepts_what_it_is_stronger_than(mcore):
     layers = [make("TELinear", seed=i) for i in range(2)]
     layers[0].te_quant_params = quant_params(module, **MXFP8_OWN)
     layers[1].te_quant_params = quant_params(module, **CUSTOM_OWN)
-    be = TEFp8Backend(low_cost={"recipe": "tensorwise"})
+    be = TEFp8Backend(operators=MEGATRON_OPERATORS, low_cost={"recipe": "tensorwise"})
     be.wrap(dict(enumerate(layers)))
-    assert be.quant_params_units == {0, 1}
+    assert be.switched_units == {0, 1}
 
 
 def test_megatron_without_the_quant_params_fields_is_refused(mcore, monkeypatch):
@@ -929,7 +930,7 @@ def test_megatron_without_the_quant_params_fields_is_refused(mcore, monkeypatch)
     cls = type("TERowParallelLinear", (rec.te.Linear,), {"__module__": old.__name__})
     layer = cls(8, 8)
     layer.config, layer.te_quant_params = mcore_config(), None
-    be = TEFp8Backend(low_cost={"recipe": "tensorwise"})
+    be = TEFp8Backend(operators=MEGATRON_OPERATORS, low_cost={"recipe": "tensorwise"})
     with pytest.raises(
         RuntimeError, match=r"unit 0 \(TERowParallelLinear\).*lacks \['TEQuantizationP"
     ):
@@ -946,7 +947,7 @@ def test_megatron_without_the_quant_params_fields_is_refused(mcore, monkeypatch)
 def test_te_quant_params_replaced_after_wrap_is_an_error(mcore):
     _, module, make = mcore()
     layer = make("TERowParallelLinear")
-    be = TEFp8Backend(low_cost={"recipe": "tensorwise"})
+    be = TEFp8Backend(operators=MEGATRON_OPERATORS, low_cost={"recipe": "tensorwise"})
     be.wrap({0: layer}, names={0: "decoder.layers.0.self_attention.linear_proj"})
     be.apply({0}, step=1)
     layer.te_quant_params = quant_params(module, **MXFP8_OWN)  # e.g. finish_init run again
@@ -966,7 +967,7 @@ def test_a_forward_that_ignores_te_quant_params_is_caught(mcore):
     layer = TERowParallelLinear.__new__(TERowParallelLinear)
     rec.te.Linear.__init__(layer, 8, 8)
     layer.config, layer.te_quant_params = mcore_config(), None
-    be = TEFp8Backend(low_cost={"recipe": "tensorwise"})
+    be = TEFp8Backend(operators=MEGATRON_OPERATORS, low_cost={"recipe": "tensorwise"})
     be.wrap({0: layer})
     be.apply({0}, step=1)
     with (
@@ -981,7 +982,7 @@ def test_megatron_operator_takes_a_lazily_pending_plan_before_its_forward(mcore)
     (``backend.before_forward``): a te_quant_params unit must take it before reading its path."""
     rec, _, make = mcore()
     layer = make("TERowParallelLinear", seed=0)
-    be = TEFp8Backend(low_cost={"recipe": "tensorwise"})
+    be = TEFp8Backend(operators=MEGATRON_OPERATORS, low_cost={"recipe": "tensorwise"})
     be.wrap({0: layer})
     be.apply(set(), step=1)
     be.before_forward = lambda: (setattr(be, "before_forward", None), be.apply({0}, step=2))

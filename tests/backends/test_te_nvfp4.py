@@ -17,6 +17,7 @@ import types
 import pytest
 import torch
 
+from gnmr_dist.integrations.megatron.operators import MEGATRON_OPERATORS
 from gnmr_dist.backends import LOW_COST, RECOVERY, get_backend, te_runtime
 from gnmr_dist.backends.te_fp8 import TEFp8Backend
 from tests.backends import test_te_fp8 as stand_ins
@@ -191,9 +192,9 @@ def test_megatron_fp4_operators_recover_through_te_quant_params(mcore, device, m
     config = fp4_config()
     for recovery in ("bf16", "mxfp8"):
         layers = [make("TERowParallelLinear", config, seed=i) for i in range(2)]
-        be = TEFp8Backend(low_cost={"recipe": "nvfp4"}, recovery={"recipe": recovery})
+        be = TEFp8Backend(operators=MEGATRON_OPERATORS, low_cost={"recipe": "nvfp4"}, recovery={"recipe": recovery})
         be.wrap(dict(enumerate(layers)))
-        assert be.quant_params_units == {0, 1}
+        assert be.switched_units == {0, 1}
         be.apply({1}, step=1)
         rec.calls.clear()
         with get_fp4_context(config, 1):  # a middle layer: megatron's NVFP4 region
@@ -228,7 +229,7 @@ def test_megatron_fp4_and_the_low_cost_recipe_must_agree(mcore, device, config, 
     device(B200)
     layer = make("TERowParallelLinear", mcore_config(**config))
     with pytest.raises(ValueError, match=match):
-        TEFp8Backend(low_cost={"recipe": low}).wrap({0: layer})
+        TEFp8Backend(operators=MEGATRON_OPERATORS, low_cost={"recipe": low}).wrap({0: layer})
 
 
 def test_megatron_enum_and_fields_this_backend_reads_exist(mcore):

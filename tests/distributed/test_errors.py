@@ -12,7 +12,7 @@ from gnmr_dist import GNMRConfig
 from gnmr_dist.distributed import GNMRRuntime, GradNormMonitor, UnitNorms, UnitRegistry
 from tests import multiproc
 from tests.distributed.test_monitor import layout_groups
-from tests.distributed.toy import Toy, full_model_with_grads, shard
+from tests.distributed.toy import MARKS, Toy, full_model_with_grads, shard
 
 
 def rank_errors(rank: int, units: int, step: int) -> torch.Tensor:
@@ -26,7 +26,7 @@ def rank_errors(rank: int, units: int, step: int) -> torch.Tensor:
 def _reduce_worker(rank, world, steps):
     tp_group, tp_rank, _ = layout_groups(world, world)
     local = shard(full_model_with_grads(), world, tp_rank, 1, 0)
-    reg = UnitRegistry.from_model(local, group=dist.group.WORLD, tp_group=tp_group)
+    reg = UnitRegistry.from_model(local, group=dist.group.WORLD, tp_group=tp_group, marks=MARKS)
     u = reg.num_units
     step = [0]
 

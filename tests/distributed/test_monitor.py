@@ -11,7 +11,7 @@ import torch.distributed as dist
 from gnmr_dist import GNMRConfig
 from gnmr_dist.distributed import GNMRRuntime, GradNormMonitor, UnitNorms, UnitRegistry
 from tests import multiproc
-from tests.distributed.toy import Toy, full_model_with_grads, reference_unit_norms, shard
+from tests.distributed.toy import MARKS, Toy, full_model_with_grads, reference_unit_norms, shard
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +60,7 @@ def test_sharded_norms_equal_single_process_norms(world, tp, pp):
 def _count_worker(rank, world, steps):
     tp_group, tp_rank, _ = layout_groups(world, world)
     local = shard(full_model_with_grads(), world, tp_rank, 1, 0)
-    reg = UnitRegistry.from_model(local, group=dist.group.WORLD, tp_group=tp_group)
+    reg = UnitRegistry.from_model(local, group=dist.group.WORLD, tp_group=tp_group, marks=MARKS)
     runtime = GNMRRuntime(reg, GNMRConfig(warmup_steps=0), group=dist.group.WORLD)
     per_step = []
     for _ in range(steps):
@@ -79,7 +79,7 @@ def _spike_worker(rank, world, steps, spike_step):
     tp_group, tp_rank, _ = layout_groups(world, world)
     full = full_model_with_grads()
     local = shard(full, world, tp_rank, 1, 0)
-    reg = UnitRegistry.from_model(local, group=dist.group.WORLD, tp_group=tp_group)
+    reg = UnitRegistry.from_model(local, group=dist.group.WORLD, tp_group=tp_group, marks=MARKS)
     runtime = GNMRRuntime(
         reg,
         GNMRConfig(max_active=2, warmup_steps=5),

@@ -7,7 +7,13 @@ import torch
 from torch import nn
 
 from gnmr_dist.distributed import GNMRRuntime, UnitRegistry
-from gnmr_dist.distributed.units import check_selection, global_param_name, matches
+from gnmr_dist.distributed.units import (
+    ModelMarks,
+    _Search,
+    check_selection,
+    global_param_name,
+    matches,
+)
 from tests.distributed.toy import Block, Toy
 
 
@@ -89,24 +95,30 @@ class Wrapped(nn.Module):
 
 
 def test_megatron_layer_number_and_wrapper_prefixes():
-    reg = UnitRegistry.from_model(Wrapped(first_layer_number=5))
+    marks = ModelMarks(layer_number="layer_number")  # as the megatron integration names it
+    reg = UnitRegistry.from_model(Wrapped(first_layer_number=5), marks=marks)
     assert reg.names[0] == "decoder.layers.4.fc1" and reg.names[-1] == "decoder.layers.5.fc2"
     assert reg.param_names[0] == "decoder.layers.4.norm.weight"
+    plain = UnitRegistry.from_model(Wrapped(first_layer_number=5))  # no mark named: list index
+    assert plain.names[0] == "decoder.layers.0.fc1" and plain.names[-1] == "decoder.layers.1.fc2"
 
 
 def test_tp_replicas_shared_and_tied_parameters_are_counted_once():
     model = Toy(layers=1)
     model.head.weight = model.embed.weight  # tied: one tensor under two names
     model.layers[0].fc1.weight.tensor_model_parallel = True
-    model.layers[0].fc2.weight.model_parallel = True  # DeepSpeed's mark
-    model.layers[0].norm.weight.shared = True  # megatron's tied copy on another stage
-    counted = {id(p) for p in UnitRegistry.from_model(model).params}
+    model.layers[0].fc2.weight.model_parallel = True  # another framework's mark
+    model.layers[0].norm.weight.shared = True  # a tied copy held by another stage
+    marks = ModelMarks(sharded=("tensor_model_parallel", "model_parallel"), shared=("shared",))
+    counted = {id(p) for p in UnitRegistry.from_model(model, marks=marks).params}
     assert id(model.layers[0].norm.weight) not in counted
-    assert len(counted) == len(UnitRegistry.from_model(model).params)  # no duplicate entry
+    assert len(counted) == len(UnitRegistry.from_model(model, marks=marks).params)  # no duplicate
+    assert id(model.layers[0].norm.weight) in {id(p) for p in UnitRegistry.from_model(model).params}
 
     # on TP rank 1 only the sharded parameters count
+    search = _Search("operator", 0, frozenset(), marks=marks)
     reg = UnitRegistry._bind(
-        model, ["layers.0.fc1", "layers.0.fc2"], [True, True], [], tp_rank=1, layer_offset=0
+        model, ["layers.0.fc1", "layers.0.fc2"], [True, True], [], tp_rank=1, search=search
     )
     held = {id(p) for p in reg.params}
     assert held == {id(model.layers[0].fc1.weight), id(model.layers[0].fc2.weight)}

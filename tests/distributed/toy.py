@@ -12,7 +12,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from gnmr_dist.distributed.units import ModelMarks
+
 HIDDEN, FFN, VOCAB, LAYERS = 8, 16, 32, 4
+
+MARKS = ModelMarks(sharded=("tensor_model_parallel",))
+"""The mark :func:`shard` sets, as the integration of a TP framework names it to the registry."""
 
 
 class Block(nn.Module):

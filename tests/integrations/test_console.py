@@ -92,12 +92,12 @@ def test_the_callback_warns_once_when_an_engine_missed_it(caplog):
     import types
 
     from gnmr_dist import GNMRCallback
-    from gnmr_dist.integrations import deepspeed as gds
+    from gnmr_dist.integrations.deepspeed import engine as gds
 
     args = types.SimpleNamespace(deepspeed={"gnmr": {"max_active": 2}})
     callback = GNMRCallback()
     assert gds._PATCHES  # enabled by the callback itself
-    with caplog.at_level("WARNING", logger="gnmr_dist.integrations.trainer"):
+    with caplog.at_level("WARNING", logger="gnmr_dist.integrations.deepspeed.trainer"):
         callback.on_train_begin(args, None, None)
         callback.on_train_begin(args, None, None)
     said = [r.getMessage() for r in caplog.records if "has no GNMR" in r.getMessage()]

@@ -288,7 +288,7 @@ def test_the_callback_refuses_a_run_without_deepspeed(tmp_path):
     from transformers import Trainer, TrainingArguments
 
     from gnmr_dist import GNMRCallback
-    from gnmr_dist.integrations import deepspeed as gds
+    from gnmr_dist.integrations.deepspeed import engine as gds
 
     args = TrainingArguments(
         output_dir=str(tmp_path), max_steps=1, report_to=[], use_cpu=True, disable_tqdm=True
@@ -309,7 +309,7 @@ def test_the_callback_warns_once_when_the_deepspeed_config_has_no_gnmr_block(tmp
     from transformers import TrainingArguments
 
     from gnmr_dist import GNMRCallback
-    from gnmr_dist.integrations import deepspeed as gds
+    from gnmr_dist.integrations.deepspeed import engine as gds
 
     args = TrainingArguments(output_dir=str(tmp_path), deepspeed=dsc.ds_config(2), report_to=[])
     before = bool(gds._PATCHES)

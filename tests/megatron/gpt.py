@@ -105,8 +105,9 @@ def tp_slice(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp: int) -> 
 def copy_full_weights(model, full, tp_rank: int, tp: int) -> None:
     """Copy the full model's weights into ``model`` (a stage or chunk; cast to its dtype)."""
     from gnmr_dist.distributed.units import global_param_names
+    from gnmr_dist.integrations.megatron.operators import MEGATRON_MARKS
 
-    source, names = dict(full.named_parameters()), global_param_names(model)
+    source, names = dict(full.named_parameters()), global_param_names(model, marks=MEGATRON_MARKS)
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.copy_(tp_slice(source[names[name]].detach(), param, tp_rank, tp))

@@ -402,11 +402,12 @@ def grad_norms_by_param(chunks) -> dict[str, float]:
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
     from gnmr_dist.distributed.units import global_param_names
+    from gnmr_dist.integrations.megatron.operators import MEGATRON_MARKS
 
     first_dp = ps.get_data_parallel_rank() == 0
     squares: dict[str, float] = {}
     for chunk in chunks:
-        names = global_param_names(chunk)
+        names = global_param_names(chunk, marks=MEGATRON_MARKS)
         by_param = {p: n for n, p in chunk.named_parameters()}
         for buffer in chunk.buffers + chunk.expert_parallel_buffers:
             sharded = buffer.ddp_config.use_distributed_optimizer

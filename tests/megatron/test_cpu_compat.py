@@ -240,8 +240,9 @@ def _gpt(chunk):
 def _facts(chunks, opt) -> dict:
     """The layout as this rank sees it: optimizer classes, dtypes, layer numbers, SP marks."""
     from gnmr_dist.distributed.units import global_param_names
+    from gnmr_dist.integrations.megatron.operators import MEGATRON_MARKS
 
-    named = [(global_param_names(c)[local], p) for c in chunks for local, p in c.named_parameters()]
+    named = [(global_param_names(c, marks=MEGATRON_MARKS)[local], p) for c in chunks for local, p in c.named_parameters()]
     return {
         "optimizers": [type(o).__name__ for o in getattr(opt, "chained_optimizers", [opt])],
         "param_dtypes": {str(p.dtype) for _, p in named},

@@ -54,9 +54,10 @@ BF16_U = 2.0**-8
 def _spike(chunks, unit: str) -> None:
     """Multiply the reduced gradient of ``unit`` (its parameters' ``main_grad``) by FACTOR."""
     from gnmr_dist.distributed.units import global_param_names
+    from gnmr_dist.integrations.megatron.operators import MEGATRON_MARKS
 
     for chunk in chunks:
-        names = global_param_names(chunk)
+        names = global_param_names(chunk, marks=MEGATRON_MARKS)
         for local, param in chunk.named_parameters():
             if names[local].startswith(unit + "."):
                 param.main_grad.mul_(FACTOR)

@@ -86,6 +86,7 @@ from torch import nn
 
 from gnmr_dist.backends.te_runtime import check_fp4_device
 from gnmr_dist.integrations.megatron.attribution import leaf_optimizers
+from gnmr_dist.integrations.megatron.operators import MEGATRON_OPERATORS
 from gnmr_dist.integrations.megatron.session import MegatronGNMR
 from gnmr_dist.integrations.megatron.versions import SeriesInfo, megatron_series, series_info
 from gnmr_dist.integrations.patching import Patches
@@ -184,6 +185,7 @@ def apply(
     *,
     optimizer: Any = None,
     fused_norm: bool = True,
+    pg_collection: Any = None,
 ) -> MegatronGNMR:
     """Install GNMR on a megatron-core model (idempotent for the same model).
 
@@ -196,6 +198,10 @@ def apply(
             which unit. Required for training; ``None`` only to inspect units and plans.
         fused_norm: carry the per-unit norms in megatron's clip-norm all-reduce; ``False`` adds
             GNMR's own small all-reduce per step (same gradients, same pre-clip values).
+        pg_collection: megatron-core's ``ProcessGroupCollection`` of the model (its ``tp``,
+            ``mp`` and ``dp_cp`` groups are used), as megatron-core's own modules take it;
+            default: ``ProcessGroupCollection.use_mpu_process_groups()``, the groups
+            ``parallel_state.initialize_model_parallel`` made.
     """
     from gnmr_dist.integrations.config import GNMRBlock
 
@@ -208,11 +214,27 @@ def apply(
     info = series_info(what="megatron_patches.apply")
     _refuse_unsupported(chunks, block, optimizer)
     remove()
-    backend = block.build_backend()
+    backend = block.build_backend(MEGATRON_OPERATORS)
     check_error_source(block, backend)  # gnmr.gamma needs a backend that reports error sums
-    handle = MegatronGNMR(chunks, block, backend, fused=fused_norm, optimizer=optimizer, info=info)
+    groups = pg_collection if pg_collection is not None else _mpu_groups()
+    handle = MegatronGNMR(
+        chunks,
+        block,
+        backend,
+        fused=fused_norm,
+        optimizer=optimizer,
+        info=info,
+        pg_collection=groups,
+    )
     _install(handle, optimizer, info)
     return handle
+
+
+def _mpu_groups() -> Any:
+    """The groups ``parallel_state`` holds, as megatron-core's ``ProcessGroupCollection``."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    return ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "mp", "dp_cp"])
 
 
 def _configs(chunks: Sequence[nn.Module]) -> list[Any]:

@@ -210,9 +210,9 @@ def cpu_argv(argv: Sequence[str]) -> list[str]:
 def gnmr_block(args: argparse.Namespace, check_host: bool = True) -> GNMRBlock | None:
     """The effective ``"gnmr"`` block (file, then the overrides), or ``None`` without a file.
 
-    Read once (``read_block``): building the backend checks its option blocks, and
-    ``megatron_patches.apply`` takes that backend; a backend this host cannot load (``te_fp8``
-    without CUDA) is an error only when ``check_host``.
+    Read once (``read_block``): building the backend checks its option blocks
+    (``megatron_patches.apply`` builds the run's own, with megatron's operators); a backend this
+    host cannot load (``te_fp8`` without CUDA) is an error only when ``check_host``.
     """
     if args.gnmr_config is None:
         return None
@@ -235,7 +235,8 @@ def gnmr_block(args: argparse.Namespace, check_host: bool = True) -> GNMRBlock |
         block["log"] = {**dict(block.get("log") or {}), "trace": args.gnmr_trace}
     parsed = GNMRBlock.of(block, path=f"{path}: gnmr")
     refuse_probe(parsed, "GNMR on Megatron-LM's loop")
-    return read_block(parsed, f"{path}: gnmr", check_host=check_host)
+    checked, _ = read_block(parsed, f"{path}: gnmr", check_host=check_host)
+    return checked
 
 
 def parse_spikes(texts: Sequence[str]) -> list[tuple[int, int, float]]:

@@ -21,6 +21,7 @@ from gnmr_dist.integrations.megatron.attribution import (
     guard_violation,
     leaf_optimizers,
 )
+from gnmr_dist.integrations.megatron.operators import MEGATRON_MARKS, MEGATRON_OPERATORS
 from gnmr_dist.integrations.megatron.versions import SeriesInfo
 from gnmr_dist.integrations.session import IntegrationSession, error_source
 
@@ -43,9 +44,11 @@ class MegatronGNMR(IntegrationSession):
         fused: bool,
         optimizer: Any,
         info: SeriesInfo,
+        pg_collection: Any,
     ) -> None:
-        from megatron.core import parallel_state as ps
-
+        """``pg_collection``: megatron-core's ``ProcessGroupCollection`` of the run, read for
+        ``tp`` (replicated parameters count on its rank 0), ``mp`` (the per-unit sums add up
+        over it) and ``dp_cp`` (DDP's mean); nothing is looked up in ``parallel_state``."""
         from gnmr_dist.backends import registered_operator_types
         from gnmr_dist.distributed import GNMRRuntime, UnitRegistry
 
@@ -57,18 +60,19 @@ class MegatronGNMR(IntegrationSession):
             include=block.include,
             exclude=block.exclude,
             group=dist.group.WORLD,
-            tp_group=ps.get_tensor_model_parallel_group(),
+            tp_group=pg_collection.tp,
             eligible_fn=backend.is_eligible if backend is not None else None,
-            operator_types=registered_operator_types(),
+            operator_types=MEGATRON_OPERATORS.all_types() | registered_operator_types(),
+            marks=MEGATRON_MARKS,
         )
         if backend is not None:
             backend.wrap(self.registry.local_modules)
-        self._dp_group = ps.get_data_parallel_group(with_context_parallel=True)
+        self._dp_group = pg_collection.dp_cp
         self._dp = dist.get_world_size(self._dp_group)
         self.runtime = GNMRRuntime(
             self.registry,
             block.policy,
-            group=ps.get_model_parallel_group(),
+            group=pg_collection.mp,
             check_group=dist.group.WORLD,
             check_consistency=block.check_consistency,
             error_fn=error_source(block, backend, self.registry.num_units),

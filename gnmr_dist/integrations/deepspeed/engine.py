@@ -8,7 +8,7 @@ Same arguments and return value as ``deepspeed.initialize``. With a ``"gnmr"`` b
    them with the configured backend, before DeepSpeed builds its optimizer;
 3. hooks ``engine._take_model_step``, which DeepSpeed runs once per gradient-accumulation
    boundary after reducing the gradients: there it reads each rank's piece of every gradient
-   where the ZeRO stage keeps it (:mod:`gnmr_dist.integrations.deepspeed_grads`), all-reduces the
+   where the ZeRO stage keeps it (:mod:`gnmr_dist.integrations.deepspeed.grads`), all-reduces the
    small per-unit vector once over the data-parallel group, lets the optimizer step, and, if the
    step was applied (no overflow skip), feeds the controller and applies its plan to the next
    step. A skipped step leaves the controller's history untouched;
@@ -80,7 +80,7 @@ from gnmr_dist.backends import PrecisionBackend, registered_operator_types
 from gnmr_dist.distributed import UnitRegistry
 from gnmr_dist.distributed.units import check_selection
 from gnmr_dist.integrations.config import GNMRBlock
-from gnmr_dist.integrations.deepspeed_session import (
+from gnmr_dist.integrations.deepspeed.session import (
     STATE_FILE,
     DeepSpeedGNMR,
     probe_loss,
@@ -128,7 +128,8 @@ _PATCHES = Patches("gnmr_dist.deepspeed.enable")
 _WARNED_NO_BLOCK: list[bool] = []
 _BUILT = [0]
 """How many engines :func:`initialize` has given GNMR in this process (read by
-:class:`~gnmr_dist.integrations.trainer.GNMRCallback`: an engine built without it is warned of)."""
+:class:`~gnmr_dist.integrations.deepspeed.trainer.GNMRCallback`: an engine built without it is
+warned of)."""
 
 
 def engines_with_gnmr() -> int:
@@ -152,8 +153,8 @@ def enable() -> None:
     prepares the model; the block is read from the same DeepSpeed config they pass
     (``config_params``). While enabled, an engine built from a config without an enabled
     ``"gnmr"`` block logs that once, and ``transformers.Trainer.log`` adds GNMR's counts to
-    Trainer's training logs (:mod:`gnmr_dist.integrations.trainer`). :func:`disable` restores
-    both.
+    Trainer's training logs (:mod:`gnmr_dist.integrations.deepspeed.trainer`). :func:`disable`
+    restores both.
     """
     import deepspeed
 
@@ -166,7 +167,7 @@ def enable() -> None:
 
     _PATCHES.set(deepspeed, "initialize", gnmr_initialize)
     with contextlib.suppress(ImportError):  # no transformers: nothing to log into
-        from gnmr_dist.integrations import trainer
+        from gnmr_dist.integrations.deepspeed import trainer
 
         trainer.patch()
     logger.info('gnmr: deepspeed.initialize now reads the config\'s "gnmr" block')
@@ -178,7 +179,7 @@ def disable() -> None:
         _PATCHES.restore()
         _WARNED_NO_BLOCK.clear()
         with contextlib.suppress(ImportError):
-            from gnmr_dist.integrations import trainer
+            from gnmr_dist.integrations.deepspeed import trainer
 
             trainer.unpatch()
 

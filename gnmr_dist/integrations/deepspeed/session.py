@@ -23,7 +23,7 @@ from gnmr_dist.distributed import GNMRRuntime, UnitNorms, UnitRegistry
 from gnmr_dist.distributed.probe import ProbeResult, RecoveryProbe
 from gnmr_dist.integrations.config import GNMRBlock
 from gnmr_dist.integrations.console import console_line, emit
-from gnmr_dist.integrations.deepspeed_grads import grad_piece_fn
+from gnmr_dist.integrations.deepspeed.grads import grad_piece_fn
 from gnmr_dist.integrations.session import (
     IntegrationSession,
     Interval,
@@ -116,7 +116,7 @@ class DeepSpeedGNMR(IntegrationSession):
         )
         self.skipped = 0
         self.interval = Interval()
-        """The decisions since the last Trainer log (:mod:`gnmr_dist.integrations.trainer`)."""
+        """The decisions since the last Trainer log (:mod:`~.deepspeed.trainer`)."""
         self._trace: TraceWriter | None = None
         self._notes: dict[str, float] = {}
         self.probe: RecoveryProbe | None = None

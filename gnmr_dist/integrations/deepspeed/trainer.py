@@ -43,7 +43,7 @@ __all__ = ["GNMRCallback", "log_entries", "patch", "unpatch"]
 
 logger = logging.getLogger(__name__)
 
-_PATCHES = Patches("gnmr_dist.integrations.trainer")
+_PATCHES = Patches("gnmr_dist.integrations.deepspeed.trainer")
 _HISTORY_KEY = "gnmr/recovered_at"
 
 
@@ -106,7 +106,7 @@ class GNMRCallback(TrainerCallback):
     """
 
     def __init__(self) -> None:
-        from gnmr_dist.integrations import deepspeed as gds
+        from gnmr_dist.integrations.deepspeed import engine as gds
 
         self._was_enabled = bool(gds._PATCHES)
         gds.enable()
@@ -117,7 +117,7 @@ class GNMRCallback(TrainerCallback):
         """Refuse a run without DeepSpeed (GNMR runs inside its engine: the callback would do
         nothing); warn once when the config has no ``"gnmr"`` block, or enables one that no
         engine got since the callback was made (Trainer builds its engine just before this)."""
-        from gnmr_dist.integrations import deepspeed as gds
+        from gnmr_dist.integrations.deepspeed import engine as gds
 
         if not _is_deepspeed(args):
             self.on_train_end(args, state, control)
@@ -147,7 +147,7 @@ class GNMRCallback(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Disable GNMR again if this callback enabled it."""
         if not self._was_enabled:
-            from gnmr_dist.integrations import deepspeed as gds
+            from gnmr_dist.integrations.deepspeed import engine as gds
 
             gds.disable()
 

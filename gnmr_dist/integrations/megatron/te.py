@@ -21,8 +21,10 @@ fp8_format>, fp8_group=<megatron's amax-reduction group>)``; with FP8 disabled i
 ``override_nonquantized_autocast`` is true, otherwise it returns ``nullcontext()``.
 
 This module holds the mechanism (detection, the two values of ``te_quant_params``, the checks
-made while a step runs); :mod:`gnmr_dist.backends.te_fp8` holds the policy (which recipes may
-recover which) and explains the precision consequences.
+made when wrapping and while a step runs) and reaches the ``te_fp8`` backend as
+``MEGATRON_OPERATORS.switcher`` (:mod:`~gnmr_dist.integrations.megatron.operators`);
+:mod:`gnmr_dist.backends.te_fp8` holds the policy (which recipes may recover which) and explains
+the precision consequences.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from typing import Any
 
 from torch import nn
 
-from gnmr_dist.backends.base import LOW_COST, RECOVERY
+from gnmr_dist.backends.base import LOW_COST, RECOVERY, PrecisionBackend
+from gnmr_dist.backends.te_recipes import RECIPES, check_own
 
 __all__ = [
     "MEGATRON_TE_LINEARS",
@@ -46,6 +49,7 @@ __all__ = [
     "megatron_outer_recipe",
     "module_recipe",
     "quant_params_switch",
+    "te_quant_params_switcher",
 ]
 
 MEGATRON_TE_LINEARS = frozenset(
@@ -61,8 +65,8 @@ MEGATRON_TE_LINEARS = frozenset(
 )
 """megatron-core's wrappers of Transformer Engine linears: their forward reads
 ``self.te_quant_params`` (0.16-0.19); subclasses (0.19's ``TELMHeadColumnParallelLinear``) are
-matched through their MRO by :func:`is_megatron_te_linear`. Operator classes of the ``te_fp8``
-backend (:attr:`~gnmr_dist.backends.te_fp8.TEFp8Backend.operator_types`)."""
+matched through their MRO by :func:`is_megatron_te_linear`. Operator classes of megatron's units
+(:data:`~gnmr_dist.integrations.megatron.operators.MEGATRON_OPERATORS`)."""
 
 _RECIPE_FIELDS = frozenset(
     {
@@ -249,3 +253,70 @@ def quant_params_switch(
     training = namespace.TEQuantizationRecipe(**fields)
     recovery = namespace.TEQuantizationParams(training_recipe=training, evaluation_recipe=None)
     return QuantParamsSwitch(module, label, module.te_quant_params, recovery, recipe_class)
+
+
+def te_quant_params_switcher(
+    module: nn.Module, name: str, backend: PrecisionBackend
+) -> QuantParamsSwitch | None:
+    """The ``te_quant_params`` switch of one megatron TE linear of unit ``name`` for the
+    ``te_fp8`` ``backend`` (``None`` for any other module), or a ``ValueError`` naming what
+    stops it: no megatron config, a CUDA-graphed layer, megatron's own recipe other than the
+    backend's low-cost one, a recovery recipe not stronger than the module's own.
+
+    The integration's :attr:`~gnmr_dist.backends.operators.Operators.switcher`.
+    """
+    if not is_megatron_te_linear(module):
+        return None
+    low, recovery = backend.low_cost, backend.recovery
+    label = f"{name} ({type(module).__name__})"
+    config = getattr(module, "config", None)
+    if config is None:
+        raise ValueError(f"te_fp8: {label} has no megatron config (module.config)")
+    graphed = cuda_graph_setting(config)
+    if graphed is not None:
+        raise ValueError(
+            f"te_fp8: {label}: megatron CUDA-graphs its layer ({graphed}); a graph replays "
+            "the path it was captured with, so its te_quant_params cannot switch it. Turn "
+            "CUDA graphs off or leave the module out of the units (gnmr.exclude)"
+        )
+    _check_outer(label, config, low)
+    own = module_recipe(module.te_quant_params, megatron_outer_recipe(config))
+    check_own(label, own, recovery.recipe)
+    recipe = None if recovery.recipe == "bf16" else recovery.recipe
+    return quant_params_switch(
+        module,
+        label,
+        recipe=recipe,
+        recipe_class=None if recipe is None else RECIPES[recipe][0],
+        fp8_format=low.fp8_format,
+    )
+
+
+def _check_outer(label: str, config: Any, low: Any) -> None:
+    """megatron's own FP8/FP4 setting of the module must be this backend's low-cost path."""
+    outer = megatron_outer_recipe(config)
+    if outer == "bf16":
+        raise ValueError(
+            f"te_fp8: {label}: megatron runs it without FP8 or FP4 (config.fp8 and "
+            "config.fp4 are None), so te_fp8 has no low-cost path to switch: set "
+            "config.fp8 / config.fp8_recipe (--fp8-format, --fp8-recipe) or config.fp4 "
+            "(--fp4-format e2m1), or use backend 'fp8_emulated'"
+        )
+    if low.recipe == "nvfp4" or outer == "nvfp4":
+        if outer != low.recipe:
+            fp4 = getattr(config, "fp4", None)
+            raise ValueError(
+                f"te_fp8: {label}: megatron runs it with fp4={fp4!r}, fp8="
+                f"{getattr(config, 'fp8', None)!r} (recipe {outer!r}) but gnmr.low_cost is "
+                f"recipe {low.recipe!r}; make them the same (--fp4-format e2m1 with "
+                "--fp4-recipe nvfp4 for low_cost 'nvfp4')"
+            )
+        return
+    fp8 = config.fp8
+    if outer != low.recipe or fp8 != low.fp8_format:
+        raise ValueError(
+            f"te_fp8: {label}: megatron runs it with config.fp8={fp8!r}, "
+            f"fp8_recipe={outer!r} but gnmr.low_cost is recipe={low.recipe!r}, "
+            f"fp8_format={low.fp8_format!r}; make them the same (the recovery checks and "
+            "the delayed-scaling reseed rely on it)"
+        )
