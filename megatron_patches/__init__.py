@@ -1,26 +1,59 @@
 """``megatron_patches``: GNMR for megatron-core, the design card's name for
 :mod:`gnmr_dist.integrations.megatron`.
 
-A thin alias: ``megatron_patches`` and its submodules (``.cpu``, ``.cpu_training``, ``.gnmr``,
-``.loop``, ``.session``, ``.attribution``, ``.versions``) are the very module objects of
-``gnmr_dist.integrations.megatron`` (registered in ``sys.modules``), so
-``megatron_patches.apply``, ``megatron_patches.cpu`` and a monkeypatch of either act on the
-one implementation, whichever name the caller imported.
+Plain re-exports of that package's public names, and its submodules as attributes
+(``megatron_patches.loop.attach()``, ``megatron_patches.cpu``): the objects are the
+implementation's own, so a monkeypatch of ``gnmr_dist.integrations.megatron.<module>`` is seen
+through either name. ``import megatron_patches`` is the one import; write
+``megatron_patches.loop.attach()``, not ``import megatron_patches.loop``.
 """
 
-import sys
-
-from gnmr_dist.integrations import megatron as _megatron
 from gnmr_dist.integrations.megatron import (
+    SERIES,
+    SUPPORTED_MEGATRON_VERSIONS,
+    MegatronGNMR,
+    SeriesInfo,
+    apply,
     attribution,
     cpu,
-    cpu_training,
+    cpu_compat,
+    cpu_transformer_config,
+    current,
+    disable_cpu_compat,
+    enable_cpu_compat,
     gnmr,
+    is_cpu_compat_enabled,
     loop,
+    megatron_series,
+    operators,
+    remove,
+    series_info,
     session,
+    te,
     versions,
 )
 
-for _module in (attribution, cpu, cpu_training, gnmr, loop, session, versions):
-    sys.modules[f"{__name__}.{_module.__name__.rpartition('.')[2]}"] = _module
-sys.modules[__name__] = _megatron  # `import megatron_patches` yields the package itself
+__all__ = [
+    "SERIES",
+    "SUPPORTED_MEGATRON_VERSIONS",
+    "MegatronGNMR",
+    "SeriesInfo",
+    "apply",
+    "attribution",
+    "cpu",
+    "cpu_compat",
+    "cpu_transformer_config",
+    "current",
+    "disable_cpu_compat",
+    "enable_cpu_compat",
+    "gnmr",
+    "is_cpu_compat_enabled",
+    "loop",
+    "megatron_series",
+    "operators",
+    "remove",
+    "series_info",
+    "session",
+    "te",
+    "versions",
+]

@@ -123,3 +123,84 @@ def test_a_module_outside_every_layer_is_named():
     assert upward_imports(sources) == [
         "gnmr_dist_extra/x.py: gnmr_dist_extra.x is in no layer of LAYERS"
     ]
+
+
+# ------------------------------------------------------------------------ the framework boundary
+
+FRAMEWORK_FREE = (
+    "gnmr_dist.core",
+    "gnmr_dist.distributed",
+    "gnmr_dist.telemetry",
+    "gnmr_dist.backends",
+)
+"""Packages that import and name no training framework: every framework fact lives in
+``gnmr_dist.integrations`` (``deepspeed/``, ``megatron/``), which passes what these need
+(operator adapters, parameter marks, process groups) in as arguments. Transformer Engine is not a
+training framework but the library the ``te_fp8`` backend wraps, so ``backends`` may import it."""
+
+FRAMEWORKS = ("deepspeed", "megatron", "megatron_patches", "transformers", "accelerate", "peft")
+"""Top-level packages of the training frameworks (and the design card's megatron glue)."""
+
+_FRAMEWORK_WORD = ("megatron", "deepspeed", "trainer", "accelerate")
+"""A name holding one of these (any case) is a framework fact."""
+
+
+def _names(tree: ast.AST) -> list[tuple[int, str]]:
+    """``(line, identifier)`` of every name the code defines or reads (not strings or docs;
+    imports are checked by module)."""
+    out: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            out.append((node.lineno, node.id))
+        elif isinstance(node, ast.Attribute):
+            out.append((node.lineno, node.attr))
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            out.append((node.lineno, node.name))
+        elif isinstance(node, ast.arg):
+            out.append((node.lineno, node.arg))
+    return out
+
+
+def framework_facts(sources: dict[str, str]) -> list[str]:
+    """Every import of a framework and every framework-named identifier in
+    :data:`FRAMEWORK_FREE` packages of ``sources`` (relative path -> text)."""
+    problems = []
+    for path, text in sorted(sources.items()):
+        module = _module_name(Path(path))
+        if not any(module == p or module.startswith(p + ".") for p in FRAMEWORK_FREE):
+            continue
+        tree = ast.parse(text, filename=path)
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            for name in names:
+                if name.split(".")[0] in FRAMEWORKS:
+                    problems.append(f"{path}:{node.lineno}: imports {name}")
+        for line, name in _names(tree):
+            if any(word in name.lower() for word in _FRAMEWORK_WORD):
+                problems.append(f"{path}:{line}: framework-named identifier {name}")
+    return sorted(set(problems))
+
+
+def test_no_framework_below_the_integrations():
+    assert framework_facts(_tree()) == []
+
+
+def test_a_framework_fact_below_the_integrations_is_caught():
+    sources = _tree()
+    sources["gnmr_dist/distributed/units.py"] += (
+        '\nMEGATRON_LINEARS = frozenset({"ColumnParallelLinear"})\n'
+    )
+    sources["gnmr_dist/backends/base.py"] += (
+        "\n\ndef _late():\n    from megatron.core.tensor_parallel import mappings\n"
+    )
+    sources["gnmr_dist/core/state.py"] += "\nimport deepspeed.comm\n"
+    sources["gnmr_dist/integrations/session.py"] += "\nimport deepspeed\n"  # allowed there
+    found = framework_facts(sources)
+    assert len(found) == 3, found
+    assert found[0].startswith("gnmr_dist/backends/base.py:") and "megatron.core" in found[0]
+    assert found[1].startswith("gnmr_dist/core/state.py:") and "deepspeed.comm" in found[1]
+    assert found[2].startswith("gnmr_dist/distributed/units.py:") and "MEGATRON_LINEARS" in found[2]

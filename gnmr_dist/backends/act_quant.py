@@ -200,7 +200,7 @@ class ActQuantLinearFn(torch.autograd.Function):
     """``F.linear`` whose input is saved for backward at k bits (weight gradient only)."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         x: torch.Tensor,
         weight: torch.Tensor,
@@ -248,7 +248,8 @@ def act_quant_linear(
     """
     if packed is None:
         packed = pack(x.detach(), options.bits, options.group_size)
-    return ActQuantLinearFn.apply(x, weight, bias, packed, probe)  # type: ignore[no-any-return]
+    out: torch.Tensor = ActQuantLinearFn.apply(x, weight, bias, packed, probe)  # type: ignore[no-untyped-call]
+    return out
 
 
 def check_shard_widths(

@@ -222,9 +222,12 @@ class TEFp8Backend(PrecisionBackend):
     def _region(self, enabled: bool, recipe: Any) -> contextlib.AbstractContextManager[Any]:
         """A TE autocast region, with the argument names of the installed version."""
         te, group = self._te.pytorch, self.amax_reduction_group
+        region: contextlib.AbstractContextManager[Any]
         if self._te.new_autocast:
-            return te.autocast(enabled=enabled, recipe=recipe, amax_reduction_group=group)
-        return te.fp8_autocast(enabled=enabled, fp8_recipe=recipe, fp8_group=group)
+            region = te.autocast(enabled=enabled, recipe=recipe, amax_reduction_group=group)
+        else:
+            region = te.fp8_autocast(enabled=enabled, fp8_recipe=recipe, fp8_group=group)
+        return region
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The ONE outer FP8 region, entered around the whole forward of each micro-batch.

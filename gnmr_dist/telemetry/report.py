@@ -247,7 +247,9 @@ def _draw_loss(ax: Any, steps: list[int], values: list[float], label: str) -> No
     ax.grid(alpha=0.3)
 
 
-def _draw_heatmap(fig: Any, ax: Any, cax: Any, risk: torch.Tensor, s: dict, header: Any) -> None:
+def _draw_heatmap(
+    fig: Any, ax: Any, cax: Any, risk: torch.Tensor, s: dict[str, Any], header: Any
+) -> None:
     from matplotlib import colormaps
     from matplotlib.colors import LogNorm
 
@@ -315,7 +317,7 @@ def _label_units(ax: Any, header: Any) -> None:
             tick.set_color("gray")
 
 
-def _draw_fractions(ax: Any, steps: list[int], s: dict, warmup: int) -> None:
+def _draw_fractions(ax: Any, steps: list[int], s: dict[str, Any], warmup: int) -> None:
     marker = "o" if len(steps) < 30 else None
     ax.plot(
         steps,
@@ -363,7 +365,7 @@ def _wrapped(line: str, width: int = 40) -> list[str]:
     return textwrap.wrap(line, width, subsequent_indent="       ")
 
 
-def _summary_text(s: dict, trace: Path) -> str:
+def _summary_text(s: dict[str, Any], trace: Path) -> str:
     c = s["config"]
     return "\n".join(
         [

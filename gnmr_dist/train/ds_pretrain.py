@@ -302,7 +302,7 @@ def build_model(args: argparse.Namespace, vocab: int) -> torch.nn.Module:
             lora_dropout=0.0,
             target_modules=[t.strip() for t in args.lora_targets.split(",") if t.strip()],
         )
-        model = get_peft_model(model, lora)
+        return get_peft_model(model, lora)
     return model
 
 

@@ -197,9 +197,9 @@ def check_job(job: Job, world_size: int, check_host: bool = True) -> None:
     ``check_host=False`` leaves out what depends on this machine (CUDA, Transformer Engine), for
     checking a GPU job on a login node.
     """
-    err = io.StringIO()
+    stderr = io.StringIO()
     try:
-        with contextlib.redirect_stderr(err):
+        with contextlib.redirect_stderr(stderr):
             if job.engine == "megatron":
                 from gnmr_dist.train.megatron_lm import check_args
 
@@ -212,7 +212,7 @@ def check_job(job: Job, world_size: int, check_host: bool = True) -> None:
         raise LaunchError(f"{job.config} ({job.engine}): {err}") from None
     except SystemExit as stop:
         if stop.code:
-            lines = [x for x in err.getvalue().splitlines() if x.strip()]
+            lines = [x for x in stderr.getvalue().splitlines() if x.strip()]
             message = lines[-1] if lines else f"exit status {stop.code}"
             raise LaunchError(f"{job.config} ({job.engine}): {message}") from None
 
@@ -382,7 +382,7 @@ def plan(a: argparse.Namespace) -> list[str]:
         # guarantee its overlapped communication needs); its example scripts export it too.
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     if a.launcher == "check":
-        sizes, cmd = [a.world_size], []
+        sizes, cmd = [a.world_size], list[str]()
     elif a.launcher == "torchrun":
         cmd, sizes = torchrun_command(a, job)
     else:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -77,7 +77,7 @@ def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Callable
         tokens, labels, loss_mask = batch["tokens"], batch["labels"], batch["loss_mask"]
         attention_mask, position_ids = batch["attention_mask"], batch["position_ids"]
     output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
-    return output, partial(_loss_func, loss_mask)
+    return output, partial(_loss_func, cast(torch.Tensor, loss_mask))
 
 
 def datasets_provider(num_samples: Sequence[int], vp_stage: int | None = None) -> Any:

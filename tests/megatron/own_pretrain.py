@@ -11,8 +11,9 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-import megatron_patches.loop
 import torch
+
+import megatron_patches
 
 
 class TokenSet(torch.utils.data.Dataset):  # type: ignore[type-arg]

@@ -43,9 +43,8 @@ from tests.requires import require
 
 require("megatron.core")
 
-import megatron_patches.cpu as cpu
-
 from megatron_patches import (
+    cpu,
     cpu_compat,
     cpu_transformer_config,
     disable_cpu_compat,
@@ -221,7 +220,7 @@ PRELOAD = (
     "megatron.core.models.gpt.gpt_layer_specs",
     "megatron.core.optimizer",
     "megatron.core.pipeline_parallel",
-    "megatron_patches.cpu",
+    "gnmr_dist.integrations.megatron.cpu",
 )
 """Imported once per release by ``multiproc.run_jobs``; every rank is forked from that process."""
 
@@ -242,7 +241,11 @@ def _facts(chunks, opt) -> dict:
     from gnmr_dist.distributed.units import global_param_names
     from gnmr_dist.integrations.megatron.operators import MEGATRON_MARKS
 
-    named = [(global_param_names(c, marks=MEGATRON_MARKS)[local], p) for c in chunks for local, p in c.named_parameters()]
+    named = [
+        (global_param_names(c, marks=MEGATRON_MARKS)[local], p)
+        for c in chunks
+        for local, p in c.named_parameters()
+    ]
     return {
         "optimizers": [type(o).__name__ for o in getattr(opt, "chained_optimizers", [opt])],
         "param_dtypes": {str(p.dtype) for _, p in named},

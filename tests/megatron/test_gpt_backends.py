@@ -23,6 +23,8 @@ def _worker(rank, world, backend_name, low_cost, recovery):
 
     from gnmr_dist.backends import get_backend
     from gnmr_dist.distributed import UnitRegistry
+    from gnmr_dist.integrations.megatron.operators import MEGATRON_MARKS as MARKS
+    from gnmr_dist.integrations.megatron.operators import MEGATRON_OPERATORS as OPS
     from megatron_patches import enable_cpu_compat
     from tests.megatron import gpt
 
@@ -31,8 +33,10 @@ def _worker(rank, world, backend_name, low_cost, recovery):
     model = gpt.parallel_model(2, 1, full)
     plain_loss = gpt.train_step(model)
     plain = _grads(model)
-    reg = UnitRegistry.from_model(model, group=dist.group.WORLD)
-    backend = get_backend(backend_name, low_cost=low_cost, recovery=recovery)
+    reg = UnitRegistry.from_model(
+        model, group=dist.group.WORLD, operator_types=OPS.all_types(), marks=MARKS
+    )
+    backend = get_backend(backend_name, low_cost=low_cost, recovery=recovery, operators=OPS)
     backend.wrap(reg.local_modules)
     backend.apply(range(reg.num_units), step=1)  # every unit on the recovery path
     rec_loss = gpt.train_step(model)
@@ -84,14 +88,18 @@ def _layout_worker(rank, world, low_cost):
 
     from gnmr_dist.backends import get_backend
     from gnmr_dist.distributed import UnitRegistry
+    from gnmr_dist.integrations.megatron.operators import MEGATRON_MARKS as MARKS
+    from gnmr_dist.integrations.megatron.operators import MEGATRON_OPERATORS as OPS
     from megatron_patches import enable_cpu_compat
     from tests.megatron import gpt
 
     enable_cpu_compat()
     full, _ = gpt.full_reference(1)
     model = gpt.parallel_model(2, 1, full)
-    reg = UnitRegistry.from_model(model, group=dist.group.WORLD)
-    backend = get_backend("act_quant", low_cost=low_cost, recovery={"bits": 32})
+    reg = UnitRegistry.from_model(
+        model, group=dist.group.WORLD, operator_types=OPS.all_types(), marks=MARKS
+    )
+    backend = get_backend("act_quant", low_cost=low_cost, recovery={"bits": 32}, operators=OPS)
     try:
         backend.wrap(reg.local_modules)
     except ValueError as err:

@@ -45,6 +45,8 @@ def _worker(rank, world, tp, pp, steps, spike_step):
     from megatron.core import parallel_state as ps
 
     from gnmr_dist.distributed import GradNormMonitor, UnitRegistry
+    from gnmr_dist.integrations.megatron.operators import MEGATRON_MARKS as MARKS
+    from gnmr_dist.integrations.megatron.operators import MEGATRON_OPERATORS as OPS
     from megatron_patches import enable_cpu_compat
     from tests.megatron import gpt
 
@@ -53,12 +55,21 @@ def _worker(rank, world, tp, pp, steps, spike_step):
     model = gpt.parallel_model(tp, pp, full)
     loss = gpt.train_step(model)
     tp_group, mp_group = ps.get_tensor_model_parallel_group(), ps.get_model_parallel_group()
-    reg = UnitRegistry.from_model(model, group=dist.group.WORLD, tp_group=tp_group)
+    reg = UnitRegistry.from_model(
+        model,
+        group=dist.group.WORLD,
+        tp_group=tp_group,
+        operator_types=OPS.all_types(),
+        marks=MARKS,
+    )
     monitor = GradNormMonitor(reg, group=mp_group)
     with multiproc.CollectiveSpy(p2p=True) as spy:
         norms = monitor.compute()
     naive = GradNormMonitor(
-        UnitRegistry.from_model(model, group=dist.group.WORLD), group=mp_group
+        UnitRegistry.from_model(
+            model, group=dist.group.WORLD, operator_types=OPS.all_types(), marks=MARKS
+        ),
+        group=mp_group,
     ).compute()
     out = {
         "names": reg.names,

@@ -4,7 +4,7 @@ script: one call before the script calls ``pretrain``.
 Add two lines to your ``pretrain_*.py`` (Megatron-LM's, a fork's, yours: your model, data and
 forward-step providers stay as they are)::
 
-    import megatron_patches.loop
+    import megatron_patches
 
     if __name__ == "__main__":
         extra_args_provider = megatron_patches.loop.attach()  # reads --gnmr-* from sys.argv

@@ -94,7 +94,7 @@ def _input_widths(module: nn.Module) -> tuple[int, int] | None:
     local = getattr(module, "input_size_per_partition", None)
     if local is None:
         return None
-    return int(module.input_size), int(local)
+    return int(getattr(module, "input_size")), int(local)  # noqa: B009 (not a Tensor attr)
 
 
 TP_LINEAR = GemmAdapter(MEGATRON_LINEARS, "_forward_impl", tp_forward_impl, _input_widths)

@@ -58,15 +58,17 @@ from typing import Any
 
 import torch
 
-from gnmr_dist.integrations.megatron.cpu import (
-    CUDA_RNG,
+from gnmr_dist.integrations.megatron.cpu.device import (
     _cpu_current_device,
-    _cpu_get_rng_state,
-    _cpu_set_rng_state,
     _cpu_synchronize,
     _CpuStream,
     _CpuTorch,
     _tensor_cuda_identity,
+)
+from gnmr_dist.integrations.megatron.cpu.rng import (
+    CUDA_RNG,
+    _cpu_get_rng_state,
+    _cpu_set_rng_state,
 )
 
 __all__ = ["training_patch_plan"]
