@@ -4,6 +4,7 @@ the statistics return known answers on constructed records."""
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from dataclasses import replace
@@ -11,13 +12,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from benchmarks.branch import Instrument, perturb, run_branch, run_trunk, trunk_file
-from benchmarks.branch_stats import Design, paired, share_closed, troubles, unit_step_share
-from benchmarks.harness_arms import Arm
-from benchmarks.harness_model import Batches
-from benchmarks.harness_training import ArmRun
-from benchmarks.regimes import FP4_REGIMES
-from benchmarks.sweep_fp4 import make_arms, nvidia_k
+from benchmarks.seed.arms import Arm
+from benchmarks.seed.model import Batches
+from benchmarks.seed.training import ArmRun
+from benchmarks.sweep.branch import Instrument, perturb, run_branch, run_trunk, trunk_file
+from benchmarks.sweep.branch_stats import Design, paired, share_closed, troubles, unit_step_share
+from benchmarks.sweep.fp4 import make_arms, nvidia_k
+from benchmarks.sweep.regimes import FP4_REGIMES
 from tests.benchmarks.test_harness import tiny
 
 Q = {"backend": "fp8_emulated", "low_cost": {"format": "e2m1"}, "recovery": {"format": "bf16"}}
@@ -41,7 +42,7 @@ def test_a_branch_with_the_trunks_policy_is_its_continuation(trunk):
     saved = torch.load(trunk_file(root, 3, 5), weights_only=True)
     s = replace(setup, steps=INST.trunk_steps, seed=3, eval_every=10**9)
     run = ArmRun(s, Arm("BF16", "recovery", **Q), Batches(s.heldout, s), evaluates=False)
-    from benchmarks.branch import _load
+    from benchmarks.sweep.branch import _load
 
     _load(run, trunk_file(root, 3, 3))
     train = Batches(s.data, s)
@@ -163,7 +164,7 @@ def test_spikes_and_divergence_are_counted_against_bf16():
 
 
 def test_step_time_interleaves_gnmr_e_and_nvidias_rule(tmp_path, capsys):
-    from benchmarks.fp4_step_time import step_time
+    from benchmarks.sweep.fp4_step_time import step_time
 
     regime = replace(
         FP4_REGIMES["nvfp4"],
@@ -183,11 +184,25 @@ def test_step_time_interleaves_gnmr_e_and_nvidias_rule(tmp_path, capsys):
     assert "same weights at the end: True" in capsys.readouterr().out
 
 
+def test_step_time_runs_are_appended_where_results_md_reads_them(tmp_path):
+    from benchmarks.results_md.fp4 import step_time as section
+    from benchmarks.results_md.source import Source
+    from benchmarks.sweep.fp4_step_time import save
+
+    got = {"NVIDIA last-4": 600.0, "GNMR+e 4": 612.0, "GNMR+e 4 replayed": 600.0}
+    got |= {"vs_nvidia": 1.02, "vs_replayed": 1.02}
+    path = tmp_path / "sweep_fp4_step_time_nvfp4.json"
+    for _ in range(2):
+        assert save(FP4_REGIMES["nvfp4"], got, steps=40, path=path) == path
+    stored = json.loads(path.read_text())
+    assert len(stored["runs"]) == 2 and stored["runs"][0]["point"] == 175
+    text = "\n".join(section(Source(tmp_path)))
+    assert "612.0 ms" in text and "| 2 |" in text
+
+
 def test_report_reads_constructed_records(tmp_path, capsys):
     """A regime where the oracle closes the gap and GNMR+e half of it, random nothing."""
-    import json
-
-    from benchmarks.fp4_report import report
+    from benchmarks.sweep.fp4_report import report
 
     regime = FP4_REGIMES["fp4_tensor"]
     arms = [a.name for a, _ in make_arms(regime, (4,), 28)]
@@ -219,9 +234,7 @@ def test_report_reads_constructed_records(tmp_path, capsys):
 
 
 def test_records_survive_a_line_cut_short(tmp_path):
-    import json
-
-    from benchmarks.sweep_fp4 import read_records
+    from benchmarks.sweep.fp4 import read_records
 
     path = tmp_path / "x.jsonl"
     rows = [{"arm": "a", "seed": 1, "point": p, "heldout": {"5": p}} for p in (3, 5)]
@@ -233,7 +246,7 @@ def test_records_survive_a_line_cut_short(tmp_path):
 
 
 def test_points_are_a_subset_of_the_trunks_checkpoints():
-    from benchmarks.sweep_fp4 import _points
+    from benchmarks.sweep.fp4 import _points
 
     regime = FP4_REGIMES["nvfp4"]
     assert _points("", regime) == tuple(regime.instrument.points)
@@ -243,7 +256,7 @@ def test_points_are_a_subset_of_the_trunks_checkpoints():
 
 
 def test_noise_reports_the_static_gap_at_every_recorded_horizon():
-    from benchmarks.fp4_report import noise
+    from benchmarks.sweep.fp4_report import noise
 
     r = records_of({"low-cost": [[2.3, 2.4], [2.5, 2.7]], "BF16": [[2.0, 2.1], [2.2, 2.3]]}, 50)
     for (arm, _, _), rec in r.items():
@@ -254,7 +267,7 @@ def test_noise_reports_the_static_gap_at_every_recorded_horizon():
 
 
 def test_picks_name_the_units_an_arm_recovered_most():
-    from benchmarks.fp4_report import picks
+    from benchmarks.sweep.fp4_report import picks
 
     r = records_of({"GNMR+e 4": [[2.0, 2.0]]}, 50)
     d = Design(seeds=(0,), points=(0, 1), horizon=50)
@@ -267,7 +280,7 @@ def test_picks_name_the_units_an_arm_recovered_most():
 
 
 def test_nvidias_rules_are_compared_at_their_own_budget_only():
-    from benchmarks.fp4_report import comparisons
+    from benchmarks.sweep.fp4_report import comparisons
 
     regime = FP4_REGIMES["fp4_tensor"]
     arms = [a.name for a, _ in make_arms(regime, (2, 4, 7), 28)]
@@ -279,7 +292,7 @@ def test_nvidias_rules_are_compared_at_their_own_budget_only():
 
 
 def test_report_files_name_a_design_other_than_the_default():
-    from benchmarks.sweep_fp4 import design_suffix
+    from benchmarks.sweep.fp4 import design_suffix
 
     regime = FP4_REGIMES["mxfp4"]
     assert design_suffix(regime, (4,), regime.instrument.points) == ""

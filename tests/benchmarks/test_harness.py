@@ -11,10 +11,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from benchmarks.harness import run_experiment, table, targets
-from benchmarks.harness_arms import Arm, ArmResult, Fault, Setup, with_budget
-from benchmarks.harness_model import Batches, build_model, install_faults, lm_loss, save_state
-from benchmarks.harness_training import ZClip, adam_inverse_rms, layer_units, run_arm
+from benchmarks.seed.arms import Arm, ArmResult, Fault, Setup, with_budget
+from benchmarks.seed.harness import run_experiment
+from benchmarks.seed.model import Batches, build_model, install_faults, lm_loss, save_state
+from benchmarks.seed.report import table, targets
+from benchmarks.seed.training import ZClip, adam_inverse_rms, layer_units, run_arm
 from gnmr_dist.backends import get_backend
 from gnmr_dist.distributed import UnitRegistry
 from gnmr_dist.telemetry.selection import gap_share, precision_at_k, spearman, top_k
@@ -171,7 +172,7 @@ def test_first_last_recovers_the_first_and_last_layer_only(data):
 
 
 def test_interleaved_arms_match_arms_run_one_after_another(tmp_path, monkeypatch, data):
-    import benchmarks.harness as harness
+    import benchmarks.seed.harness as harness
 
     monkeypatch.setattr(harness, "RESULTS", tmp_path)
     setup = tiny(steps=4, eval_every=2)

@@ -1,4 +1,4 @@
-"""benchmarks/overhead_collectives.py: the collective recorder, and GNMR's one extra all-reduce
+"""benchmarks/overhead/collectives.py: the collective recorder, and GNMR's one extra all-reduce
 under ZeRO-1."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from unittest import mock
 import pytest
 import torch
 
-from benchmarks import overhead_collectives as oh
 from benchmarks.common import gloo_world
+from benchmarks.overhead import collectives as oh
 from tests.requires import require
 
 

@@ -1,4 +1,5 @@
-"""benchmarks/sweep*.py: the statistics and verdicts behind the selection tables (RESULTS.md)."""
+"""benchmarks/sweep/selection*.py, stats.py: the statistics and verdicts behind the selection tables
+(RESULTS.md)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ import statistics
 
 import pytest
 
-from benchmarks import sweep
-from benchmarks.regimes import REGIMES
-from benchmarks.sweep_report import table
-from benchmarks.sweep_stats import _budget_of, interval, static_gap, summarize, verdicts
+from benchmarks.sweep import selection as sweep
+from benchmarks.sweep.regimes import REGIMES
+from benchmarks.sweep.selection_report import table
+from benchmarks.sweep.stats import _budget_of, interval, static_gap, summarize, verdicts
 
 SEEDS = (1, 2, 3)
 

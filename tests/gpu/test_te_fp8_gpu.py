@@ -15,7 +15,7 @@ with plain TE on an identical copy of the stack:
 * the step time of the backend with an empty plan stays within 1.3x of plain TE FP8;
 * with megatron-core: one projection of a megatron ``GPTModel`` (TE layer spec, tensorwise FP8)
   recovered through its ``te_quant_params`` runs exactly as that module in BF16 while its
-  neighbour runs FP8 (``benchmarks.gpu_te_check.check_megatron_operator``).
+  neighbour runs FP8 (``benchmarks.gpu.te_check.check_megatron_operator``).
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def test_flipping_units_under_delayed_scaling(reseed):
 
 
 def _median_step_ms(step: Callable[[], object], iters: int = 10) -> float:
-    from benchmarks.gpu_te_check import median_ms  # the check script's timer (3 warm-up steps)
+    from benchmarks.gpu.te_check import median_ms  # the check script's timer (3 warm-up steps)
 
     return median_ms(step, iters)
 
@@ -225,7 +225,7 @@ def test_step_time_of_the_switching_backend():
 
 def test_megatron_operator_recovered_through_te_quant_params():
     pytest.importorskip("megatron.core", reason="needs megatron-core")
-    from benchmarks.gpu_te_check import check_megatron_operator, parse_args
+    from benchmarks.gpu.te_check import check_megatron_operator, parse_args
 
     check = check_megatron_operator(te, parse_args([]))
     assert check.ok and not check.skipped, check.detail

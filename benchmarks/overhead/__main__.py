@@ -1,0 +1,122 @@
+"""What GNMR costs: step time against the low-cost path, the monitor against clipping, collectives.
+
+    python -m benchmarks.overhead [--steps 30] [--budget 0.1] [--threads 1] [--parts abc]
+
+(a) Step time (:mod:`benchmarks.overhead.step_time`): the harness's small Llama trains under six
+arms from the same initial weights on the same batches, their steps interleaved: the backend's
+low-cost path alone (the baseline), GNMR with a budget of 0 and of K units, K units fixed on the
+recovery path, and GNMR with the error term (every step, every 10th step). Two backends
+(``act_quant``, ``fp8_emulated``), once in one process with ``GNMRRuntime(group=None)``, once
+under real DeepSpeed ZeRO-1 (``--local-only`` leaves that out). Printed: CPU and wall medians,
+the per-round ratios to the baseline, and the monitor's and controller's own CPU time.
+
+(b) The monitor against plain gradient clipping on the same gradients
+(:mod:`benchmarks.overhead.monitor_vs_clip`): ``clip_grad_norm_``, ``GradNormMonitor.compute`` and
+monitor + one controller decision, on the harness Llama's real gradients and on a larger
+Llama-shaped stack.
+
+(c) Collectives per step in a real 2-process gloo run under DeepSpeed ZeRO-1, GNMR on vs off
+(:mod:`benchmarks.overhead.collectives`), recorded by a wrapper around ``torch.distributed`` and
+by the torch profiler's ``gloo:*`` events. With GNMR on, the extra per step must be exactly one
+all-reduce of U + 1 float64 values, 8 (U + 1) bytes.
+
+Writes ``benchmarks/results/overhead.json``. ``--threads 1`` (the default) keeps the emulated
+quantization's many small elementwise passes from stalling on OpenMP barriers when another
+process holds a core (with 2 threads on a loaded 2-core machine they ran ~20x slower).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import RESULTS, arg_parser
+from benchmarks.overhead.collectives import Call, CollectiveSpec, part_c, table_c
+from benchmarks.overhead.config import GNMR_POLICY, TARGET, backend_options
+from benchmarks.overhead.monitor_vs_clip import part_b, table_b
+from benchmarks.overhead.step_time import part_a, table_a, verdict
+from benchmarks.seed.arms import Setup
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = arg_parser(__doc__)
+    p.prog = "python -m benchmarks.overhead"  # not __main__.py
+    p.add_argument("--steps", type=int, default=30, help="recorded rounds per arm in (a)")
+    p.add_argument("--warm", type=int, default=4, help="unrecorded rounds first in (a)")
+    p.add_argument("--budget", type=float, default=0.1, help="max_active / units of GNMR")
+    p.add_argument("--repeats", type=int, default=30, help="repeats per arm in (b)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--parts", default="abc", help="which of (a), (b), (c) to run")
+    p.add_argument("--local-only", action="store_true", help="(a) without the DeepSpeed arms")
+    p.add_argument("--out", default=str(RESULTS / "overhead.json"), help="where the JSON goes")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    a = parse_args(argv)
+    torch.set_num_threads(a.threads)
+    setup = Setup()
+    units = 7 * setup.layers
+    budget = max(1, round(a.budget * units))
+    out: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"),
+        "threads": a.threads,
+        "setup": asdict(setup),
+        "gnmr_policy": GNMR_POLICY,
+        "budget": budget,
+        "backends": backend_options(),
+        "target": TARGET,
+    }
+    text = []
+    if "c" in a.parts:
+        t0 = time.perf_counter()
+        out["collectives"] = res = part_c(CollectiveSpec(max_active=budget))
+        text.append(_report_c(res))
+        print(f"  (c) {time.perf_counter() - t0:.0f} s", flush=True)
+    if "b" in a.parts:
+        out["monitor_vs_clip"] = rows = part_b(setup, a.repeats)
+        text.append(f"(b) monitor vs clip_grad_norm_ on the same gradients\n{table_b(rows)}")
+    if "a" in a.parts:
+        out["step_time"] = res_a = part_a(setup, a.steps, a.warm, budget, a.local_only)
+        text.append(_report_a(res_a, a, budget, units))
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(out, indent=1, default=_json))
+    print("\n\n".join(text))
+
+
+def _report_c(res: dict[str, Any]) -> str:
+    return (
+        f"(c) collectives per step, 2 processes (gloo), DeepSpeed ZeRO-1, GNMR on vs off; "
+        f"U = {res['units_independent']} (registry {res['units_registry']}); plain ZeRO-1 "
+        f"step ops {res['plain_step_ops']}\n{table_c(res)}\n"
+        f"extra = exactly one all_reduce of 8(U+1) = {res['expected_extra_bytes']} bytes on "
+        f"every rank and step: {'yes' if res['ok'] else 'NO'}"
+    )
+
+
+def _report_a(res: dict[str, Any], a: argparse.Namespace, budget: int, units: int) -> str:
+    return (
+        f"(a) step time, {a.steps} interleaved rounds per arm after {a.warm} warm-up, "
+        f"{a.threads} thread(s), budget K = {budget} of {units} units\n{table_a(res)}\n"
+        + "\n".join(verdict(k, v, budget) for k, v in res.items())
+    )
+
+
+def _json(obj: Any) -> Any:
+    if isinstance(obj, Call):
+        return asdict(obj)
+    if isinstance(obj, Counter):
+        return sorted(obj.elements())
+    raise TypeError(type(obj).__name__)
+
+
+if __name__ == "__main__":
+    main()

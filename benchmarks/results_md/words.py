@@ -1,0 +1,115 @@
+"""How RESULTS.md writes a figure and the verdict words it computes from an interval.
+
+An interval is ``(mean, 95% half-width)`` of a paired difference ``a - b``. It is *resolved*
+when it excludes 0; a resolved difference below 0 makes ``a`` *better* (lower loss), above 0
+*worse*; an interval that holds 0 is *not resolved*, and RESULTS.md calls the two the *same*.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+
+from benchmarks.sweep.branch_stats import verdict
+from benchmarks.sweep.stats import plus_minus
+
+Pair = Sequence[float]
+
+
+def pm(pair: Pair, digits: int = 4) -> str:
+    """``+0.0031 +- 0.0011``."""
+    return plus_minus(pair, digits)
+
+
+def pct(pair: Pair) -> str:
+    """A share as ``54% +- 32%``."""
+    m, h = pair
+    return f"{100 * m:.0f}% +- {100 * h:.0f}%"
+
+
+def resolved(pair: Pair) -> bool:
+    """Whether the interval excludes 0."""
+    m, h = pair
+    return not math.isnan(h) and abs(m) > h
+
+
+def resolved_word(pair: Pair) -> str:
+    """``resolved`` or ``not resolved``."""
+    return "resolved" if resolved(pair) else "not resolved"
+
+
+def holds_zero(pair: Pair) -> str:
+    """``holds 0`` or ``excludes 0``: the check of a null control."""
+    return "excludes 0" if resolved(pair) else "holds 0"
+
+
+def compared(pair: Pair) -> str:
+    """``better``, ``worse`` or ``not resolved`` (:func:`benchmarks.sweep.branch_stats.verdict`)."""
+    return verdict((pair[0], pair[1]))
+
+
+def relation(pair: Pair, same: str = "the same as") -> str:
+    """``a - b`` as the words between ``a`` and ``b``: ``better than``, ``worse than`` or
+    ``same``."""
+    return {"better": "better than", "worse": "worse than"}.get(compared(pair), same)
+
+
+def listing(items: Sequence[str], last: str = "and") -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    items = list(items)
+    if len(items) < 2:
+        return "".join(items)
+    return f"{', '.join(items[:-1])} {last} {items[-1]}"
+
+
+def span(values: Sequence[float], fmt: str = ".2f", unit: str = "") -> str:
+    """``lo-hi`` of ``values`` (one value when they agree at this precision)."""
+    lo, hi = f"{min(values):{fmt}}", f"{max(values):{fmt}}"
+    return f"{lo}{unit}" if lo == hi else f"{lo}-{hi}{unit}"
+
+
+def numbered(values: Sequence[int]) -> str:
+    """``100, 175, 250 and 325``."""
+    return listing([str(v) for v in values])
+
+
+def ordinal(n: int) -> str:
+    """``8th``, ``1st``, ``2nd``."""
+    suffix = "th" if n % 100 in (11, 12, 13) else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+WIDTH = 100
+"""Prose lines are filled to this width, as the rest of the repository's markdown."""
+
+_STARTS_A_BLOCK = re.compile(r"^([-+*>|#]+|\d+[.)])$")
+"""A word that would open a list, quote, table or heading at the start of a line."""
+
+
+def paragraph(*parts: str) -> str:
+    """Sentences joined into one paragraph (empty parts left out), filled to :data:`WIDTH`
+    without starting a line with a word markdown would read as a list item or a heading."""
+    return _fill(" ".join(p.strip() for p in parts if p.strip()), "")
+
+
+def item(text: str) -> str:
+    """One list item, filled as :func:`paragraph` with its continuation lines indented."""
+    return "- " + _fill(text, "  ", WIDTH - 2)
+
+
+def _fill(text: str, indent: str, width: int = WIDTH) -> str:
+    lines: list[list[str]] = [[]]
+    for word in text.split():
+        line = lines[-1]
+        fits = len(" ".join([*line, word])) <= width
+        if line and not fits and not _STARTS_A_BLOCK.match(word):
+            lines.append([word])
+        else:
+            line.append(word)
+    return f"\n{indent}".join(" ".join(line) for line in lines)
+
+
+def bash(*lines: str) -> str:
+    """A fenced ``bash`` block of commands."""
+    return "```bash\n" + "\n".join(lines) + "\n```"

@@ -1,0 +1,137 @@
+"""Seed experiment 1 at CPU scale: activation-quantization stress
+(docs/algorithm.md#activation-quantization-stress).
+
+    python -m benchmarks.seed.act_quant [--steps 300] [--bits 2] [--group-size 128] [--budget 0.1]
+
+A small Llama (4 layers x 128, FFN 344, 858k parameters, 28 projection units) pretrained from
+scratch on the first 4 MB of the embedded corpus (byte tokens), 300 steps of 8 x 128 tokens,
+AdamW at 3e-3 (cosine, 20 warm-up steps), clip 1.0; held-out loss on 16 batches of the held-out
+split. Every projection saves its input for backward at ``--bits`` on the low-cost path and at 8
+bits on the recovery path (per-group min/scale, ``--group-size`` values per group). Arms, all in
+one process from the same initial weights and batches: FP32 (no quantization), static 8-bit,
+static 4-bit (the seed's low-cost path), static ``--bits``-bit, GNMR ``--bits``/8 with
+``max_active`` = ``--budget`` x 28 units (3 at 10%), Megatron's recipe (first and last layer at
+8 bits, the rest at ``--bits``) and a ZClip-style global spike guard on the ``--bits`` path. The
+FP32 arm's final weights go to ``results/act_quant_fp32.pt``: the LoRA experiment's base.
+
+Stress knob. ``--bits`` (default 2, the fewest the backend has) and ``--group-size`` (128: one
+(min, scale) pair per token row of the 128-wide inputs, three for the 344-wide ``down_proj``
+input; a group cannot span tokens, so a whole row is the coarsest the backend allows, and larger
+values only pad zeros). Only the weight gradient sees the error (the forward and the input
+gradient are exact). The printed target lines say whether the static low-bit arm ends more than
+1% above FP32 in that run.
+
+GNMR policy (shared by every arm; only the GNMR arms act on it): ``alpha = 6``, ``beta = 6``,
+``window = 8``, ``warmup_steps = 30``, ``lock_steps = 8``. The thresholds were calibrated on
+another seed's unit norms so that an FP32 run crosses them on about 0.2% of unit-steps, the
+seed's healthy rate (calibrated before a harness bug was fixed that trained on the token two
+ahead; not re-tuned since). the default (docs/algorithm.md#policy) thresholds (1.5 / 2) flag 8-12%
+of unit-steps here: per-operator norms at 8 sequences per batch are heavy-tailed, and the q/k
+projections spike to 10-30x their recent mean in every arm, FP32 included. A unit on the recovery
+path stays there ``lock_steps`` steps after its last exceedance, so at rare exceedances GNMR's
+recovery rate is about exceedance rate x 8, far below a 10% budget. The second GNMR arm (``a=b=2``,
+``TIGHT``) lowers both thresholds to 2 so that the budget is actually spent: it shows what
+recovering 3 units at a time can and cannot buy when the damage is spread over every unit.
+
+Measurement: arms are interleaved (``run_experiment(..., interleave=True)``: one step of each
+arm in turn, rotating), so the step-time ratios compare arms over the same stretch of machine
+load. ``--threads 1`` by default: on the shared 2-core machine two intra-op threads made a step
+about 7x slower (busy-waiting threads under oversubscription). 300 steps keep the seven arms
+under 15 minutes there (eight arms: about 9 minutes).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from benchmarks.common import RESULTS, arg_parser
+from benchmarks.seed.arms import Arm, ArmResult, Setup, with_budget
+from benchmarks.seed.harness import run_experiment
+from benchmarks.seed.report import table, targets
+
+BASE = RESULTS / "act_quant_fp32.pt"
+"""The FP32 arm's final weights: the base model of the LoRA experiment
+(:mod:`benchmarks.seed.lora_int8`)."""
+STEPS = 300
+SEED = 1234
+UNITS = 28
+
+
+def policy() -> dict[str, Any]:
+    """The GNMR policy shared by every arm (see the module docstring for the choice)."""
+    return {"lock_steps": 8, "window": 8, "warmup_steps": 30, "alpha": 6.0, "beta": 6.0}
+
+
+TIGHT = {"alpha": 2.0, "beta": 2.0}
+"""A second GNMR arm with thresholds low enough to spend its budget (see the docstring)."""
+
+
+def pretrain_setup(steps: int = STEPS, seed: int = SEED) -> Setup:
+    """The pretraining run (its FP32 arm is also the LoRA experiment's base)."""
+    return Setup(steps=steps, seed=seed, gnmr=policy())
+
+
+def make_arms(bits: int, group_size: int, budget: float, save: bool) -> list[Arm]:
+    """FP32, static 8 / 4 / ``bits``-bit, GNMR ``bits``/8, first+last, ZClip."""
+
+    def quant(low_bits: int) -> dict[str, Any]:
+        return {
+            "backend": "act_quant",
+            "low_cost": {"bits": low_bits, "group_size": group_size},
+            "recovery": {"bits": 8, "group_size": group_size},
+        }
+
+    q = quant(bits)
+    arms = [
+        Arm("fp32", "full", save_to=str(BASE) if save else None),
+        Arm("static 8-bit", "recovery", **q),
+        Arm("static 4-bit", "static", **quant(4)),
+        Arm(f"static {bits}-bit", "static", **q),
+        with_budget(Arm(f"GNMR {bits}/8", "gnmr", **q), budget, UNITS),
+        with_budget(Arm(f"GNMR {bits}/8 a=b=2", "gnmr", controller=TIGHT, **q), budget, UNITS),
+        Arm("first+last 8-bit", "first_last", **q),
+        Arm(f"ZClip {bits}-bit", "zclip", **q),
+    ]
+    names = [a.name for a in arms]
+    return [a for i, a in enumerate(arms) if a.name not in names[:i]]  # bits == 4: once
+
+
+def main() -> None:
+    p = arg_parser(__doc__)
+    p.add_argument("--steps", type=int, default=STEPS)
+    p.add_argument("--bits", type=int, default=2, help="low-cost bits: the stress knob")
+    p.add_argument("--group-size", type=int, default=128, help="values per (min, scale) group")
+    p.add_argument("--budget", type=float, default=0.1, help="max_active / units for GNMR")
+    p.add_argument("--seed", type=int, default=SEED)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--arms", default=None, help="comma-separated subset of arm names")
+    p.add_argument("--no-save", action="store_true", help=f"do not write {BASE.name}")
+    a = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.set_num_threads(a.threads)
+    setup = pretrain_setup(a.steps, a.seed)
+    arms = make_arms(a.bits, a.group_size, a.budget, save=not a.no_save)
+    if a.arms:
+        keep = {x.strip() for x in a.arms.split(",")}
+        arms = [x for x in arms if x.name in keep]
+    out = run_experiment("act_quant", setup, arms, interleave=True)
+    report(out, "fp32", f"static {a.bits}-bit", f"GNMR {a.bits}/8")
+
+
+def report(out: dict[str, Any], reference: str, low_cost: str, gnmr: str) -> None:
+    """Print the table and the target lines (arms left out by ``--arms`` are skipped)."""
+    results = [ArmResult(**r) for r in out["results"]]
+    names = [r.name for r in results]
+    ref = reference if reference in names else names[0]
+    low = low_cost if low_cost in names else names[0]
+    print(table(results, ref, low))
+    if {reference, low_cost, gnmr} <= set(names):
+        print()
+        print(targets(results, reference, low_cost, gnmr))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""What an experiment of the harness (:mod:`benchmarks.seed.harness`) is made of: its set-up,
+its arms (the precision policies, described there), the faults it injects, and what an arm
+measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+POLICIES = (
+    "full",
+    "static",
+    "recovery",
+    "gnmr",
+    "first_last",
+    "zclip",
+    "random",
+    "oracle",
+    "last_units",
+    "late",
+)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every arm of one experiment shares."""
+
+    layers: int = 4
+    hidden: int = 128
+    heads: int = 4
+    ffn: int = 344
+    seq_len: int = 128
+    batch: int = 8
+    steps: int = 400
+    lr: float = 3e-3
+    warmup_lr: int = 20
+    weight_decay: float = 0.01
+    clip: float = 1.0
+    seed: int = 1234
+    data: str = "embedded:train"
+    heldout: str = "embedded:heldout"
+    max_bytes: int = 4_000_000
+    eval_every: int = 50
+    eval_batches: int = 16
+    init_from: str | None = None
+    """A ``state_dict`` file to start every arm from (fine-tuning experiments)."""
+    lora_rank: int = 0
+    gnmr: dict[str, Any] = field(default_factory=dict)
+    """GNMR policy (``GNMRConfig`` keys) shared by every arm; ``max_active`` is per arm."""
+    faults: tuple[Fault, ...] = ()
+    """Injected input faults, the same in every arm."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Multiply the input of one projection by ``scale * growth^(t - start)`` for steps
+    ``start <= t < stop``.
+
+    ``module`` is the projection's module path (``model.layers.2.mlp.up_proj``); ``channel`` one
+    input feature (an outlier channel, as LLM activations grow them), ``None`` every feature (an
+    activation spike); ``growth > 1`` makes the spike rise geometrically, so that a scale taken
+    from past amaxes (delayed scaling) lags it at every step of the window. The hook acts on the
+    forward of the training step and of the probe's passes alike; evaluations run without it.
+    """
+
+    module: str
+    scale: float
+    start: int
+    stop: int
+    channel: int | None = None
+    growth: float = 1.0
+
+    def factor(self, step: int) -> float:
+        """The multiplier at ``step`` (inside the window)."""
+        return self.scale * self.growth ** (step - self.start)
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    policy: str
+    backend: str | None = None
+    low_cost: dict[str, Any] = field(default_factory=dict)
+    recovery: dict[str, Any] = field(default_factory=dict)
+    max_active: int = 0
+    z_thresh: float = 2.5
+    save_to: str | None = None
+    """Write the arm's final ``state_dict`` here (a base checkpoint for a later experiment)."""
+    controller: dict[str, Any] = field(default_factory=dict)
+    """GNMR policy keys this arm overrides (its exceedances are then on its own thresholds)."""
+    probe_every: int = 0
+    """Run the recovery-gap probe on every step divisible by this (0: never)."""
+    probe_k: int = 3
+    """Size of the risk's top-k, random and oracle sets graded on probe steps."""
+    probe_steps: tuple[int, ...] = ()
+    """Further steps to probe (and record) besides every ``probe_every``-th: a fault's window."""
+    oracle_by: str = "grad"
+    """``oracle`` policy: rank units by the measured ``"grad"`` or ``"update"`` gap."""
+    error_every: int = 1
+    """``GNMR+e``: measure the error sums on every ``error_every``-th step and carry the score
+    in between (``gnmr.error_every``)."""
+    late_steps: int = 0
+    """``late`` policy: every unit runs the recovery path in the run's last ``late_steps``
+    steps (the low-cost path before): NVIDIA's switch of the whole model to BF16 near the end
+    of training."""
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if (self.policy == "full") != (self.backend is None):
+            raise ValueError(f"arm {self.name}: 'full' runs without a backend, the others with one")
+        if self.probe_every < 0 or self.probe_k < 1:
+            raise ValueError(
+                f"arm {self.name}: probe_every ({self.probe_every}) must be >= 0 and probe_k "
+                f"({self.probe_k}) >= 1"
+            )
+        probed = self.probe_every or self.probe_steps or self.policy == "oracle"
+        if probed and self.backend is None:
+            raise ValueError(f"arm {self.name}: the probe needs a backend (two paths to compare)")
+        if self.policy in ("random", "oracle", "last_units") and self.max_active < 1:
+            raise ValueError(f"arm {self.name}: policy {self.policy} needs max_active >= 1")
+        if self.policy == "late" and self.late_steps < 1:
+            raise ValueError(f"arm {self.name}: policy late needs late_steps >= 1")
+        if self.oracle_by not in ("grad", "update"):
+            raise ValueError(f"arm {self.name}: oracle_by must be 'grad' or 'update'")
+
+
+@dataclass
+class ArmResult:
+    name: str
+    policy: str
+    losses: list[float]
+    eval_steps: list[int]
+    eval_losses: list[float]
+    heldout_loss: float
+    heldout_ppl: float
+    exceedance_rate: float
+    recovery_rate: float
+    step_ms: float
+    """Median wall time of a training step in milliseconds."""
+    units: int
+    max_active: int
+    clipped_steps: int = 0
+    active_per_step: list[int] = field(default_factory=list)
+    unit_names: list[str] = field(default_factory=list)
+    unit_exceedances: list[int] = field(default_factory=list)
+    """Per unit: steps after warm-up with risk > 1 (eligible units; 0 for the others)."""
+    unit_recoveries: list[int] = field(default_factory=list)
+    """Per unit: steps after warm-up whose forward ran the recovery path."""
+    probes: list[dict[str, Any]] = field(default_factory=list)
+    """One record per probe step (:func:`probe_record`); empty without ``Arm.probe_every``."""
+    probe_summary: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Mean of every probe figure over the probe steps (:func:`summarize_probes`)."""
+    probe_ms: float = 0.0
+    """Median wall time of one probe (two forward/backward passes) in milliseconds."""
+
+
+def with_budget(arm: Arm, fraction: float, units: int) -> Arm:
+    """``arm`` with ``max_active`` set to ``fraction`` of ``units`` (at least 1)."""
+    return replace(arm, max_active=max(1, round(fraction * units)))

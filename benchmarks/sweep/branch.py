@@ -1,0 +1,206 @@
+"""The branch estimator: what a precision policy costs, measured from shared checkpoints.
+
+Two whole training runs that differ only in their precision policy end at held-out losses that
+differ by more than any realistic policy effect at this scale: any change of path moves the
+trajectory, and the difference grows with the run (issue 24 measured +-0.05 to 0.1 after 150 to
+300 steps, BF16 against fp32 included). This instrument takes that noise out of the comparison:
+
+1. **Trunk.** One reference run per seed (the regime's recovery path on every unit: BF16)
+   trains ``trunk_steps`` with the usual warm-up and cosine schedule and saves, at every branch
+   point ``b``, the weights, the AdamW state, the schedule, and the state of a GNMR controller
+   that watched the trunk (observe only: its norm history is what a GNMR arm would have seen).
+2. **Branches.** Every arm restarts from every checkpoint and trains ``horizon`` steps on the
+   very batches the trunk would have trained on next, with its own precision policy; nothing
+   else differs (same weights, optimizer state, learning rate, data order).
+3. **Measure.** After ``e`` steps of a branch (each ``e`` in ``evals``), the held-out loss of
+   its weights, evaluated in fp32 for every arm alike (the question is what training in low
+   precision did to the weights, not what a low-precision forward costs at evaluation).
+4. **Estimate.** Per (seed, branch point), the paired difference of two arms' held-out losses;
+   per seed, the mean over its branch points; the estimate and its 95% interval are the mean
+   and Student-t interval over seeds (the seeds are the independent replicates; branch points
+   of one trunk share its state and data and are averaged, not counted as replicates).
+
+Why it is quieter: the chaotic part of two trajectories' difference grows with the steps they
+run apart; a branch runs only ``horizon`` steps apart from a shared state, and averaging many
+branch points takes the rest down. What it measures is the *local* cost of a policy over
+``horizon`` steps of training from a typical state of the run, which is what a runtime policy
+changes; it is a faithful stand-in for the final-loss cost when that cost accrues along the run
+(the regimes' static gaps grow steadily with the horizon, shown in ``benchmarks/RESULTS.md``).
+
+**Null controls** (:data:`NULL_ARMS`): the same policy twice, one copy with the weights moved by
+1e-6 relative at the branch point, a perturbation that changes nothing on average; for BF16 and
+for the low-cost path. Their paired difference is the estimator's own noise: its interval must
+hold 0, and be narrow next to the gaps it is asked to resolve. A low-cost path that rounds
+stochastically has a third: another draw of its rounding noise (another ``seed`` option), which
+measures how much the path's own realization moves the outcome.
+
+Jobs are (arm, seed, branch point), run in a pool and written one JSON file each as they end,
+so a sweep stops and resumes at any time (:mod:`benchmarks.sweep.fp4`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.seed.arms import Arm, Setup
+from benchmarks.seed.model import Batches, build_model, evaluate
+from benchmarks.seed.training import ArmRun
+
+__all__ = [
+    "Instrument",
+    "NULL_ARMS",
+    "perturb",
+    "run_branch",
+    "run_trunk",
+    "trunk_file",
+]
+
+NULL_ARMS = ("null BF16 (1e-6)", "null low-cost (1e-6)")
+"""The two null controls' names (each paired with its unperturbed twin)."""
+
+PERTURBATION = 1e-6
+"""Relative size of the null control's move of the weights at the branch point."""
+
+
+@dataclass(frozen=True)
+class Instrument:
+    """Where branches start, how long they run, where they are measured."""
+
+    trunk_steps: int = 400
+    """Length of the reference run's schedule (warm-up, then cosine to 0.1 at this step)."""
+    points: tuple[int, ...] = (100, 175, 250, 325)
+    """Branch points: steps after which the trunk's state is saved and branches start."""
+    horizon: int = 50
+    """Steps every branch trains."""
+    evals: tuple[int, ...] = (25, 50)
+    """Steps into a branch at which its held-out loss is measured (the last is ``horizon``)."""
+    eval_batches: int = 32
+    """Held-out batches per measurement (the same batches for every arm)."""
+
+    def __post_init__(self) -> None:
+        if not self.points or max(self.points) > self.trunk_steps:
+            raise ValueError(f"branch points {self.points} must lie in 1..{self.trunk_steps}")
+        if not self.evals or max(self.evals) != self.horizon or min(self.evals) < 1:
+            raise ValueError(f"evals {self.evals} must lie in 1..horizon and end at {self.horizon}")
+
+
+def trunk_file(root: Path, seed: int, point: int) -> Path:
+    """The trunk checkpoint of ``seed`` at ``point``."""
+    return root / f"trunk_{seed}" / f"step_{point}.pt"
+
+
+def _setup_for(setup: Setup, inst: Instrument, seed: int) -> Setup:
+    """The regime's setup with the trunk's schedule length, this seed, no periodic evaluation."""
+    return replace(setup, steps=inst.trunk_steps, seed=seed, eval_every=10**9)
+
+
+def run_trunk(setup: Setup, reference: Arm, inst: Instrument, seed: int, root: Path) -> float:
+    """Train the reference arm up to the last branch point, saving a checkpoint at each one
+    (written atomically; a trunk whose checkpoints all exist is not run again). Returns its
+    wall time in seconds."""
+    wanted = [trunk_file(root, seed, b) for b in inst.points]
+    if all(p.exists() for p in wanted):
+        return 0.0
+    t0 = time.perf_counter()
+    s = _setup_for(setup, inst, seed)
+    run = ArmRun(s, reference, Batches(s.heldout, s), evaluates=False)
+    train = Batches(s.data, s)
+    for step in range(1, max(inst.points) + 1):
+        run.step(step, train)
+        if step in inst.points:
+            _save(run, step, trunk_file(root, seed, step))
+    return time.perf_counter() - t0
+
+
+def _save(run: ArmRun, step: int, path: Path) -> None:
+    state = {
+        "step": step,
+        "model": run.model.state_dict(),
+        "opt": run.opt.state_dict(),
+        "sched": run.sched.state_dict(),
+        "runtime": run.runtime.state_dict(),
+        "loss": run.losses[-1],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    tmp.replace(path)
+
+
+def _load(run: ArmRun, path: Path) -> int:
+    """The trunk's state into ``run`` (the GNMR controller's history included); its step."""
+    state = torch.load(path, weights_only=True)
+    run.model.load_state_dict(state["model"])
+    run.opt.load_state_dict(state["opt"])
+    run.sched.load_state_dict(state["sched"])
+    run.runtime.load_state_dict(state["runtime"])
+    return int(state["step"])
+
+
+def perturb(model: torch.nn.Module, relative: float, seed: int) -> None:
+    """Move every weight by ``relative`` times its tensor's RMS in a random direction (a
+    generator seeded by ``seed``): a change that does nothing on average."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            rms = p.detach().float().square().mean().sqrt()
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            p.add_((noise * rms * relative).to(p.dtype))
+
+
+def run_branch(
+    setup: Setup, arm: Arm, inst: Instrument, seed: int, point: int, root: Path, perturbed: bool
+) -> dict[str, Any]:
+    """One branch: ``arm`` from the trunk checkpoint of (``seed``, ``point``) for ``horizon``
+    steps; held-out losses (fp32) at ``evals``. ``perturbed``: the null control's weight move."""
+    s = _setup_for(setup, inst, seed)
+    heldout = Batches(s.heldout, s)
+    run = ArmRun(s, arm, heldout, evaluates=False)
+    start = _load(run, trunk_file(root, seed, point))
+    run.last_step = start + inst.horizon  # the late switch: the branch's last steps
+    run.draw_gen.manual_seed(seed * 100_003 + point)  # random-k: its own draws per branch
+    if perturbed:
+        perturb(run.model, PERTURBATION, seed * 7 + point)
+    reference = build_model(s)
+    train = Batches(s.data, s)
+    losses: dict[int, float] = {}
+    t0 = time.perf_counter()
+    for i in range(1, inst.horizon + 1):
+        run.step(start + i, train)
+        if i in inst.evals:
+            reference.load_state_dict(run.model.state_dict())
+            losses[i] = evaluate(reference, heldout, inst.eval_batches)
+    return {
+        "arm": arm.name,
+        "seed": seed,
+        "point": point,
+        "heldout": {str(k): v for k, v in losses.items()},
+        "train_loss": run.losses,
+        "recovered_unit_steps": _recovered_unit_steps(run),
+        "unit_recovered": [int(x) for x in run.unit_recovered.tolist()],  # per unit, in order
+        "unit_steps": run.n_elig * inst.horizon,
+        "step_ms": 1e3 * sorted(run.times)[len(run.times) // 2],
+        "nonfinite": sum(1 for x in run.losses if not math.isfinite(x)),
+        "wall_s": time.perf_counter() - t0,
+        "arm_spec": asdict(arm),
+    }
+
+
+def _recovered_unit_steps(run: ArmRun) -> int:
+    """Unit-steps whose forward ran the recovery path (the backend's count, not the plan)."""
+    return int(run.unit_recovered.sum())
+
+
+def write_json(path: Path, record: dict[str, Any]) -> None:
+    """``record`` as JSON at ``path``, atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record))
+    tmp.replace(path)

@@ -1,0 +1,135 @@
+"""The statistics of a branch sweep (:mod:`benchmarks.sweep.fp4`): paired differences between
+arms, the share of the static gap an arm closes, the estimator's noise, the verdicts and the
+arms' table.
+
+Every figure pairs arms on the same (seed, branch point): the same weights, optimizer state,
+batches and learning rate at the start of the branch. A seed's figure is the mean over its
+branch points; the estimate and its 95% Student-t interval are taken over the seeds, the
+independent replicates (:mod:`benchmarks.sweep.branch`). The module imports no torch
+(``python -m benchmarks.results_md`` computes with it from the records).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+from benchmarks.sweep.stats import interval, plus_minus, t95
+
+Records = dict[tuple[str, int, int], dict[str, Any]]
+"""Branch records (:func:`benchmarks.sweep.branch.run_branch`) by (arm, seed, point)."""
+
+SPIKE = 0.1
+"""A training step whose loss exceeds the BF16 branch's loss on the same batch by more than
+this (nats) counts as a loss spike."""
+
+GAP = "static gap (low-cost - BF16)"
+"""The name of the static gap among the noise figures."""
+
+DIVERGED = 1.0
+"""A branch whose loss is not finite, or whose held-out loss exceeds the BF16 branch's by more
+than this (nats), counts as diverged."""
+
+
+@dataclass(frozen=True)
+class Design:
+    """Which records a summary reads."""
+
+    seeds: tuple[int, ...]
+    points: tuple[int, ...]
+    horizon: int
+    low: str = "low-cost"
+    high: str = "BF16"
+
+
+def heldout(records: Records, arm: str, seed: int, point: int, horizon: int) -> float:
+    return float(records[(arm, seed, point)]["heldout"][str(horizon)])
+
+
+def per_seed(records: Records, d: Design, arm: str, minus: str | None = None) -> list[float]:
+    """Per seed: the mean over its branch points of ``arm``'s held-out loss (minus ``minus``'s on
+    the same branch)."""
+    out = []
+    for s in d.seeds:
+        diffs = []
+        for p in d.points:
+            x = heldout(records, arm, s, p, d.horizon)
+            diffs.append(x - (heldout(records, minus, s, p, d.horizon) if minus else 0.0))
+        out.append(statistics.fmean(diffs))
+    return out
+
+
+def paired(records: Records, d: Design, a: str, b: str) -> tuple[float, float]:
+    """``a - b`` in held-out loss: mean over seeds and its 95% half-width."""
+    return interval(per_seed(records, d, a, b))
+
+
+def share_closed(records: Records, d: Design, arm: str) -> tuple[float, float]:
+    """``(low - arm) / (low - high)``: the share of the static gap ``arm`` closes, with a 95%
+    half-width by the delta method over seeds (the ratio of the two paired means)."""
+    x = per_seed(records, d, d.low, arm)
+    g = per_seed(records, d, d.low, d.high)
+    n, mx, mg = len(x), statistics.fmean(x), statistics.fmean(g)
+    if n < 2 or mg == 0:
+        return (mx / mg if mg else math.nan), math.nan
+    r = mx / mg
+    cov = statistics.covariance(x, g)
+    var = (statistics.variance(x) - 2 * r * cov + r * r * statistics.variance(g)) / n / mg**2
+    return r, t95(n - 1) * math.sqrt(max(var, 0.0))
+
+
+def unit_step_share(records: Records, d: Design, arm: str) -> float:
+    """Mean share of eligible unit-steps whose forward ran the recovery path."""
+    return statistics.fmean(
+        records[(arm, s, p)]["recovered_unit_steps"] / records[(arm, s, p)]["unit_steps"]
+        for s in d.seeds
+        for p in d.points
+    )
+
+
+def troubles(records: Records, d: Design, arm: str) -> tuple[int, int]:
+    """(loss spikes, diverged branches) of ``arm`` against the BF16 branch on the same batches."""
+    spikes = diverged = 0
+    for s in d.seeds:
+        for p in d.points:
+            mine, ref = records[(arm, s, p)], records[(d.high, s, p)]
+            pairs = zip(mine["train_loss"], ref["train_loss"], strict=True)
+            spikes += sum(1 for a, b in pairs if not math.isfinite(a) or a - b > SPIKE)
+            gap = heldout(records, arm, s, p, d.horizon) - heldout(records, d.high, s, p, d.horizon)
+            diverged += bool(mine["nonfinite"]) or not math.isfinite(gap) or gap > DIVERGED
+    return spikes, diverged
+
+
+def verdict(pair: tuple[float, float]) -> str:
+    """A paired difference ``a - b`` (mean, 95% half-width): ``better`` when the interval lies
+    below 0, ``worse`` above, else ``not resolved``."""
+    m, h = pair
+    if math.isnan(h):
+        return "one seed: no interval"
+    if m + h < 0:
+        return "better"
+    if m - h > 0:
+        return "worse"
+    return "not resolved"
+
+
+def table(summary: dict[str, dict[str, Any]]) -> str:
+    """One row per arm of a report's summary (:func:`benchmarks.sweep.fp4_report.summarize`)."""
+    rows = [
+        "| arm | recovered unit-steps | held-out - BF16 | held-out - low-cost "
+        "| share of the static gap closed | loss spikes | diverged |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for arm, r in summary.items():
+        cells = [
+            f"{100 * r['unit_steps']:.1f}%",
+            plus_minus(r["vs_bf16"]),
+            plus_minus(r["vs_low_cost"]),
+            plus_minus(r["closed"], 2),
+            str(r["spikes"]),
+            str(r["diverged"]),
+        ]
+        rows.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)

@@ -1,0 +1,261 @@
+"""FP4 regimes: what recovering a few units buys back, measured with the branch estimator.
+
+    python -m benchmarks.sweep.fp4 --regime nvfp4 [--seeds 1234,7,42,5,11] [--budgets 2,4,7]
+        [--jobs 2] [--arms substring,...] [--report-only]
+    python -m benchmarks.sweep.fp4 --step-time [--regime nvfp4] [--steps 40]
+
+For one FP4 regime (:data:`benchmarks.sweep.regimes.FP4_REGIMES`) every arm below branches from the
+same checkpoints of one BF16 reference run per seed and trains ``horizon`` steps
+(:mod:`benchmarks.sweep.branch`: why, and how it is measured); the records are compared by seed,
+paired on every branch:
+
+- controls: ``low-cost`` (every unit FP4), ``BF16`` (every unit on the recovery path),
+  ``NVIDIA last-k`` (the last ``k`` units in the model's order always in BF16, ``k`` the
+  nearest whole count to 15% of the units: NVIDIA's static rule, arXiv 2509.25149),
+  ``NVIDIA late`` (every unit in BF16 for the last ``k / U`` of each branch's steps, the same
+  share of unit-steps: the report's appendix D, switching to BF16 near the end of training),
+  ``first+last`` (Megatron's ``--first-last-layers-bf16``: layers 0 and 3, half the units);
+- at every budget ``k``: ``random k``, ``GNMR k`` (the seed's controller), ``GNMR+e k`` (with
+  docs/algorithm.md#damage-term's error term, measured every ``ERROR_EVERY`` steps) and ``oracle k``
+  (the ``k`` units with the largest measured gradient gap of the step itself: the upper bound);
+- null controls (:data:`benchmarks.sweep.branch.NULL_ARMS`): ``BF16`` with the weights moved by 1e-6
+  at the branch point, and ``low-cost`` with the same move; and the low-cost path's own
+  realization noise, ``low-cost`` with another stochastic-rounding seed (NVFP4 only).
+
+Jobs (trunks first, then one job per arm, seed and branch point) run in a pool of ``--jobs``
+processes with one torch thread each. Every finished branch is appended to
+``results/fp4/<regime>.jsonl`` at once (small, committed), so a sweep stops and resumes at any
+time and across sessions; the trunk checkpoints live under ``results/sweep/`` (not committed:
+a trunk is deterministic and is rebuilt when missing). The report is printed and written to
+``results/sweep_fp4_<regime>.json`` with a plot of quality against recovered unit-steps,
+``results/sweep_fp4_<regime>.png``; ``python -m benchmarks.results_md`` renders
+``benchmarks/RESULTS.md``'s tables from the JSON.
+
+``--step-time`` trains ``GNMR+e k`` and ``NVIDIA last-k`` at the same budget side by side
+(interleaved step by step from one checkpoint, same batches), prints their median step times
+and ratio (the cost of GNMR's monitor, controller and error score against a static rule) and
+appends them to ``results/sweep_fp4_step_time_<regime>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing as mp
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import RESULTS, arg_parser
+from benchmarks.seed.arms import Arm
+from benchmarks.sweep.branch import NULL_ARMS, run_branch, run_trunk
+from benchmarks.sweep.branch_stats import Design, Records
+from benchmarks.sweep.regimes import FP4_REGIMES, Regime
+
+logger = logging.getLogger("benchmarks.sweep.fp4")
+
+SEEDS = (1234, 7, 42, 5, 11)
+BUDGETS = (4,)
+ERROR_EVERY = 8
+NVIDIA_SHARE = 0.15
+"""NVIDIA keeps about 15% of the linear layers in BF16 (arXiv 2509.25149)."""
+
+
+def nvidia_k(units: int) -> int:
+    """NVIDIA's rule at this model's size: the nearest whole count to 15% of the units."""
+    return max(1, round(NVIDIA_SHARE * units))
+
+
+def make_arms(regime: Regime, budgets: Sequence[int], units: int) -> list[tuple[Arm, bool]]:
+    """(arm, perturbed) of every control and budgeted policy (module docstring)."""
+    q = regime.backend_args()
+    k_nv, horizon = nvidia_k(units), regime.instrument.horizon
+    late = max(1, round(horizon * k_nv / units))
+    arms: list[tuple[Arm, bool]] = [
+        (Arm("low-cost", "static", **q), False),
+        (Arm("BF16", "recovery", **q), False),
+        (Arm(f"NVIDIA last-{k_nv}", "last_units", max_active=k_nv, **q), False),
+        (Arm(f"NVIDIA late-{late}", "late", late_steps=late, **q), False),
+        (Arm("first+last", "first_last", **q), False),
+        (Arm(NULL_ARMS[0], "recovery", **q), True),
+        (Arm(NULL_ARMS[1], "static", **q), True),
+    ]
+    if regime.stochastic:
+        reseeded = {**q, "low_cost": {**q["low_cost"], "seed": 1}}
+        arms.append((Arm("low-cost (SR seed 1)", "static", **reseeded), False))
+    for k in budgets:
+        e = regime.error_policy()
+        arms += [
+            (Arm(f"random {k}", "random", max_active=k, **q), False),
+            (Arm(f"GNMR {k}", "gnmr", max_active=k, **q), False),
+            (
+                Arm(
+                    f"GNMR+e {k}", "gnmr", max_active=k, controller=e, error_every=ERROR_EVERY, **q
+                ),
+                False,
+            ),
+            (Arm(f"oracle {k}", "oracle", max_active=k, **q), False),
+        ]
+    return arms
+
+
+# ====================================================================== running
+
+
+def _trunk_root(regime: str) -> Path:
+    """The trunks' folder: one for every FP4 regime, whose trunks are the same BF16 runs (the
+    same setup and recovery path: ``tests/benchmarks/test_branch.py`` checks it), so that
+    branches of different regimes start from the same checkpoints too."""
+    del regime
+    return RESULTS / "sweep" / "fp4" / "trunks"
+
+
+def _records_file(regime: str) -> Path:
+    return RESULTS / "fp4" / f"{regime}.jsonl"
+
+
+def read_records(regime: str, path: Path | None = None) -> Records:
+    """Every finished branch of ``regime`` by (arm, seed, point) (the last line wins). A last
+    line cut short (the sweep killed while writing it) is skipped: that branch runs again."""
+    path, records = path or _records_file(regime), {}
+    lines = path.read_text().splitlines() if path.exists() else []
+    for i, line in enumerate(lines):
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                logger.warning("%s: the last line is cut short; its branch runs again", path)
+                continue
+            raise
+        records[(r["arm"], r["seed"], r["point"])] = r
+    return records
+
+
+def _worker_init() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("gnmr_dist.core.controller").setLevel(logging.ERROR)  # the trunk's policy
+
+
+def _job(payload: tuple[str, str, dict[str, Any], int, int, bool]) -> dict[str, Any]:
+    """A trunk (``point == 0``) or one branch, in a worker process."""
+    kind, regime_name, arm_d, seed, point, perturbed = payload
+    regime = FP4_REGIMES[regime_name]
+    arm, root = Arm(**arm_d), _trunk_root(regime_name)
+    if kind == "trunk":
+        wall = run_trunk(regime.setup, arm, regime.instrument, seed, root)
+        return {"trunk": seed, "wall_s": wall}
+    return run_branch(regime.setup, arm, regime.instrument, seed, point, root, perturbed)
+
+
+def run_sweep(
+    regime: Regime,
+    seeds: Sequence[int],
+    budgets: Sequence[int],
+    jobs: int,
+    arm_filter: Sequence[str] = (),
+    points: Sequence[int] | None = None,
+) -> Records:
+    """Build missing trunks, run (or resume) every missing branch at ``points`` (default: the
+    regime's); return all records."""
+    arms = make_arms(regime, budgets, regime.units)
+    if arm_filter:
+        arms = [(a, p) for a, p in arms if any(f in a.name for f in arm_filter)]
+    done = read_records(regime.name)
+    reference = Arm("trunk", "recovery", **regime.backend_args())
+    trunks = [("trunk", regime.name, asdict(reference), s, 0, False) for s in seeds]
+    branches = [
+        ("branch", regime.name, asdict(a), s, p, pert)
+        for s in seeds
+        for p in (points or regime.instrument.points)
+        for a, pert in arms
+        if (a.name, s, p) not in done
+    ]
+    branches.sort(key=lambda t: t[2]["policy"] != "oracle")  # the longest first
+    logger.info("%s: %d branches to run (%d done)", regime.name, len(branches), len(done))
+    t0, out = time.perf_counter(), _records_file(regime.name)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with mp.get_context("spawn").Pool(jobs, initializer=_worker_init) as pool:
+        for r in pool.imap_unordered(_job, trunks):
+            logger.info("trunk %s ready (%.0f s)", r["trunk"], r["wall_s"])
+        for i, r in enumerate(pool.imap_unordered(_job, branches), 1):
+            with out.open("a") as f:
+                f.write(json.dumps(r) + "\n")
+            logger.info(
+                "[%d/%d] %s seed %d point %d (%.0f s)",
+                i,
+                len(branches),
+                r["arm"],
+                r["seed"],
+                r["point"],
+                time.perf_counter() - t0,
+            )
+    return read_records(regime.name)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = arg_parser(__doc__)
+    p.add_argument("--regime", choices=sorted(FP4_REGIMES), default="nvfp4")
+    p.add_argument("--seeds", default=",".join(map(str, SEEDS)))
+    p.add_argument("--budgets", default=",".join(map(str, BUDGETS)))
+    p.add_argument("--jobs", type=int, default=2, help="worker processes (one thread each)")
+    p.add_argument("--arms", default="", help="only arms whose name contains one of these")
+    p.add_argument("--points", default="", help="a subset of the regime's branch points")
+    p.add_argument("--report-only", action="store_true", help="report the records as they are")
+    p.add_argument("--step-time", action="store_true", help="GNMR+e vs NVIDIA's rule, timed")
+    p.add_argument("--steps", type=int, default=40, help="--step-time: steps per arm")
+    return p.parse_args(argv)
+
+
+def _points(text: str, regime: Regime) -> tuple[int, ...]:
+    """``--points``: branch points the trunks save (the regime's), a subset of them or all."""
+    have = tuple(regime.instrument.points)
+    points = tuple(int(p) for p in text.split(",") if p.strip()) or have
+    if not set(points) <= set(have):
+        raise SystemExit(
+            f"--points {text!r}: the trunks of {regime.name!r} are saved at {list(have)}; "
+            "choose branch points among them"
+        )
+    return points
+
+
+def design_suffix(regime: Regime, budgets: Sequence[int], points: Sequence[int]) -> str:
+    """The report files' suffix: what the design changes from the default (all the regime's
+    branch points, NVIDIA's budget), so that reports of two designs do not overwrite each other."""
+    out = "" if tuple(budgets) == BUDGETS else "_k" + "-".join(map(str, budgets))
+    if tuple(points) != tuple(regime.instrument.points):
+        out += "_p" + "-".join(map(str, points))
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    a = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    regime = FP4_REGIMES[a.regime]
+    if a.step_time:
+        from benchmarks.sweep.fp4_step_time import save, step_time
+
+        logger.info("written to %s", save(regime, step_time(regime, a.steps), a.steps))
+        return
+    seeds = [int(s) for s in a.seeds.split(",")]
+    budgets = [int(k) for k in a.budgets.split(",")]
+    points = _points(a.points, regime)
+    if a.report_only:
+        records = read_records(regime.name)
+    else:
+        arm_filter = [x.strip() for x in a.arms.split(",") if x.strip()]
+        records = run_sweep(regime, seeds, budgets, a.jobs, arm_filter, points)
+    from benchmarks.sweep.fp4_report import report
+
+    design = Design(tuple(seeds), points, regime.instrument.horizon)
+    arms = [arm.name for arm, _ in make_arms(regime, budgets, regime.units)]
+    report(regime, design, records, arms, budgets, suffix=design_suffix(regime, budgets, points))
+
+
+if __name__ == "__main__":
+    main()

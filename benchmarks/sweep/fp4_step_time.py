@@ -1,0 +1,155 @@
+"""Step time of ``GNMR+e`` against NVIDIA's static rule at the same budget, side by side.
+
+    python -m benchmarks.sweep.fp4 --step-time [--regime nvfp4] [--steps 40]
+
+Both arms start from the same trunk checkpoint (seed 1234, the regime's second branch point)
+and train the same batches, interleaved one step each in turn (the order alternating), in one
+process with one torch thread, so both sample the same stretch of machine load:
+
+- ``NVIDIA last-k``: the last ``k`` units in BF16, the rest in FP4, and nothing else: no
+  monitor, no controller, no error score (what a user of the static rule runs);
+- ``GNMR+e k``: the same backend with GNMR's monitor (one fused norm pass), the controller, and
+  the error score measured every ``ERROR_EVERY``-th step (shadow of the recovered units
+  included) and carried in between, as in the sweep;
+- ``GNMR+e k replayed``: GNMR+e's own plan of each step run without GNMR (no monitor, no
+  controller, no error score). It trains exactly as ``GNMR+e k`` (checked: the same weights at
+  the end), so ``GNMR+e / replayed`` is the runtime's cost alone.
+
+Printed: each arm's median step time over the steps after the first 5, and the two ratios;
+the command (``--step-time``) also appends the run to ``results/sweep_fp4_step_time_<regime>.json``
+(:func:`save`), which RESULTS.md's step-time table reads.
+Against NVIDIA's rule the ratio also holds *which* units run BF16: on the CPU a BF16 unit is
+cheaper than an emulated FP4 one, and more so for the wide MLP projections NVIDIA's last units
+are (on a Blackwell GPU it is the other way round), so the runtime's cost is the replayed ratio;
+the GPU's is the one ``benchmarks/gpu/te_check.py`` reports for TE.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import RESULTS
+from benchmarks.overhead.config import ERROR_TARGET
+from benchmarks.seed.arms import Arm
+from benchmarks.seed.model import Batches
+from benchmarks.seed.training import ArmRun
+from benchmarks.sweep.branch import _load, run_trunk, trunk_file
+from benchmarks.sweep.regimes import Regime
+
+WARMUP = 5
+
+
+def step_time(
+    regime: Regime, steps: int, seed: int = 1234, root: Path | None = None
+) -> dict[str, float]:
+    """Interleave the two arms for ``steps`` steps each; print and return the medians (ms).
+    ``root``: where the trunk is (built there when missing; default: the sweep's)."""
+    from benchmarks.sweep.fp4 import ERROR_EVERY, _trunk_root, nvidia_k
+
+    torch.set_num_threads(1)
+    inst, point = regime.instrument, start_point(regime)
+    root, q = root or _trunk_root(regime.name), regime.backend_args()
+    run_trunk(regime.setup, Arm("trunk", "recovery", **q), inst, seed, root)
+    k = nvidia_k(regime.units)
+    arms = {
+        f"NVIDIA last-{k}": (Arm(f"NVIDIA last-{k}", "last_units", max_active=k, **q), False),
+        f"GNMR+e {k}": (
+            Arm(
+                f"GNMR+e {k}",
+                "gnmr",
+                max_active=k,
+                controller=regime.error_policy(),
+                error_every=ERROR_EVERY,
+                **q,
+            ),
+            True,
+        ),
+    }
+    setup = replace(regime.setup, steps=inst.trunk_steps, seed=seed, eval_every=10**9)
+    train, heldout = Batches(setup.data, setup), Batches(setup.heldout, setup)
+    runs: dict[str, ArmRun] = {}
+    for name, (arm, monitors) in arms.items():
+        runs[name] = ArmRun(setup, arm, heldout, evaluates=False, monitors=monitors)
+    gnmr, nvidia = runs[f"GNMR+e {k}"], runs[f"NVIDIA last-{k}"]
+    replayed = replace(gnmr.arm, name=f"GNMR+e {k} replayed", policy="static")
+    runs[replayed.name] = Replayed(setup, replayed, heldout, gnmr)
+    (start,) = {_load(run, trunk_file(root, seed, point)) for run in runs.values()}
+    order = list(runs.values())
+    for i in range(1, steps + 1):
+        for run in order if i % 2 else order[::-1]:
+            run.step(start + i, train)
+    ms = {n: 1e3 * statistics.median(r.times[WARMUP:] or r.times) for n, r in runs.items()}
+    replay = runs[replayed.name]
+    same = all(
+        torch.equal(a, b)
+        for a, b in zip(
+            gnmr.model.state_dict().values(), replay.model.state_dict().values(), strict=True
+        )
+    )
+    ratios = {
+        "vs_nvidia": ms[gnmr.arm.name] / ms[nvidia.arm.name],
+        "vs_replayed": ms[gnmr.arm.name] / ms[replayed.name],
+    }
+    recovered = {n: int(r.unit_recovered.sum()) for n, r in runs.items()}
+    print(
+        f"{regime.name}, seed {seed}, from step {point}, {steps} steps each, interleaved: "
+        + ", ".join(f"{n} {t:.1f} ms" for n, t in ms.items())
+        + f"; GNMR+e / NVIDIA's rule {ratios['vs_nvidia']:.3f}, GNMR+e / its plan replayed "
+        f"{ratios['vs_replayed']:.3f} (same weights at the end: {same}; recovered unit-steps "
+        f"{recovered})"
+    )
+    return {**ms, **ratios}
+
+
+def start_point(regime: Regime) -> int:
+    """The branch point both arms start from: the regime's second (its only one if it has one)."""
+    points = regime.instrument.points
+    return points[min(1, len(points) - 1)]
+
+
+def save(
+    regime: Regime, got: dict[str, float], steps: int, seed: int = 1234, path: Path | None = None
+) -> Path:
+    """Append one run of :func:`step_time` (its medians and ratios, and how it ran) to
+    ``results/sweep_fp4_step_time_<regime>.json``; return the file."""
+    path = path or RESULTS / f"sweep_fp4_step_time_{regime.name}.json"
+    runs = json.loads(path.read_text())["runs"] if path.exists() else []
+    runs.append(
+        {
+            "date": time.strftime("%Y-%m-%d"),
+            "seed": seed,
+            "point": start_point(regime),
+            "steps": steps,
+            "warmup": WARMUP,
+            "ms": {k: v for k, v in got.items() if not k.startswith("vs_")},
+            **{k: v for k, v in got.items() if k.startswith("vs_")},
+        }
+    )
+    out = {"regime": regime.name, "target": ERROR_TARGET, "runs": runs}
+    path.write_text(json.dumps(out, indent=1))
+    return path
+
+
+class Replayed(ArmRun):
+    """A static arm that runs, each step, the plan a GNMR run (``source``, stepped in the same
+    rounds) has for that step: GNMR's decisions without GNMR's work."""
+
+    def __init__(self, setup: Any, arm: Arm, heldout: Batches, source: ArmRun) -> None:
+        super().__init__(setup, arm, heldout, evaluates=False, monitors=False)
+        self.source = source
+        self.fixed = None  # chosen every step, from the source
+
+    def _planned(self) -> frozenset[int]:
+        plan = self.source.runtime.plan
+        if plan.step == self.current_step:  # the source has not run this step yet
+            return frozenset(plan.active)
+        report = self.source.backend.report() if self.source.backend else None
+        assert report is not None and report.step == self.current_step, "out of step"
+        return report.planned

@@ -1,0 +1,215 @@
+"""The printed tables and the plot of a selection sweep (:mod:`benchmarks.sweep.selection`).
+
+The tables import no torch: ``python -m benchmarks.results_md`` renders RESULTS.md with them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.sweep.stats import POLICY_PREFIXES, plus_minus
+
+
+def table(summary: dict[str, Any]) -> str:
+    """Per arm: held-out loss, the paired differences to low-cost and to random-k, the share of
+    the static gap closed and the recovery rate."""
+    rows = [
+        "| arm | held-out loss (95% CI) | vs low-cost (paired) | share of static gap closed "
+        "| vs random-k (paired) | recovery |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, row in summary.items():
+        m, h = row["loss"]
+        closed = row.get("closed")
+        shut = "n/a" if closed is None else f"{closed:+.2f}"
+        cells = [
+            f"{m:.4f} +- {h:.4f}",
+            plus_minus(row.get("vs_low_cost")),
+            shut,
+            plus_minus(row.get("vs_random")),
+            f"{100 * row['recovery_rate']:.1f}%",
+        ]
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+SELECTION_SETS = (
+    "risk_topk",
+    "error_bound_topk",
+    "error_global_topk",
+    "error_relative_topk",
+    "error_adam_topk",
+    "active",
+    "decided",
+    "random",
+    "first_last",
+    "oracle_grad",
+    "oracle_update",
+)
+FIGURES = ("precision_grad", "precision_update", "share_grad", "share_update")
+COMPACT_FIGURES = FIGURES[:3]
+
+
+def selection_table(summary: dict[str, Any], arms: Sequence[str], window: str = "") -> str:
+    """Selection figures of ``arms`` over every probe step, or inside the fault ``window``."""
+    rows = [
+        "| arm | set | precision vs grad gap | vs update gap | share of grad gap^2 | "
+        "share of update gap^2 |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for arm in arms:
+        sel = _selection_of(summary, arm, window)
+        for set_name in SELECTION_SETS:
+            f = sel.get(set_name)
+            if not f:
+                continue
+            cells = [f"{f[k][0]:.2f} +- {f[k][1]:.2f}" if k in f else "-" for k in FIGURES]
+            rows.append(f"| {arm} | {set_name} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+COMPACT_ROWS = [  # in the table's order: (arm, {graded set: the row's label})
+    (
+        "low-cost",
+        {
+            "risk_topk": "seed GNMR's risk, top-3 (static low-cost arm)",
+            "error_global_topk": "error score e = B / G, top-3 (static low-cost arm)",
+            "error_adam_topk": "B scaled as Adam scales it, top-3 (static low-cost arm)",
+            "random": "3 random units (static low-cost arm)",
+        },
+    ),
+    ("GNMR 3", {"active": "GNMR 3: the set that ran recovery"}),
+    (
+        "GNMR+e 3",
+        {"risk_topk": "GNMR+e 3: its risk, top-3", "active": "GNMR+e 3: the set that ran recovery"},
+    ),
+    (
+        "low-cost",
+        {
+            "oracle_grad": "oracle by gradient gap, top-3",
+            "oracle_update": "oracle by update gap, top-3",
+        },
+    ),
+]
+
+
+def compact_selection(summary: dict[str, Any], window: str = "") -> str:
+    """The README's selection table: the k = 3 signals and sets against both measured gaps."""
+    rows = [
+        "| signal or set | precision@3 vs gradient gap | vs update gap | share of the "
+        "gradient gap^2 it covers |",
+        "| --- | --- | --- | --- |",
+    ]
+    for arm, labels in COMPACT_ROWS:
+        sel = _selection_of(summary, arm, window)
+        for set_name, label in labels.items():
+            f = sel.get(set_name)
+            if not f:
+                continue
+            cells = [plus_minus(f.get(k), 2) for k in COMPACT_FIGURES]
+            rows.append(f"| {label} | " + " | ".join(c.lstrip("+") for c in cells) + " |")
+    return "\n".join(rows)
+
+
+def _selection_of(summary: dict[str, Any], arm: str, window: str) -> dict[str, Any]:
+    """``arm``'s selection figures over every probe step, or inside the fault ``window``."""
+    row = summary.get(arm, {})
+    return row.get("selection_fault", {}).get(window, {}) if window else row.get("selection", {})
+
+
+def plot(regime: str, summary: dict[str, Any], budgets: Sequence[int], path: Path) -> None:
+    """Quality against budget, one curve per policy: held-out loss minus the static low-cost
+    arm's, paired by seed (mean and 95% interval of the per-seed differences: the spread
+    between seeds' trajectories is left out, as the verdicts leave it out)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from benchmarks.common import finish_plot  # torch: the tables above do without it
+
+    def point(name: str) -> tuple[float, float]:
+        m, h = summary[name]["vs_low_cost"]
+        return m, 0.0 if math.isnan(h) else h
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for offset, (policy, marker) in enumerate(zip(POLICY_PREFIXES, "osD^", strict=True)):
+        ks = [k for k in budgets if f"{policy} {k}" in summary]
+        if not ks or "vs_low_cost" not in summary[f"{policy} {ks[0]}"]:
+            continue
+        pts = [point(f"{policy} {k}") for k in ks]
+        xs = [k * 1.04 ** (offset - 1.5) for k in ks]  # side by side, not on top of each other
+        ax.errorbar(
+            xs,
+            [m for m, _ in pts],
+            yerr=[h for _, h in pts],
+            marker=marker,
+            capsize=3,
+            label=policy,
+        )
+    ax.axhline(0.0, ls="--", color="gray", label="static low-cost")
+    if "vs_low_cost" in summary.get("recovery", {}):
+        m, h = point("recovery")
+        ax.axhspan(m - h, m + h, color="gray", alpha=0.15)
+        ax.axhline(m, ls=":", color="gray", label="static recovery (band: 95% CI)")
+    if "vs_low_cost" in summary.get("first+last", {}):
+        m, h = point("first+last")
+        ax.errorbar(
+            [14],
+            [m],
+            yerr=[h],
+            marker="*",
+            ms=12,
+            color="k",
+            ls="none",
+            capsize=3,
+            label="first+last (14)",
+        )
+    ax.set(
+        title=f"{regime}: held-out loss vs recovery budget, paired by seed",
+        xlabel="units on the recovery path (of 28)",
+        ylabel="held-out loss - static low-cost",
+    )
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(budgets), [str(k) for k in budgets])
+    finish_plot(fig, ax, path, 8)
+
+
+def print_report(
+    summary: dict[str, Any],
+    static: tuple[float, float] | None,
+    verdicts: Sequence[str],
+    windows: Sequence[tuple[int, int]],
+) -> None:
+    """The sweep's printed report: the static gap, the arms' table, the verdicts, the selection
+    tables over every probe step and inside each fault window, and the probe's cost."""
+    if static is not None:
+        resolved = static[0] - static[1] > 0
+        print(
+            f"static gap (low-cost - recovery, paired): {plus_minus(static)} -> "
+            f"{'resolved' if resolved else 'NOT resolved: no policy can be told apart'}"
+        )
+    print(table(summary))
+    print()
+    print("\n".join(f"- {v}" for v in verdicts))
+    print()
+    probed = ["low-cost"] + [n for n in summary if n.startswith(("GNMR", "oracle"))]
+    print(selection_table(summary, probed))
+    print("\n" + compact_selection(summary))
+    for a, b in windows:
+        print(
+            f"\ninside the fault window, steps {a}-{b - 1}:\n"
+            + compact_selection(summary, f"{a}-{b - 1}")
+        )
+    costs = [row["probe_cost"] for n, row in summary.items() if n in probed and row["probe_cost"]]
+    if costs:
+        print(
+            f"\none probe (two extra forward/backward passes) costs {min(costs):.2f}-"
+            f"{max(costs):.2f} median steps of its arm"
+        )
+    for a, b in windows:
+        print(f"\nthe same on the probe steps inside the fault window, steps {a}-{b - 1}:")
+        print(selection_table(summary, probed, f"{a}-{b - 1}"))
