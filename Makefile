@@ -12,13 +12,16 @@ PYTEST_ARGS ?=
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
 export DS_BUILD_OPS := 0
 
-# Extra megatron-core releases the CPU tests also run on (tests/megatron/settings.py), each in its
-# own --target folder that a test worker puts first on sys.path. 0.17+ declare Requires-Python
+# megatron-core: the venv holds 0.17.1, the image's release, which ships Megatron-LM's
+# megatron.training (so gnmr-megatron-pretrain runs from this venv). 0.17+ declare Requires-Python
 # >= 3.12 but ship cp311 wheels whose only hard dependencies (torch, numpy, packaging) are in the
-# venv. 0.19.2 imports triton when megatron.core is imported (pipeline_parallel.schedules ->
-# transformer.moe.paged_stash -> moe.ops.paged_stash, unguarded); 3.7.1 is the triton that torch
-# 2.13's CUDA wheel pins, and it imports without a GPU.
-MCORE_EXTRA  := 0.17.1 0.19.2
+# venv, hence --no-deps --ignore-requires-python.
+# Extra releases the CPU tests also run on (tests/megatron/settings.py), each in its own --target
+# folder that a test worker puts first on sys.path. 0.19.2 imports triton when megatron.core is
+# imported (pipeline_parallel.schedules -> transformer.moe.paged_stash -> moe.ops.paged_stash,
+# unguarded); 3.7.1 is the triton that torch 2.13's CUDA wheel pins, and it imports without a GPU.
+MCORE_MAIN   := 0.17.1
+MCORE_EXTRA  := 0.16.1 0.19.2
 MCORE_DIR    := $(VENV)/mcore
 MCORE_STAMPS := $(MCORE_EXTRA:%=$(MCORE_DIR)/%/.installed)
 MCORE_EXTRA_PKGS_0.19.2 := triton==3.7.1
@@ -35,6 +38,7 @@ $(STAMP): setup.py pyproject.toml requirements/cpu.txt requirements/constraints-
 	# torch first and pinned: the CPU wheel (an unpinned torch pulls a multi-GB CUDA build)
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet --no-build-isolation -r requirements/cpu.txt -c requirements/constraints-cpu.txt
+	$(PIP) install --quiet --no-deps --ignore-requires-python megatron-core==$(MCORE_MAIN)
 	$(PIP) install --quiet --no-build-isolation --no-deps -e .
 	touch $(STAMP)
 
@@ -64,7 +68,7 @@ demo: venv
 		-m gnmr_dist.cli.ds_pretrain --config configs/demo_deepspeed.hjson --run-dir runs/demo --title "make demo"
 
 bench: venv
-	$(BIN)/python -m benchmarks.controller
+	$(BIN)/python -m benchmarks.overhead.controller
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

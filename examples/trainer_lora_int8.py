@@ -1,4 +1,5 @@
-"""Seed experiment 3 (DESIGN.md 6.3) as a Hugging Face ``Trainer`` + peft LoRA job with GNMR.
+"""Seed experiment 3 (docs/algorithm.md#lora-fine-tuning-with-int8) as a Hugging Face ``Trainer`` +
+peft LoRA job with GNMR.
 
 The frozen base runs W8A8 INT8 GEMMs (GNMR's ``int8`` backend); rank-16 LoRA adapters on the
 seven projections are the only trained parameters; GNMR moves the riskiest projections to BF16

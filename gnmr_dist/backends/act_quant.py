@@ -21,15 +21,15 @@ Projections that read the same input (q/k/v, gate/up) share one packed copy, as 
 saved tensor without the backend. Coarser groups and fewer bits make the low-cost path worse:
 ``group_size`` and ``bits`` are the stress knobs of the activation-quantization experiment.
 
-Error score (``gnmr.gamma``, DESIGN.md section 2.1; after ``track_errors``)
+Error score (``gnmr.gamma``, docs/algorithm.md#damage-term; after ``track_errors``)
 ---------------------------------------------------------------------------
 Only the saved ``x`` is rounded, so per GEMM the backend reports ``||dy||_F ||x - x_hat||_F``
 (``x_hat = unpack(pack(x))`` at the *low-cost* bits), summed into ``B(u)``. ``||x - x_hat||`` is
 taken in the forward from the pack's own codes (one fused multiply-add, a subtraction and a
 norm over ``x``; projections that share an input share it), ``||dy||`` in the backward (one norm
 of ``dy``). A unit on the recovery path re-quantizes its ``x`` at the low-cost bits once more,
-only to measure it (no bit packing, nothing kept): the shadow that DESIGN.md asks for. No GEMM,
-no host sync; with tracking off nothing of this runs.
+only to measure it (no bit packing, nothing kept): the shadow that docs/algorithm.md#damage-term
+describes. No GEMM, no host sync; with tracking off nothing of this runs.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ A precision backend owns the low-cost and the recovery path of every unit it wra
   step, counted in the forwards themselves, so tests and logs see what happened rather than what
   was asked for.
 * :meth:`PrecisionBackend.error_sums` (after :meth:`PrecisionBackend.track_errors`) returns this
-  rank's per-unit partial sums ``B(u)`` of DESIGN.md section 2.1's damage score, accumulated
+  rank's per-unit partial sums ``B(u)`` of docs/algorithm.md#damage-term's damage score, accumulated
   since the last :meth:`apply` (see below).
 
 Custom autograd functions save the path they ran in the forward, so the backward of a step uses
@@ -39,11 +39,12 @@ backends), :meth:`supports`, :meth:`targets`, :meth:`on_plan_change`, :meth:`ste
 :meth:`recovery_region`, :meth:`measuring`; everything else is the contract the integrations
 call and is not overridden.
 
-The error sums (``B(u)``, DESIGN.md section 2.1: what they bound, how they are measured without
-a host sync or an extra GEMM) are explained in :mod:`gnmr_dist.backends.error_sums`. Measuring is
-off until :meth:`PrecisionBackend.track_errors` is called, so runs without ``gnmr.gamma`` pay
-nothing; :meth:`PrecisionBackend.error_sums` returns ``None`` for a backend that reports no
-error (the base class default; ``te_fp8`` for now). Units the backend does not wrap read 0.
+The error sums (``B(u)``, docs/algorithm.md#damage-term: what they bound, how they are measured
+without a host sync or an extra GEMM) are explained in :mod:`gnmr_dist.backends.error_sums`.
+Measuring is off until :meth:`PrecisionBackend.track_errors` is called, so runs without
+``gnmr.gamma`` pay nothing; :meth:`PrecisionBackend.error_sums` returns ``None`` for a backend that
+reports no error (the base class default; ``te_fp8`` for now). Units the backend does not wrap read
+0.
 """
 
 from __future__ import annotations

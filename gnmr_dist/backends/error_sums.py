@@ -1,4 +1,5 @@
-"""The error sums ``B(u)`` of the low-cost paths (DESIGN.md section 2.1), kept without a host sync.
+"""The error sums ``B(u)`` of the low-cost paths (docs/algorithm.md#damage-term), kept without a
+host sync.
 
 A linear's weight gradient is ``dW = dy^T x``. A low-cost path computes it, in effect, as
 ``Q(dy)^T Q(x)`` (each backend rounds some of the two factors), and to first order

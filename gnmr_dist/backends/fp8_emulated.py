@@ -62,7 +62,7 @@ the training step's draws.
 On the CPU the rounding costs a few elementwise passes per GEMM (see the step-time check in
 ``tests/backends/test_fp8_emulated.py``); nothing is faster than fp32, it only behaves like FP8.
 
-Error score (``gnmr.gamma``, DESIGN.md section 2.1; after ``track_errors``)
+Error score (``gnmr.gamma``, docs/algorithm.md#damage-term; after ``track_errors``)
 ---------------------------------------------------------------------------
 Both factors of the weight gradient are rounded, so per GEMM the backend reports
 
@@ -94,7 +94,8 @@ Choices, where TE leaves room:
 * An empty history (first step, after a reset) scales each call by its own amax. TE starts
   from scale 1 and its first amax sets the second step's scale; from the second step on the two
   agree, without TE's unscaled first step.
-* A unit whose plan returns it to the low-cost path resets its low-cost histories (DESIGN.md:
+* A unit whose plan returns it to the low-cost path resets its low-cost histories
+  (docs/backends.md#delayed-scaling:
   a stale history must not overflow the first step back); one that enters the recovery path
   resets the recovery path's (when that path is delayed too). While a unit runs recovery its
   low-cost histories are frozen: the shadow error measurement quantizes with their scale but

@@ -41,7 +41,7 @@ The int8 weight is cached per module and re-quantized when the weight's identity
 ``no_grad``, ``load_state_dict`` and adapter merges are all seen. Writes through ``.data`` carry a
 separate version counter by PyTorch's design and are not: call :meth:`Int8Backend.invalidate`.
 
-Error score (``gnmr.gamma``, DESIGN.md section 2.1; after ``track_errors``)
+Error score (``gnmr.gamma``, docs/algorithm.md#damage-term; after ``track_errors``)
 ---------------------------------------------------------------------------
 Of the weight-gradient product ``dy^T x`` the low-cost path rounds only ``x`` (``dy`` is never
 quantized; ``W``'s rounding does not enter ``dW``), so per GEMM the backend reports

@@ -1,8 +1,8 @@
 """``te_fp8``'s option blocks, and which Transformer Engine recipe may recover which.
 
-Megatron's recipe names (``"delayed"``, ``"tensorwise"``, ``"blockwise"``, ``"mxfp8"``; DESIGN.md's
-``"current"`` and ``"block"`` are aliases; ``"nvfp4"``, megatron's ``--fp4-recipe``) map to TE
-recipe classes (:data:`RECIPES`). Recovery
+Megatron's recipe names (``"delayed"``, ``"tensorwise"``, ``"blockwise"``, ``"mxfp8"``; as
+docs/backends.md#te_fp8 notes, ``"current"`` and ``"block"`` are aliases; ``"nvfp4"``, megatron's
+``--fp4-recipe``) map to TE recipe classes (:data:`RECIPES`). Recovery
 must be of strictly higher fidelity than the low-cost recipe (:func:`check_pair`) and than what a
 megatron module runs on its own (:func:`check_own`); :mod:`gnmr_dist.backends.te_fp8` explains
 why, and why a delayed low-cost recipe only recovers in BF16.
@@ -55,7 +55,8 @@ DELAYED_DEFAULTS = {"amax_history_len": 1024, "amax_compute_algo": "max", "margi
 """TE's own ``DelayedScaling`` defaults: an empty ``low_cost`` block equals plain TE."""
 
 _ALIASES = {"current": "tensorwise", "block": "blockwise"}
-"""DESIGN.md's names ("current", "block") for Megatron's ("tensorwise", "blockwise")."""
+"""Alias names in docs/backends.md#te_fp8 ("current", "block") for Megatron's ("tensorwise",
+"blockwise")."""
 
 _RESEEDS = ("reset", "keep")
 

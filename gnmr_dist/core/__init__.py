@@ -1,6 +1,6 @@
 """Pure maths and policy of GNMR: scores, schedules, config and the controller.
 
-DESIGN.md section 2 (GNMR, delta-GNMR, budget, lock, warm-up) and its optional section 2.1
+docs/algorithm.md (GNMR, delta-GNMR, budget, lock, warm-up) and its optional section 2.1
 (the damage-aware error term, on with ``GNMRConfig(gamma=...)``).
 
 This layer imports nothing but torch and the standard library; every other layer of gnmr-dist

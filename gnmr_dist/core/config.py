@@ -1,6 +1,6 @@
 """The controller's policy: budget, lock, window, thresholds and warm-up.
 
-:class:`GNMRConfig` holds only what the controller's maths needs (DESIGN.md section 2, and the
+:class:`GNMRConfig` holds only what the controller's maths needs (docs/algorithm.md, and the
 optional damage-aware term of section 2.1 through ``gamma``). The DeepSpeed ``"gnmr"`` block and
 the Megatron arguments carry more (backend, units, logging); they are parsed by the integrations,
 which hand the policy keys (:meth:`GNMRConfig.field_names`) to :meth:`GNMRConfig.from_dict`.
@@ -47,8 +47,8 @@ class GNMRConfig:
     warmup_steps: int = 8
     """No unit is a candidate while ``step <= warmup_steps``; the history still fills (>= 0)."""
     gamma: Threshold | None = None
-    """Threshold on the backend's error score ``e_t`` (DESIGN.md section 2.1): a number > 0, a
-    schedule, or ``None`` (the default) to leave the damage-aware term out. When set, every
+    """Threshold on the backend's error score ``e_t`` (docs/algorithm.md#damage-term): a number > 0,
+    a schedule, or ``None`` (the default) to leave the damage-aware term out. When set, every
     :meth:`GNMRController.step` call must pass ``errors``."""
 
     def __post_init__(self) -> None:

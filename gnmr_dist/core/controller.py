@@ -3,7 +3,7 @@
 Each optimizer step ``t`` the controller receives one vector of U global per-unit gradient norms
 (and, with section 2.1's term on, one vector of U error scores) and returns a :class:`Decision`:
 the set ``A`` of at most ``max_active`` units that run the recovery path on the *next* step. The
-policy (DESIGN.md sections 2 and 2.1):
+policy (docs/algorithm.md):
 
 1. score every unit (GNMR, delta-GNMR, ``risk = max(GNMR / alpha_t, dGNMR / beta_t)``, or with
    ``gamma`` set ``risk = max(GNMR / alpha_t, dGNMR / beta_t, e_t / gamma_t)``);
@@ -27,12 +27,14 @@ unit whose error stays above ``gamma_t`` therefore exceeds at every step and, on
 keeps its lock and its place in ``A`` (unless riskier units displace it) however flat its norms
 are. The error term is absolute and memoryless: it never enters the norm history (S, c and W
 are exactly what they would be without it), a non-finite ``e`` scores +inf, and the candidates,
-budget, lock and warm-up rules are unchanged. Choices where DESIGN.md leaves room:
+budget, lock and warm-up rules are unchanged. Choices where the design leaves room
+(docs/algorithm.md#differences-from-the-design-card):
 
-* the controller keeps no error state. DESIGN allows errors measured only on probe steps and
-  carried forward in between; the *caller* carries them, and ``step(norms, errors=e)`` must get
-  a full vector at every step while ``gamma`` is set (``errors=None`` then raises
-  ``ValueError``, so a wiring mistake cannot silently turn the term off). Passing ``errors``
+* the controller keeps no error state. docs/algorithm.md#damage-term allows errors measured only
+  on probe steps and carried forward in between; the *caller* carries them, and
+  ``step(norms, errors=e)`` must get a full vector at every step while ``gamma`` is set
+  (``errors=None`` then raises ``ValueError``, so a wiring mistake cannot silently turn the term
+  off). Passing ``errors``
   without ``gamma`` raises too, naming ``gnmr.gamma``.
 * With ``gamma`` unset the term does not exist: no extra op touches the risk, and every score
   and decision is bit-identical to section 2's.
@@ -76,7 +78,7 @@ NormsLike = torch.Tensor | Sequence[float] | Any
 
 _VECTORS = {
     "norms": ("per-unit norms", "they are L2 norms"),
-    "errors": ("per-unit error scores", "they are error magnitudes, DESIGN.md section 2.1"),
+    "errors": ("per-unit error scores", "they are error magnitudes, docs/algorithm.md#damage-term"),
 }
 """What :meth:`GNMRController.step` calls each input vector in its error messages."""
 
@@ -113,7 +115,7 @@ class Telemetry:
     """Largest risk over all units (``inf`` when any norm or error score is non-finite)."""
     num_error_exceed: int = 0
     """Units whose error term alone exceeds, ``e_t / gamma_t > 1`` (all units, eligible or not;
-    non-finite ``e`` included). Always 0 without ``gamma`` (DESIGN.md section 2.1)."""
+    non-finite ``e`` included). Always 0 without ``gamma`` (docs/algorithm.md#damage-term)."""
 
     def as_dict(self) -> dict[str, float]:
         """Flat ``{name: value}`` for loggers and JSON traces."""
@@ -294,7 +296,7 @@ def _fast_vector(values: NormsLike, num_units: int) -> np.ndarray | None:
 
 
 class GNMRController:
-    """Budgeted recovery controller over ``num_units`` units (DESIGN.md sections 2 and 2.1).
+    """Budgeted recovery controller over ``num_units`` units (docs/algorithm.md).
 
     Args:
         num_units: number of units U (ids ``0..U-1``, identical on every rank).
@@ -431,7 +433,8 @@ class GNMRController:
             if errors is not None:
                 raise ValueError(
                     "step() got errors but gnmr.gamma is not set: set gnmr.gamma (a number > 0 "
-                    "or a schedule) to score them (DESIGN.md section 2.1), or stop passing errors"
+                    "or a schedule) to score them (docs/algorithm.md#damage-term), or stop "
+                    "passing errors"
                 )
             return None
         if errors is None:

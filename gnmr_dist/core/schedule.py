@@ -119,7 +119,7 @@ def parse_threshold(value: Any, path: str) -> Threshold:
 def parse_optional_threshold(value: Any, path: str) -> Threshold | None:
     """Like :func:`parse_threshold`, but ``None`` (JSON ``null``) means "no threshold".
 
-    Used for ``gamma`` (DESIGN.md section 2.1), whose absence turns its score term off.
+    Used for ``gamma`` (docs/algorithm.md#damage-term), whose absence turns its score term off.
     """
     if value is None or isinstance(value, (Schedule, Mapping)):
         return None if value is None else parse_threshold(value, path)

@@ -18,7 +18,8 @@ so a unit whose history is all zeros scores 1 while it stays at zero and +inf th
 moves. A unit with no history (``c == 0``, or ``W`` empty) scores 1.0, and a non-finite norm
 scores +inf on every score.
 
-* **error term** (optional, DESIGN.md section 2.1): both scores above compare a unit with its own
+* **error term** (optional, docs/algorithm.md#damage-term): both scores above compare a unit with
+  its own
   past, so a unit that the low-cost path damages at every step looks normal to them. A backend
   may report a dimensionless error score ``e_t >= 0`` per unit (what the low-cost path does to
   that unit's gradient); with a threshold ``gamma_t`` it enters the risk as a third term,

@@ -4,7 +4,7 @@ A checkpoint can be truncated, come from another model (different U), another wi
 future format. Each of those must fail loudly with what is wrong and what to do, never load into
 a controller that then makes silently different decisions.
 
-Beyond keys, shapes and dtypes, a state must satisfy what the algorithm (DESIGN.md section 2)
+Beyond keys, shapes and dtypes, a state must satisfy what the algorithm (docs/algorithm.md)
 implies of any state it can reach after ``step`` decisions with its saved policy, so that a
 hand-edited or otherwise impossible state is refused even where no checksum covers it:
 

@@ -16,13 +16,14 @@ global gradient norm: the number gradient clipping needs, for free.
 Replicated parameters must be counted once (the registry drops them on TP ranks > 0), and the
 vector is accumulated in float64 so that adding ten thousand squared shard norms loses nothing.
 
-With DESIGN.md section 2.1's error term (``error_fn``, set by the runtime when ``gnmr.gamma`` is
-set) the local vector is ``[U + 1 sums of squares, U error sums B(u)]``: the backend's partial
-bounds of the low-cost weight-gradient error, which add over ranks and micro-batches like the
-gradients they bound. The same ONE all-reduce carries both (2U + 1 float64 values, no second
-collective). ``error_scale`` puts them in the units of the reduced gradient: ``1/dp`` where the
-framework averages gradients over ``dp`` data-parallel ranks and the group sums the ranks'
-partials (DeepSpeed). Without ``error_fn`` the vector is exactly the U + 1 sums of squares.
+With docs/algorithm.md#damage-term's error term (``error_fn``, set by the runtime when
+``gnmr.gamma`` is set) the local vector is ``[U + 1 sums of squares, U error sums B(u)]``: the
+backend's partial bounds of the low-cost weight-gradient error, which add over ranks and
+micro-batches like the gradients they bound. The same ONE all-reduce carries both (2U + 1 float64
+values, no second collective). ``error_scale`` puts them in the units of the reduced gradient:
+``1/dp`` where the framework averages gradients over ``dp`` data-parallel ranks and the group sums
+the ranks' partials (DeepSpeed). Without ``error_fn`` the vector is exactly the U + 1 sums of
+squares.
 """
 
 from __future__ import annotations

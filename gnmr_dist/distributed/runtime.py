@@ -7,7 +7,7 @@ the recovery path for the whole next step, every micro-batch, pipeline stage and
 recomputation included. Every rank runs the same controller on the same reduced vector, so every
 rank holds the same plan without further communication.
 
-With ``gnmr.gamma`` set (DESIGN.md section 2.1) the runtime also needs an error source,
+With ``gnmr.gamma`` set (docs/algorithm.md#damage-term) the runtime also needs an error source,
 ``error_fn`` (the precision backend's ``error_sums``): the monitor then reduces the error sums
 ``B(u)`` in the same all-reduce as the norms, and the controller receives ``e_t(u) = B(u) /
 G_t``, the bound over the global gradient norm (:meth:`UnitNorms.relative_errors`). Without
@@ -67,7 +67,8 @@ def _check_error_source(error_fn: ErrorFn | None, monitor: GradNormMonitor) -> N
     """With ``gnmr.gamma`` set: an error source that reports, or a ``ValueError`` saying why not."""
     if error_fn is None:
         raise ValueError(
-            "gnmr.gamma is set, so the runtime needs per-unit error sums (DESIGN.md section 2.1): "
+            "gnmr.gamma is set, so the runtime needs per-unit error sums "
+            "(docs/algorithm.md#damage-term): "
             "pass error_fn=backend.error_sums after backend.track_errors(registry.num_units), "
             "with a precision backend that reports them (act_quant, fp8_emulated, int8); without "
             "one (no backend, or te_fp8) leave gnmr.gamma unset"
@@ -117,9 +118,10 @@ class GNMRRuntime:
             gradient averaging factor (``1/dp`` for DeepSpeed's data-parallel mean).
         error_every: measure the error sums only on steps ``t`` with ``t % error_every == 0``
             (``gnmr.error_every``; the backend's ``track_errors(U, every=...)`` must say the
-            same) and carry the last score ``e`` forward in between, as DESIGN.md section 2.1
-            allows; the steps in between reduce the U + 1 vector only. Before the first measured
-            step ``e = 0`` (the term is silent); :meth:`state_dict` keeps the carried ``e``.
+            same) and carry the last score ``e`` forward in between, as
+            docs/algorithm.md#damage-term allows; the steps in between reduce the U + 1 vector only.
+            Before the first measured step ``e = 0`` (the term is silent); :meth:`state_dict` keeps
+            the carried ``e``.
     """
 
     def __init__(
@@ -200,8 +202,9 @@ class GNMRRuntime:
             if errors is None:
                 raise ValueError(
                     "gnmr.gamma is set but these norms carry no error sums: build UnitNorms with "
-                    "error_sums= (the reduced B(u) of the backend's error_sums, DESIGN.md "
-                    "section 2.1), or use the runtime's monitor, which reduces them with the norms"
+                    "error_sums= (the reduced B(u) of the backend's error_sums, "
+                    "docs/algorithm.md#damage-term), or use the runtime's monitor, which reduces "
+                    "them with the norms"
                 )
             self._last_errors = errors
             decision = self.controller.step(norms.norms, errors=errors)

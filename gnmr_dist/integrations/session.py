@@ -1,6 +1,6 @@
 """What every framework integration holds: the runtime, the backend and the skipped-step count.
 
-Also the wiring of DESIGN.md section 2.1's error term that every integration shares:
+Also the wiring of docs/algorithm.md#damage-term's error term that every integration shares:
 :func:`check_error_source` refuses ``gnmr.gamma`` with a backend that reports no error sums
 (before the framework starts), :func:`error_source` turns the backend's measuring on and returns
 the ``error_fn`` for :class:`~gnmr_dist.distributed.GNMRRuntime`. :func:`refuse_probe` is the

@@ -4,9 +4,9 @@ A trace holds the exact per-unit norms of a run. Replaying it through a controll
 settings shows, before a big run, how often units would exceed the thresholds and how much of
 the model would sit on the recovery path, without touching a GPU. With the recorded settings the
 replay reproduces the recorded decisions exactly (the controller is deterministic), which the
-command checks and reports. A trace recorded with ``gnmr.gamma`` (DESIGN.md section 2.1) also holds
-each step's error scores; they are passed back to the controller, so ``--gamma`` re-tunes that
-threshold too.
+command checks and reports. A trace recorded with ``gnmr.gamma`` (docs/algorithm.md#damage-term)
+also holds each step's error scores; they are passed back to the controller, so ``--gamma`` re-tunes
+that threshold too.
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ Norms are the exact per-unit global norms the controller received, so ``gnmr-rep
 same controller with other settings and reproduce, or re-tune, every decision. Non-finite norms
 are written as JSON's ``NaN``/``Infinity`` tokens (Python's ``json`` reads them back).
 
-With ``gnmr.gamma`` set (DESIGN.md section 2.1) a record also holds ``"errors"``: the error scores
-``e_t(u)`` the controller scored (``Decision.error``, non-finite ones as ``Infinity``), which a
-replay passes back (:func:`read_errors`). Records without the key are those of runs without the
+With ``gnmr.gamma`` set (docs/algorithm.md#damage-term) a record also holds ``"errors"``: the error
+scores ``e_t(u)`` the controller scored (``Decision.error``, non-finite ones as ``Infinity``), which
+a replay passes back (:func:`read_errors`). Records without the key are those of runs without the
 term; the format version is unchanged.
 
 With ``gnmr.probe`` set, the record of a probe step also holds ``"probe"`` (:class:`ProbeRecord`,

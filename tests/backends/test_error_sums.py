@@ -1,4 +1,5 @@
-"""DESIGN.md section 2.1's error sums B(u) of the CPU backends, against explicit float64 bounds.
+"""docs/algorithm.md#damage-term's error sums B(u) of the CPU backends, against explicit float64
+bounds.
 
 For a linear, ``B(u)`` sums ``||dy|| ||x - Q(x)|| + ||Q(dy) - dy|| ||x||`` over the unit's GEMM
 calls since the last ``apply``, each ``Q`` being the backend's own low-cost quantizer, also for a

@@ -36,9 +36,9 @@ import typing_extensions
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from gnmr_dist.integrations.megatron.operators import MEGATRON_OPERATORS
 from gnmr_dist.backends import LOW_COST, RECOVERY, get_backend
 from gnmr_dist.backends.te_fp8 import TEFp8Backend, is_te_module, reset_delayed_scaling
+from gnmr_dist.integrations.megatron.operators import MEGATRON_OPERATORS
 from tests.requires import missing
 
 ALL_RECIPES = (
@@ -810,7 +810,11 @@ def test_stronger_recovery_recipe_is_megatrons_enabled_region_with_its_amax_grou
     rec, module, make = mcore(amax_group=group)
     config = mcore_config(tp_only_amax_red=True)
     layers = [make("TELinear", config, seed=0), make("TELinear", config, seed=1)]
-    be = TEFp8Backend(operators=MEGATRON_OPERATORS, low_cost={"recipe": "tensorwise"}, recovery={"recipe": "blockwise"})
+    be = TEFp8Backend(
+        operators=MEGATRON_OPERATORS,
+        low_cost={"recipe": "tensorwise"},
+        recovery={"recipe": "blockwise"},
+    )
     be.wrap(dict(enumerate(layers)))
     be.apply({0}, step=1)
     training = layers[0].te_quant_params.training_recipe
@@ -862,7 +866,9 @@ def test_megatron_operator_back_from_recovery_follows_the_reseed_policy(mcore, r
     rec, _, make = mcore()
     config = mcore_config(fp8_recipe="delayed")
     layers = [make("TERowParallelLinear", config, seed=i) for i in range(2)]
-    be = TEFp8Backend(operators=MEGATRON_OPERATORS, low_cost={"recipe": "delayed", "reseed": reseed})
+    be = TEFp8Backend(
+        operators=MEGATRON_OPERATORS, low_cost={"recipe": "delayed", "reseed": reseed}
+    )
     be.wrap(dict(enumerate(layers)))
     be.apply({0}, step=1)
     with megatron_fp8(rec, be.low_cost_recipe):  # delayed: megatron's one outer region

@@ -17,9 +17,9 @@ import types
 import pytest
 import torch
 
-from gnmr_dist.integrations.megatron.operators import MEGATRON_OPERATORS
 from gnmr_dist.backends import LOW_COST, RECOVERY, get_backend, te_runtime
 from gnmr_dist.backends.te_fp8 import TEFp8Backend
+from gnmr_dist.integrations.megatron.operators import MEGATRON_OPERATORS
 from tests.backends import test_te_fp8 as stand_ins
 from tests.backends.test_te_fp8 import _exec, call, mcore_config, megatron_file, stack
 from tests.requires import missing
@@ -192,7 +192,11 @@ def test_megatron_fp4_operators_recover_through_te_quant_params(mcore, device, m
     config = fp4_config()
     for recovery in ("bf16", "mxfp8"):
         layers = [make("TERowParallelLinear", config, seed=i) for i in range(2)]
-        be = TEFp8Backend(operators=MEGATRON_OPERATORS, low_cost={"recipe": "nvfp4"}, recovery={"recipe": recovery})
+        be = TEFp8Backend(
+            operators=MEGATRON_OPERATORS,
+            low_cost={"recipe": "nvfp4"},
+            recovery={"recipe": recovery},
+        )
         be.wrap(dict(enumerate(layers)))
         assert be.switched_units == {0, 1}
         be.apply({1}, step=1)

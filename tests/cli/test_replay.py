@@ -100,7 +100,8 @@ def test_trace_with_a_repeated_step_is_refused(tmp_path):
 
 
 def test_error_scores_are_traced_and_replayed(tmp_path, capsys):
-    """DESIGN.md 2.1: the scored e_t rides the trace and the replay passes it back."""
+    """docs/algorithm.md#damage-term: the scored e_t rides the trace and the replay passes it
+    back."""
     path = tmp_path / "trace.jsonl"
     cfg, decisions = record_trace(path, UNITS, steps=40, cfg=GAMMA_CFG)
     header, _, records = read_trace(path)

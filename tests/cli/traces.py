@@ -14,7 +14,7 @@ CFG = GNMRConfig(max_active=2, lock_steps=3, window=4, warmup_steps=5)
 
 
 GAMMA_CFG = replace(CFG, gamma=0.5)
-"""CFG with DESIGN.md section 2.1's error term."""
+"""CFG with docs/algorithm.md#damage-term's error term."""
 
 
 def errors_at(t: int, g: torch.Generator) -> torch.Tensor:

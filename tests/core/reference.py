@@ -1,4 +1,4 @@
-"""An independent, deliberately naive reference of DESIGN.md sections 2 and 2.1.
+"""An independent, deliberately naive reference of docs/algorithm.md.
 
 Plain Python floats and lists, one unit at a time, written from the spec text and sharing no code
 with ``gnmr_dist.core``: the vectorised controller must agree with it decision for decision.

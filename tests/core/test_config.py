@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from gnmr_dist import GNMRConfig, Schedule
@@ -125,11 +127,13 @@ def test_schedule_object_validates_itself():
 
 def test_config_is_frozen():
     cfg = GNMRConfig()
-    with pytest.raises(AttributeError):
+    frozen = dataclasses.FrozenInstanceError
+    with pytest.raises(frozen, match="cannot assign to field 'max_active'"):
         cfg.max_active = 3  # type: ignore[misc]
+    assert cfg.max_active == GNMRConfig().max_active == 4
 
 
-# ---------------------------------------------------------------- gamma (DESIGN.md section 2.1)
+# ------------------------------------------------ gamma (docs/algorithm.md#damage-term)
 
 OLD_DEFAULT_DICT = {
     "max_active": 4,

@@ -1,4 +1,4 @@
-"""Hand-computed traces for DESIGN.md section 2.1, the damage-aware error term.
+"""Hand-computed traces for docs/algorithm.md#damage-term, the damage-aware error term.
 
 ``risk = max(GNMR / alpha_t, dGNMR / beta_t, e / gamma_t)``; the errors never enter the history
 and every other rule of section 2 is unchanged. One behaviour per test.
@@ -236,8 +236,10 @@ def test_norms_are_refused_the_same_way():
 
 
 def test_errors_keyword_only():
-    with pytest.raises(TypeError):
-        make(1).step([1.0], [0.0])
+    ctrl = make(1)
+    with pytest.raises(TypeError, match=r"step\(\) takes 2 positional arguments but 3 were given"):
+        ctrl.step([1.0], [0.0])
+    assert ctrl.step_count == 0
 
 
 def test_telemetry_dict_carries_the_error_count():

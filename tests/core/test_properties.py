@@ -1,4 +1,4 @@
-"""Property tests: every consequence DESIGN.md section 2 lists, on random traces.
+"""Property tests: every consequence docs/algorithm.md#properties lists, on random traces.
 
 The controller is compared decision for decision with ``tests/core/reference.py``, a naive
 per-unit implementation written from the spec text alone. Scenarios draw section 2.1's ``gamma``

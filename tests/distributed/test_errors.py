@@ -1,4 +1,5 @@
-"""DESIGN.md section 2.1 in the runtime: error sums ride the norms' all-reduce, e = B / G."""
+"""docs/algorithm.md#damage-term in the runtime: error sums ride the norms' all-reduce, e = B /
+G."""
 
 from __future__ import annotations
 

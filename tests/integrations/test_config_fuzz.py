@@ -65,8 +65,7 @@ BLOCK_KEYS: dict[str, str] = {
 }
 
 OPTION_CLASSES = {
-    name: (backend_class(name).LowCost, backend_class(name).Recovery)
-    for name in BACKENDS
+    name: (backend_class(name).LowCost, backend_class(name).Recovery) for name in BACKENDS
 }
 """Every registered backend's option dataclasses, from the registry (a new backend is fuzzed
 without a line here)."""

@@ -103,7 +103,9 @@ def test_probe_loss_reads_tensor_attribute_or_mapping():
     from gnmr_dist.integrations.deepspeed import probe_loss
 
     x = torch.tensor(2.0)
-    assert probe_loss(x) is not None and probe_loss({"loss": x, "logits": x}) is x
+    assert probe_loss(x) is x and probe_loss({"loss": x, "logits": x}) is x
+    one = torch.tensor([3.0])  # a one-element loss: the same value as a scalar
+    assert probe_loss(one).shape == () and probe_loss(one).item() == 3.0
     assert probe_loss(CausalLMOutputWithPast(loss=x)) is x
     for out, said in [
         (torch.ones(2, 3), r"a tensor of shape \(2, 3\), not a loss"),

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from tests import multiproc
 from tests.megatron import gpt
 
-MEGATRON_VERSIONS = ("0.16.1", "0.17.1", "0.19.2")
+MEGATRON_VERSIONS = ("0.17.1", "0.16.1", "0.19.2")
 """megatron-core releases the CPU tests run on; the first is the main venv's."""
 
 LR, CLIP_GRAD, ADAM_EPS = 1e-3, 1.0, 1e-8

@@ -409,7 +409,7 @@ def test_missing_release_skips_locally_and_fails_on_ci(monkeypatch, tmp_path):
     from tests.megatron import settings
 
     monkeypatch.setattr(sys, "prefix", str(tmp_path))
-    assert settings.megatron_path("0.16.1") is None and settings.version_sys_path("0.16.1") == []
+    assert settings.megatron_path("0.17.1") is None and settings.version_sys_path("0.17.1") == []
     assert settings.megatron_path("0.19.2") == str(tmp_path / "mcore" / "0.19.2")
     monkeypatch.delenv("CI", raising=False)
     with pytest.raises(pytest.skip.Exception, match=r"0\.19\.2 is not installed"):

@@ -14,18 +14,41 @@ from tests import multiproc
 pytestmark = pytest.mark.slow
 
 
-def _run(model, opt, steps):
+SPIKE_STEP, SPIKE_UNIT = 3, "decoder.layers.3.mlp.linear_fc1"
+"""The reduced gradient of one unit (on the last pipeline stage) is scaled x100 at this step, in
+both runs (GNMR off and on), so the controller selects it and the next steps run a plan."""
+
+
+def _spike(model) -> None:
+    from gnmr_dist.distributed.units import global_param_names
+    from gnmr_dist.integrations.megatron.operators import MEGATRON_MARKS
+
+    names = global_param_names(model, marks=MEGATRON_MARKS)
+    for local, param in model.named_parameters():
+        if names[local].startswith(SPIKE_UNIT + "."):
+            param.main_grad.mul_(100.0)
+
+
+def _run(model, opt, steps, handle=None):
+    """Train ``steps`` steps; with a backend, what each step's forwards ran (its report)."""
     from tests.megatron import gpt
 
-    calls, norms = [], []
+    calls, norms, reports = [], [], []
     for step in range(1, steps + 1):
         with multiproc.CollectiveSpy() as spy:
             gpt.train_step(model, step)
+            if step == SPIKE_STEP:
+                _spike(model)
+            if handle is not None and handle.backend is not None:
+                r = handle.backend.report()  # the plan this step ran (settled before its forward)
+                d = handle.runtime.last_decision  # the decision that plan came from
+                decided = (d.step, set(d.active)) if d is not None else (0, set())
+                reports.append((r.step, set(r.planned), set(r.recovered), decided))
             ok, grad_norm, _ = opt.step()
         assert ok
         calls.append(spy.calls)
         norms.append(grad_norm)
-    return calls, norms
+    return calls, norms, reports
 
 
 def _worker(rank, world, tp, pp, steps, backend):
@@ -43,7 +66,7 @@ def _worker(rank, world, tp, pp, steps, backend):
     cfg = OptimizerConfig(optimizer="sgd", lr=0.05, clip_grad=0.5)
 
     plain = gpt.parallel_model(tp, pp, full)
-    off_calls, off_norms = _run(plain, get_megatron_optimizer(cfg, [plain]), steps)
+    off_calls, off_norms, _ = _run(plain, get_megatron_optimizer(cfg, [plain]), steps)
     ps.destroy_model_parallel()
 
     model = gpt.parallel_model(tp, pp, full)
@@ -52,14 +75,14 @@ def _worker(rank, world, tp, pp, steps, backend):
     block = {"backend": backend, "max_active": 2, "warmup_steps": 2, "lock_steps": 2}
     handle = megatron_patches.apply(model, block, optimizer=opt)
     assert megatron_patches.apply(model, block, optimizer=opt) is handle  # idempotent
-    on_calls, on_norms = _run(model, opt, steps)
+    on_calls, on_norms, reports = _run(model, opt, steps, handle)
     # the fused per-unit norms equal GNMR's own monitor on the same gradients
     gpt.train_step(model, steps + 1)
     own = GradNormMonitor(handle.registry, group=ps.get_model_parallel_group()).compute()
-    report = handle.backend.report() if handle.backend is not None else None
     opt.step()
     handle.settle()  # the decision is taken lazily, when the next step first needs the plan
     fused = handle.runtime.last_norms
+    local = set(handle.backend.units) if handle.backend is not None else None  # wrapped here
     megatron_patches.remove()
     restored = (
         mcore_optimizer.get_grad_norm_fp32 is original_norm_fn
@@ -74,7 +97,9 @@ def _worker(rank, world, tp, pp, steps, backend):
         "units": handle.registry.num_units,
         "restored": restored,
         "risk": handle.last_decision.risk,
-        "report": report,
+        "reports": reports,
+        "local": local,
+        "spiked": handle.registry.names.index(SPIKE_UNIT),
     }
 
 
@@ -98,8 +123,23 @@ def test_unit_norms_ride_the_clip_norm_all_reduce(world, tp, pp, backend):
         assert r["fused"].global_norm == pytest.approx(r["own"].global_norm, rel=1e-5)
         assert r["restored"]
         assert torch.equal(r["risk"], results[0]["risk"])  # every rank decided the same
-        if backend is not None:
-            assert r["report"].planned == set(r["report"].recovered) or not r["report"].planned
+    if backend is None:
+        return
+    # every step ran the plan decided at the step before: each rank recovered exactly the
+    # planned units it holds (pipeline stages hold different units), together all of them
+    assert [step for step, *_ in results[0]["reports"]] == list(range(1, 7))
+    planned = [p for _, p, _, _ in results[0]["reports"]]
+    for r in results:
+        assert [q for _, q, _, _ in r["reports"]] == planned
+        assert [d for *_, d in r["reports"]] == [(t, p) for t, p in enumerate(planned)]
+    spiked = results[0]["spiked"]
+    assert not any(spiked in p for p in planned[:SPIKE_STEP])
+    assert spiked in planned[SPIKE_STEP]  # selected at the spike, run at the next step
+    for step, p in enumerate(planned, start=1):
+        for r in results:
+            assert r["reports"][step - 1][2] == p & r["local"], (step, r["local"])
+        assert set().union(*(r["reports"][step - 1][2] for r in results)) == p, step
+    assert all(r["local"] for r in results) and not (results[0]["local"] & results[1]["local"])
 
 
 def test_unsupported_version_is_named(monkeypatch):

@@ -13,7 +13,8 @@ Same arguments and return value as ``deepspeed.initialize``. With a ``"gnmr"`` b
    step was applied (no overflow skip), feeds the controller and applies its plan to the next
    step. A skipped step leaves the controller's history untouched;
 4. enters the backend's step context around every forward (TE's FP8 region; no-op otherwise);
-5. with ``"gamma"`` in the block (DESIGN.md section 2.1), turns on the backend's error sums and
+5. with ``"gamma"`` in the block (docs/algorithm.md#damage-term), turns on the backend's error sums
+and
    reduces them in the same all-reduce, scaled by ``1/dp`` (DeepSpeed averages the gradients
    over the data-parallel ranks, so the error bounds of each rank's micro-batches are averaged
    the same way); the controller gets ``e = B / G`` (``G``: the global gradient norm). A

@@ -39,9 +39,9 @@ When megatron computes no norm in a step (``clip_grad == 0`` with a plain optimi
 gradients are read at the start of ``step_with_ready_grads`` (prepared, unscaled, not
 clipped) with one all-reduce of GNMR's own.
 
-**The error term (DESIGN.md 2.1, ``gnmr.gamma``).** The backend's per-unit error sums ``B(u)``
-(linear in the output gradients: divided by megatron's loss scale, times DDP's ``1/dp``) ride
-the first clip-norm all-reduce of the step as U more numbers. That group spans the
+**The error term (docs/algorithm.md#damage-term, ``gnmr.gamma``).** The backend's per-unit error
+sums ``B(u)`` (linear in the output gradients: divided by megatron's loss scale, times DDP's
+``1/dp``) ride the first clip-norm all-reduce of the step as U more numbers. That group spans the
 data-parallel ranks only with the distributed optimizer; with the plain optimizer the DP
 partials are summed first, in one extra all-reduce of U values over DP (the one collective the
 term adds there). The controller receives ``e = B / G`` (``G``: the global gradient norm).

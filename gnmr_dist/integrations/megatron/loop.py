@@ -527,6 +527,27 @@ def attached() -> Hooks | None:
     return _ATTACHED[0] if _ATTACHED else None
 
 
+def print_help(
+    extra_args_provider: Callable[[argparse.ArgumentParser], argparse.ArgumentParser] | None = None,
+) -> None:
+    """Megatron-LM's ``--help`` with the GNMR arguments (and ``extra_args_provider``'s).
+
+    ``pretrain`` cannot print it: its first parse (``ft_integration.setup``, megatron-core
+    0.17+) runs ``parse_args`` without the ``extra_args_provider`` and exits on ``--help``
+    there, so the script's own flags would be missing from the text.
+    """
+    from megatron.training.arguments import add_megatron_arguments
+
+    prog = Path(sys.argv[0]).name or None
+    parser = argparse.ArgumentParser(
+        prog=prog, description="Megatron-LM Arguments", allow_abbrev=False
+    )
+    parser = add_megatron_arguments(parser)
+    if extra_args_provider is not None:
+        parser = extra_args_provider(parser)
+    add_gnmr_args(parser).print_help()
+
+
 def attach(
     extra_args_provider: Callable[[argparse.ArgumentParser], argparse.ArgumentParser] | None = None,
     *,
@@ -543,7 +564,11 @@ def attach(
     if _ATTACHED:
         raise RuntimeError("megatron_patches.loop.attach: already attached in this process")
     require_training()
-    words = customary_argv(list(sys.argv[1:] if argv is None else argv))
+    words = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in words or "--help" in words:
+        print_help(extra_args_provider)
+        raise SystemExit(0)
+    words = customary_argv(words)
     if not torch.cuda.is_available():
         from gnmr_dist.integrations.megatron.cpu import enable_cpu_compat
 

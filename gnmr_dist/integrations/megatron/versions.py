@@ -4,7 +4,7 @@ Every version-dependent decision in :mod:`megatron_patches` reads :func:`series_
 version string of its own; megatron-core's version is read in one place,
 :func:`installed_version` (at each call, so a test may set ``package_info.__version__``). A
 series is listed only after the call sites GNMR hooks were read in its sources and its tests ran
-on it (CI runs 0.16.1 in the main venv, 0.17.1 and 0.19.2 in test-only installs). What the
+on it (CI runs 0.17.1 in the main venv, 0.16.1 and 0.19.2 in test-only installs). What the
 table records, per ``major.minor``:
 
 * ``grads_for_norm``: the optimizer method that returns the gradients megatron's clip norm
