@@ -365,20 +365,3 @@ def _step_row(
     row["extra_gloo"] = sorted(ex_g["extra"].elements())
     row["ok"] = good
     return row
-
-
-def table_c(res: dict[str, Any]) -> str:
-    out = [
-        "| rank | step | off: calls / bytes | on: calls / bytes | extra (wrapper) | "
-        "extra (gloo profiler) | expected |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    want = f"all_reduce {res['expected_extra_bytes']} B"
-    for r in res["rows"]:
-        extra = ", ".join(f"{op} {b} B" for op, b in r["extra"]) or "none"
-        extra_g = ", ".join(f"{op} {b} B" for op, b in r["extra_gloo"]) or "none"
-        out.append(
-            f"| {r['rank']} | {r['step']} | {r['off_calls']} / {r['off_bytes']} | "
-            f"{r['on_calls']} / {r['on_bytes']} | {extra} | {extra_g} | {want} |"
-        )
-    return "\n".join(out)

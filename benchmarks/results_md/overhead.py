@@ -177,9 +177,8 @@ def monitor(run: dict[str, Any]) -> list[str]:
     ]
 
 
-def collectives(run: dict[str, Any]) -> list[str]:
-    """Part (c): the collectives of a step with GNMR on and off."""
-    res = run["collectives"]
+def collectives_table(res: dict[str, Any]) -> str:
+    """Part (c)'s table: per rank and step, the collectives with GNMR off and on."""
     lines = [
         "| rank | step | off: calls / bytes | on: calls / bytes | extra (wrapper) | "
         "extra (gloo profiler) | expected |",
@@ -193,6 +192,12 @@ def collectives(run: dict[str, Any]) -> list[str]:
             f"| {r['rank']} | {r['step']} | {r['off_calls']} / {r['off_bytes']} | "
             f"{r['on_calls']} / {r['on_bytes']} | {extra} | {extra_g} | {want} |"
         )
+    return "\n".join(lines)
+
+
+def collectives(run: dict[str, Any]) -> list[str]:
+    """Part (c): the collectives of a step with GNMR on and off."""
+    res = run["collectives"]
     world = len({r["rank"] for r in res["rows"]})
     return [
         paragraph(
@@ -201,7 +206,7 @@ def collectives(run: dict[str, Any]) -> list[str]:
             "`torch.distributed` collective and, independently, by the torch profiler's gloo "
             "events:",
         ),
-        "\n".join(lines)
+        collectives_table(res)
         + f"\nextra = exactly one all_reduce of 8(U+1) = {res['expected_extra_bytes']} bytes on "
         f"every rank and step: {'yes' if res['ok'] else 'NO'}",
     ]

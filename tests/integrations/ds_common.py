@@ -59,3 +59,16 @@ def unit_names(layers: int = 2) -> list[str]:
         for i in range(layers)
         for p in PROJ
     ]
+
+
+def gnmr_block(**overrides) -> dict:
+    """The ``"gnmr"`` block the DeepSpeed tests share (act_quant, 2 recovered units, lock 2,
+    warm-up 3, rank consistency checked), with ``overrides``."""
+    base = {
+        "backend": "act_quant",
+        "max_active": 2,
+        "lock_steps": 2,
+        "warmup_steps": 3,
+        "check_consistency": True,
+    }
+    return {**base, **overrides}

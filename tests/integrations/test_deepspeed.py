@@ -20,13 +20,7 @@ from tests.integrations import ds_common as dsc
 
 pytestmark = pytest.mark.slow
 
-GNMR = {
-    "backend": "act_quant",
-    "max_active": 2,
-    "lock_steps": 2,
-    "warmup_steps": 3,
-    "check_consistency": True,
-}
+GNMR = dsc.gnmr_block()
 
 
 def _reference_unit_norms(engine) -> tuple[list[float], float]:

@@ -31,14 +31,7 @@ from tests.integrations import ds_common as dsc
 
 pytestmark = pytest.mark.slow
 
-GNMR = {
-    "backend": "act_quant",
-    "max_active": 2,
-    "lock_steps": 3,
-    "warmup_steps": 3,
-    "gamma": 0.5,
-    "check_consistency": True,
-}
+GNMR = dsc.gnmr_block(lock_steps=3, gamma=0.5)
 SPIKE, SKIP, LAST = 8, 9, 12
 """A gradient spike at step 8 selects a unit (so a plan and a lock are held at the skip), rank 0's
 NaN gradient at step 9 makes DeepSpeed skip it, steps 10-12 run after it."""

@@ -10,26 +10,7 @@ Public as :mod:`gnmr_dist.deepspeed`. Imports DeepSpeed only when an engine is b
 * :mod:`~gnmr_dist.integrations.deepspeed.trainer`: ``GNMRCallback`` for Hugging Face Trainer.
 """
 
-from gnmr_dist.integrations.deepspeed.engine import (
-    STATE_FILE,
-    DeepSpeedGNMR,
-    disable,
-    enable,
-    enabled,
-    engines_with_gnmr,
-    initialize,
-    load_ds_config,
-    probe_loss,
-)
+from gnmr_dist.integrations.deepspeed import engine as _engine
+from gnmr_dist.integrations.deepspeed.engine import *  # noqa: F403 (the re-export is the point)
 
-__all__ = [
-    "STATE_FILE",
-    "DeepSpeedGNMR",
-    "disable",
-    "enable",
-    "enabled",
-    "engines_with_gnmr",
-    "initialize",
-    "load_ds_config",
-    "probe_loss",
-]
+__all__ = list(_engine.__all__)

@@ -97,8 +97,8 @@ __all__ = [
     "disable",
     "enable",
     "enabled",
-    "initialize",
     "engines_with_gnmr",
+    "initialize",
     "load_ds_config",
     "probe_loss",
 ]
