@@ -16,7 +16,7 @@ export DS_BUILD_OPS := 0
 # megatron.training (so gnmr-megatron-pretrain runs from this venv). 0.17+ declare Requires-Python
 # >= 3.12 but ship cp311 wheels whose only hard dependencies (torch, numpy, packaging) are in the
 # venv, hence --no-deps --ignore-requires-python.
-# Extra releases the CPU tests also run on (tests/megatron/settings.py), each in its own --target
+# Extra releases the CPU tests also run on (tests/integrations/megatron/settings.py), each in its own --target
 # folder that a test worker puts first on sys.path. 0.19.2 imports triton when megatron.core is
 # imported (pipeline_parallel.schedules -> transformer.moe.paged_stash -> moe.ops.paged_stash,
 # unguarded); 3.7.1 is the triton that torch 2.13's CUDA wheel pins, and it imports without a GPU.

@@ -10,7 +10,7 @@
 # unknown config, world size vs TP x PP, batch sizes) are reported before anything starts.
 #
 # Example:
-#   launch/deepspeed.sh hostfile configs/deepspeed/llama2_350m_act_quant.json --steps 20000
+#   launch/deepspeed.sh hostfile deepspeed/llama2_60m_act_quant --steps 20000
 set -euo pipefail
 if [[ $# -lt 2 ]]; then
     echo "usage: launch/deepspeed.sh HOSTFILE CONFIG [EXTRA...]" >&2

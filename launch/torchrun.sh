@@ -24,7 +24,7 @@
 # Examples:
 #   NPROC_PER_NODE=2 launch/torchrun.sh demo_deepspeed --steps 100
 #   NPROC_PER_NODE=8 NNODES=4 RDZV_ENDPOINT=node-1:29500 RDZV_ID=exp1 \
-#       launch/torchrun.sh megatron/llama2_130m_fp8_emulated --train-iters 20000
+#       launch/torchrun.sh megatron/llama2_130m_fp6_fp8 --train-iters 20000
 set -euo pipefail
 # shellcheck source=launch/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"

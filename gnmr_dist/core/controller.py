@@ -50,8 +50,8 @@ an operation, against several for a torch op on the CPU), the float64 CPU tensor
 passes is read as a view, the ratio conventions come out of IEEE division with one NaN fix, an
 unchanged window is shifted in place, the candidates are sorted only when there are more than
 ``max_active``, and a :class:`Decision` makes its tensors, candidate tuple and telemetry only when
-they are read. ``python -m benchmarks.controller`` times it against a 25-line numpy twin of the
-same policy on one trace, side by side: 0.84-0.91x of the twin's time at U = 28 to 16,384, with
+they are read. ``python -m benchmarks.overhead.controller`` times it against a 25-line numpy twin of
+the same policy on one trace, side by side: 0.84-0.91x of the twin's time at U = 28 to 16,384, with
 every decision identical. The scores equal :func:`~gnmr_dist.core.scores.risk_scores` (torch)
 bit for bit (``tests/core``).
 """

@@ -12,7 +12,7 @@ require("deepspeed")
 
 from gnmr_dist.integrations.config import GNMRBlock
 from tests import multiproc
-from tests.integrations import ds_common as dsc
+from tests.integrations.deepspeed import common as dsc
 
 
 def test_defaults_and_full_block():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gnmr_dist.train import launch
-from tests.megatron.settings import launch_checks
+from tests.integrations.megatron.settings import launch_checks
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = launch.available_configs()

@@ -17,7 +17,7 @@ import torch
 
 from gnmr_dist.deepspeed import load_ds_config
 from gnmr_dist.telemetry import read_trace
-from tests.megatron.settings import training_env
+from tests.integrations.megatron.settings import training_env
 from tests.multiproc import free_port
 
 pytestmark = pytest.mark.slow

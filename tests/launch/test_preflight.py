@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gnmr_dist.train import launch
-from tests.megatron.settings import launch_checks
+from tests.integrations.megatron.settings import launch_checks
 from tests.requires import missing, require
 
 ROOT = Path(__file__).resolve().parents[2]

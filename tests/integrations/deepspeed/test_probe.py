@@ -17,7 +17,7 @@ require("deepspeed")
 
 from gnmr_dist.integrations.config import GNMRBlock
 from tests import multiproc
-from tests.integrations import ds_common as dsc
+from tests.integrations.deepspeed import common as dsc
 
 GNMR = {
     "backend": "act_quant",

@@ -26,7 +26,7 @@ def _worker(rank, world, backend_name, low_cost, recovery):
     from gnmr_dist.integrations.megatron.operators import MEGATRON_MARKS as MARKS
     from gnmr_dist.integrations.megatron.operators import MEGATRON_OPERATORS as OPS
     from megatron_patches import enable_cpu_compat
-    from tests.megatron import gpt
+    from tests.integrations.megatron import gpt
 
     enable_cpu_compat()
     full, _ = gpt.full_reference(1)
@@ -91,7 +91,7 @@ def _layout_worker(rank, world, low_cost):
     from gnmr_dist.integrations.megatron.operators import MEGATRON_MARKS as MARKS
     from gnmr_dist.integrations.megatron.operators import MEGATRON_OPERATORS as OPS
     from megatron_patches import enable_cpu_compat
-    from tests.megatron import gpt
+    from tests.integrations.megatron import gpt
 
     enable_cpu_compat()
     full, _ = gpt.full_reference(1)

@@ -1,9 +1,9 @@
 """megatron_patches.cpu: the switch itself (idempotent, reversible, refuses GPUs, version gate),
 and megatron-core training on CPU at the settings Megatron users run, on every release we support.
 
-The matrix: each setting of ``tests/megatron/settings.py`` (fp32 DP2; bf16 with bf16 and with fp32
-grad buffers; the distributed optimizer in fp32 and bf16; TP2 + sequence parallel; PP2 with two
-virtual stages per rank; TP2 x DP2 distributed optimizer bf16) x each release in
+The matrix: each setting of ``tests/integrations/megatron/settings.py`` (fp32 DP2; bf16 with bf16
+and with fp32 grad buffers; the distributed optimizer in fp32 and bf16; TP2 + sequence parallel; PP2
+with two virtual stages per rank; TP2 x DP2 distributed optimizer bf16) x each release in
 ``MEGATRON_VERSIONS``. One set of worker processes per release trains every setting for
 ``STEPS`` steps with megatron's schedule, ``finalize_model_grads`` and megatron's optimizer, and
 a float64 replay of the full model on the same micro-batches gives the numbers to match:
@@ -260,7 +260,7 @@ def _train(setting, full, ref) -> dict:
     """Train ``setting`` ``STEPS`` steps from ``full``'s weights; every number the tests need."""
     from megatron.core import parallel_state as ps
 
-    from tests.megatron import settings
+    from tests.integrations.megatron import settings
 
     start = time.perf_counter()
     chunks, opt = settings.build(setting, full)
@@ -293,7 +293,7 @@ def _settings_worker(rank, world, names):
 
     from megatron.core import parallel_state as ps
 
-    from tests.megatron import settings
+    from tests.integrations.megatron import settings
 
     warnings.filterwarnings("ignore")
     enable_cpu_compat()
@@ -320,7 +320,7 @@ def _releases():
     """The matrix runs, built once (the settings module imports torch.distributed helpers)."""
     global _RUNS
     if _RUNS is None:
-        from tests.megatron.settings import ReleaseRuns
+        from tests.integrations.megatron.settings import ReleaseRuns
 
         _RUNS = ReleaseRuns(_settings_worker, preload=PRELOAD)
     return _RUNS
@@ -330,7 +330,7 @@ _RUNS = None
 
 
 def _matrix_params():
-    from tests.megatron.settings import matrix_params
+    from tests.integrations.megatron.settings import matrix_params
 
     return matrix_params()
 
@@ -338,7 +338,7 @@ def _matrix_params():
 @pytest.mark.parametrize("name, version", _matrix_params())
 def test_setting_trains_like_the_full_model(name, version):
     """Loss, megatron's grad norm and per-parameter norms equal the float64 full-model replay."""
-    from tests.megatron.settings import SETTINGS_BY_NAME
+    from tests.integrations.megatron.settings import SETTINGS_BY_NAME
 
     setting = SETTINGS_BY_NAME[name]
     tol = BF16_TOL if setting.bf16 else FP32_TOL
@@ -369,8 +369,8 @@ def test_setting_trains_like_the_full_model(name, version):
 @pytest.mark.parametrize("name, version", _matrix_params())
 def test_setting_layout(name, version):
     """The optimizer, buffers, layer numbering and SP marks are the ones megatron uses for it."""
-    from tests.megatron import gpt
-    from tests.megatron.settings import SETTINGS_BY_NAME
+    from tests.integrations.megatron import gpt
+    from tests.integrations.megatron.settings import SETTINGS_BY_NAME
 
     setting = SETTINGS_BY_NAME[name]
     ranks = _ranks(version, name)
@@ -406,7 +406,7 @@ def test_setting_layout(name, version):
 
 
 def test_missing_release_skips_locally_and_fails_on_ci(monkeypatch, tmp_path):
-    from tests.megatron import settings
+    from tests.integrations.megatron import settings
 
     monkeypatch.setattr(sys, "prefix", str(tmp_path))
     assert settings.megatron_path("0.17.1") is None and settings.version_sys_path("0.17.1") == []

@@ -16,7 +16,7 @@ from tests.requires import require
 require("deepspeed")
 
 from tests import multiproc
-from tests.integrations import ds_common as dsc
+from tests.integrations.deepspeed import common as dsc
 
 pytestmark = pytest.mark.slow
 

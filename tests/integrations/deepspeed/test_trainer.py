@@ -16,7 +16,7 @@ require("deepspeed")
 require("accelerate")
 
 from tests import multiproc
-from tests.integrations import ds_common as dsc
+from tests.integrations.deepspeed import common as dsc
 
 pytestmark = pytest.mark.slow
 

@@ -25,7 +25,7 @@ def _worker(rank, world):
     import megatron_patches
     from megatron_patches import enable_cpu_compat
     from tests.backends import external  # the user's import: registers "test_rounded"
-    from tests.megatron import gpt
+    from tests.integrations.megatron import gpt
 
     enable_cpu_compat()
     full, _ = gpt.full_reference(1)

@@ -1,7 +1,7 @@
 """megatron_patches.apply at the settings Megatron users run, on every supported release.
 
-For each setting of ``tests/megatron/settings.py`` (fp32 DP2; bf16 with bf16 and with fp32 grad
-buffers; the distributed optimizer in fp32 and bf16; TP2 + sequence parallel; PP2 with two
+For each setting of ``tests/integrations/megatron/settings.py`` (fp32 DP2; bf16 with bf16 and with
+fp32 grad buffers; the distributed optimizer in fp32 and bf16; TP2 + sequence parallel; PP2 with two
 virtual stages; TP2 x DP2 distributed optimizer bf16) and each release in ``MEGATRON_VERSIONS``,
 the same training runs twice from the same weights and batches, GNMR off and GNMR on (observe
 only, so both runs must be the same trajectory), with a x100 gradient spike injected into one
@@ -68,7 +68,7 @@ def _arm(setting, full, block) -> dict:
     from megatron.core import parallel_state as ps
 
     import megatron_patches
-    from tests.megatron import settings
+    from tests.integrations.megatron import settings
 
     chunks, opt = settings.build(setting, full)
     handle = megatron_patches.apply(chunks, block, optimizer=opt) if block is not None else None
@@ -108,7 +108,7 @@ def _gnmr_worker(rank, world, names, backend_names):
     from megatron.core import parallel_state as ps
 
     from megatron_patches import enable_cpu_compat, series_info
-    from tests.megatron import settings
+    from tests.integrations.megatron import settings
 
     warnings.filterwarnings("ignore")
     enable_cpu_compat()
@@ -142,7 +142,7 @@ _RUNS = None
 def _ranks(version: str, name: str) -> list[dict]:
     global _RUNS
     if _RUNS is None:
-        from tests.megatron.settings import ReleaseRuns
+        from tests.integrations.megatron.settings import ReleaseRuns
 
         _RUNS = ReleaseRuns(_gnmr_worker, BACKEND_SETTINGS, preload=PRELOAD)
     ranks = _RUNS.ranks(version, name)
@@ -151,7 +151,7 @@ def _ranks(version: str, name: str) -> list[dict]:
 
 
 def _params():
-    from tests.megatron.settings import matrix_params
+    from tests.integrations.megatron.settings import matrix_params
 
     return matrix_params()
 
@@ -168,7 +168,7 @@ def reference_unit_norms(squares: dict[str, float], units: tuple[str, ...]) -> t
 
 @pytest.mark.parametrize("name, version", _params())
 def test_unit_norms_equal_the_full_model(name, version):
-    from tests.megatron.settings import SETTINGS_BY_NAME
+    from tests.integrations.megatron.settings import SETTINGS_BY_NAME
 
     setting = SETTINGS_BY_NAME[name]
     for r in _ranks(version, name):
@@ -245,7 +245,7 @@ def _dp_train_step(chunks, step: int, as_dp: int) -> None:
     """One step on DP1 that feeds every micro-batch ``as_dp`` DP ranks would have fed."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from tests.megatron import gpt
+    from tests.integrations.megatron import gpt
 
     for chunk in chunks:
         chunk.zero_grad_buffer()
@@ -283,7 +283,7 @@ def _resume_worker(rank, world, ckpt: str, resume: bool):
 
     import megatron_patches
     from megatron_patches import enable_cpu_compat
-    from tests.megatron import settings
+    from tests.integrations.megatron import settings
 
     warnings.filterwarnings("ignore")
     enable_cpu_compat()
@@ -323,7 +323,7 @@ def _resume_worker(rank, world, ckpt: str, resume: bool):
 @pytest.mark.parametrize("version", ["0.16.1", "0.17.1", "0.19.2"])
 def test_distributed_optimizer_checkpoint_resumes_at_another_dp_size(tmp_path, version):
     """DP2 saves at step 3; DP1 and DP2 resume from that checkpoint and decide as DP2 did."""
-    from tests.megatron import settings
+    from tests.integrations.megatron import settings
 
     sys_path = settings.version_sys_path(version)
     ckpt = tmp_path / "ckpt"
@@ -353,7 +353,7 @@ def _tensor_norm_worker(rank, world):
 
     import megatron_patches
     from megatron_patches import series_info
-    from tests.megatron import settings
+    from tests.integrations.megatron import settings
 
     chunks, opt, handle = settings.patched(settings.SETTINGS_BY_NAME["fp32-dp2"], BLOCK)
     settings.train_step(chunks, 0)
@@ -386,7 +386,7 @@ def _tensor_norm_worker(rank, world):
 @pytest.mark.slow
 @pytest.mark.parametrize("version", ["0.16.1", "0.17.1", "0.19.2"])
 def test_fused_norm_returns_what_megatron_returns_without_a_host_sync(version):
-    from tests.megatron import settings
+    from tests.integrations.megatron import settings
 
     sys_path = settings.version_sys_path(version)
     runs = multiproc.run_jobs([(_tensor_norm_worker, 2, ())], sys_path_prepend=sys_path)
@@ -405,7 +405,7 @@ def _error_worker(rank, world, name):
     from megatron.core import parallel_state as ps
 
     import megatron_patches
-    from tests.megatron import settings
+    from tests.integrations.megatron import settings
 
     setting = settings.SETTINGS_BY_NAME[name] if world > 1 else settings.Setting("dp1", dp=1)
     chunks, opt, handle = settings.patched(setting, ERROR_BLOCK)
@@ -465,7 +465,7 @@ def _error_every_worker(rank, world):
     from megatron.core import parallel_state as ps
 
     import megatron_patches
-    from tests.megatron import settings
+    from tests.integrations.megatron import settings
 
     setting = settings.SETTINGS_BY_NAME["distopt-fp32-dp2"]
     chunks, opt, handle = settings.patched(setting, {**ERROR_BLOCK, "error_every": 2})

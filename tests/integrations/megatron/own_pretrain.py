@@ -3,7 +3,7 @@
 Its providers are not ``gnmr-megatron-pretrain``'s: a GPT from megatron-core's local layer spec
 with LayerNorm and a GELU MLP, a synthetic token data set (deterministic per index), and a
 forward step that reads its batch straight from the iterator. Run under torchrun with
-Megatron-LM's flags plus ``--gnmr-config`` (``tests/megatron/test_megatron_lm.py``).
+Megatron-LM's flags plus ``--gnmr-config`` (``tests/integrations/megatron/test_megatron_lm.py``).
 """
 
 from __future__ import annotations

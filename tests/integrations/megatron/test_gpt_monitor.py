@@ -1,9 +1,10 @@
 """The monitor on a real megatron-core GPTModel: TP2, PP2 and TP2 x DP2 in gloo processes.
 
-Each rank trains its stage of the same model as a single-process twin (tests/megatron/gpt.py),
-and the per-unit norms the monitor computes from the shards must equal the twin's, the global
-norm must equal megatron-core's own de-duplicated grad norm, and counting TP replicas on every
-rank (the naive sum) must give a different answer, so the test can fail.
+Each rank trains its stage of the same model as a single-process twin
+(tests/integrations/megatron/gpt.py), and the per-unit norms the monitor computes from the shards
+must equal the twin's, the global norm must equal megatron-core's own de-duplicated grad norm, and
+counting TP replicas on every rank (the naive sum) must give a different answer, so the test can
+fail.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def _worker(rank, world, tp, pp, steps, spike_step):
     from gnmr_dist.integrations.megatron.operators import MEGATRON_MARKS as MARKS
     from gnmr_dist.integrations.megatron.operators import MEGATRON_OPERATORS as OPS
     from megatron_patches import enable_cpu_compat
-    from tests.megatron import gpt
+    from tests.integrations.megatron import gpt
 
     enable_cpu_compat()
     full, ref_loss = gpt.full_reference(world // (tp * pp))
@@ -94,7 +95,7 @@ def _train(model, reg, mp_group, steps, spike_step):
 
     from gnmr_dist import GNMRConfig
     from gnmr_dist.distributed import GNMRRuntime
-    from tests.megatron import gpt
+    from tests.integrations.megatron import gpt
 
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="sgd", lr=0.05, clip_grad=1.0), [model])
     runtime = GNMRRuntime(

@@ -2,7 +2,7 @@
 
 The backend (:mod:`tests.backends.external`) is registered by importing its module, as a user's
 package would be, and selected by name in the ``"gnmr"`` block; the Megatron half is
-``tests/megatron/test_external_backend.py``.
+``tests/integrations/megatron/test_external_backend.py``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from tests.requires import require
 require("deepspeed")
 
 from tests import multiproc
-from tests.integrations import ds_common as dsc
+from tests.integrations.deepspeed import common as dsc
 
 pytestmark = pytest.mark.slow
 

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from tests import multiproc
-from tests.megatron import gpt
+from tests.integrations.megatron import gpt
 
 MEGATRON_VERSIONS = ("0.17.1", "0.16.1", "0.19.2")
 """megatron-core releases the CPU tests run on; the first is the main venv's."""

@@ -31,7 +31,7 @@ def _spike(model) -> None:
 
 def _run(model, opt, steps, handle=None):
     """Train ``steps`` steps; with a backend, what each step's forwards ran (its report)."""
-    from tests.megatron import gpt
+    from tests.integrations.megatron import gpt
 
     calls, norms, reports = [], [], []
     for step in range(1, steps + 1):
@@ -59,7 +59,7 @@ def _worker(rank, world, tp, pp, steps, backend):
     import megatron_patches
     from gnmr_dist.distributed import GradNormMonitor
     from megatron_patches import enable_cpu_compat
-    from tests.megatron import gpt
+    from tests.integrations.megatron import gpt
 
     enable_cpu_compat()
     full, _ = gpt.full_reference(world // (tp * pp))
@@ -161,7 +161,7 @@ def _fp8_context_worker(rank, world):
     from gnmr_dist.backends import PrecisionBackend
     from gnmr_dist.distributed import Plan
     from megatron_patches import enable_cpu_compat
-    from tests.megatron import gpt
+    from tests.integrations.megatron import gpt
 
     class RecoveryRegion(PrecisionBackend):  # stand-in for te_fp8's region (TE cannot run here)
         def recovery_region(self):
@@ -214,7 +214,7 @@ def _rerun_worker(rank, world):
 
     import megatron_patches
     from megatron_patches import enable_cpu_compat
-    from tests.megatron import gpt
+    from tests.integrations.megatron import gpt
 
     enable_cpu_compat()
     full, _ = gpt.full_reference(1)
@@ -245,7 +245,7 @@ def _guard_worker(rank, world, breakage, action):
 
     import megatron_patches
     from megatron_patches import enable_cpu_compat
-    from tests.megatron import gpt
+    from tests.integrations.megatron import gpt
 
     enable_cpu_compat()
     full, _ = gpt.full_reference(1)
@@ -303,7 +303,7 @@ def _paths_worker(rank, world, arm):
 
     import megatron_patches
     from megatron_patches import enable_cpu_compat
-    from tests.megatron import settings
+    from tests.integrations.megatron import settings
 
     warnings.filterwarnings("ignore")
     enable_cpu_compat()

@@ -5,7 +5,7 @@ bf16, TP2 + sequence parallel, the distributed optimizer, warm-up + cosine LR, `
 on the embedded corpus written as an indexed dataset by ``gnmr_dist.data``, TensorBoard,
 ``--save``) runs on megatron-core 0.17.1 (``megatron.training`` ships from 0.17). TP2 on 2
 processes leaves DP1: the distributed optimizer then holds each parameter whole on its one DP
-rank (its sharding over DP is covered by tests/megatron/test_gnmr_settings.py).
+rank (its sharding over DP is covered by tests/integrations/megatron/test_gnmr_settings.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.megatron.settings import training_env
+from tests.integrations.megatron.settings import training_env
 from tests.multiproc import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -223,7 +223,7 @@ def test_null_backend_observes_only(work):
 
 def test_bad_block_exits_2_before_any_process_group(tmp_path):
     """(The block reader's other refusals, e.g. gnmr.probe, are tested in-process:
-    tests/integrations/test_deepspeed_probe.py, tests/launch/test_preflight.py.)"""
+    tests/integrations/deepspeed/test_probe.py, tests/launch/test_preflight.py.)"""
     path, said = tmp_path / "gnmr.json", "gnmr.max_activ; did you mean 'max_active'?"
     path.write_text(json.dumps({"gnmr": {"max_activ": 2}}))
     cmd = [sys.executable, "-m", PROGRAM, *LLAMA, "--mock-data", "--gnmr-config", str(path)]
@@ -251,7 +251,7 @@ OWN = shlex.split("""
 
 
 def _own(work: Path, name: str, *extra: str, fails: bool = False) -> str:
-    """``tests/megatron/own_pretrain.py`` under torchrun (2 ranks) with ``OWN`` and GNMR."""
+    """``own_pretrain.py`` (next to this file) under torchrun (2 ranks) with ``OWN`` and GNMR."""
     script = Path(__file__).with_name("own_pretrain.py")
     trace = ["--gnmr-trace", str(work / name / "trace.jsonl")]
     args = [*OWN, "--gnmr-config", str(work / "gnmr.json"), *trace, *extra]
