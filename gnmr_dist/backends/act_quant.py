@@ -293,6 +293,11 @@ class ActQuantBackend(PrecisionBackend):
 
     Options: ``low_cost`` / ``recovery`` blocks with ``bits`` and ``group_size``
     (defaults ``{"bits": 4, "group_size": 128}`` and ``{"bits": 8, "group_size": 128}``).
+
+    ``"gnmr"``::
+
+        {"backend": "act_quant", "low_cost": {"bits": 4, "group_size": 128},
+         "recovery": {"bits": 8, "group_size": 128}, "max_active": 4}
     """
 
     reports_errors = True

@@ -175,6 +175,11 @@ class Fp8EmulatedBackend(PrecisionBackend):
     Options: ``low_cost`` / ``recovery`` blocks of :class:`Fp8Options`; defaults
     ``{"format": "e4m3"}`` (1x128 / 128x128 block scales) and ``{"format": "bf16"}``. A path with
     ``"scaling": "delayed"`` keeps amax histories per operator (module docstring).
+
+    ``"gnmr"``::
+
+        {"backend": "fp8_emulated", "low_cost": {"format": "e4m3"},
+         "recovery": {"format": "bf16"}, "max_active": 4}
     """
 
     reports_errors = True

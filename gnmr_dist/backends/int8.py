@@ -296,6 +296,11 @@ class Int8Backend(PrecisionBackend):
     ``base_layer`` is switched, the adapters run peft's own high-precision forward. Options:
     ``low_cost={"weight_granularity": "row"|"tensor", "act_granularity": "token"|"tensor"}``,
     ``recovery={"dtype": "bf16"|"fp32"}``.
+
+    ``"gnmr"``::
+
+        {"backend": "int8", "low_cost": {"weight_granularity": "row", "act_granularity": "token"},
+         "recovery": {"dtype": "bf16"}, "max_active": 4}
     """
 
     reports_errors = True

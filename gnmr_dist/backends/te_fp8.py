@@ -174,6 +174,11 @@ class TEFp8Backend(PrecisionBackend):
 
     Raises ``ImportError`` without Transformer Engine and ``RuntimeError`` when a recipe cannot
     run on this machine; both point to the ``fp8_emulated`` backend.
+
+    ``"gnmr"``::
+
+        {"backend": "te_fp8", "low_cost": {"recipe": "delayed", "fp8_format": "hybrid"},
+         "recovery": {"recipe": "bf16"}, "max_active": 4}
     """
 
     operator_types = TE_MODULE_TYPES

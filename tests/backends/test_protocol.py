@@ -128,3 +128,36 @@ def test_the_base_class_defaults():
         Plain(low_cost={"bits": 4})
     with pytest.raises(ValueError, match=r"unknown backend 'int9'; did you mean 'int8'\? \("):
         get_backend("int9")
+
+
+def _gnmr_example(cls) -> dict:
+    """The ``"gnmr"`` JSON block a backend's class docstring ends with."""
+    import inspect
+    import json
+
+    doc = inspect.getdoc(cls) or ""
+    _, marker, example = doc.rpartition('``"gnmr"``::')
+    assert marker, f'{cls.__name__}\'s docstring does not end with its "gnmr" block'
+    return json.loads(example)
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_every_backend_docstring_ends_with_a_gnmr_block_that_parses(name):
+    from gnmr_dist.backends.options import parse_options
+    from gnmr_dist.integrations.config import GNMRBlock
+
+    cls = backend_class(name)
+    block = GNMRBlock.from_dict(_gnmr_example(cls))
+    assert block.backend == name
+    low = parse_options(cls.LowCost, block.low_cost, "gnmr.low_cost")
+    rec = parse_options(cls.Recovery, block.recovery, "gnmr.recovery", cls.recovery_defaults)
+    for parsed, given in ((low, block.low_cost), (rec, block.recovery)):
+        assert given and {k: getattr(parsed, k) for k in given} == dict(given)  # read as given
+
+
+def test_the_example_reader_refuses_a_docstring_without_one():
+    class Bare(PrecisionBackend):
+        """No example here."""
+
+    with pytest.raises(AssertionError, match="does not end with its"):
+        _gnmr_example(Bare)
