@@ -12,7 +12,7 @@ import pytest
 
 from gnmr_dist.train import launch
 from tests.integrations.megatron.settings import launch_checks
-from tests.requires import missing, require
+from tests.requires import missing
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--steps", "2", "--layers", "1", "--hidden", "32", "--seq-len", "16"]
@@ -109,16 +109,22 @@ def test_megatron_sets_are_checked_by_megatrons_own_parser(tmp_path):
     assert f"--gnmr-config {config} " in out  # relative to the set, run from elsewhere
 
 
-def test_megatron_sets_need_megatron_training(capsys):
-    """The main venv's megatron-core 0.16.1 ships no megatron.training: refused, naming 0.17."""
-    require("megatron.core")
-    from gnmr_dist.integrations.megatron.versions import megatron_series
+def test_megatron_sets_need_megatron_training():
+    """megatron-core 0.16.1 (an extra test release) ships no megatron.training: the preflight
+    refuses a Megatron set, naming 0.17 and how to install it."""
+    import sys
 
-    if megatron_series() != "0.16":
-        pytest.skip("the refusal is for 0.16 (no megatron.training)")
-    err = refused(capsys, "check", "--world-size", "2", "megatron/demo_cpu")
-    assert "megatron-core 0.16 does not ship (0.17+ does). Python 3.12+: pip install" in err
-    assert "--ignore-requires-python megatron-core==0.17.1" in err
+    from tests.integrations.megatron.settings import version_sys_path
+
+    path = version_sys_path("0.16.1")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*path, str(ROOT)])}
+    argv = ["-m", "gnmr_dist.cli.launch", "check", "--world-size", "2", "megatron/demo_cpu"]
+    run = subprocess.run(
+        [sys.executable, *argv], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert run.returncode == 2 and "nothing was started" in run.stderr
+    assert "megatron-core 0.16 does not ship (0.17+ does). Python 3.12+: pip install" in run.stderr
+    assert "--ignore-requires-python megatron-core==0.17.1" in run.stderr
 
 
 def test_missing_and_malformed_hostfile(capsys, tmp_path):
