@@ -78,13 +78,14 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from gnmr_dist.backends.te_runtime import check_fp4_device
+from gnmr_dist.integrations.config import GNMRBlock
 from gnmr_dist.integrations.megatron.attribution import leaf_optimizers
 from gnmr_dist.integrations.megatron.operators import MEGATRON_OPERATORS
 from gnmr_dist.integrations.megatron.session import MegatronGNMR
@@ -181,7 +182,7 @@ def current() -> MegatronGNMR | None:
 
 def apply(
     model: nn.Module | Sequence[nn.Module],
-    block: Any,
+    block: GNMRBlock | Mapping[str, Any],
     *,
     optimizer: Any = None,
     fused_norm: bool = True,
@@ -203,23 +204,21 @@ def apply(
             default: ``ProcessGroupCollection.use_mpu_process_groups()``, the groups
             ``parallel_state.initialize_model_parallel`` made.
     """
-    from gnmr_dist.integrations.config import GNMRBlock
-
-    block = GNMRBlock.of(block)
-    refuse_probe(block, "megatron_patches.apply")
+    parsed = GNMRBlock.of(block)
+    refuse_probe(parsed, "megatron_patches.apply")
     chunks = list(model) if isinstance(model, Sequence) else [model]
     handle = current()
     if handle is not None and [id(c) for c in handle.model] == [id(c) for c in chunks]:
         return handle
     info = series_info(what="megatron_patches.apply")
-    _refuse_unsupported(chunks, block, optimizer)
+    _refuse_unsupported(chunks, parsed, optimizer)
     remove()
-    backend = block.build_backend(MEGATRON_OPERATORS)
-    check_error_source(block, backend)  # gnmr.gamma needs a backend that reports error sums
+    backend = parsed.build_backend(MEGATRON_OPERATORS)
+    check_error_source(parsed, backend)  # gnmr.gamma needs a backend that reports error sums
     groups = pg_collection if pg_collection is not None else _mpu_groups()
     handle = MegatronGNMR(
         chunks,
-        block,
+        parsed,
         backend,
         fused=fused_norm,
         optimizer=optimizer,
@@ -247,7 +246,7 @@ def _unwrap(module: nn.Module) -> nn.Module:
     return module
 
 
-def _refuse_unsupported(chunks: Sequence[nn.Module], block: Any, optimizer: Any) -> None:
+def _refuse_unsupported(chunks: Sequence[nn.Module], block: GNMRBlock, optimizer: Any) -> None:
     """Settings GNMR cannot handle, refused before anything is patched."""
     emulated = block.backend not in (None, "te_fp8")
     for config in _configs(chunks):

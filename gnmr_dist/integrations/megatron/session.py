@@ -13,9 +13,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gnmr_dist.backends import PrecisionBackend
 from gnmr_dist.core import Decision
 from gnmr_dist.distributed import Plan
 from gnmr_dist.distributed.monitor import IndexCache, UnitNorms, index_tensor
+from gnmr_dist.integrations.config import GNMRBlock
 from gnmr_dist.integrations.megatron.attribution import (
     GradAttribution,
     guard_violation,
@@ -38,8 +40,8 @@ class MegatronGNMR(IntegrationSession):
     def __init__(
         self,
         model: Sequence[nn.Module],
-        block: Any,
-        backend: Any,
+        block: GNMRBlock,
+        backend: PrecisionBackend | None,
         *,
         fused: bool,
         optimizer: Any,
