@@ -267,7 +267,7 @@ def test_the_lora_example_runs_on_cpu(tmp_path):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     script = str(root / "examples" / "trainer_lora_int8.py")
     run = f"-m torch.distributed.run --nproc_per_node 2 --master_port {multiproc.free_port()}"
     args = shlex.split("--make-tiny tiny --model tiny --max-steps 4 --output-dir out")

@@ -87,7 +87,7 @@ def training_env(**extra: str) -> dict[str, str]:
     """Environment for a subprocess on :data:`TRAINING_VERSION` (the repository importable,
     launcher variables that would change the world size removed); skips or fails as
     :func:`version_sys_path` does when the release is not installed."""
-    root = str(Path(__file__).resolve().parents[2])
+    root = str(Path(__file__).resolve().parents[3])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([*version_sys_path(TRAINING_VERSION), root])}
     for name in ("NPROC_PER_NODE", "NNODES", "CUDA_DEVICE_MAX_CONNECTIONS", "WORLD_SIZE"):
         env.pop(name, None)

@@ -205,7 +205,7 @@ def test_imports_without_megatron():
         "import sys; sys.modules['megatron'] = None;"
         "import megatron_patches; print(megatron_patches.is_cpu_compat_enabled())"
     )
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root
     )

@@ -22,7 +22,7 @@ import pytest
 from tests.integrations.megatron.settings import training_env
 from tests.multiproc import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 ITERS = 20
 PROGRAM = "gnmr_dist.cli.megatron_pretrain"
 
@@ -284,3 +284,17 @@ def test_a_pretrain_script_of_its_own_gets_gnmr_from_two_lines(work):
     assert [r["step"] for r in resumed] == list(range(7, 13))
     for a, b in zip(full[6:], resumed, strict=True):
         assert a["active"] == b["active"] and a["norms"] == pytest.approx(b["norms"], rel=1e-5)
+
+
+def test_help_lists_the_gnmr_flags_from_the_venv_as_it_is():
+    """``gnmr-megatron-pretrain --help`` in ``make``'s venv, no extra environment: megatron's
+    own flags and GNMR's (megatron's first parse, ``ft_integration.setup``, has no
+    ``extra_args_provider``: the program prints the whole text itself)."""
+    script = Path(sys.executable).with_name("gnmr-megatron-pretrain")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [str(script), "--help"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for flag in ("--tensor-model-parallel-size", "--gnmr-config", "--gnmr-inject-grad-spike"):
+        assert flag in done.stdout, flag
