@@ -29,7 +29,11 @@ def _norms_worker(rank, world, tp, pp):
     full = full_model_with_grads()
     local = shard(full, tp, tp_rank, pp, pp_rank)
     reg = UnitRegistry.from_model(
-        local, group=dist.group.WORLD, tp_group=tp_group, layer_offset=pp_rank * (4 // pp)
+        local,
+        group=dist.group.WORLD,
+        tp_group=tp_group,
+        layer_offset=pp_rank * (4 // pp),
+        marks=MARKS,
     )
     norms = GradNormMonitor(reg, group=dist.group.WORLD).compute()
     # the naive sum: every rank counts every parameter it holds, replicas included
