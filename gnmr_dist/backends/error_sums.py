@@ -15,8 +15,9 @@ backward, so it grows with the micro-batches as the accumulated gradient does. E
 kernels: no host sync, no extra GEMM. A unit on the recovery path is measured *in shadow*: the
 low-cost rounding is applied once more to the same ``x`` (in the forward) and ``dy`` (in a hook
 on the output's gradient) only to measure it, so ``B(u)`` is what the low-cost path would have
-done to that unit's gradient this step. The runtime divides the reduced ``B(u)`` by ``n_t(u)``
-to get the dimensionless ``e_t(u)``.
+done to that unit's gradient this step. The runtime divides the reduced ``B(u)`` by the global
+gradient norm ``G`` of the step to get the dimensionless ``e_t(u) = B(u) / G``
+(:mod:`gnmr_dist.distributed.runtime`).
 
 :class:`~gnmr_dist.backends.base.PrecisionBackend` turns the measuring on
 (``track_errors``) and reads the sums (``error_sums``).

@@ -207,7 +207,7 @@ class GNMRBlock:
     )
     """Where decisions go: the trace file, the framework's monitor, the console line."""
     check_consistency: bool = field(default=False, metadata=_parser(lambda v, p: _bool(v, p)))
-    """Check every step that all ranks took the same decision (one extra small all-reduce)."""
+    """Check every step that all ranks took the same decision (one extra all-gather of a hash)."""
     on_missing_state: str = field(
         default="error", metadata=_parser(lambda v, p: check_choice(v, _ON_MISSING, p))
     )
