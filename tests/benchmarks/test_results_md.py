@@ -90,6 +90,7 @@ def test_a_resolved_static_gap_is_called_resolved(results):
 def test_a_stored_step_time_run_becomes_a_table(results):
     """The file ``python -m benchmarks.sweep.fp4 --step-time`` appends to (its writer:
     ``test_branch.py``)."""
+    (results / "sweep_fp4_step_time_nvfp4.json").unlink(missing_ok=True)
     assert "No run is stored" in _flat(results)
     ms = {"NVIDIA last-4": 600.0, "GNMR+e 4": 606.0, "GNMR+e 4 replayed": 600.0}
     run = {"date": "2026-12-03", "seed": 1234, "point": 175, "steps": 40, "warmup": 5, "ms": ms}
