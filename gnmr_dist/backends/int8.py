@@ -299,8 +299,7 @@ class Int8Backend(PrecisionBackend):
 
     ``"gnmr"``::
 
-        {"backend": "int8", "low_cost": {"weight_granularity": "row", "act_granularity": "token"},
-         "recovery": {"dtype": "bf16"}, "max_active": 4}
+        {"backend": "int8", "low_cost": {"act_granularity": "token"}, "recovery": {"dtype": "bf16"}}
     """
 
     reports_errors = True
