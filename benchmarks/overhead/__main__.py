@@ -41,9 +41,10 @@ import torch
 from benchmarks.common import RESULTS, arg_parser
 from benchmarks.overhead.collectives import Call, CollectiveSpec, part_c
 from benchmarks.overhead.config import GNMR_POLICY, TARGET, backend_options
-from benchmarks.overhead.monitor_vs_clip import part_b, table_b
+from benchmarks.overhead.monitor_vs_clip import part_b
 from benchmarks.overhead.step_time import part_a, table_a, verdict
 from benchmarks.results_md.overhead import collectives_table as table_c
+from benchmarks.results_md.overhead import monitor_table as table_b
 from benchmarks.seed.arms import Setup
 
 

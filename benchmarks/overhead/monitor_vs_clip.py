@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -80,11 +80,3 @@ def interleaved_cpu_times(
             if r >= WARM:
                 times[name].append(time.process_time() - t0)
     return times
-
-
-def table_b(rows: Sequence[dict[str, Any]]) -> str:
-    out = ["| gradients | arm | median ms | / clip_grad_norm_ |", "| --- | --- | --- | --- |"]
-    out += [
-        f"| {r['grads']} | {r['arm']} | {r['median_ms']:.3f} | {r['ratio']:.3f} |" for r in rows
-    ]
-    return "\n".join(out)

@@ -6,6 +6,7 @@ regimes."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from benchmarks.results_md.fp4_regimes import mxfp4, nvfp4, stress
 from benchmarks.results_md.fp4_sweep import CLI, Sweep, label, sweeps
@@ -103,8 +104,16 @@ def _mx_in_short(mx: Sweep, e: str) -> str:
     return text + "."
 
 
+SELECTION_SWEEPS = ("act_quant", "fp6_fp8", "outlier", "delayed")
+"""The whole-run selection sweeps whose static-gap intervals measure a whole run's noise."""
+
+
+def _whole_runs(src: Source) -> list[dict[str, Any]]:
+    return [src.json(f"sweep_{r}") for r in SELECTION_SWEEPS]
+
+
 def instrument(src: Source, nv: Sweep) -> str:
-    whole = [src.json(f"sweep_{r}") for r in ("act_quant", "fp6_fp8", "outlier", "delayed")]
+    whole = _whole_runs(src)
     halves = [w["static_gap"][1] for w in whole]
     steps = [w["setup"]["steps"] for w in whole]
     inst = nv.inst
@@ -130,7 +139,7 @@ def noise(nv: Sweep) -> str:
     est, (gap, _) = nv.r["noise"], nv.gap
     bf16, low = est["null BF16 (1e-6) - BF16"], est["null low-cost (1e-6) - low-cost"]
     sr = est.get("low-cost (SR seed 1) - low-cost")
-    whole = min(nv.src.json(f"sweep_{r}")["static_gap"][1] for r in ("act_quant", "delayed"))
+    whole = min(w["static_gap"][1] for w in _whole_runs(nv.src))
     louder = (
         "much louder" if low[1] > 10 * bf16[1] else "louder" if low[1] > bf16[1] else "no louder"
     )

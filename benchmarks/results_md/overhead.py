@@ -152,20 +152,25 @@ def step_time(run: dict[str, Any]) -> list[str]:
     ]
 
 
-def monitor(run: dict[str, Any]) -> list[str]:
-    """Part (b): the monitor against ``clip_grad_norm_`` on the same gradients."""
-    rows = run["monitor_vs_clip"]
+def monitor_table(rows: list[dict[str, Any]]) -> str:
+    """Part (b)'s table: per gradient set and arm, the median time and its ratio to clipping."""
     lines = ["| gradients | arm | median ms | / clip_grad_norm_ |", "| --- | --- | --- | --- |"]
     lines += [
         f"| {r['grads']} | {r['arm']} | {r['median_ms']:.3f} | {r['ratio']:.3f} |" for r in rows
     ]
+    return "\n".join(lines)
+
+
+def monitor(run: dict[str, Any]) -> list[str]:
+    """Part (b): the monitor against ``clip_grad_norm_`` on the same gradients."""
+    rows = run["monitor_vs_clip"]
     by = {(r["grads"], r["arm"]): r for r in rows}
     small, large = dict.fromkeys(r["grads"] for r in rows)
     fixed = by[(small, "monitor + controller")]["median_ms"] - by[(small, "monitor")]["median_ms"]
     share = by[(large, "monitor")]["ratio"]
     return [
         "(b) The monitor against `torch.nn.utils.clip_grad_norm_` on the same gradients:",
-        "\n".join(lines),
+        monitor_table(rows),
         paragraph(
             "The monitor only reads the gradients (one fused `_foreach_norm` per dtype group, one "
             f"`index_add_`); clipping also scales them, so the monitor costs {share:.2f} of it on "

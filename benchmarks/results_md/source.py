@@ -9,7 +9,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from benchmarks.sweep.branch_stats import Records
+from benchmarks.sweep.branch_stats import Records, read_records
 
 logger = logging.getLogger("benchmarks.results_md")
 
@@ -31,14 +31,9 @@ class Source:
         return json.loads((self.root / f"{name}.json").read_text())
 
     def _records(self, regime: str) -> Records:
-        """The branch records of an FP4 regime by (arm, seed, point); the last line of a branch
-        wins, as in the sweep (:func:`benchmarks.sweep.fp4.read_records`)."""
-        out: Records = {}
-        for line in (self.root / "fp4" / f"{regime}.jsonl").read_text().splitlines():
-            if line.strip():
-                r = json.loads(line)
-                out[(r["arm"], r["seed"], r["point"])] = r
-        return out
+        """The branch records of an FP4 regime by (arm, seed, point), read as the sweep reads
+        them (:func:`~benchmarks.sweep.branch_stats.read_records`)."""
+        return read_records(self.root / "fp4" / f"{regime}.jsonl")
 
     def has(self, name: str) -> bool:
         """Whether ``<root>/<name>`` exists (a plot, an optional JSON file)."""

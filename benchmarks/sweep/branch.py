@@ -40,7 +40,6 @@ so a sweep stops and resumes at any time (:mod:`benchmarks.sweep.fp4`).
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import asdict, dataclass, replace
@@ -196,11 +195,3 @@ def run_branch(
 def _recovered_unit_steps(run: ArmRun) -> int:
     """Unit-steps whose forward ran the recovery path (the backend's count, not the plan)."""
     return int(run.unit_recovered.sum())
-
-
-def write_json(path: Path, record: dict[str, Any]) -> None:
-    """``record`` as JSON at ``path``, atomically."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record))
-    tmp.replace(path)

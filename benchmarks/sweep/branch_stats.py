@@ -11,14 +11,41 @@ independent replicates (:mod:`benchmarks.sweep.branch`). The module imports no t
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from benchmarks.sweep.stats import interval, plus_minus, t95
 
 Records = dict[tuple[str, int, int], dict[str, Any]]
+
+logger = logging.getLogger(__name__)
+
+
+def read_records(path: Path) -> Records:
+    """Every finished branch in the JSON-lines file ``path`` by (arm, seed, point) (the last
+    line of a branch wins; no file: none). A last line cut short (the sweep killed while writing
+    it) is skipped: that branch runs again."""
+    records: Records = {}
+    lines = path.read_text().splitlines() if path.exists() else []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                logger.warning("%s: the last line is cut short; its branch runs again", path)
+                continue
+            raise
+        records[(r["arm"], r["seed"], r["point"])] = r
+    return records
+
+
 """Branch records (:func:`benchmarks.sweep.branch.run_branch`) by (arm, seed, point)."""
 
 SPIKE = 0.1

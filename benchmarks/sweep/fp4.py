@@ -51,6 +51,7 @@ from typing import Any
 
 from benchmarks.common import RESULTS, arg_parser
 from benchmarks.seed.arms import Arm
+from benchmarks.sweep import branch_stats
 from benchmarks.sweep.branch import NULL_ARMS, run_branch, run_trunk
 from benchmarks.sweep.branch_stats import Design, Records
 from benchmarks.sweep.regimes import FP4_REGIMES, Regime
@@ -118,20 +119,8 @@ def _records_file(regime: str) -> Path:
 
 
 def read_records(regime: str, path: Path | None = None) -> Records:
-    """Every finished branch of ``regime`` by (arm, seed, point) (the last line wins). A last
-    line cut short (the sweep killed while writing it) is skipped: that branch runs again."""
-    path, records = path or _records_file(regime), {}
-    lines = path.read_text().splitlines() if path.exists() else []
-    for i, line in enumerate(lines):
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:
-            if i == len(lines) - 1:
-                logger.warning("%s: the last line is cut short; its branch runs again", path)
-                continue
-            raise
-        records[(r["arm"], r["seed"], r["point"])] = r
-    return records
+    """Every finished branch of ``regime`` (:func:`branch_stats.read_records` of its file)."""
+    return branch_stats.read_records(path or _records_file(regime))
 
 
 def _worker_init() -> None:

@@ -148,9 +148,7 @@ class PrecisionBackend:
         recovery: Mapping[str, Any] | None = None,
         operators: Operators = TORCH,
     ) -> None:
-        if self.LowCost is None and low_cost:
-            raise ValueError(f"the {self.name or type(self).__name__} backend takes no options")
-        if self.Recovery is None and recovery:
+        if (self.LowCost is None and low_cost) or (self.Recovery is None and recovery):
             raise ValueError(f"the {self.name or type(self).__name__} backend takes no options")
         self.operators = operators
         """What the integration adds to the operators this backend knows (read-only)."""

@@ -27,11 +27,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from gnmr_dist.backends.operators import TORCH, Operators
 from gnmr_dist.core.validation import did_you_mean
 
 if TYPE_CHECKING:
     from gnmr_dist.backends.base import PrecisionBackend
-    from gnmr_dist.backends.operators import Operators
 
 __all__ = [
     "BACKENDS",
@@ -91,15 +91,11 @@ def get_backend(
     *,
     low_cost: Mapping[str, Any] | None = None,
     recovery: Mapping[str, Any] | None = None,
-    operators: Operators | None = None,
+    operators: Operators = TORCH,
 ) -> PrecisionBackend:
     """The backend called ``name`` with its ``low_cost`` / ``recovery`` option blocks and the
-    integration's ``operators`` (``None``: plain torch,
-    :data:`~gnmr_dist.backends.operators.TORCH`)."""
-    cls = backend_class(name)
-    if operators is None:
-        return cls(low_cost=low_cost, recovery=recovery)
-    return cls(low_cost=low_cost, recovery=recovery, operators=operators)
+    integration's ``operators`` (default: plain torch)."""
+    return backend_class(name)(low_cost=low_cost, recovery=recovery, operators=operators)
 
 
 def registered_operator_types() -> frozenset[str]:

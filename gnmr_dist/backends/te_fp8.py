@@ -285,13 +285,13 @@ class TEFp8Backend(PrecisionBackend):
         TE linear's ``te_quant_params``) is switched through it (checked here, before anything
         is installed); every other unit, layer units included, through nested regions.
         """
-        switcher = self.operators.switcher
-        found = {
-            uid: switcher(mod, (names or {}).get(uid, f"unit {uid}"), self)
+        switcher, labels = self.operators.switcher, names or {}
+        switches = {
+            uid: switch
             for uid, mod in units.items()
             if switcher is not None and self.supports(mod)
+            if (switch := switcher(mod, labels.get(uid, f"unit {uid}"), self)) is not None
         }
-        switches = {uid: s for uid, s in found.items() if s is not None}
         self._switches.update(switches)
         try:
             super().wrap(units)

@@ -166,6 +166,48 @@ class ProbeOptions:
             )
 
 
+def _bool(value: Any, path: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{path} must be true or false, got {value!r}")
+    return value
+
+
+def _probe_int(value: Any, path: str, meaning: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{path} must be an integer >= 1 ({meaning}), got {value!r}")
+    return value
+
+
+def _backend(value: Any, path: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ValueError(
+            f"{path} must be a backend name ({sorted(BACKENDS)}) or null to observe without "
+            f"recovering, got {value!r}"
+        )
+    if value in BACKENDS:
+        return value
+    raise ValueError(
+        f"{path}: unknown backend {value!r}{did_you_mean(value, BACKENDS)} (available: "
+        f"{sorted(BACKENDS)}, or null to observe without recovering)"
+    )
+
+
+def _patterns(value: Any, path: str) -> tuple[str, ...]:
+    if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{path} must be a list of glob patterns, got {value!r}")
+    return tuple(value)
+
+
+def _mapping(value: Any, path: str) -> Mapping[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{path} must be a mapping (JSON object), got {value!r}")
+    return dict(value)
+
+
 def _parser(parse: Callable[[Any, str], Any]) -> dict[str, Any]:
     """The metadata of a :class:`GNMRBlock` field that is a key of the block: the function that
     parses and checks its value (``parse(value, "gnmr.<key>")``); an absent key keeps the
@@ -181,32 +223,28 @@ class GNMRBlock:
     Immutable and free of built objects: the backend is built from it
     (:meth:`build_backend`), with the operators of the integration that runs it."""
 
-    enabled: bool = field(default=True, metadata=_parser(lambda v, p: _bool(v, p)))
+    enabled: bool = field(default=True, metadata=_parser(_bool))
     """``false``: the block is read and checked, and the run has no GNMR."""
-    backend: str | None = field(default=None, metadata=_parser(lambda v, p: _backend(v, p)))
+    backend: str | None = field(default=None, metadata=_parser(_backend))
     """The precision backend's registered name; ``null``: observe without recovering."""
     units: str = field(
         default="operator", metadata=_parser(lambda v, p: check_choice(v, _UNITS, p))
     )
     """``"operator"`` (each projection) or ``"layer"`` (each transformer layer)."""
-    include: tuple[str, ...] = field(default=(), metadata=_parser(lambda v, p: _patterns(v, p)))
+    include: tuple[str, ...] = field(default=(), metadata=_parser(_patterns))
     """Glob patterns on global unit names (default: every unit inside a layer)."""
-    exclude: tuple[str, ...] = field(default=(), metadata=_parser(lambda v, p: _patterns(v, p)))
+    exclude: tuple[str, ...] = field(default=(), metadata=_parser(_patterns))
     """Glob patterns removed after ``include``."""
-    low_cost: Mapping[str, Any] = field(
-        default_factory=dict, metadata=_parser(lambda v, p: _mapping(v, p))
-    )
+    low_cost: Mapping[str, Any] = field(default_factory=dict, metadata=_parser(_mapping))
     """The backend's ``low_cost`` option block (parsed by the backend)."""
-    recovery: Mapping[str, Any] = field(
-        default_factory=dict, metadata=_parser(lambda v, p: _mapping(v, p))
-    )
+    recovery: Mapping[str, Any] = field(default_factory=dict, metadata=_parser(_mapping))
     """The backend's ``recovery`` option block (parsed by the backend)."""
     log: LogOptions = field(
         default_factory=LogOptions,
         metadata=_parser(lambda v, p: LogOptions.from_dict(_mapping(v, p), p)),
     )
     """Where decisions go: the trace file, the framework's monitor, the console line."""
-    check_consistency: bool = field(default=False, metadata=_parser(lambda v, p: _bool(v, p)))
+    check_consistency: bool = field(default=False, metadata=_parser(_bool))
     """Check every step that all ranks took the same decision (one extra all-gather of a hash)."""
     on_missing_state: str = field(
         default="error", metadata=_parser(lambda v, p: check_choice(v, _ON_MISSING, p))
@@ -223,11 +261,9 @@ class GNMRBlock:
         metadata=_parser(lambda v, p: AttributionGuard.from_dict(_mapping(v, p), p)),
     )
     """The per-step guard on the per-unit attribution of the gradient (megatron-core)."""
-    probe: ProbeOptions | None = field(
-        default=None, metadata=_parser(lambda v, p: ProbeOptions.from_dict(v, p))
-    )
+    probe: ProbeOptions | None = field(default=None, metadata=_parser(ProbeOptions.from_dict))
     """The recovery-gap probe (``None``: off, the default)."""
-    error_every: int = field(default=1, metadata=_parser(lambda v, p: check_positive_int(v, p)))
+    error_every: int = field(default=1, metadata=_parser(check_positive_int))
     """Measure the section 2.1 error sums every this many steps, carrying the score forward in
     between (needs ``gamma``; 1: every step)."""
     policy: GNMRConfig = field(default_factory=GNMRConfig)
@@ -283,48 +319,6 @@ class GNMRBlock:
                 f"{path}.error_every={self.error_every} needs {path}.gamma (the error term it "
                 f"paces); set {path}.gamma or drop {path}.error_every"
             )
-
-
-def _bool(value: Any, path: str) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{path} must be true or false, got {value!r}")
-    return value
-
-
-def _probe_int(value: Any, path: str, meaning: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{path} must be an integer >= 1 ({meaning}), got {value!r}")
-    return value
-
-
-def _backend(value: Any, path: str) -> str | None:
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise ValueError(
-            f"{path} must be a backend name ({sorted(BACKENDS)}) or null to observe without "
-            f"recovering, got {value!r}"
-        )
-    if value in BACKENDS:
-        return value
-    raise ValueError(
-        f"{path}: unknown backend {value!r}{did_you_mean(value, BACKENDS)} (available: "
-        f"{sorted(BACKENDS)}, or null to observe without recovering)"
-    )
-
-
-def _patterns(value: Any, path: str) -> tuple[str, ...]:
-    if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
-        raise ValueError(f"{path} must be a list of glob patterns, got {value!r}")
-    return tuple(value)
-
-
-def _mapping(value: Any, path: str) -> Mapping[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise ValueError(f"{path} must be a mapping (JSON object), got {value!r}")
-    return dict(value)
 
 
 def read_block(

@@ -92,9 +92,8 @@ def tp_forward_impl(gemm: Gemm, backend: str) -> Callable[..., torch.Tensor]:
 def _input_widths(module: nn.Module) -> tuple[int, int] | None:
     """``RowParallelLinear``: its GEMM sees ``input_size_per_partition`` of ``input_size``."""
     local = getattr(module, "input_size_per_partition", None)
-    if local is None:
-        return None
-    return int(getattr(module, "input_size")), int(local)  # noqa: B009 (not a Tensor attr)
+    full = getattr(module, "input_size", None)
+    return None if local is None or full is None else (int(full), int(local))
 
 
 TP_LINEAR = GemmAdapter(MEGATRON_LINEARS, "_forward_impl", tp_forward_impl, _input_widths)

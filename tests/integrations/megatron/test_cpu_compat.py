@@ -143,7 +143,7 @@ def test_bf16_type_strings_and_sequence_parallel_norm():
         tensor_model_parallel_size=2,
         sequence_parallel=True,
     )
-    with cpu._tensor_type_reports_cuda():
+    with cpu.optimizer._tensor_type_reports_cuda():
         assert (
             t.type() == "torch.cuda.BFloat16Tensor" and t.float().type() == "torch.cuda.FloatTensor"
         )

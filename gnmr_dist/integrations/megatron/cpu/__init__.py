@@ -52,7 +52,6 @@ from gnmr_dist.integrations.megatron.cpu.device import (
     _cpu_current_stream,
     _cpu_setup_embeddings,
     _cpu_synchronize,
-    _CpuStream,
     _CpuTorch,
 )
 from gnmr_dist.integrations.megatron.cpu.norm import _cpu_torch_norm_new
@@ -65,11 +64,8 @@ from gnmr_dist.integrations.megatron.cpu.optimizer import (
     _cpu_optimizer_init,
     _cpu_scale,
     _cpu_set_main_param_states,
-    _tensor_type_reports_cuda,
 )
 from gnmr_dist.integrations.megatron.cpu.rng import (
-    CUDA_RNG,
-    CudaRng,
     _cpu_get_rng_state,
     _cpu_manual_seed,
     _cpu_set_rng_state,
@@ -85,11 +81,7 @@ from gnmr_dist.integrations.megatron.versions import (
 from gnmr_dist.integrations.patching import Patches
 
 __all__ = [
-    "CUDA_RNG",
     "SUPPORTED_MEGATRON_VERSIONS",
-    "CudaRng",
-    "_CpuStream",
-    "_tensor_type_reports_cuda",
     "cpu_compat",
     "cpu_transformer_config",
     "disable_cpu_compat",
