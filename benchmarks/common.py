@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gnmr_dist.distributed.comm import free_port
+from gnmr_dist.distributed.comm import join_local_world, local_store
 
 RESULTS = Path(__file__).resolve().parent / "results"
 """Where the benchmarks write their JSON and plots (``benchmarks/results``)."""
@@ -52,16 +52,18 @@ def hf_loss(model: Any, tokens: torch.Tensor) -> torch.Tensor:
 @contextlib.contextmanager
 def gloo_world(rank: int = 0, world: int = 1, port: int | None = None) -> Iterator[None]:
     """This process as rank ``rank`` of a gloo ``torch.distributed`` world on this machine,
-    with the environment a launcher sets (DeepSpeed and megatron read it); torn down on exit.
-    ``port``: the rendezvous port (default: a free one, which only a world of one can pick)."""
-    port = free_port() if port is None else port
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # the rendezvous
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # this process
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    with the environment a launcher sets (DeepSpeed and megatron read it); torn down, and the
+    environment restored, on exit. ``port``: the store the world meets at, served by the
+    process that started it (``local_store``); default: a world of one serves its own."""
+    saved = dict(os.environ)
+    store = local_store() if port is None else None  # kept alive while the world lives
+    join_local_world(port if store is None else store.port, rank, world)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def skip_deepspeed_shm_comm() -> None:
@@ -72,9 +74,9 @@ def skip_deepspeed_shm_comm() -> None:
 
 
 @contextlib.contextmanager
-def deepspeed_world(port: int | None = None) -> Iterator[None]:
+def deepspeed_world() -> Iterator[None]:
     """A world of one process over gloo for DeepSpeed (it needs ``torch.distributed``)."""
-    with gloo_world(port=port):
+    with gloo_world():
         skip_deepspeed_shm_comm()
         yield
 

@@ -31,7 +31,7 @@ from benchmarks.common import gloo_world, hf_loss, skip_deepspeed_shm_comm
 from benchmarks.overhead.config import GNMR_POLICY, backend_options, ds_config
 from benchmarks.seed.arms import Setup
 from benchmarks.seed.model import VOCAB, build_model
-from gnmr_dist.distributed.comm import free_port
+from gnmr_dist.distributed.comm import leave_local_world, local_store
 
 _HARNESS = Setup()
 """The harness's defaults: part (c)'s model shape."""
@@ -254,6 +254,7 @@ def _collectives_worker(rank: int, world: int, port: int, out: str, spec: Collec
             dist.barrier()
     finally:
         recorder.uninstall()
+    leave_local_world()  # the result is saved; no interpreter finalization (see its docstring)
 
 
 def _engines(spec: CollectiveSpec) -> tuple[Any, Any, Any]:
@@ -310,8 +311,9 @@ def run_collectives(spec: CollectiveSpec, world: int = 2) -> list[dict[str, Any]
     """Every rank's per-step calls (wrapper and profiler), GNMR on and off."""
     import torch.multiprocessing as mp
 
+    store = local_store()  # bound here: the workers join it, no port picked and bound later
     with tempfile.TemporaryDirectory() as out:
-        args = (world, free_port(), out, spec)
+        args = (world, store.port, out, spec)
         mp.start_processes(
             _collectives_worker, args=args, nprocs=world, join=True, start_method="spawn"
         )

@@ -12,7 +12,6 @@ fused read of every gradient), the controller, and whatever recovery the plan as
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 
@@ -88,7 +87,7 @@ def main() -> None:
     parser.add_argument("--stage", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
-    with deepspeed_world(port=int(os.environ.get("MASTER_PORT", "29517"))):
+    with deepspeed_world():
         on, off = build(args.backend, args.stage)
         times = interleaved_times(on, off, args.steps)
         med = {k: statistics.median(v) for k, v in times.items()}

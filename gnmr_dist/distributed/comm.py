@@ -7,9 +7,11 @@ used only when ``torch.distributed`` is initialised; a group given without it is
 
 from __future__ import annotations
 
-import socket
+import os
+import sys
 from collections.abc import Callable
-from typing import Any
+from datetime import timedelta
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -19,7 +21,9 @@ __all__ = [
     "all_reduce_sum",
     "all_reduce_sum_async",
     "group_rank",
-    "free_port",
+    "join_local_world",
+    "leave_local_world",
+    "local_store",
 ]
 
 Group = Any  # torch.distributed.ProcessGroup; Any keeps the type checker off torch internals
@@ -75,10 +79,58 @@ def group_rank(group: Group | None) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now, for a local rendezvous (``MASTER_PORT``): the OS picks
-    it by binding port 0. Another process may take it before it is used; good for tests and
-    benchmarks on one machine, not for a cluster launcher."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+LOCAL_HOST = "127.0.0.1"
+
+
+def local_store(timeout: timedelta = timedelta(seconds=300)) -> Any:
+    """A rendezvous store served by this process on ``127.0.0.1``, on the port the OS assigned
+    as it bound the socket (port 0; ``store.port`` says which).
+
+    Asking for a free port and binding it later leaves a window in which any other process may
+    take it (``EADDRINUSE``); here the port is bound from the start and stays bound while the
+    store lives. Processes join it as clients with :func:`join_local_world`, the way torchrun's
+    workers join their agent's store. For worlds on one machine (tests, benchmarks)."""
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not in __all__
+
+    return TCPStore(LOCAL_HOST, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+
+
+def join_local_world(
+    port: int, rank: int, world: int, timeout: timedelta = timedelta(seconds=120)
+) -> None:
+    """Make this process rank ``rank`` of a gloo world whose store :func:`local_store` serves
+    on ``port``.
+
+    The environment is set as torchrun sets it (DeepSpeed and megatron read it), including
+    ``TORCHELASTIC_USE_AGENT_STORE``: a later ``env://`` rendezvous in this process joins the
+    same store as a client instead of binding ``MASTER_PORT`` again."""
+    os.environ.update(
+        MASTER_ADDR=LOCAL_HOST,
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        TORCHELASTIC_USE_AGENT_STORE="True",
+    )
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not in __all__
+
+    store = TCPStore(LOCAL_HOST, port, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+def leave_local_world() -> NoReturn:
+    """Destroy this process's groups and end the process at once, exit status 0, without
+    finalizing the interpreter: for a worker whose result is already saved.
+
+    A gloo worker thread releases a finished collective's work after marking it complete, so
+    it can still be dropping the last reference to a tensor while the main thread moves on. A
+    tensor whose Python object is gone needs the GIL to drop it, and a thread that asks for the
+    GIL after ``Py_FinalizeEx`` has begun is ended with ``pthread_exit``; the unwinding runs
+    into a ``noexcept`` destructor (``AsyncWork``'s), and ``std::terminate`` aborts the process
+    ("terminate called without an active exception"). Without finalization no thread can be
+    caught that way, as with multiprocessing's forked children, which leave by ``os._exit``."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

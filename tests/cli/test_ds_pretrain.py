@@ -13,7 +13,7 @@ import torch
 
 from gnmr_dist.deepspeed import load_ds_config
 from gnmr_dist.telemetry import read_trace
-from tests.multiproc import free_port
+from tests.multiproc import torchrun
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,8 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _torchrun() -> list[str]:
     """``torchrun`` of the DeepSpeed program on 2 local processes."""
-    args = f"-m torch.distributed.run --nproc_per_node 2 --master_port {free_port()}"
-    return [sys.executable, *args.split(), "-m", "gnmr_dist.cli.ds_pretrain"]
+    return [*torchrun(2), "-m", "gnmr_dist.cli.ds_pretrain"]
 
 
 def _tiny_llama(vocab: int, hidden: int, layers: int, heads: int, positions: int = 2048):
@@ -195,7 +194,6 @@ def test_fail_at_kills_the_last_rank_on_the_first_attempt_only():
     import os
     import signal
     import subprocess
-    import sys
 
     code = (
         "from gnmr_dist.train.ds_pretrain import _maybe_fail\n"

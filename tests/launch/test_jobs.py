@@ -18,10 +18,14 @@ import torch
 from gnmr_dist.deepspeed import load_ds_config
 from gnmr_dist.telemetry import read_trace
 from tests.integrations.megatron.settings import training_env
-from tests.multiproc import free_port
+from tests.multiproc import launcher_port
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
+NETNS_PORT = 29400
+"""The two-host rendezvous port: bound inside the test's own network namespaces, where no other
+process lives, so a fixed port cannot be taken (a port probed in the machine's namespace would
+say nothing about them)."""
 KILLPOINTS = Path(__file__).resolve().parent / "killpoints"
 STEPS = 16
 KILL_PHASES = (
@@ -35,8 +39,14 @@ KILL_PHASES = (
 """The phases of ``tests/launch/killpoints/sitecustomize.py``, one per attempt."""
 
 
+def _no_port(env: dict[str, str]) -> dict[str, str]:
+    """``env`` without ``MASTER_PORT``: a one-node launch then runs ``torchrun --standalone``,
+    whose agent binds a port the OS assigns (``tests.multiproc.torchrun`` says why)."""
+    return {k: v for k, v in env.items() if k != "MASTER_PORT"}
+
+
 def launch(*argv: str, **env: str) -> subprocess.CompletedProcess:
-    full = {**os.environ, "MASTER_PORT": str(free_port()), **env}
+    full = {**_no_port(dict(os.environ)), **env}
     out = subprocess.run(
         list(argv), capture_output=True, text=True, cwd=ROOT, env=full, timeout=540
     )
@@ -70,7 +80,10 @@ def reference(job) -> Path:
     hosts = job.parent / "hostfile"
     hosts.write_text("localhost slots=2\n")
     run = job.parent / "reference"
-    out = launch("launch/deepspeed.sh", str(hosts), str(job), "--run-dir", str(run))
+    port = str(launcher_port())  # DeepSpeed's launcher binds the port it is told, later
+    out = launch(
+        "launch/deepspeed.sh", str(hosts), str(job), "--run-dir", str(run), MASTER_PORT=port
+    )
     assert f"gnmr-ds-pretrain: {STEPS} steps on 2 processes" in out.stdout
     return run
 
@@ -147,7 +160,7 @@ MEGATRON_RUN = shlex.split(
 def megatron_reference(tmp_path_factory) -> Path:
     """``launch/torchrun.sh megatron/demo_cpu`` run from another directory, uninterrupted."""
     work = tmp_path_factory.mktemp("megatron_reference")
-    env = training_env(NPROC_PER_NODE="2", MASTER_PORT=str(free_port()))
+    env = _no_port(training_env(NPROC_PER_NODE="2"))
     cmd = [str(ROOT / "launch" / "torchrun.sh"), *MEGATRON_RUN]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=work, env=env, timeout=540)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
@@ -222,7 +235,7 @@ def _on_two_hosts(
     namespaces share the machine's hostname, which resolves to neither link address, so each
     node names its address (``LOCAL_ADDR``, ``GLOO_SOCKET_IFNAME``) and the first one says it
     serves the rendezvous (``RDZV_CONF=is_host=1``), as on multi-homed cluster nodes."""
-    port, rdzv = free_port(), f"gnmr-{os.getpid()}-{cwd.name}"
+    rdzv = f"gnmr-{os.getpid()}-{cwd.name}"
     procs, logs = [], []
     for h in hosts:
         host_env = {
@@ -230,7 +243,7 @@ def _on_two_hosts(
             "NNODES": "2",
             "NPROC_PER_NODE": "1",
             "MAX_RESTARTS": restarts,
-            "RDZV_ENDPOINT": f"{hosts[0].addr}:{port}",
+            "RDZV_ENDPOINT": f"{hosts[0].addr}:{NETNS_PORT}",
             "RDZV_ID": rdzv,
             "LOCAL_ADDR": h.addr,
             "GLOO_SOCKET_IFNAME": h.iface,

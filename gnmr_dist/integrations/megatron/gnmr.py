@@ -28,16 +28,19 @@ unit's exact squared norm.
 **No extra collective, one read.** ``get_grad_norm_fp32`` is replaced in the modules that call
 it (version table). Inside an optimizer step it computes megatron's l2 norm with the same
 multi-tensor kernel, asking it for the per-tensor norms of the same launch (one read of each
-gradient), adds their squares per unit slot, and all-reduces ``[units, rest, unattributed,
-megatron's squared total]`` (U + 3 float32 numbers) in the one all-reduce megatron makes, over
+gradient), adds their squares per unit slot, and all-reduces ``[megatron's squared total,
+units, rest, unattributed]`` (U + 3 float32 numbers) in the one all-reduce megatron makes, over
 the grad-stats group megatron passes (model-parallel group, or the whole distributed-optimizer
 group). megatron gets back the total it would have computed, as a float (0.16) or as a device
-tensor (0.17+, when TE's tensor-scale kernel exists: no host sync). The host needs the vector
-to decide; it is copied asynchronously and the decision is taken when the next step first needs
-the plan. With ``fused_norm=False`` the same sums ride a separate all-reduce of GNMR's own.
-When megatron computes no norm in a step (``clip_grad == 0`` with a plain optimizer), the same
-gradients are read at the start of ``step_with_ready_grads`` (prepared, unscaled, not
-clipped) with one all-reduce of GNMR's own.
+tensor (0.17+, when TE's tensor-scale kernel exists: no host sync). Its entry comes first
+because a reduction's order per element depends on where the element sits in the vector: gloo
+sums element 0 of any vector in the order it sums megatron's own one-element vector, so there
+the total is bitwise megatron's (docs/megatron.md, "Observe mode: what stays equal"). The
+host needs the vector to decide; it is copied asynchronously and the decision is taken when the
+next step first needs the plan. With ``fused_norm=False`` the same sums ride a separate
+all-reduce of GNMR's own. When megatron computes no norm in a step (``clip_grad == 0`` with a
+plain optimizer), the same gradients are read at the start of ``step_with_ready_grads``
+(prepared, unscaled, not clipped) with one all-reduce of GNMR's own.
 
 **The error term (docs/algorithm.md#damage-term, ``gnmr.gamma``).** The backend's per-unit error
 sums ``B(u)`` (linear in the output gradients: divided by megatron's loss scale, times DDP's

@@ -117,9 +117,11 @@ class MegatronGNMR(IntegrationSession):
         total_sq = total.float() ** 2.0
         result = None
         if self.fused or original is None:  # one all-reduce, carrying the units along
-            vector = torch.cat([units, total_sq.reshape(1)])
+            # megatron's entry first: gloo reduces element 0 of any vector in the order it
+            # reduces megatron's own 1-element one, so its total stays bitwise its own
+            vector = torch.cat([total_sq.reshape(1), units])
             dist.all_reduce(vector, op=dist.ReduceOp.SUM, group=group)
-            units, total_sq = vector[:-1], vector[-1:]
+            total_sq, units = vector[:1], vector[1:]
             if original is not None:
                 result = self._megatron_result(clip_grads, total_sq)
         else:

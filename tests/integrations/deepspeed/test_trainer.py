@@ -264,14 +264,12 @@ def test_the_lora_example_runs_on_cpu(tmp_path):
     import os
     import shlex
     import subprocess
-    import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[3]
     script = str(root / "examples" / "trainer_lora_int8.py")
-    run = f"-m torch.distributed.run --nproc_per_node 2 --master_port {multiproc.free_port()}"
     args = shlex.split("--make-tiny tiny --model tiny --max-steps 4 --output-dir out")
-    cmd = [sys.executable, *run.split(), script, *args]
+    cmd = [*multiproc.torchrun(2), script, *args]
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.integrations.megatron.settings import training_env
-from tests.multiproc import free_port
+from tests.multiproc import torchrun
 
 ROOT = Path(__file__).resolve().parents[3]
 ITERS = 20
@@ -64,8 +64,7 @@ def _env() -> dict[str, str]:
 
 
 def _torchrun(args: list[str], cwd: Path, fails: bool = False) -> str:
-    run = f"-m torch.distributed.run --nproc_per_node 2 --master_port {free_port()} -m {PROGRAM}"
-    cmd = [sys.executable, *run.split(), *args]
+    cmd = [*torchrun(2), "-m", PROGRAM, *args]
     done = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=600)
     if fails:
         assert done.returncode != 0
@@ -255,8 +254,7 @@ def _own(work: Path, name: str, *extra: str, fails: bool = False) -> str:
     script = Path(__file__).with_name("own_pretrain.py")
     trace = ["--gnmr-trace", str(work / name / "trace.jsonl")]
     args = [*OWN, "--gnmr-config", str(work / "gnmr.json"), *trace, *extra]
-    port = ["--master_port", str(free_port())]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", *port]
+    cmd = torchrun(2)
     env = {**_env(), "PYTHONPATH": os.pathsep.join([str(ROOT), _env().get("PYTHONPATH", "")])}
     done = subprocess.run(
         [*cmd, str(script), *args], cwd=work, env=env, capture_output=True, text=True, timeout=600
