@@ -202,6 +202,7 @@ def test_frozen_weight_gets_no_gradient_and_saves_no_input():
 # ---------------------------------------------------------------------------- backend on nn.Linear
 
 
+@pytest.mark.isa  # bf16 GEMMs: figures from the CPU's oneDNN kernels
 def test_backend_paths_and_weight_cache_invalidation():
     torch.manual_seed(6)
     lin = nn.Linear(32, 16)
@@ -235,6 +236,7 @@ def test_backend_paths_and_weight_cache_invalidation():
     assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
 
 
+@pytest.mark.isa  # bf16 GEMMs: figures from the CPU's oneDNN kernels
 def test_bf16_module_runs_int8_and_returns_bf16():
     torch.manual_seed(7)
     lin = nn.Linear(64, 32, bias=False).bfloat16()
@@ -291,6 +293,7 @@ def test_registry_finds_one_unit_per_lora_projection(lora_llama):
     assert not backend.supports(nn.Conv1d(2, 2, 1))
 
 
+@pytest.mark.isa  # bf16 GEMMs: figures from the CPU's oneDNN kernels
 def test_lora_training_int8_base_bf16_recovery(lora_llama):
     model = copy.deepcopy(lora_llama)
     backend = get_backend("int8")

@@ -39,14 +39,19 @@ KILL_PHASES = (
 """The phases of ``tests/launch/killpoints/sitecustomize.py``, one per attempt."""
 
 
-def _no_port(env: dict[str, str]) -> dict[str, str]:
-    """``env`` without ``MASTER_PORT``: a one-node launch then runs ``torchrun --standalone``,
-    whose agent binds a port the OS assigns (``tests.multiproc.torchrun`` says why)."""
-    return {k: v for k, v in env.items() if k != "MASTER_PORT"}
+def _job_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` for a job whose trace is compared bit for bit with another launch's.
+
+    ``MASTER_PORT`` removed: a one-node launch then runs ``torchrun --standalone``, whose agent
+    binds a port the OS assigns (``tests.multiproc.torchrun`` says why). One thread per
+    process: torchrun sets it only with several processes per node and DeepSpeed's launcher
+    not at all, and the thread count decides how reductions and GEMMs are split, so two
+    launches compare bit for bit only at the same count."""
+    return {**{k: v for k, v in env.items() if k != "MASTER_PORT"}, "OMP_NUM_THREADS": "1"}
 
 
 def launch(*argv: str, **env: str) -> subprocess.CompletedProcess:
-    full = {**_no_port(dict(os.environ)), **env}
+    full = {**_job_env(dict(os.environ)), **env}
     out = subprocess.run(
         list(argv), capture_output=True, text=True, cwd=ROOT, env=full, timeout=540
     )
@@ -160,7 +165,7 @@ MEGATRON_RUN = shlex.split(
 def megatron_reference(tmp_path_factory) -> Path:
     """``launch/torchrun.sh megatron/demo_cpu`` run from another directory, uninterrupted."""
     work = tmp_path_factory.mktemp("megatron_reference")
-    env = _no_port(training_env(NPROC_PER_NODE="2"))
+    env = _job_env(training_env(NPROC_PER_NODE="2"))
     cmd = [str(ROOT / "launch" / "torchrun.sh"), *MEGATRON_RUN]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=work, env=env, timeout=540)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
@@ -239,7 +244,7 @@ def _on_two_hosts(
     procs, logs = [], []
     for h in hosts:
         host_env = {
-            **env,
+            **_job_env(env),
             "NNODES": "2",
             "NPROC_PER_NODE": "1",
             "MAX_RESTARTS": restarts,
@@ -249,7 +254,6 @@ def _on_two_hosts(
             "GLOO_SOCKET_IFNAME": h.iface,
             "RDZV_CONF": f"is_host={int(h is hosts[0])}",
         }
-        host_env.pop("MASTER_PORT", None)
         log = cwd / f"host_{h.addr}.log"  # a file, not a pipe: neither host may block on it
         logs.append(log)
         cmd = ["ip", "netns", "exec", h.netns, *argv]
