@@ -19,12 +19,17 @@ others; per-row weight scales do the same for output features. Rounding to neare
 ``|t - q s| <= s / 2`` elementwise. The range is [-127, 127], not -128, so negation is exact and
 ``|acc| <= K * 127^2``, which fits int32 up to K = 133,144.
 
-The integer GEMM is ``torch._int_mm`` (int8 x int8 -> int32). It runs on CPU for any shape (checked
-with torch 2.13); on CUDA it needs more than 16 rows and K, N multiples of 8, so other shapes (and
-K beyond the int32 bound) use an exact emulation: a float64 matmul of the integer values. Every
-product is an integer below 127^2 and every partial sum an integer below K * 127^2 < 2^53, so
-every intermediate is exactly representable whatever the summation order: the result is the
-integer result.
+The integer GEMM is ``torch._int_mm`` (int8 x int8 -> int32). On CUDA it needs more than 16 rows
+and K, N multiples of 8. On a CPU it takes any shape (torch 2.13) but is exact only where
+oneDNN's int8 kernels have VNNI: without it (AVX2, AVX-512 before VNNI, or
+``ONEDNN_MAX_CPU_ISA`` below it) they multiply with ``vpmaddubsw``, whose int16 pair sums
+saturate (measured under ``ONEDNN_MAX_CPU_ISA=AVX2``: 4,073 of the 4,096 outputs of a 64 x 256 x
+64 product wrong, by up to 77,391). So a CPU's ``_int_mm`` is checked once per process against
+the exact product of codes that saturate there (:func:`int_mm_is_exact_on_cpu`). Other shapes,
+K beyond the int32 bound, and a CPU that fails the check use an exact emulation: a float64 matmul
+of the integer values. Every product is an integer below 127^2 and every partial sum an integer
+below K * 127^2 < 2^53, so every intermediate is exactly representable whatever the summation
+order: the result is the integer result.
 
 Backward (:class:`W8A8LinearFn`): the input gradient is ``dx = dy @ dequant(W_q)``, in fp32
 (a straight-through estimator for the activation rounding; it uses the weight the forward used).
@@ -57,6 +62,7 @@ gradient either) has no backward and reports 0. No GEMM, no host sync.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import weakref
@@ -79,6 +85,7 @@ __all__ = [
     "W8A8LinearFn",
     "dequantize",
     "int8_gemm",
+    "int_mm_is_exact_on_cpu",
     "quantize_symmetric",
 ]
 
@@ -152,12 +159,33 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def _int_mm_fits(device: torch.device, m: int, k: int, n: int) -> bool:
-    """Whether ``torch._int_mm`` takes an (m x k) @ (k x n) product on ``device``."""
+    """Whether ``torch._int_mm`` computes an (m x k) @ (k x n) product exactly on ``device``."""
     if k > INT32_SAFE_K:
         return False
     if device.type == "cpu":
-        return True
+        return int_mm_is_exact_on_cpu()
     return device.type == "cuda" and m > 16 and k % 8 == 0 and n % 8 == 0
+
+
+@functools.cache
+def int_mm_is_exact_on_cpu() -> bool:
+    """Whether this CPU's ``torch._int_mm`` returns the exact integer product (once a process).
+
+    The check multiplies codes of magnitude up to 127 with mixed signs, which a kernel that
+    saturates its int16 pair sums gets wrong (module docstring); a CPU that fails it runs the
+    exact emulation, and the first such GEMM logs why, once.
+    """
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randint(-QMAX, QMAX + 1, (17, 64), dtype=torch.int8, generator=gen)
+    b = torch.randint(-QMAX, QMAX + 1, (24, 64), dtype=torch.int8, generator=gen)
+    a[0], b[0] = QMAX, QMAX  # the largest pair sums
+    exact = torch.equal(torch._int_mm(a, b.t()), _emulated_gemm(a, b))
+    if not exact:
+        logger.warning(
+            "int8: torch._int_mm is not exact on this CPU (oneDNN's int8 GEMM without VNNI "
+            "saturates its int16 pair sums); the integer GEMM runs as an exact float64 emulation"
+        )
+    return exact
 
 
 def _emulated_gemm(a_q: torch.Tensor, b_q: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ from gnmr_dist.backends.int8 import (
     _emulated_gemm,
     dequantize,
     int8_gemm,
+    int_mm_is_exact_on_cpu,
     quantize_symmetric,
 )
 from tests.requires import require
@@ -107,6 +108,16 @@ def test_zero_rows_and_bf16_input():
 # ---------------------------------------------------------------------------- integer GEMM
 
 
+@pytest.mark.isa  # without VNNI, oneDNN's int8 GEMM saturates: the emulation must take over
+def test_the_cpu_check_tells_whether_int_mm_is_exact_here():
+    torch.manual_seed(8)
+    a = torch.randint(-QMAX, QMAX + 1, (64, 256), dtype=torch.int8)
+    b = torch.randint(-QMAX, QMAX + 1, (64, 256), dtype=torch.int8)
+    exact_here = torch.equal(torch._int_mm(a, b.t()).long(), a.long() @ b.long().t())
+    assert int_mm_is_exact_on_cpu() == exact_here
+
+
+@pytest.mark.isa
 def test_int8_gemm_is_exact_against_int64():
     torch.manual_seed(2)
     for m, k, n in [(37, 64, 48), (5, 3, 7), (64, 256, 128)]:
