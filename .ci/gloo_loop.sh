@@ -5,7 +5,7 @@
 #
 #   .ci/gloo_loop.sh N [LOG_DIR]      # one summary line per run in LOG_DIR/summary.txt
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 runs=${1:?usage: .ci/gloo_loop.sh N [LOG_DIR]}
 logs=${2:-$(mktemp -d)}
 mkdir -p "$logs"
