@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
+from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not in __all__
 
 __all__ = [
     "all_gather_objects",
@@ -90,8 +91,6 @@ def local_store(timeout: timedelta = timedelta(seconds=300)) -> Any:
     take it (``EADDRINUSE``); here the port is bound from the start and stays bound while the
     store lives. Processes join it as clients with :func:`join_local_world`, the way torchrun's
     workers join their agent's store. For worlds on one machine (tests, benchmarks)."""
-    from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not in __all__
-
     return TCPStore(LOCAL_HOST, 0, is_master=True, wait_for_workers=False, timeout=timeout)
 
 
@@ -112,8 +111,6 @@ def join_local_world(
         LOCAL_RANK=str(rank),
         TORCHELASTIC_USE_AGENT_STORE="True",
     )
-    from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not in __all__
-
     store = TCPStore(LOCAL_HOST, port, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
 
