@@ -38,14 +38,15 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import RESULTS, arg_parser
+from benchmarks.harness.arms import Setup
+from benchmarks.harness.common import RESULTS, arg_parser
+from benchmarks.harness.recipes import TARGET
 from benchmarks.overhead.collectives import Call, CollectiveSpec, part_c
-from benchmarks.overhead.config import GNMR_POLICY, TARGET, backend_options
+from benchmarks.overhead.config import GNMR_POLICY, backend_options
 from benchmarks.overhead.monitor_vs_clip import part_b
 from benchmarks.overhead.step_time import part_a, table_a, verdict
-from benchmarks.results_md.overhead import collectives_table as table_c
-from benchmarks.results_md.overhead import monitor_table as table_b
-from benchmarks.seed.arms import Setup
+from benchmarks.overhead.tables import collectives_table as table_c
+from benchmarks.overhead.tables import monitor_table as table_b
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

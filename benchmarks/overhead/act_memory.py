@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from benchmarks.common import arg_parser, hf_loss, llama
+from benchmarks.harness.common import arg_parser, hf_loss, llama
 from gnmr_dist.backends import get_backend
 from gnmr_dist.distributed import UnitRegistry
 

@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks.common import gloo_world, hf_loss, skip_deepspeed_shm_comm
+from benchmarks.harness.arms import Setup
+from benchmarks.harness.common import gloo_world, hf_loss, skip_deepspeed_shm_comm
+from benchmarks.harness.model import VOCAB, build_model
 from benchmarks.overhead.config import GNMR_POLICY, backend_options, ds_config
-from benchmarks.seed.arms import Setup
-from benchmarks.seed.model import VOCAB, build_model
 from gnmr_dist.distributed.comm import leave_local_world, local_store
 
 _HARNESS = Setup()

@@ -5,13 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.seed.arms import Setup
-
-TARGET = 1.03
-"""Step-time ratio GNMR / low-cost path that the issue asks for."""
-
-ERROR_TARGET = 1.02
-"""Step-time ratio GNMR with the error term / low-cost path (issue 13)."""
+from benchmarks.harness.arms import Setup
+from benchmarks.harness.recipes import FP6_LOW_COST, FP8_RECOVERY
 
 ERROR_EVERY = 10
 """``error_every`` of the ``gnmr+e/10`` arm: error sums measured on every 10th step."""
@@ -25,14 +20,12 @@ GNMR_POLICY = {"lock_steps": 8, "window": 8, "warmup_steps": 5, "alpha": 1.5, "b
 
 def backend_options() -> dict[str, dict[str, Any]]:
     """The two backends' option blocks (fp8_emulated: the FP6/FP8 experiment's formats)."""
-    from benchmarks.seed.fp6_fp8 import LOW_COST, RECOVERY
-
     return {
         "act_quant": {
             "low_cost": {"bits": 4, "group_size": 128},
             "recovery": {"bits": 8, "group_size": 128},
         },
-        "fp8_emulated": {"low_cost": dict(LOW_COST), "recovery": dict(RECOVERY)},
+        "fp8_emulated": {"low_cost": dict(FP6_LOW_COST), "recovery": dict(FP8_RECOVERY)},
     }
 
 

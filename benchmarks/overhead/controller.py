@@ -20,7 +20,7 @@ import time
 import numpy as np
 import torch
 
-from benchmarks.common import arg_parser
+from benchmarks.harness.common import arg_parser
 from gnmr_dist import GNMRConfig, GNMRController
 
 

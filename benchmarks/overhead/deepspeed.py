@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from benchmarks.common import arg_parser, deepspeed_world, hf_loss, llama
+from benchmarks.harness.common import arg_parser, deepspeed_world, hf_loss, llama
 
 VOCAB, SEQ, BATCH = 1024, 256, 4
 WARM = 5

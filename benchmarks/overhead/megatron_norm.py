@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import RESULTS, arg_parser, gloo_world
+from benchmarks.harness.common import RESULTS, arg_parser, gloo_world
 
 
 def build(layers: int, hidden: int, vocab: int) -> tuple[Any, Any]:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from benchmarks.common import arg_parser
+from benchmarks.harness.common import arg_parser
 from gnmr_dist.distributed import GradNormMonitor, UnitRegistry
 
 

@@ -16,9 +16,9 @@ from typing import Any
 
 from torch import nn
 
-from benchmarks.common import hf_loss
-from benchmarks.seed.arms import Setup
-from benchmarks.seed.model import Batches, build_model
+from benchmarks.harness.arms import Setup
+from benchmarks.harness.common import hf_loss
+from benchmarks.harness.model import Batches, build_model
 
 WARM = 3
 """Untimed rounds first (caches, allocator)."""

@@ -42,18 +42,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks.common import deepspeed_world, hf_loss
+from benchmarks.harness.arms import Setup
+from benchmarks.harness.common import deepspeed_world, hf_loss
+from benchmarks.harness.model import Batches, build_model
+from benchmarks.harness.recipes import ERROR_TARGET, TARGET
 from benchmarks.overhead.config import (
     ERROR_EVERY,
     ERROR_GAMMA,
-    ERROR_TARGET,
     GNMR_POLICY,
-    TARGET,
     backend_options,
     ds_config,
 )
-from benchmarks.seed.arms import Setup
-from benchmarks.seed.model import Batches, build_model
 
 BACKENDS = ("act_quant", "fp8_emulated")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from benchmarks.harness.branch_stats import SPIKE
 from benchmarks.results_md.fp4_regimes import mxfp4, nvfp4, stress
 from benchmarks.results_md.fp4_sweep import CLI, Sweep, label, sweeps
 from benchmarks.results_md.source import Source
@@ -23,7 +24,6 @@ from benchmarks.results_md.words import (
     resolved,
     span,
 )
-from benchmarks.sweep.branch_stats import SPIKE
 
 
 def render(src: Source) -> list[str]:
@@ -118,7 +118,7 @@ def instrument(src: Source, nv: Sweep) -> str:
     steps = [w["setup"]["steps"] for w in whole]
     inst = nv.inst
     return paragraph(
-        "**The instrument** (`benchmarks/sweep/branch.py`). Whole runs cannot judge a policy at "
+        "**The instrument** (`benchmarks/harness/branch.py`). Whole runs cannot judge a policy at "
         f"this scale: the selection sweeps below, whole runs of {span(steps, 'd')} steps paired by "
         f"seed, put the static gap's 95% interval at +-{min(halves):.3f} to +-{max(halves):.3f}. "
         "The branch estimator trains one BF16 reference run (the trunk, "

@@ -8,6 +8,8 @@ import math
 import statistics
 from collections.abc import Sequence
 
+from benchmarks.harness.branch_stats import SPIKE, per_seed, table
+from benchmarks.harness.stats import t95
 from benchmarks.results_md.fp4_sweep import NULLS, Sweep, label, unit_words
 from benchmarks.results_md.words import (
     compared,
@@ -23,8 +25,6 @@ from benchmarks.results_md.words import (
     resolved_word,
     span,
 )
-from benchmarks.sweep.branch_stats import SPIKE, per_seed, table
-from benchmarks.sweep.stats import t95
 
 
 def regime_head(s: Sweep, title: str, intro: str, gap_note: str) -> list[str]:

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from functools import cached_property
 from typing import Any
 
+from benchmarks.harness.branch_stats import GAP, Design
 from benchmarks.results_md.source import Source
 from benchmarks.results_md.words import listing, resolved
-from benchmarks.sweep.branch_stats import GAP, Design
 
 CONTROLS = ("low-cost", "BF16", "null BF16 (1e-6)", "null low-cost (1e-6)", "low-cost (SR seed 1)")
 """The arms that are not precision policies: the two static paths and the null controls."""

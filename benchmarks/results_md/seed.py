@@ -1,16 +1,16 @@
 """RESULTS.md's seed-experiment section (issue 8): the three experiments of
 :mod:`benchmarks.seed`, read from ``results/act_quant.json``, ``fp6_fp8.json`` and
-``lora_int8.json``; their tables and target lines are :mod:`benchmarks.seed.report`'s."""
+``lora_int8.json``; their tables and target lines are :mod:`benchmarks.harness.verdicts`'s."""
 
 from __future__ import annotations
 
 from functools import cached_property
 from typing import Any
 
+from benchmarks.harness.arms import ArmResult
+from benchmarks.harness.verdicts import SEED_EXCEEDANCE, TIME_RATIO, TOLERANCE, table, targets
 from benchmarks.results_md.source import Source
 from benchmarks.results_md.words import bash, listing, paragraph, span
-from benchmarks.seed.arms import ArmResult
-from benchmarks.seed.report import SEED_EXCEEDANCE, TIME_RATIO, TOLERANCE, table, targets
 
 EXPERIMENTS = ("act_quant", "fp6_fp8", "lora_int8")
 REFERENCE = {"act_quant": "full", "fp6_fp8": "full", "lora_int8": "recovery"}

@@ -7,10 +7,10 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from benchmarks.harness.stats import SELECTION_BAR, verdicts
 from benchmarks.results_md.source import Source
 from benchmarks.results_md.words import bash, listing, paragraph, pm, resolved, resolved_word, span
 from benchmarks.sweep.selection_report import compact_selection, table
-from benchmarks.sweep.stats import SELECTION_BAR, verdicts
 
 REGIMES = ("act_quant", "fp6_fp8", "outlier", "delayed")
 SIGNALS = (  # the k = 3 scores and sets graded against the update gap: (arm, graded set)

@@ -9,7 +9,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from benchmarks.sweep.branch_stats import Records, read_records
+from benchmarks.harness.branch_stats import Records, read_records
 
 logger = logging.getLogger("benchmarks.results_md")
 
@@ -32,7 +32,7 @@ class Source:
 
     def _records(self, regime: str) -> Records:
         """The branch records of an FP4 regime by (arm, seed, point), read as the sweep reads
-        them (:func:`~benchmarks.sweep.branch_stats.read_records`)."""
+        them (:func:`~benchmarks.harness.branch_stats.read_records`)."""
         return read_records(self.root / "fp4" / f"{regime}.jsonl")
 
     def has(self, name: str) -> bool:

@@ -11,8 +11,8 @@ import math
 import re
 from collections.abc import Sequence
 
-from benchmarks.sweep.branch_stats import verdict
-from benchmarks.sweep.stats import plus_minus
+from benchmarks.harness.branch_stats import verdict
+from benchmarks.harness.stats import plus_minus
 
 Pair = Sequence[float]
 
@@ -45,7 +45,8 @@ def holds_zero(pair: Pair) -> str:
 
 
 def compared(pair: Pair) -> str:
-    """``better``, ``worse`` or ``not resolved`` (:func:`benchmarks.sweep.branch_stats.verdict`)."""
+    """``better``, ``worse`` or ``not resolved``
+    (:func:`benchmarks.harness.branch_stats.verdict`)."""
     return verdict((pair[0], pair[1]))
 
 

@@ -47,10 +47,11 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import RESULTS, arg_parser
-from benchmarks.seed.arms import Arm, ArmResult, Setup, with_budget
-from benchmarks.seed.harness import run_experiment
-from benchmarks.seed.report import table, targets
+from benchmarks.harness.arms import Arm, ArmResult, Setup, with_budget
+from benchmarks.harness.common import RESULTS, arg_parser
+from benchmarks.harness.experiment import run_experiment
+from benchmarks.harness.recipes import act_quant_policy
+from benchmarks.harness.verdicts import table, targets
 
 BASE = RESULTS / "act_quant_fp32.pt"
 """The FP32 arm's final weights: the base model of the LoRA experiment
@@ -60,18 +61,13 @@ SEED = 1234
 UNITS = 28
 
 
-def policy() -> dict[str, Any]:
-    """The GNMR policy shared by every arm (see the module docstring for the choice)."""
-    return {"lock_steps": 8, "window": 8, "warmup_steps": 30, "alpha": 6.0, "beta": 6.0}
-
-
 TIGHT = {"alpha": 2.0, "beta": 2.0}
 """A second GNMR arm with thresholds low enough to spend its budget (see the docstring)."""
 
 
 def pretrain_setup(steps: int = STEPS, seed: int = SEED) -> Setup:
     """The pretraining run (its FP32 arm is also the LoRA experiment's base)."""
-    return Setup(steps=steps, seed=seed, gnmr=policy())
+    return Setup(steps=steps, seed=seed, gnmr=act_quant_policy())
 
 
 def make_arms(bits: int, group_size: int, budget: float, save: bool) -> list[Arm]:

@@ -12,7 +12,7 @@ backend), fixed FP8, fixed FP6, GNMR FP6/FP8 with a budget of ``--budget`` of th
 Megatron's first/last layers in FP8 (the rest FP6), and a ZClip-style global spike guard on fixed
 FP6.
 
-The FP6 recipe (``LOW_COST``, ``--stress none``): e2m3 for activations and weights, e3m2 for the
+The FP6 recipe (``FP6_LOW_COST``, ``--stress none``): e2m3 for activations and weights, e3m2 for the
 output gradients, with the same block scales as FP8. With one scale per tile the tile's largest
 value maps to the format's maximum, so inside a tile resolution matters more than range: e2m3 (3
 mantissa bits, 60:1 from the largest value to the smallest subnormal) rounds 2x finer than e3m2
@@ -41,31 +41,18 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import arg_parser
-from benchmarks.seed.arms import Arm, ArmResult, Setup
-from benchmarks.seed.harness import run_experiment
-from benchmarks.seed.report import table
-
-LOW_COST = {"format": "e2m3", "grad_format": "e3m2", "granularity": "block", "block": 128}
-"""The FP6 low-cost path (1x128 / 128x128 block scales, DeepSeek-V3 style)."""
-RECOVERY = {"format": "e4m3", "granularity": "block", "block": 128}
-"""The FP8 recovery path (e4m3 for x, W and dy, the same block scales)."""
-
-
-STRESS = {"format": "e2m3", "grad_format": "e2m3", "granularity": "tensor"}
-"""The stressed FP6 low-cost path: one scale per tensor, e2m3 for x, W and dy."""
+from benchmarks.harness.arms import Arm, ArmResult, Setup
+from benchmarks.harness.common import arg_parser
+from benchmarks.harness.experiment import run_experiment
+from benchmarks.harness.recipes import FP6_LOW_COST, FP6_STRESS, FP8_RECOVERY, fp6_fp8_policy
+from benchmarks.harness.verdicts import table
 
 STEPS = 200
 
 
-def policy() -> dict[str, Any]:
-    """GNMR policy shared by every arm (only the GNMR arm acts on it); the act-quant one's."""
-    return {"lock_steps": 8, "window": 8, "warmup_steps": 30, "alpha": 5.0, "beta": 6.0}
-
-
 def low_cost(stress: str, block: int) -> dict[str, Any]:
     """The low-cost options for a stress setting."""
-    return dict(STRESS) if stress == "tensor" else {**LOW_COST, "block": block}
+    return dict(FP6_STRESS) if stress == "tensor" else {**FP6_LOW_COST, "block": block}
 
 
 def main() -> None:
@@ -79,9 +66,13 @@ def main() -> None:
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(a.threads)
-    setup = Setup(steps=a.steps, eval_every=50, gnmr=policy())
+    setup = Setup(steps=a.steps, eval_every=50, gnmr=fp6_fp8_policy())
     units = 7 * setup.layers
-    q = {"backend": "fp8_emulated", "low_cost": low_cost(a.stress, a.block), "recovery": RECOVERY}
+    q = {
+        "backend": "fp8_emulated",
+        "low_cost": low_cost(a.stress, a.block),
+        "recovery": FP8_RECOVERY,
+    }
     arms = [
         Arm("fp32", "full"),
         Arm("fixed FP8", "recovery", **q),
@@ -100,7 +91,7 @@ def main() -> None:
     ref = "fp32" if "fp32" in names else names[0]
     low = "fixed FP6" if "fixed FP6" in names else names[0]
     print(
-        f"stress={a.stress}, low-cost {q['low_cost']}, recovery {RECOVERY}, {a.steps} steps, "
+        f"stress={a.stress}, low-cost {q['low_cost']}, recovery {FP8_RECOVERY}, {a.steps} steps, "
         f"{a.threads} thread(s), {time.perf_counter() - t0:.0f} s"
     )
     print(table(results, ref, low))

@@ -59,12 +59,12 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import arg_parser
+from benchmarks.harness.arms import Arm, Setup, with_budget
+from benchmarks.harness.common import arg_parser
+from benchmarks.harness.experiment import run_experiment
+from benchmarks.harness.model import Batches, build_model, evaluate, save_state
+from benchmarks.harness.training import ArmRun
 from benchmarks.seed import act_quant
-from benchmarks.seed.arms import Arm, Setup, with_budget
-from benchmarks.seed.harness import run_experiment
-from benchmarks.seed.model import Batches, build_model, evaluate, save_state
-from benchmarks.seed.training import ArmRun
 from gnmr_dist.data.corpus import embedded_corpus, stdlib_root
 
 logger = logging.getLogger("benchmarks.seed.lora_int8")

@@ -6,7 +6,7 @@
 
 For one FP4 regime (:data:`benchmarks.sweep.regimes.FP4_REGIMES`) every arm below branches from the
 same checkpoints of one BF16 reference run per seed and trains ``horizon`` steps
-(:mod:`benchmarks.sweep.branch`: why, and how it is measured); the records are compared by seed,
+(:mod:`benchmarks.harness.branch`: why, and how it is measured); the records are compared by seed,
 paired on every branch:
 
 - controls: ``low-cost`` (every unit FP4), ``BF16`` (every unit on the recovery path),
@@ -18,8 +18,8 @@ paired on every branch:
 - at every budget ``k``: ``random k``, ``GNMR k`` (the seed's controller), ``GNMR+e k`` (with
   docs/algorithm.md#damage-term's error term, measured every ``ERROR_EVERY`` steps) and ``oracle k``
   (the ``k`` units with the largest measured gradient gap of the step itself: the upper bound);
-- null controls (:data:`benchmarks.sweep.branch.NULL_ARMS`): ``BF16`` with the weights moved by 1e-6
-  at the branch point, and ``low-cost`` with the same move; and the low-cost path's own
+- null controls (:data:`benchmarks.harness.branch.NULL_ARMS`): ``BF16`` with the weights moved by
+  1e-6 at the branch point, and ``low-cost`` with the same move; and the low-cost path's own
   realization noise, ``low-cost`` with another stochastic-rounding seed (NVFP4 only).
 
 Jobs (trunks first, then one job per arm, seed and branch point) run in a pool of ``--jobs``
@@ -49,11 +49,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS, arg_parser
-from benchmarks.seed.arms import Arm
-from benchmarks.sweep import branch_stats
-from benchmarks.sweep.branch import NULL_ARMS, run_branch, run_trunk
-from benchmarks.sweep.branch_stats import Design, Records
+from benchmarks.harness import branch_stats
+from benchmarks.harness.arms import Arm
+from benchmarks.harness.branch import NULL_ARMS, run_branch, run_trunk
+from benchmarks.harness.branch_stats import Design, Records
+from benchmarks.harness.common import RESULTS, arg_parser
 from benchmarks.sweep.regimes import FP4_REGIMES, Regime
 
 logger = logging.getLogger("benchmarks.sweep.fp4")

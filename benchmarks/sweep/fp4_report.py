@@ -10,10 +10,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS, finish_plot, jsonable
-from benchmarks.seed.model import PROJECTIONS
-from benchmarks.sweep.branch import NULL_ARMS
-from benchmarks.sweep.branch_stats import (
+from benchmarks.harness.branch import NULL_ARMS
+from benchmarks.harness.branch_stats import (
     GAP,
     Design,
     Records,
@@ -24,8 +22,10 @@ from benchmarks.sweep.branch_stats import (
     unit_step_share,
     verdict,
 )
+from benchmarks.harness.common import RESULTS, finish_plot, jsonable
+from benchmarks.harness.model import PROJECTIONS
+from benchmarks.harness.stats import plus_minus
 from benchmarks.sweep.regimes import Regime
-from benchmarks.sweep.stats import plus_minus
 
 
 def complete(records: Records, d: Design, arm: str) -> bool:
@@ -33,7 +33,7 @@ def complete(records: Records, d: Design, arm: str) -> bool:
 
 
 def summarize(records: Records, d: Design, arms: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """Per arm with every branch done: its paired figures (``benchmarks.sweep.branch_stats``)."""
+    """Per arm with every branch done: its paired figures (``benchmarks.harness.branch_stats``)."""
     out: dict[str, dict[str, Any]] = {}
     if not (complete(records, d, d.low) and complete(records, d, d.high)):
         return out  # every figure pairs with the two static arms

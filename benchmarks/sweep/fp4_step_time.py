@@ -35,12 +35,12 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import RESULTS
-from benchmarks.overhead.config import ERROR_TARGET
-from benchmarks.seed.arms import Arm
-from benchmarks.seed.model import Batches
-from benchmarks.seed.training import ArmRun
-from benchmarks.sweep.branch import _load, run_trunk, trunk_file
+from benchmarks.harness.arms import Arm
+from benchmarks.harness.branch import _load, run_trunk, trunk_file
+from benchmarks.harness.common import RESULTS
+from benchmarks.harness.model import Batches
+from benchmarks.harness.recipes import ERROR_TARGET
+from benchmarks.harness.training import ArmRun
 from benchmarks.sweep.regimes import Regime
 
 WARMUP = 5

@@ -27,7 +27,7 @@ Each regime names the GNMR policy of issue 8's experiments and the error-term th
 ``gamma`` of its ``GNMR+e`` arms (chosen as said in :attr:`Regime.gamma`'s docstring).
 
 The FP4 regimes (:data:`FP4_REGIMES`, issue 24) are measured with the branch estimator
-(:mod:`benchmarks.sweep.branch`, :mod:`benchmarks.sweep.fp4`) at a learning rate of 1e-3 (the
+(:mod:`benchmarks.harness.branch`, :mod:`benchmarks.sweep.fp4`) at a learning rate of 1e-3 (the
 harness's 3e-3 is past this model's stable edge: issue 24 measured every arm lower and 2.4x
 less spread at 1e-3), recovery in BF16:
 
@@ -46,13 +46,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from benchmarks.seed.act_quant import policy as act_quant_policy
-from benchmarks.seed.arms import Fault, Setup
-from benchmarks.seed.fp6_fp8 import LOW_COST as FP6_BLOCK
-from benchmarks.seed.fp6_fp8 import RECOVERY as FP8_BLOCK
-from benchmarks.seed.fp6_fp8 import STRESS as FP6_TENSOR
-from benchmarks.seed.fp6_fp8 import policy as fp6_policy
-from benchmarks.sweep.branch import Instrument
+from benchmarks.harness.arms import Fault, Setup
+from benchmarks.harness.branch import Instrument
+from benchmarks.harness.recipes import FP6_LOW_COST as FP6_BLOCK
+from benchmarks.harness.recipes import FP6_STRESS as FP6_TENSOR
+from benchmarks.harness.recipes import FP8_RECOVERY as FP8_BLOCK
+from benchmarks.harness.recipes import act_quant_policy
+from benchmarks.harness.recipes import fp6_fp8_policy as fp6_policy
 
 __all__ = ["FP4_REGIMES", "REGIMES", "Regime"]
 
@@ -95,7 +95,7 @@ class Regime:
     """Projection units of the harness's Llama (4 layers x 7)."""
 
     def backend_args(self) -> dict[str, Any]:
-        """The :class:`benchmarks.seed.arms.Arm` keyword arguments of this regime's backend."""
+        """The :class:`benchmarks.harness.arms.Arm` keyword arguments of this regime's backend."""
         return {
             "backend": self.backend,
             "low_cost": dict(self.low_cost),

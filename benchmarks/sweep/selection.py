@@ -24,7 +24,7 @@ active set against the measured gaps) comes from the probe every ``PROBE_EVERY``
 ``low-cost``, ``GNMR`` and ``GNMR+e`` arms. Everything lands in ``results/sweep_<regime>.json``
 and a plot of quality against budget, one curve per policy, in ``results/sweep_<regime>.png``.
 
-The statistics live in :mod:`benchmarks.sweep.stats`, the tables and the plot in
+The statistics live in :mod:`benchmarks.harness.stats`, the tables and the plot in
 :mod:`benchmarks.sweep.selection_report`.
 """
 
@@ -40,13 +40,13 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS, arg_parser, jsonable
-from benchmarks.seed.arms import Arm, Fault, Setup
-from benchmarks.seed.model import Batches
-from benchmarks.seed.training import run_arm
+from benchmarks.harness.arms import Arm, Fault, Setup
+from benchmarks.harness.common import RESULTS, arg_parser, jsonable
+from benchmarks.harness.model import Batches
+from benchmarks.harness.stats import Records, static_gap, summarize, verdicts
+from benchmarks.harness.training import run_arm
 from benchmarks.sweep.regimes import REGIMES, Regime
 from benchmarks.sweep.selection_report import plot, print_report
-from benchmarks.sweep.stats import Records, static_gap, summarize, verdicts
 
 logger = logging.getLogger("benchmarks.sweep.selection")
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.sweep.stats import POLICY_PREFIXES, plus_minus
+from benchmarks.harness.stats import POLICY_PREFIXES, plus_minus
 
 
 def table(summary: dict[str, Any]) -> str:
@@ -129,7 +129,7 @@ def plot(regime: str, summary: dict[str, Any], budgets: Sequence[int], path: Pat
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from benchmarks.common import finish_plot  # torch: the tables above do without it
+    from benchmarks.harness.common import finish_plot  # torch: the tables above do without it
 
     def point(name: str) -> tuple[float, float]:
         m, h = summary[name]["vs_low_cost"]

@@ -12,11 +12,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from benchmarks.seed.arms import Arm
-from benchmarks.seed.model import Batches
-from benchmarks.seed.training import ArmRun
-from benchmarks.sweep.branch import Instrument, perturb, run_branch, run_trunk, trunk_file
-from benchmarks.sweep.branch_stats import Design, paired, share_closed, troubles, unit_step_share
+from benchmarks.harness.arms import Arm
+from benchmarks.harness.branch import Instrument, perturb, run_branch, run_trunk, trunk_file
+from benchmarks.harness.branch_stats import Design, paired, share_closed, troubles, unit_step_share
+from benchmarks.harness.model import Batches
+from benchmarks.harness.training import ArmRun
 from benchmarks.sweep.fp4 import make_arms, nvidia_k
 from benchmarks.sweep.regimes import FP4_REGIMES
 from tests.benchmarks.test_harness import tiny
@@ -42,7 +42,7 @@ def test_a_branch_with_the_trunks_policy_is_its_continuation(trunk):
     saved = torch.load(trunk_file(root, 3, 5), weights_only=True)
     s = replace(setup, steps=INST.trunk_steps, seed=3, eval_every=10**9)
     run = ArmRun(s, Arm("BF16", "recovery", **Q), Batches(s.heldout, s), evaluates=False)
-    from benchmarks.sweep.branch import _load
+    from benchmarks.harness.branch import _load
 
     _load(run, trunk_file(root, 3, 3))
     train = Batches(s.data, s)

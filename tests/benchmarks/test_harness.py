@@ -11,11 +11,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from benchmarks.seed.arms import Arm, ArmResult, Fault, Setup, with_budget
-from benchmarks.seed.harness import run_experiment
-from benchmarks.seed.model import Batches, build_model, install_faults, lm_loss, save_state
-from benchmarks.seed.report import table, targets
-from benchmarks.seed.training import ZClip, adam_inverse_rms, layer_units, run_arm
+from benchmarks.harness.arms import Arm, ArmResult, Fault, Setup, with_budget
+from benchmarks.harness.experiment import run_experiment
+from benchmarks.harness.model import Batches, build_model, install_faults, lm_loss, save_state
+from benchmarks.harness.training import ZClip, adam_inverse_rms, layer_units, run_arm
+from benchmarks.harness.verdicts import table, targets
 from gnmr_dist.backends import get_backend
 from gnmr_dist.distributed import UnitRegistry
 from gnmr_dist.telemetry.selection import gap_share, precision_at_k, spearman, top_k
@@ -172,7 +172,7 @@ def test_first_last_recovers_the_first_and_last_layer_only(data):
 
 
 def test_interleaved_arms_match_arms_run_one_after_another(tmp_path, monkeypatch, data):
-    import benchmarks.seed.harness as harness
+    import benchmarks.harness.experiment as harness
 
     monkeypatch.setattr(harness, "RESULTS", tmp_path)
     setup = tiny(steps=4, eval_every=2)

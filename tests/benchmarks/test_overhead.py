@@ -11,7 +11,7 @@ from unittest import mock
 import pytest
 import torch
 
-from benchmarks.common import gloo_world
+from benchmarks.harness.common import gloo_world
 from benchmarks.overhead import collectives as oh
 from tests.requires import require
 

@@ -110,7 +110,7 @@ def _selection(
 ) -> dict[str, Any]:
     """Per graded set: seed means (interval over seeds) of precision and share vs both gaps,
     over every probe step or over those in ``window`` (``start <= step < stop``)."""
-    from benchmarks.seed.probes import summarize_probes  # torch: not for the statistics alone
+    from benchmarks.harness.probes import summarize_probes  # torch: not for the statistics alone
 
     per_seed: dict[str, dict[str, list[float]]] = {}
     for s in seeds:

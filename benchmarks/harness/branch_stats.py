@@ -5,7 +5,7 @@ arms' table.
 Every figure pairs arms on the same (seed, branch point): the same weights, optimizer state,
 batches and learning rate at the start of the branch. A seed's figure is the mean over its
 branch points; the estimate and its 95% Student-t interval are taken over the seeds, the
-independent replicates (:mod:`benchmarks.sweep.branch`). The module imports no torch
+independent replicates (:mod:`benchmarks.harness.branch`). The module imports no torch
 (``python -m benchmarks.results_md`` computes with it from the records).
 """
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.sweep.stats import interval, plus_minus, t95
+from benchmarks.harness.stats import interval, plus_minus, t95
 
 Records = dict[tuple[str, int, int], dict[str, Any]]
 
@@ -46,7 +46,7 @@ def read_records(path: Path) -> Records:
     return records
 
 
-"""Branch records (:func:`benchmarks.sweep.branch.run_branch`) by (arm, seed, point)."""
+"""Branch records (:func:`benchmarks.harness.branch.run_branch`) by (arm, seed, point)."""
 
 SPIKE = 0.1
 """A training step whose loss exceeds the BF16 branch's loss on the same batch by more than

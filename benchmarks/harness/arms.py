@@ -1,4 +1,4 @@
-"""What an experiment of the harness (:mod:`benchmarks.seed.harness`) is made of: its set-up,
+"""What an experiment of the harness (:mod:`benchmarks.harness.experiment`) is made of: its set-up,
 its arms (the precision policies, described there), the faults it injects, and what an arm
 measured.
 """

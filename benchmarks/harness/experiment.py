@@ -63,11 +63,11 @@ against the top-|set| grad / update gaps and the share of the squared gaps cover
 - ``oracle_grad`` / ``oracle_update``: the top ``probe_k`` by measured grad / update gap (the
   upper bound of any k-set: a precision of 1 and the largest share, checked at every probe).
 
-The pieces: :mod:`benchmarks.seed.arms` (``Setup``, ``Arm``, ``Fault``, ``ArmResult``),
-:mod:`benchmarks.seed.model` (the Llama, batches, evaluation, faults),
-:mod:`benchmarks.seed.training` (``ArmRun``: one arm's training loop) and
-:mod:`benchmarks.seed.probes` (the probe records); this module runs an experiment, writes
-its JSON and plot (:mod:`benchmarks.seed.report` prints its table and target lines).
+The pieces: :mod:`benchmarks.harness.arms` (``Setup``, ``Arm``, ``Fault``, ``ArmResult``),
+:mod:`benchmarks.harness.model` (the Llama, batches, evaluation, faults),
+:mod:`benchmarks.harness.training` (``ArmRun``: one arm's training loop) and
+:mod:`benchmarks.harness.probes` (the probe records); this module runs an experiment, writes
+its JSON and plot (:mod:`benchmarks.harness.verdicts` prints its table and target lines).
 """
 
 from __future__ import annotations
@@ -81,12 +81,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS
-from benchmarks.seed.arms import Arm, ArmResult, Setup
-from benchmarks.seed.model import Batches
-from benchmarks.seed.training import ArmRun, run_arm
+from benchmarks.harness.arms import Arm, ArmResult, Setup
+from benchmarks.harness.common import RESULTS
+from benchmarks.harness.model import Batches
+from benchmarks.harness.training import ArmRun, run_arm
 
-logger = logging.getLogger("benchmarks.seed.harness")
+logger = logging.getLogger("benchmarks.harness.experiment")
 
 
 def run_experiment(

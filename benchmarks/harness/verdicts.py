@@ -1,5 +1,5 @@
-"""The printed table and target lines of a seed experiment (:mod:`benchmarks.seed.harness`), from
-its arms' results; ``python -m benchmarks.results_md`` renders RESULTS.md's tables with them.
+"""The printed table and target lines of a seed experiment (:mod:`benchmarks.harness.experiment`),
+from its arms' results; ``python -m benchmarks.results_md`` renders RESULTS.md's tables with them.
 
 Nothing here imports torch: the results come from a run or from its JSON (``ArmResult(**r)``).
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from benchmarks.seed.arms import ArmResult
+from benchmarks.harness.arms import ArmResult
 
 TOLERANCE = 0.01
 """The seed's quality target: GNMR's held-out loss within this share of the reference arm's."""

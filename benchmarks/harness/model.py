@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks.common import llama
-from benchmarks.seed.arms import Fault, Setup
+from benchmarks.harness.arms import Fault, Setup
+from benchmarks.harness.common import llama
 from gnmr_dist.backends import PrecisionBackend
 from gnmr_dist.train.common import next_token_loss
 

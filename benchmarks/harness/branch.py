@@ -48,9 +48,9 @@ from typing import Any
 
 import torch
 
-from benchmarks.seed.arms import Arm, Setup
-from benchmarks.seed.model import Batches, build_model, evaluate
-from benchmarks.seed.training import ArmRun
+from benchmarks.harness.arms import Arm, Setup
+from benchmarks.harness.model import Batches, build_model, evaluate
+from benchmarks.harness.training import ArmRun
 
 __all__ = [
     "Instrument",

@@ -1,7 +1,7 @@
 """One arm of the harness in training (:class:`ArmRun`): model, backend, GNMR's monitor and
 controller, optimizer, the policy's recovery set each step, and the measurements.
 
-The policies and the probe are described in :mod:`benchmarks.seed.harness`.
+The policies and the probe are described in :mod:`benchmarks.harness.experiment`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.seed.arms import Arm, ArmResult, Setup
-from benchmarks.seed.model import (
+from benchmarks.harness.arms import Arm, ArmResult, Setup
+from benchmarks.harness.model import (
     Batches,
     build_model,
     evaluate,
@@ -24,7 +24,7 @@ from benchmarks.seed.model import (
     lm_loss,
     save_state,
 )
-from benchmarks.seed.probes import probe_record, summarize_probes
+from benchmarks.harness.probes import probe_record, summarize_probes
 from gnmr_dist.backends import PrecisionBackend, get_backend
 from gnmr_dist.core import Decision, GNMRConfig
 from gnmr_dist.distributed import GNMRRuntime, UnitRegistry
@@ -118,7 +118,7 @@ class ArmRun:
         self.probe = self._probe()
         self.current_step = 0
         self.last_step = setup.steps
-        """The run's last step (a branch of :mod:`benchmarks.sweep.branch` ends earlier)."""
+        """The run's last step (a branch of :mod:`benchmarks.harness.branch` ends earlier)."""
         install_faults(self.model, setup.faults, lambda: self.current_step)
 
     def _wrapped_backend(self) -> PrecisionBackend | None:
