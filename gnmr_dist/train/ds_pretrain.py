@@ -53,7 +53,7 @@ from gnmr_dist.core.validation import did_you_mean
 from gnmr_dist.integrations.config import GNMRBlock, read_block
 from gnmr_dist.train.common import next_token_loss, setup_logging
 
-logger = logging.getLogger("gnmr_dist.ds_pretrain")
+logger = logging.getLogger(__name__)
 
 PRETRAIN_BLOCK = "pretrain"
 """Top-level key of the DeepSpeed config holding defaults for this command's options."""

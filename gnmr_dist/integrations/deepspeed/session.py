@@ -38,7 +38,7 @@ from gnmr_dist.telemetry.trace import ProbeRecord
 
 __all__ = ["STATE_FILE", "DeepSpeedGNMR", "probe_loss"]
 
-logger = logging.getLogger("gnmr_dist.integrations.deepspeed")
+logger = logging.getLogger(__name__)
 
 STATE_FILE = "gnmr_state.pt"
 """The GNMR state's file name inside each DeepSpeed checkpoint tag directory."""

@@ -29,7 +29,7 @@ from gnmr_dist.integrations.session import IntegrationSession, error_source
 
 __all__ = ["MegatronGNMR"]
 
-logger = logging.getLogger("gnmr_dist.integrations.megatron.gnmr")
+logger = logging.getLogger(__name__)
 
 _LAYER_NAME = re.compile(r"\blayers\.(\d+)$")
 
