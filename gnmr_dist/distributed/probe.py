@@ -1,10 +1,7 @@
-r"""The recovery-gap probe: what the low-cost path does to each unit's gradient, measured.
+"""The recovery-gap probe: what the low-cost path does to each unit's gradient, measured.
 
-GNMR chooses which units to move to the recovery path from gradient norms alone. Whether it
-chose well is a question about something it never sees: how far each unit's gradient on the
-low-cost path is from the one it would have on the recovery path. On a *probe step* the probe
-measures exactly that, on the step's own weights and batch, with two extra forward/backward
-passes through the backend's own switch:
+On a *probe step* two extra forward/backward passes run through the backend's own switch, on the
+step's own weights and batch:
 
     pass L: plan = {}                 (every unit on the low-cost path)   -> g_low
     pass H: plan = all eligible units (every unit on the recovery path)   -> g_high
@@ -12,41 +9,14 @@ passes through the backend's own switch:
     gap_u         = || g_low,u - g_high,u ||_2
     update_gap_u  = || (g_low,u - g_high,u) / (sqrt(v_hat_u) + eps) ||_2      (elementwise /)
 
-``v_hat = exp_avg_sq / (1 - beta2^step)`` is Adam's bias-corrected second moment from the
-optimizer's state before this step (``max_exp_avg_sq`` with ``amsgrad``), and ``eps`` its group's
-epsilon, so the update gap is the gradient gap as Adam/AdamW scale it into a weight update (up to
-the learning rate and the first-moment factor, which are the same for every unit). On the first
-step the state is empty and ``v_hat = g_high^2``, which is what Adam's first step uses
-(``v_1 = (1 - beta2) g^2``, bias-corrected: ``g^2``). A parameter whose optimizer group has no
-``betas``/``eps`` (SGD) or that the optimizer does not hold, and every parameter when
-``optimizer=None``, is not normalised: its update gap is its gradient gap.
+``v_hat = exp_avg_sq / (1 - beta2^step)`` is Adam's bias-corrected second moment before this
+step (``g_high^2`` on the first step; no normalisation for optimizers without ``betas``/``eps``).
+Both passes start from the same RNG state and leave the RNG, the plan, ``.grad`` and the
+backend's step report as they were. Per-unit sums of squares add over shards, so the ``4 x U``
+vector (gap, update gap, low norm, high norm) is summed over ``group`` in one all-reduce; with
+``dp_group`` the two gradients are first summed over the data-parallel replicas.
 
-Both passes start from the same torch RNG state (CPU, and CUDA when initialised), so dropout
-draws the same masks and the passes differ only by the paths; afterwards the RNG state, the
-backend's plan and its step report are exactly what they were before. Gradients come from
-``torch.autograd.grad`` on the units' parameters, so ``.grad`` (and megatron's ``main_grad``),
-post-accumulate-grad hooks and hooks on the ``AccumulateGrad`` nodes (the ones DDP and ZeRO
-reduce through) are untouched. Hooks registered with ``param.register_hook`` do run: they see
-the probe's gradients as they see any autograd pass.
-
-Sums of squares add over any split of a gradient's elements, so, as in the monitor, each rank
-sums the squares it holds into per-unit slots and the ``4 x U`` vector (gap, update gap, low
-norm, high norm) is summed over ``group`` in ONE all-reduce. Data-parallel replicas are
-different: each holds the *whole* gradient of part of the batch, and the gap of the averaged
-gradient is not a sum of the replicas' squared gaps. With ``dp_group`` the probe therefore first
-sums ``g_low`` and ``g_high`` themselves over the replicas (one all-reduce of twice the units'
-gradient, as much traffic as two data-parallel gradient reductions); the closure must then return
-a loss whose gradients *sum* over the replicas to the step's gradient, i.e. the local mean loss
-times ``local batch / global batch`` (``/ world`` for equal shards), as gradient accumulation
-scales micro-batches.
-
-Cost per probe step: two extra forward and backward passes (autograd graphs freed after each),
-the units' gradients twice over in memory, one small all-reduce (plus the data-parallel one).
-Nothing happens on other steps. The passes and the restoring plan change run inside the
-backend's ``measuring()`` context when it has one: state that training passes update (the
-delayed-scaling amax histories of ``fp8_emulated``) is read but not updated there, so the probe
-does not change the training run. Backends without it whose plan change has side effects
-(``te_fp8``'s amax history) see two extra plan changes per probe step.
+docs/telemetry.md#the-recovery-gap-probe has the why of each choice and the cost.
 """
 
 from __future__ import annotations

@@ -16,20 +16,9 @@
       "error_every": 1                 # with gamma: measure the error sums every N-th step
     }
 
-``attribution`` is the guard on the per-unit attribution of the gradient (megatron-core): every
-step, the units must receive a share of the squared global norm, the parameters outside every
-unit (the "rest": embeddings, final norm, output layer) at most ``max_rest_share`` of it (0 < x
-<= 1; 1 disables the share check), and no gradient may be left unattributed. A violation is an
-error naming the cause (``action: "error"``) or one warning (``"warn"``).
-
-``probe`` runs the recovery-gap probe (:mod:`gnmr_dist.distributed.probe`) on every optimizer
-step divisible by ``every`` (>= 1, required): two extra forward/backward passes on that step's
-weights and first micro-batch, every unit on the low-cost and on the recovery path, and records
-each unit's gradient gap (and Adam update gap) in the trace with the selection figures of
-:mod:`gnmr_dist.telemetry.selection` for sets of ``k`` units (>= 1, default 3, at most the number
-of units). Absent or null: no probe. It needs a backend (``backend: null`` has one path, nothing
-to compare) and is refused under megatron-core, ZeRO stage 3 and fp16 loss scaling
-(:mod:`gnmr_dist.integrations.deepspeed` says why).
+``attribution`` is the guard on the per-unit attribution of the gradient (megatron-core) and
+``probe`` the recovery-gap probe (:mod:`gnmr_dist.distributed.probe`);
+docs/deepspeed.md#the-gnmr-block gives every key's default, range and meaning.
 
 Every key is checked before anything starts: an unknown key names the closest valid one, a bad
 value names its full path (``gnmr.log.every``) and the allowed range, and the backend's option

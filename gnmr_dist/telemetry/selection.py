@@ -1,36 +1,19 @@
-r"""Selection quality: how well a set of units, or a score, matches the measured recovery gap.
+"""Selection quality: how well a set of units, or a score, matches the measured recovery gap.
 
-The recovery-gap probe (:mod:`gnmr_dist.distributed.probe`) measures, per unit u, the gap
-``gap_u >= 0`` between its gradient on the low-cost path and on the recovery path. These pure
-functions grade a selection against it. ``top_k(x, k)`` is the set of the k largest entries,
-ties broken by id ascending (as the controller orders its candidates); NaN counts as ``+inf``
-(the controller's reading of a non-finite value).
+Pure functions over the per-unit gap ``gap_u >= 0`` that the recovery-gap probe measures
+(:mod:`gnmr_dist.distributed.probe`). ``top_k(x, k)`` is the set of the k largest entries, ties
+broken by id ascending, NaN read as ``+inf`` (as the controller reads it):
 
     precision_at_k(s, gap, k) = |top_k(s, k)  ∩  top_k(gap, k)| / k
     set_precision(A, gap, k)  = |A  ∩  top_k(gap, k)| / k                  (k = |A| by default)
     gap_share(A, gap)         = sum_{u in A} gap_u^2  /  sum_u gap_u^2
     spearman(s, gap)          = Pearson correlation of the average ranks of s and of gap
 
-Precision by chance is ``k / U`` for precision@k. The squared gaps add because units hold
-disjoint parameters: ``sum_u gap_u^2 = ||g_low - g_high||^2``, so ``gap_share(A)`` is the share
-of the whole squared gradient error that recovering A would remove if the units' errors did not
-interact (exact for ``act_quant``, whose error in unit u's gradient comes from u's own saved
-activation only; a first-order picture for backends that also round the backward's ``dx``).
-Undefined figures are NaN: the precision of an empty set, the share of a zero total gap, the
-rank correlation of a constant vector.
-
-:func:`probe_figures` grades, on one probe step, every set a report compares: the risk's top-k,
-the sets the caller names (the plan that ran, the controller's new decision, a static recipe
-such as :func:`first_last_units`), the error scores' top-k, a random k-set and the oracle. The
-random k-set is its exact expectation over the uniform draws of ``m = min(k, E)`` of the ``E``
-eligible units, not a draw: each eligible unit is drawn with probability ``m / E``, so
-
-    E[set_precision] = |top_m(gap) ∩ eligible| / E,     E[gap_share] = (m / E) gap_share(eligible)
-
-(``k / E`` and ``(k / E) gap_share(eligible)`` when the top gaps are all on eligible units). The
-oracle is the top k by the measured gap itself: precision 1 and the largest share of any k-set,
-the upper bound. Without an update gap (``None``: the optimizer's state was not readable) the
-update figures are NaN.
+:func:`probe_figures` grades every set a report compares on one probe step: the risk's top-k,
+the named sets, the error scores' top-k, a random k-set (its exact expectation over the uniform
+draws, not a draw) and the oracle (the top k by the gap itself, the upper bound). Undefined
+figures are NaN. docs/telemetry.md#selection-figures derives the random set's expectation and
+says when the squared gaps add.
 """
 
 from __future__ import annotations

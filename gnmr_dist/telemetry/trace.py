@@ -8,27 +8,9 @@ Line 1 is a header, every further line one optimizer step::
 
 Norms are the exact per-unit global norms the controller received, so ``gnmr-replay`` can run the
 same controller with other settings and reproduce, or re-tune, every decision. Non-finite norms
-are written as JSON's ``NaN``/``Infinity`` tokens (Python's ``json`` reads them back).
-
-With ``gnmr.gamma`` set (docs/algorithm.md#damage-term) a record also holds ``"errors"``: the error
-scores ``e_t(u)`` the controller scored (``Decision.error``, non-finite ones as ``Infinity``), which
-a replay passes back (:func:`read_errors`). Records without the key are those of runs without the
-term; the format version is unchanged.
-
-With ``gnmr.probe`` set, the record of a probe step also holds ``"probe"`` (:class:`ProbeRecord`,
-read back by :func:`read_probes`)::
-
-    "probe": {"k": 3, "grad_gap": [...], "update_gap": [...] or null, "grad_low_norm": [...],
-              "grad_high_norm": [...], "loss_low": 2.31, "loss_high": 2.30, "probe_ms": 41.7,
-              "sets": {"risk_topk": [4, 9, 11], "active": [9], "decided": [4, 9]},
-              "figures": {"risk_topk": {"precision_grad": 0.67, "precision_update": 0.33,
-                                        "share_grad": 0.52, "share_update": 0.31}, ...}}
-
-the per-unit gaps of :class:`gnmr_dist.distributed.probe.ProbeResult` (``update_gap`` null when
-the optimizer's per-parameter state was not readable), the sets graded on that step (the top
-``k`` of the step's risk, the plan that ran the step, the controller's new decision) and their
-:func:`gnmr_dist.telemetry.selection.set_figures` (NaN where undefined: an empty set), and the
-probe's wall time. Records without the key read exactly as before.
+are written as JSON's ``NaN``/``Infinity`` tokens. Runs with the damage term add ``"errors"``
+(:func:`read_errors`), probe steps add ``"probe"`` (:class:`ProbeRecord`, :func:`read_probes`);
+records without them read as before. docs/telemetry.md#the-trace shows every field.
 """
 
 from __future__ import annotations
