@@ -147,7 +147,8 @@ from gnmr_dist.backends.fp8_scaling import (
     commit_all,
     scale_of,
 )
-from gnmr_dist.backends.numerics import quantize_dequantize_scaled, sr_seed
+from gnmr_dist.backends.numerics.rounding import sr_seed
+from gnmr_dist.backends.numerics.scaled import quantize_dequantize_scaled
 from gnmr_dist.backends.registry import register_backend
 
 __all__ = [

@@ -16,18 +16,17 @@ import torch
 
 from gnmr_dist.backends.base import GemmProbe
 from gnmr_dist.backends.fp8_scaling import AMAX_ALGOS, DelayedRecipe, DelayedScales
-from gnmr_dist.backends.numerics import (
+from gnmr_dist.backends.numerics.formats import (
     BLOCK_SCALED,
     FORMATS,
     GRANULARITIES,
     MXFP4_BLOCK,
     NVFP4_BLOCK,
     FloatFormat,
-    hadamard_rotate,
-    quantize_dequantize,
-    quantize_dequantize_scaled,
-    sr_seed,
 )
+from gnmr_dist.backends.numerics.hadamard import hadamard_rotate
+from gnmr_dist.backends.numerics.rounding import sr_seed
+from gnmr_dist.backends.numerics.scaled import quantize_dequantize, quantize_dequantize_scaled
 from gnmr_dist.core.validation import check_choice, check_nonnegative_int, check_positive_int
 
 __all__ = [

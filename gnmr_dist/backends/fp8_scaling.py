@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gnmr_dist.backends.numerics import FloatFormat, quantize_dequantize_scaled
+from gnmr_dist.backends.numerics.formats import FloatFormat
+from gnmr_dist.backends.numerics.scaled import quantize_dequantize_scaled
 
 if TYPE_CHECKING:
     from gnmr_dist.backends.fp8_linear import LinearQuantSpec

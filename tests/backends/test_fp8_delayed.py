@@ -23,7 +23,9 @@ from gnmr_dist.backends.fp8_emulated import (
     Fp8EmulatedBackend,
     Fp8Options,
 )
-from gnmr_dist.backends.numerics import FORMATS, quantize_dequantize, round_to_format, sqnr_db
+from gnmr_dist.backends.numerics.formats import FORMATS
+from gnmr_dist.backends.numerics.rounding import round_to_format
+from gnmr_dist.backends.numerics.scaled import quantize_dequantize, sqnr_db
 from gnmr_dist.distributed import UnitRegistry
 from gnmr_dist.distributed.probe import RecoveryProbe
 from tests.distributed.test_probe import loss_of, make_net, tokens

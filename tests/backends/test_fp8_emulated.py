@@ -13,7 +13,9 @@ from gnmr_dist.backends.fp8_emulated import (
     LinearQuantSpec,
     fp8_linear,
 )
-from gnmr_dist.backends.numerics import FORMATS, quantize_dequantize, round_to_format, sqnr_db
+from gnmr_dist.backends.numerics.formats import FORMATS
+from gnmr_dist.backends.numerics.rounding import round_to_format
+from gnmr_dist.backends.numerics.scaled import quantize_dequantize, sqnr_db
 
 
 def spec(fmt="e4m3", grad=None, granularity="block", block=128):

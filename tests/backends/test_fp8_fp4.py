@@ -16,12 +16,10 @@ from torch import nn
 
 from gnmr_dist.backends import get_backend
 from gnmr_dist.backends.fp8_linear import Fp8Call, LinearQuantSpec, fp8_linear
-from gnmr_dist.backends.numerics import (
-    NVFP4_WEIGHT_BLOCK,
-    hadamard_rotate,
-    quantize_dequantize,
-    sr_seed,
-)
+from gnmr_dist.backends.numerics.formats import NVFP4_WEIGHT_BLOCK
+from gnmr_dist.backends.numerics.hadamard import hadamard_rotate
+from gnmr_dist.backends.numerics.rounding import sr_seed
+from gnmr_dist.backends.numerics.scaled import quantize_dequantize
 from tests import multiproc
 
 NVFP4 = {"format": "e2m1"}

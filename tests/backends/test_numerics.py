@@ -2,7 +2,8 @@
 
 The reference enumerates every finite code of each format from its bit fields, picks the
 nearest value by exhaustive comparison, breaks ties towards the code whose mantissa LSB is 0
-and saturates beyond the largest finite value. It shares no code with ``numerics.py``.
+and saturates beyond the largest finite value. It shares no code with
+``gnmr_dist/backends/numerics``.
 """
 
 from __future__ import annotations
@@ -12,14 +13,9 @@ import math
 import pytest
 import torch
 
-from gnmr_dist.backends.numerics import (
-    ACT_BLOCK,
-    FORMATS,
-    WEIGHT_BLOCK,
-    quantize_dequantize,
-    round_to_format,
-    sqnr_db,
-)
+from gnmr_dist.backends.numerics.formats import ACT_BLOCK, FORMATS, WEIGHT_BLOCK
+from gnmr_dist.backends.numerics.rounding import round_to_format
+from gnmr_dist.backends.numerics.scaled import quantize_dequantize, sqnr_db
 
 # name: (exponent bits, mantissa bits, bias, is the code (exp field, man field) not finite?)
 SPECS = {

@@ -1,8 +1,9 @@
 """FP4 block scaling (NVFP4, MXFP4), stochastic rounding and the random Hadamard transform.
 
 The references loop over blocks in Python, take each block's amax by hand, round with the
-brute-force code-table search of ``test_numerics`` (nothing of ``numerics.py``) and do the
-formulas' fp32 arithmetic on ``numpy.float32`` scalars, left to right as the contract states.
+brute-force code-table search of ``test_numerics`` (nothing of ``gnmr_dist/backends/numerics``)
+and do the formulas' fp32 arithmetic on ``numpy.float32`` scalars, left to right as the
+contract states.
 """
 
 from __future__ import annotations
@@ -13,15 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from gnmr_dist.backends.numerics import (
-    FORMATS,
-    NVFP4_WEIGHT_BLOCK,
-    hadamard_rotate,
-    quantize_dequantize,
-    round_to_format,
-    sqnr_db,
-    sr_seed,
-)
+from gnmr_dist.backends.numerics.formats import FORMATS, NVFP4_WEIGHT_BLOCK
+from gnmr_dist.backends.numerics.hadamard import hadamard_rotate
+from gnmr_dist.backends.numerics.rounding import round_to_format, sr_seed
+from gnmr_dist.backends.numerics.scaled import quantize_dequantize, sqnr_db
 from tests.backends.test_numerics import assert_bit_equal, reference_round
 
 F32 = np.float32
