@@ -55,6 +55,7 @@ from benchmarks.harness.training import ArmRun
 __all__ = [
     "Instrument",
     "NULL_ARMS",
+    "load_trunk",
     "perturb",
     "run_branch",
     "run_trunk",
@@ -133,7 +134,7 @@ def _save(run: ArmRun, step: int, path: Path) -> None:
     tmp.replace(path)
 
 
-def _load(run: ArmRun, path: Path) -> int:
+def load_trunk(run: ArmRun, path: Path) -> int:
     """The trunk's state into ``run`` (the GNMR controller's history included); its step."""
     state = torch.load(path, weights_only=True)
     run.model.load_state_dict(state["model"])
@@ -162,7 +163,7 @@ def run_branch(
     s = _setup_for(setup, inst, seed)
     heldout = Batches(s.heldout, s)
     run = ArmRun(s, arm, heldout, evaluates=False)
-    start = _load(run, trunk_file(root, seed, point))
+    start = load_trunk(run, trunk_file(root, seed, point))
     run.last_step = start + inst.horizon  # the late switch: the branch's last steps
     run.draw_gen.manual_seed(seed * 100_003 + point)  # random-k: its own draws per branch
     if perturbed:

@@ -54,6 +54,7 @@ from benchmarks.harness.arms import Arm
 from benchmarks.harness.branch import NULL_ARMS, run_branch, run_trunk
 from benchmarks.harness.branch_stats import Design, Records
 from benchmarks.harness.common import RESULTS, arg_parser
+from benchmarks.sweep.fp4_step_time import save, step_time
 from benchmarks.sweep.regimes import FP4_REGIMES, Regime
 
 logger = logging.getLogger("benchmarks.sweep.fp4")
@@ -103,15 +104,20 @@ def make_arms(regime: Regime, budgets: Sequence[int], units: int) -> list[tuple[
     return arms
 
 
+def step_time_arms(regime: Regime) -> tuple[Arm, Arm]:
+    """``NVIDIA last-k`` and ``GNMR+e k`` at NVIDIA's budget ``k``, as the sweep runs them."""
+    k = nvidia_k(regime.units)
+    arms = {arm.name: arm for arm, _ in make_arms(regime, [k], regime.units)}
+    return arms[f"NVIDIA last-{k}"], arms[f"GNMR+e {k}"]
+
+
 # ====================================================================== running
 
 
-def _trunk_root(regime: str) -> Path:
-    """The trunks' folder: one for every FP4 regime, whose trunks are the same BF16 runs (the
-    same setup and recovery path: ``tests/benchmarks/test_branch.py`` checks it), so that
-    branches of different regimes start from the same checkpoints too."""
-    del regime
-    return RESULTS / "sweep" / "fp4" / "trunks"
+TRUNKS = RESULTS / "sweep" / "fp4" / "trunks"
+"""The trunks' folder: one for every FP4 regime, whose trunks are the same BF16 runs (the same
+setup and recovery path: ``tests/benchmarks/test_branch.py`` checks it), so that branches of
+different regimes start from the same checkpoints too."""
 
 
 def _records_file(regime: str) -> Path:
@@ -135,7 +141,7 @@ def _job(payload: tuple[str, str, dict[str, Any], int, int, bool]) -> dict[str, 
     """A trunk (``point == 0``) or one branch, in a worker process."""
     kind, regime_name, arm_d, seed, point, perturbed = payload
     regime = FP4_REGIMES[regime_name]
-    arm, root = Arm(**arm_d), _trunk_root(regime_name)
+    arm, root = Arm(**arm_d), TRUNKS
     if kind == "trunk":
         wall = run_trunk(regime.setup, arm, regime.instrument, seed, root)
         return {"trunk": seed, "wall_s": wall}
@@ -227,9 +233,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     regime = FP4_REGIMES[a.regime]
     if a.step_time:
-        from benchmarks.sweep.fp4_step_time import save, step_time
-
-        logger.info("written to %s", save(regime, step_time(regime, a.steps), a.steps))
+        got = step_time(regime, *step_time_arms(regime), a.steps, TRUNKS)
+        logger.info("written to %s", save(regime, got, a.steps))
         return
     seeds = [int(s) for s in a.seeds.split(",")]
     budgets = [int(k) for k in a.budgets.split(",")]

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from benchmarks.harness.arms import Arm
-from benchmarks.harness.branch import _load, run_trunk, trunk_file
+from benchmarks.harness.branch import load_trunk, run_trunk, trunk_file
 from benchmarks.harness.common import RESULTS
 from benchmarks.harness.model import Batches
 from benchmarks.harness.recipes import ERROR_TARGET
@@ -47,55 +47,33 @@ WARMUP = 5
 
 
 def step_time(
-    regime: Regime, steps: int, seed: int = 1234, root: Path | None = None
+    regime: Regime, nvidia: Arm, gnmr: Arm, steps: int, root: Path, seed: int = 1234
 ) -> dict[str, float]:
-    """Interleave the two arms for ``steps`` steps each; print and return the medians (ms).
-    ``root``: where the trunk is (built there when missing; default: the sweep's)."""
-    from benchmarks.sweep.fp4 import ERROR_EVERY, _trunk_root, nvidia_k
-
+    """Interleave ``nvidia`` (NVIDIA's static rule, timed without GNMR's work), ``gnmr`` and
+    ``gnmr``'s plan replayed for ``steps`` steps each; print and return the medians (ms) and the
+    two ratios. ``root``: where the trunk is (built there when missing)."""
     torch.set_num_threads(1)
     inst, point = regime.instrument, start_point(regime)
-    root, q = root or _trunk_root(regime.name), regime.backend_args()
-    run_trunk(regime.setup, Arm("trunk", "recovery", **q), inst, seed, root)
-    k = nvidia_k(regime.units)
-    arms = {
-        f"NVIDIA last-{k}": (Arm(f"NVIDIA last-{k}", "last_units", max_active=k, **q), False),
-        f"GNMR+e {k}": (
-            Arm(
-                f"GNMR+e {k}",
-                "gnmr",
-                max_active=k,
-                controller=regime.error_policy(),
-                error_every=ERROR_EVERY,
-                **q,
-            ),
-            True,
-        ),
-    }
+    run_trunk(regime.setup, Arm("trunk", "recovery", **regime.backend_args()), inst, seed, root)
     setup = replace(regime.setup, steps=inst.trunk_steps, seed=seed, eval_every=10**9)
     train, heldout = Batches(setup.data, setup), Batches(setup.heldout, setup)
-    runs: dict[str, ArmRun] = {}
-    for name, (arm, monitors) in arms.items():
-        runs[name] = ArmRun(setup, arm, heldout, evaluates=False, monitors=monitors)
-    gnmr, nvidia = runs[f"GNMR+e {k}"], runs[f"NVIDIA last-{k}"]
-    replayed = replace(gnmr.arm, name=f"GNMR+e {k} replayed", policy="static")
-    runs[replayed.name] = Replayed(setup, replayed, heldout, gnmr)
-    (start,) = {_load(run, trunk_file(root, seed, point)) for run in runs.values()}
+    runs = {
+        arm.name: ArmRun(setup, arm, heldout, evaluates=False, monitors=arm is gnmr)
+        for arm in (nvidia, gnmr)
+    }
+    replayed = replace(gnmr, name=f"{gnmr.name} replayed", policy="static")
+    runs[replayed.name] = Replayed(setup, replayed, heldout, runs[gnmr.name])
+    (start,) = {load_trunk(run, trunk_file(root, seed, point)) for run in runs.values()}
     order = list(runs.values())
     for i in range(1, steps + 1):
         for run in order if i % 2 else order[::-1]:
             run.step(start + i, train)
     ms = {n: 1e3 * statistics.median(r.times[WARMUP:] or r.times) for n, r in runs.items()}
-    replay = runs[replayed.name]
-    same = all(
-        torch.equal(a, b)
-        for a, b in zip(
-            gnmr.model.state_dict().values(), replay.model.state_dict().values(), strict=True
-        )
-    )
+    ends = [runs[name].model.state_dict().values() for name in (gnmr.name, replayed.name)]
+    same = all(torch.equal(a, b) for a, b in zip(*ends, strict=True))
     ratios = {
-        "vs_nvidia": ms[gnmr.arm.name] / ms[nvidia.arm.name],
-        "vs_replayed": ms[gnmr.arm.name] / ms[replayed.name],
+        "vs_nvidia": ms[gnmr.name] / ms[nvidia.name],
+        "vs_replayed": ms[gnmr.name] / ms[replayed.name],
     }
     recovered = {n: int(r.unit_recovered.sum()) for n, r in runs.items()}
     print(

@@ -13,11 +13,18 @@ import pytest
 import torch
 
 from benchmarks.harness.arms import Arm
-from benchmarks.harness.branch import Instrument, perturb, run_branch, run_trunk, trunk_file
+from benchmarks.harness.branch import (
+    Instrument,
+    load_trunk,
+    perturb,
+    run_branch,
+    run_trunk,
+    trunk_file,
+)
 from benchmarks.harness.branch_stats import Design, paired, share_closed, troubles, unit_step_share
 from benchmarks.harness.model import Batches
 from benchmarks.harness.training import ArmRun
-from benchmarks.sweep.fp4 import make_arms, nvidia_k
+from benchmarks.sweep.fp4 import make_arms, nvidia_k, step_time_arms
 from benchmarks.sweep.regimes import FP4_REGIMES
 from tests.benchmarks.test_harness import tiny
 
@@ -42,9 +49,7 @@ def test_a_branch_with_the_trunks_policy_is_its_continuation(trunk):
     saved = torch.load(trunk_file(root, 3, 5), weights_only=True)
     s = replace(setup, steps=INST.trunk_steps, seed=3, eval_every=10**9)
     run = ArmRun(s, Arm("BF16", "recovery", **Q), Batches(s.heldout, s), evaluates=False)
-    from benchmarks.harness.branch import _load
-
-    _load(run, trunk_file(root, 3, 3))
+    load_trunk(run, trunk_file(root, 3, 3))
     train = Batches(s.data, s)
     for step in (4, 5):
         run.step(step, train)
@@ -172,7 +177,7 @@ def test_step_time_interleaves_gnmr_e_and_nvidias_rule(tmp_path, capsys):
         instrument=INST,
         units=14,
     )
-    got = step_time(regime, steps=3, root=tmp_path)
+    got = step_time(regime, *step_time_arms(regime), steps=3, root=tmp_path)
     assert set(got) == {
         "NVIDIA last-2",
         "GNMR+e 2",
