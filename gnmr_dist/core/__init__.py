@@ -8,7 +8,8 @@ builds on it and it never imports them.
 """
 
 from gnmr_dist.core.config import GNMRConfig
-from gnmr_dist.core.controller import Decision, GNMRController, Telemetry
+from gnmr_dist.core.controller import GNMRController
+from gnmr_dist.core.decision import Decision, Telemetry
 from gnmr_dist.core.schedule import Schedule, ScheduleKind
 from gnmr_dist.core.scores import error_scores, ratio, risk_scores
 

@@ -1,32 +1,28 @@
-r"""The GNMR risk scores, vectorised over units.
+r"""The GNMR risk scores in torch, with the conventions spelled out: the reference of the policy.
 
-For unit ``u`` with gradient norm ``n_t(u)`` at optimizer step ``t``:
+The controller scores with numpy (:func:`gnmr_dist.core.policy.score`, where the conventions
+below come out of IEEE division); this module says the same in plain torch, one ``where`` per
+rule, and ``tests/core/test_scores.py`` asserts the two agree bit for bit on every step of real
+score histories. For unit ``u`` with gradient norm ``n_t(u)`` at optimizer step ``t``:
 
 * **GNMR** (long horizon) compares the norm with the mean of every finite norm the unit had
   before: ``GNMR_t = n_t / (S / c)``. A value of 3 says "three times its usual gradient".
 * **delta-GNMR** (short window) compares that score with the mean of the unit's last
   ``window`` finite GNMR values: ``dGNMR_t = GNMR_t / mean(W)``. A slow drift raises GNMR
   but not delta-GNMR; an abrupt spike raises both.
+* **error term** (optional, docs/algorithm.md#damage-term): a backend may report a dimensionless
+  error score ``e_t >= 0`` per unit; with a threshold ``gamma_t`` it enters the risk as a third
+  term, ``risk = max(GNMR / alpha, dGNMR / beta, e / gamma)``, used as given (no history), a
+  non-finite ``e`` (NaN, +-inf) counting as +inf.
 
-Both are ratios of a quantity to its own history, so they are dimensionless: scaling one unit's
-whole norm series by ``c > 0`` leaves its scores unchanged, which is what lets the controller rank
-an embedding-sized projection against a tiny LayerNorm. Division follows
+Both ratios compare a unit with its own history, so they are dimensionless: scaling one unit's
+whole norm series by ``c > 0`` leaves its scores unchanged. Division follows
 
     ratio(a, b) = a / b  if b > 0;   1.0 if a == b == 0;   +inf if b == 0 < a
 
 so a unit whose history is all zeros scores 1 while it stays at zero and +inf the moment it
 moves. A unit with no history (``c == 0``, or ``W`` empty) scores 1.0, and a non-finite norm
 scores +inf on every score.
-
-* **error term** (optional, docs/algorithm.md#damage-term): both scores above compare a unit with
-  its own
-  past, so a unit that the low-cost path damages at every step looks normal to them. A backend
-  may report a dimensionless error score ``e_t >= 0`` per unit (what the low-cost path does to
-  that unit's gradient); with a threshold ``gamma_t`` it enters the risk as a third term,
-  ``risk = max(GNMR / alpha, dGNMR / beta, e / gamma)``. It is already dimensionless and absolute
-  (no history), so it is used as given, and a non-finite ``e`` (NaN, +-inf) counts as +inf.
-
-Everything here is a few elementwise ops on float64 vectors of length U; nothing loops over units.
 """
 
 from __future__ import annotations
@@ -64,7 +60,8 @@ def risk_scores(
 
     ``norms`` may hold NaN or +-inf; those units score +inf. ``norm_sum``/``norm_count`` are the
     sum and count of past finite norms, ``window_mean``/``window_len`` the mean and size of the
-    window of past finite GNMR values. All float64 except the integer counts. ``errors`` (float64
+    window of past finite GNMR values (summed oldest to newest, as the policy sums it, for the
+    same bits). All float64 except the integer counts. ``errors`` (float64
     [U], >= 0, non-finite counts as +inf) and ``gamma`` add section 2.1's error term; without
     them the risk is section 2's, bit for bit.
     """

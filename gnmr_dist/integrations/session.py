@@ -131,7 +131,7 @@ class Interval:
 
 def telemetry_scalars(decision: Decision, global_norm: float) -> dict[str, float]:
     """The scalars every integration logs per decision (names without the ``gnmr/`` prefix):
-    the decision's :class:`~gnmr_dist.core.controller.Telemetry` counts and the global
+    the decision's :class:`~gnmr_dist.core.decision.Telemetry` counts and the global
     gradient norm."""
     return {**decision.telemetry.as_dict(), "global_grad_norm": float(global_norm)}
 
