@@ -9,7 +9,16 @@ from gnmr_dist.integrations.deepspeed import (
     enable,
     enabled,
     initialize,
+    is_enabled,
     load_ds_config,
 )
 
-__all__ = ["DeepSpeedGNMR", "disable", "enable", "enabled", "initialize", "load_ds_config"]
+__all__ = [
+    "DeepSpeedGNMR",
+    "disable",
+    "enable",
+    "enabled",
+    "initialize",
+    "is_enabled",
+    "load_ds_config",
+]

@@ -96,7 +96,7 @@ def test_the_callback_warns_once_when_an_engine_missed_it(caplog):
 
     args = types.SimpleNamespace(deepspeed={"gnmr": {"max_active": 2}})
     callback = GNMRCallback()
-    assert gds._PATCHES  # enabled by the callback itself
+    assert gds.is_enabled()  # enabled by the callback itself
     with caplog.at_level("WARNING", logger="gnmr_dist.integrations.deepspeed.trainer"):
         callback.on_train_begin(args, None, None)
         callback.on_train_begin(args, None, None)
@@ -107,4 +107,4 @@ def test_the_callback_warns_once_when_an_engine_missed_it(caplog):
     GNMRCallback().on_train_begin(off, None, None)
     assert not caplog.records
     callback.on_train_end(args, None, None)
-    assert not gds._PATCHES
+    assert not gds.is_enabled()

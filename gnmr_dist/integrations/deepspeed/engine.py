@@ -3,64 +3,25 @@
 Same arguments and return value as ``deepspeed.initialize``. With a ``"gnmr"`` block (and
 ``"enabled"`` not false) it:
 
-1. validates the block before anything else (unknown keys, values, backend options);
+1. validates the block before anything else (unknown keys, values, backend options), and refuses
+   the settings GNMR cannot run under (pipeline engine, ZeRO 3 offload; the probe's limits);
 2. finds the model's units, agrees their ids over the world (one all-gather at start) and wraps
    them with the configured backend, before DeepSpeed builds its optimizer;
-3. hooks ``engine._take_model_step``, which DeepSpeed runs once per gradient-accumulation
-   boundary after reducing the gradients: there it reads each rank's piece of every gradient
-   where the ZeRO stage keeps it (:mod:`gnmr_dist.integrations.deepspeed.grads`), all-reduces the
-   small per-unit vector once over the data-parallel group, lets the optimizer step, and, if the
-   step was applied (no overflow skip), feeds the controller and applies its plan to the next
-   step. A skipped step leaves the controller's history untouched;
-4. enters the backend's step context around every forward (TE's FP8 region; no-op otherwise);
-5. with ``"gamma"`` in the block (docs/algorithm.md#damage-term), turns on the backend's error sums
-and
-   reduces them in the same all-reduce, scaled by ``1/dp`` (DeepSpeed averages the gradients
-   over the data-parallel ranks, so the error bounds of each rank's micro-batches are averaged
-   the same way); the controller gets ``e = B / G`` (``G``: the global gradient norm). A
-   backend that reports none (``te_fp8``) or no backend is refused with ``"gamma"`` set, before
-   DeepSpeed starts;
-6. saves the controller state next to every DeepSpeed checkpoint (``<dir>/<tag>/gnmr_state.pt``,
-   plain tensors sealed with a per-field checksum) and restores it in ``load_checkpoint`` with
-   ``torch.load(weights_only=True)``, after its checksum and invariants are checked. The state
-   is written atomically (:func:`~gnmr_dist.integrations.state_file.write_atomic`) *before*
-   DeepSpeed's own files and its ``latest`` tag, so a job killed at any instant of a save
-   (preemption, node failure) restarts from a checkpoint that is complete, GNMR state included:
-   the new one if ``latest`` names it, else the one before. (A fixed tag saved over in place is
-   not kill-safe for DeepSpeed's own files either; use per-step tags, DeepSpeed's default.);
-7. with ``"probe": {"every": N, "k": 3}``, runs the recovery-gap probe
-   (:class:`gnmr_dist.distributed.probe.RecoveryProbe`) on every optimizer step ``t`` with
-   ``t % N == 0`` (GNMR's step numbers: the step whose plan is applied), inside the wrapped
-   ``engine.forward`` at the first training forward of the step's gradient-accumulation cycle,
-   before that forward and with its arguments: two extra forward/backward passes of
-   ``engine.module`` (inside the backend's ``step_context()`` and DeepSpeed's autocast, as the
-   real forward), every unit on the low-cost and then on the recovery path, differentiated with
-   ``torch.autograd.grad`` (``.grad`` and DeepSpeed's gradient hooks are untouched; the step's
-   RNG, plan, gradients and decisions are those of a run without the probe). The decision
-   record of step ``t`` in the trace gains a ``"probe"`` object (:class:`ProbeRecord`);
-   ``engine.gnmr.last_probe`` holds the last one on every rank.
+3. gives the engine a :class:`DeepSpeedGNMR` (``engine.gnmr``,
+   :mod:`~gnmr_dist.integrations.deepspeed.session`), which hooks ``engine._take_model_step``:
+   each rank's piece of every gradient (:mod:`~gnmr_dist.integrations.deepspeed.grads`), one
+   all-reduce of the per-unit vector (with ``"gamma"``: the backend's error sums, scaled by
+   ``1/dp`` as DeepSpeed averages the gradients, in the same vector; ``e = B / G``), the
+   optimizer step, and, if it was applied, the controller's plan for the next step. A skipped
+   step leaves the controller's history untouched. ``engine.forward`` enters the backend's step
+   context and, with ``"probe"``, runs the recovery-gap probe first;
+4. saves the controller state next to every DeepSpeed checkpoint (``<dir>/<tag>/gnmr_state.pt``,
+   written atomically before DeepSpeed's own files and its ``latest`` tag) and restores it in
+   ``load_checkpoint`` after its checksum and invariants are checked.
 
-The probe's loss is what the forward returns: a scalar tensor, an output with ``.loss`` or a
-mapping with ``"loss"`` (a Hugging Face model given ``labels=``); anything else is a
-``RuntimeError`` naming ``gnmr.probe``. Each rank's loss is divided by the data-parallel size and
-the probe sums the two passes' gradients over the data-parallel group, which gives the gradient
-of the global batch's mean loss when the ranks' micro-batches have equal sizes (DeepSpeed's
-``train_micro_batch_size_per_gpu``). With gradient accumulation the probe measures the first
-micro-batch of the step only: the gaps of one micro-batch's gradient, a noisier estimate of the
-step's. Forwards in eval mode or under ``no_grad`` are never probed. The update gap needs Adam's
-per-parameter second moments keyed by the module's own parameters: DeepSpeed 0.19 keeps them so
-only at ZeRO stage 0 with fp32 weights and a torch ``Adam``/``AdamW`` (``"torch_adam": true``;
-``engine.optimizer`` is then the torch optimizer itself). Under bf16 (``FP16_UnfusedOptimizer``
-or ``BF16_Optimizer``: fp32 master copies) and ZeRO 1-2 (flat fp32 partitions) there is no such
-state: the update gap is not recorded (``null`` in the trace, ``n/a`` in ``gnmr-report``).
-Refused before DeepSpeed starts: ZeRO stage 3 (the parameters are partitioned and exist whole
-only inside DeepSpeed's own forward/backward hooks, so ``autograd.grad`` on them is not
-available) and fp16 loss scaling (``fp16``, ``amp``, fp16 ``torch_autocast``: the probe
-differentiates the unscaled loss, whose fp16 gradients would underflow where the step's do not).
-
-``engine.gnmr`` is the :class:`DeepSpeedGNMR` runtime (controller, registry, backend, last
-decision, telemetry). Without the block, or with ``"enabled": false``, the result is plain
-DeepSpeed.
+Without the block, or with ``"enabled": false``, the result is plain DeepSpeed. :func:`enable`
+makes ``deepspeed.initialize`` itself do this (Hugging Face Trainer, accelerate). Details: the
+step, the ZeRO stages, checkpoints and the probe's passes and limits in docs/deepspeed.md.
 """
 
 from __future__ import annotations
@@ -86,6 +47,7 @@ from gnmr_dist.integrations.deepspeed.session import (
     DeepSpeedGNMR,
     probe_loss,
 )
+from gnmr_dist.integrations.deepspeed.trainer_log import with_gnmr_entries
 from gnmr_dist.integrations.patching import Patches
 from gnmr_dist.integrations.session import (
     check_error_source,
@@ -99,6 +61,7 @@ __all__ = [
     "enabled",
     "engines_with_gnmr",
     "initialize",
+    "is_enabled",
     "load_ds_config",
     "probe_loss",
 ]
@@ -125,7 +88,7 @@ def load_ds_config(config: Any) -> dict[str, Any]:
 
 
 _PATCHES = Patches("gnmr_dist.deepspeed.enable")
-"""``deepspeed.initialize`` replaced by :func:`enable` (and, through it, ``Trainer.log``)."""
+"""What :func:`enable` replaced: ``deepspeed.initialize`` and ``transformers.Trainer.log``."""
 _WARNED_NO_BLOCK: list[bool] = []
 _BUILT = [0]
 """How many engines :func:`initialize` has given GNMR in this process (read by
@@ -154,8 +117,8 @@ def enable() -> None:
     prepares the model; the block is read from the same DeepSpeed config they pass
     (``config_params``). While enabled, an engine built from a config without an enabled
     ``"gnmr"`` block logs that once, and ``transformers.Trainer.log`` adds GNMR's counts to
-    Trainer's training logs (:mod:`gnmr_dist.integrations.deepspeed.trainer`). :func:`disable`
-    restores both.
+    Trainer's training logs (:mod:`gnmr_dist.integrations.deepspeed.trainer_log`). Both
+    replacements are this function's; :func:`disable` restores both.
     """
     import deepspeed
 
@@ -168,27 +131,27 @@ def enable() -> None:
 
     _PATCHES.set(deepspeed, "initialize", gnmr_initialize)
     with contextlib.suppress(ImportError):  # no transformers: nothing to log into
-        from gnmr_dist.integrations.deepspeed import trainer
+        from transformers import Trainer
 
-        trainer.patch()
+        _PATCHES.set(Trainer, "log", with_gnmr_entries(Trainer.log))
     logger.info('gnmr: deepspeed.initialize now reads the config\'s "gnmr" block')
 
 
 def disable() -> None:
     """Undo :func:`enable` (no-op when not enabled)."""
-    if _PATCHES:
-        _PATCHES.restore()
-        _WARNED_NO_BLOCK.clear()
-        with contextlib.suppress(ImportError):
-            from gnmr_dist.integrations.deepspeed import trainer
+    _PATCHES.restore()
+    _WARNED_NO_BLOCK.clear()
 
-            trainer.unpatch()
+
+def is_enabled() -> bool:
+    """Whether :func:`enable` is in effect in this process."""
+    return bool(_PATCHES)
 
 
 @contextlib.contextmanager
 def enabled() -> Any:
     """:func:`enable` for the duration of a ``with`` block (restored after, if it enabled)."""
-    was = bool(_PATCHES)
+    was = is_enabled()
     enable()
     try:
         yield

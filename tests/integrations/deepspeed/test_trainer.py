@@ -291,14 +291,14 @@ def test_the_callback_refuses_a_run_without_deepspeed(tmp_path):
     args = TrainingArguments(
         output_dir=str(tmp_path), max_steps=1, report_to=[], use_cpu=True, disable_tqdm=True
     )
-    before = bool(gds._PATCHES)
+    before = gds.is_enabled()
     callback = GNMRCallback()
     trainer = Trainer(model=dsc.llama(), args=args, train_dataset=_Batches(2), callbacks=[callback])
     with pytest.raises(
         ValueError, match=r"TrainingArguments.deepspeed is not set.*drop the callback"
     ):
         trainer.train()
-    assert bool(gds._PATCHES) == before  # as the callback found it
+    assert gds.is_enabled() == before  # as the callback found it
 
 
 def test_the_callback_warns_once_when_the_deepspeed_config_has_no_gnmr_block(tmp_path, caplog):
@@ -310,7 +310,7 @@ def test_the_callback_warns_once_when_the_deepspeed_config_has_no_gnmr_block(tmp
     from gnmr_dist.integrations.deepspeed import engine as gds
 
     args = TrainingArguments(output_dir=str(tmp_path), deepspeed=dsc.ds_config(2), report_to=[])
-    before = bool(gds._PATCHES)
+    before = gds.is_enabled()
     callback = GNMRCallback()
     with caplog.at_level(logging.WARNING, logger="gnmr_dist"):
         callback.on_train_begin(args, None, None)
@@ -318,4 +318,25 @@ def test_the_callback_warns_once_when_the_deepspeed_config_has_no_gnmr_block(tmp
     callback.on_train_end(args, None, None)
     said = [r.getMessage() for r in caplog.records if 'no "gnmr" block' in r.getMessage()]
     assert len(said) == 1 and "GNMR is off for this run" in said[0]
-    assert bool(gds._PATCHES) == before
+    assert gds.is_enabled() == before
+
+
+def test_enable_owns_both_patches_and_disable_puts_the_originals_back():
+    """``deepspeed.initialize`` and ``Trainer.log`` are replaced by one ``enable()`` and are the
+    original objects again after ``disable()``; ``is_enabled`` follows."""
+    import deepspeed
+    from transformers import Trainer
+
+    import gnmr_dist.deepspeed as gds
+
+    assert not gds.is_enabled()
+    initialize, log = deepspeed.initialize, vars(Trainer)["log"]
+    gds.enable()
+    try:
+        assert gds.is_enabled()
+        assert deepspeed.initialize is not initialize and vars(Trainer)["log"] is not log
+        assert Trainer.log.__wrapped__ is log  # functools.wraps: the one wrapper of the original
+    finally:
+        gds.disable()
+    assert not gds.is_enabled()
+    assert deepspeed.initialize is initialize and vars(Trainer)["log"] is log
