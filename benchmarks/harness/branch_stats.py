@@ -6,7 +6,7 @@ Every figure pairs arms on the same (seed, branch point): the same weights, opti
 batches and learning rate at the start of the branch. A seed's figure is the mean over its
 branch points; the estimate and its 95% Student-t interval are taken over the seeds, the
 independent replicates (:mod:`benchmarks.harness.branch`). The module imports no torch
-(``python -m benchmarks.results_md`` computes with it from the records).
+(``python -m benchmarks.report`` computes with it from the records).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness.markdown import markdown_table
 from benchmarks.harness.stats import interval, plus_minus, t95
 
 Records = dict[tuple[str, int, int], dict[str, Any]]
@@ -144,13 +145,11 @@ def verdict(pair: tuple[float, float]) -> str:
 
 def table(summary: dict[str, dict[str, Any]]) -> str:
     """One row per arm of a report's summary (:func:`benchmarks.sweep.fp4_report.summarize`)."""
+    header = ["arm", "recovered unit-steps", "held-out - BF16", "held-out - low-cost"]
+    header += ["share of the static gap closed", "loss spikes", "diverged"]
     rows = [
-        "| arm | recovered unit-steps | held-out - BF16 | held-out - low-cost "
-        "| share of the static gap closed | loss spikes | diverged |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for arm, r in summary.items():
-        cells = [
+        [
+            arm,
             f"{100 * r['unit_steps']:.1f}%",
             plus_minus(r["vs_bf16"]),
             plus_minus(r["vs_low_cost"]),
@@ -158,5 +157,6 @@ def table(summary: dict[str, dict[str, Any]]) -> str:
             str(r["spikes"]),
             str(r["diverged"]),
         ]
-        rows.append(f"| {arm} | " + " | ".join(cells) + " |")
-    return "\n".join(rows)
+        for arm, r in summary.items()
+    ]
+    return markdown_table(header, rows)

@@ -1,5 +1,5 @@
 """The printed table and target lines of a seed experiment (:mod:`benchmarks.harness.experiment`),
-from its arms' results; ``python -m benchmarks.results_md`` renders RESULTS.md's tables with them.
+from its arms' results; ``python -m benchmarks.report`` renders RESULTS.md's tables with them.
 
 Nothing here imports torch: the results come from a run or from its JSON (``ArmResult(**r)``).
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from benchmarks.harness.arms import ArmResult
+from benchmarks.harness.markdown import markdown_table
 
 TOLERANCE = 0.01
 """The seed's quality target: GNMR's held-out loss within this share of the reference arm's."""
@@ -24,19 +25,20 @@ def table(results: Sequence[ArmResult], reference: str, low_cost: str) -> str:
     """Markdown table; loss deltas relative to the ``reference`` arm, times to ``low_cost``."""
     by = {r.name: r for r in results}
     ref, low = by[reference], by[low_cost]
+    header = ["arm", "held-out loss", f"vs {reference}", "perplexity", "exceedance", "recovery"]
     rows = [
-        "| arm | held-out loss | vs " + reference + " | perplexity | exceedance | recovery "
-        "| step time vs " + low_cost + " |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        [
+            r.name,
+            f"{r.heldout_loss:.4f}",
+            f"{100 * (r.heldout_loss / ref.heldout_loss - 1):+.2f}%",
+            f"{r.heldout_ppl:.2f}",
+            f"{100 * r.exceedance_rate:.3f}%",
+            f"{100 * r.recovery_rate:.2f}%",
+            f"{r.step_ms / low.step_ms:.3f}",
+        ]
+        for r in results
     ]
-    for r in results:
-        delta = 100 * (r.heldout_loss / ref.heldout_loss - 1)
-        rows.append(
-            f"| {r.name} | {r.heldout_loss:.4f} | {delta:+.2f}% | {r.heldout_ppl:.2f} | "
-            f"{100 * r.exceedance_rate:.3f}% | {100 * r.recovery_rate:.2f}% | "
-            f"{r.step_ms / low.step_ms:.3f} |"
-        )
-    return "\n".join(rows)
+    return markdown_table([*header, f"step time vs {low_cost}"], rows)
 
 
 def targets(

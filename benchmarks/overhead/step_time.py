@@ -44,6 +44,7 @@ from torch import nn
 
 from benchmarks.harness.arms import Setup
 from benchmarks.harness.common import deepspeed_world, hf_loss
+from benchmarks.harness.markdown import markdown_table
 from benchmarks.harness.model import Batches, build_model
 from benchmarks.harness.recipes import ERROR_TARGET, TARGET
 from benchmarks.overhead.config import (
@@ -315,33 +316,22 @@ def part_a(
 
 
 def table_a(results: dict[str, list[dict[str, Any]]]) -> str:
-    rows = [
-        "| backend / runtime | arm | CPU ms | CPU / low-cost [IQR] | wall ms | wall / low-cost "
-        "[IQR] | monitor ms | controller ms | (mon + ctl) / low-cost | mean active |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
+    """Part (a)'s table: per backend, runtime and arm, the medians and paired ratios."""
+    header = ["backend / runtime", "arm", "CPU ms", "CPU / low-cost [IQR]", "wall ms"]
+    header += ["wall / low-cost [IQR]", "monitor ms", "controller ms", "(mon + ctl) / low-cost"]
+    rows = []
     for where, arms in results.items():
         for a in arms:
-            gnmr = a["arm"].startswith("gnmr")
-            own = (
-                [
-                    f"{a['monitor_ms']:.2f}",
-                    f"{a['controller_ms']:.2f}",
-                    f"{100 * a['own_fraction']:.2f}%",
-                ]
-                if gnmr
-                else ["-"] * 3
-            )
-            ratios = [
-                f"{a[k + '_ms']:.1f} | {a[k + '_ratio']:.3f} "
-                f"[{a[k + '_iqr'][0]:.3f}, {a[k + '_iqr'][1]:.3f}]"
+            own = [f"{a['monitor_ms']:.2f}", f"{a['controller_ms']:.2f}"]
+            own = [*own, f"{100 * a['own_fraction']:.2f}%"]
+            times = [
+                (f"{a[k + '_ms']:.1f}", f"{a[k + '_ratio']:.3f} [{lo:.3f}, {hi:.3f}]")
                 for k in ("cpu", "wall")
+                for lo, hi in [a[k + "_iqr"]]
             ]
-            rows.append(
-                f"| {where} | {a['arm']} | {' | '.join(ratios)} | {' | '.join(own)} | "
-                f"{a['mean_active']:.2f} |"
-            )
-    return "\n".join(rows)
+            own = own if a["arm"].startswith("gnmr") else ["-"] * 3
+            rows.append([where, a["arm"], *times[0], *times[1], *own, f"{a['mean_active']:.2f}"])
+    return markdown_table([*header, "mean active"], rows)
 
 
 def verdict(where: str, arms: Sequence[dict[str, Any]], budget: int) -> str:

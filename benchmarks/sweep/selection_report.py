@@ -1,6 +1,6 @@
 """The printed tables and the plot of a selection sweep (:mod:`benchmarks.sweep.selection`).
 
-The tables import no torch: ``python -m benchmarks.results_md`` renders RESULTS.md with them.
+The tables import no torch: ``python -m benchmarks.report`` renders RESULTS.md with them.
 """
 
 from __future__ import annotations
@@ -10,30 +10,27 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness.markdown import markdown_table
 from benchmarks.harness.stats import POLICY_PREFIXES, plus_minus
 
 
 def table(summary: dict[str, Any]) -> str:
     """Per arm: held-out loss, the paired differences to low-cost and to random-k, the share of
     the static gap closed and the recovery rate."""
+    header = ["arm", "held-out loss (95% CI)", "vs low-cost (paired)"]
+    header += ["share of static gap closed", "vs random-k (paired)", "recovery"]
     rows = [
-        "| arm | held-out loss (95% CI) | vs low-cost (paired) | share of static gap closed "
-        "| vs random-k (paired) | recovery |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    for name, row in summary.items():
-        m, h = row["loss"]
-        closed = row.get("closed")
-        shut = "n/a" if closed is None else f"{closed:+.2f}"
-        cells = [
-            f"{m:.4f} +- {h:.4f}",
+        [
+            name,
+            "{:.4f} +- {:.4f}".format(*row["loss"]),
             plus_minus(row.get("vs_low_cost")),
-            shut,
+            "n/a" if row.get("closed") is None else f"{row['closed']:+.2f}",
             plus_minus(row.get("vs_random")),
             f"{100 * row['recovery_rate']:.1f}%",
         ]
-        rows.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(rows)
+        for name, row in summary.items()
+    ]
+    return markdown_table(header, rows)
 
 
 SELECTION_SETS = (
@@ -55,20 +52,14 @@ COMPACT_FIGURES = FIGURES[:3]
 
 def selection_table(summary: dict[str, Any], arms: Sequence[str], window: str = "") -> str:
     """Selection figures of ``arms`` over every probe step, or inside the fault ``window``."""
+    header = ["arm", "set", "precision vs grad gap", "vs update gap", "share of grad gap^2"]
     rows = [
-        "| arm | set | precision vs grad gap | vs update gap | share of grad gap^2 | "
-        "share of update gap^2 |",
-        "| --- | --- | --- | --- | --- | --- |",
+        [arm, set_name, *(plus_minus(f.get(k), 2).lstrip("+") for k in FIGURES)]
+        for arm in arms
+        for set_name in SELECTION_SETS
+        if (f := _selection_of(summary, arm, window).get(set_name))
     ]
-    for arm in arms:
-        sel = _selection_of(summary, arm, window)
-        for set_name in SELECTION_SETS:
-            f = sel.get(set_name)
-            if not f:
-                continue
-            cells = [f"{f[k][0]:.2f} +- {f[k][1]:.2f}" if k in f else "-" for k in FIGURES]
-            rows.append(f"| {arm} | {set_name} | " + " | ".join(cells) + " |")
-    return "\n".join(rows)
+    return markdown_table([*header, "share of update gap^2"], rows)
 
 
 COMPACT_ROWS = [  # in the table's order: (arm, {graded set: the row's label})
@@ -98,20 +89,14 @@ COMPACT_ROWS = [  # in the table's order: (arm, {graded set: the row's label})
 
 def compact_selection(summary: dict[str, Any], window: str = "") -> str:
     """The README's selection table: the k = 3 signals and sets against both measured gaps."""
+    header = ["signal or set", "precision@3 vs gradient gap", "vs update gap"]
     rows = [
-        "| signal or set | precision@3 vs gradient gap | vs update gap | share of the "
-        "gradient gap^2 it covers |",
-        "| --- | --- | --- | --- |",
+        [label, *(plus_minus(f.get(k), 2).lstrip("+") for k in COMPACT_FIGURES)]
+        for arm, labels in COMPACT_ROWS
+        for set_name, label in labels.items()
+        if (f := _selection_of(summary, arm, window).get(set_name))
     ]
-    for arm, labels in COMPACT_ROWS:
-        sel = _selection_of(summary, arm, window)
-        for set_name, label in labels.items():
-            f = sel.get(set_name)
-            if not f:
-                continue
-            cells = [plus_minus(f.get(k), 2) for k in COMPACT_FIGURES]
-            rows.append(f"| {label} | " + " | ".join(c.lstrip("+") for c in cells) + " |")
-    return "\n".join(rows)
+    return markdown_table([*header, "share of the gradient gap^2 it covers"], rows)
 
 
 def _selection_of(summary: dict[str, Any], arm: str, window: str) -> dict[str, Any]:
