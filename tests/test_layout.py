@@ -29,7 +29,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("gnmr_dist.cli",),  # thin entry points
     ("benchmarks.harness",),  # the model, arms, training loop and branch estimator
     ("benchmarks.overhead", "benchmarks.seed", "benchmarks.sweep", "benchmarks.gpu"),  # studies
-    ("benchmarks.results_md",),  # the report, from result files only
+    ("benchmarks.report",),  # RESULTS.md from its template, reading result files only
     ("benchmarks",),
 )
 """Lowest first. ``"gnmr_dist"`` is the root package's ``__init__`` alone (longer prefixes win)."""

@@ -84,6 +84,7 @@ from typing import Any
 from benchmarks.harness.arms import Arm, ArmResult, Setup
 from benchmarks.harness.common import RESULTS
 from benchmarks.harness.model import Batches
+from benchmarks.harness.provenance import record
 from benchmarks.harness.training import ArmRun, run_arm
 
 logger = logging.getLogger("benchmarks.harness.experiment")
@@ -117,6 +118,7 @@ def run_experiment(
         "arms": [asdict(a) for a in arms],
         "results": [asdict(r) for r in results],
         "interleaved": interleave,
+        "provenance": record(),
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=1))

@@ -4,7 +4,7 @@ verdicts.
 
 Every figure pairs arms by seed: the same seed gives every arm the same initial weights, batches
 and order, so ``a - b`` per seed removes the spread between seeds' trajectories. The module
-imports no torch (``python -m benchmarks.results_md`` computes with it from the JSON files).
+imports no torch (``python -m benchmarks.report`` computes with it from the JSON files).
 """
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ import torch
 
 from benchmarks.harness.arms import Setup
 from benchmarks.harness.common import RESULTS, arg_parser
+from benchmarks.harness.provenance import record
 from benchmarks.harness.recipes import TARGET
 from benchmarks.overhead.collectives import Call, CollectiveSpec, part_c
 from benchmarks.overhead.config import GNMR_POLICY, backend_options
@@ -77,6 +78,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "budget": budget,
         "backends": backend_options(),
         "target": TARGET,
+        "provenance": record(),
     }
     text = []
     if "c" in a.parts:

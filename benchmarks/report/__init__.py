@@ -1,49 +1,69 @@
 """RESULTS.md, rendered from the result files in ``benchmarks/results/``.
 
-    python -m benchmarks.results_md [--check]
+    python -m benchmarks.report [--check]
 
-Every figure of RESULTS.md is read from a result file when the document is rendered: the
-reports and records of the sweeps, the seed experiments' JSON files and the overhead
-measurements. The prose around the figures lives here as text; the verdict words in it
-(resolved, better, worse, the same) are computed from the intervals (:mod:`.words`). ``--check``
-exits non-zero when the committed RESULTS.md is not what the result files render, so a result
-file changed without regenerating the document fails the tests.
+The document is the Jinja2 template ``templates/RESULTS.md.j2`` (one included template per
+section): its sentences are written there, with named placeholders for every figure. This
+package reads the result files (:mod:`.source`), builds each section's names (:mod:`.fp4`,
+:mod:`.selection`, :mod:`.seed`, :mod:`.overhead`) and gives the template its filters
+(:mod:`.words`): the figures' formats and the verdict words (resolved, better, worse, the same),
+which are computed from the intervals, never written by hand. The rendered text is then filled
+to 100 columns (:func:`.words.fill_document`), so a template's sentence may run over any number
+of lines. ``--check`` exits non-zero when the committed RESULTS.md is not what the result files
+render, so a result file changed without regenerating the document fails the tests.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from benchmarks.results_md import fp4, overhead, seed, selection
-from benchmarks.results_md.source import RESULTS, Source
-from benchmarks.results_md.words import paragraph
+import jinja2
+
+from benchmarks.harness.branch_stats import SPIKE, table
+from benchmarks.report import fp4, overhead, seed, selection
+from benchmarks.report.source import RESULTS, Source
+from benchmarks.report.words import FILTERS, fill_document, resolved
 
 DOCUMENT = Path(__file__).resolve().parents[1] / "RESULTS.md"
 """The rendered document (``benchmarks/RESULTS.md``)."""
 
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+
 SECTIONS = (fp4, selection, seed, overhead)
-"""The document's sections in order; each renders its markdown blocks from the result files."""
+"""The modules whose ``context(src)`` give the sections' templates their names."""
 
 
-def preamble() -> list[str]:
-    return [
-        "# Results at CPU scale",
-        "<!-- Rendered by `python -m benchmarks.results_md` from benchmarks/results/: edit the "
-        "generator, not this file. -->",
-        paragraph(
-            "Every number here comes from a result file in `benchmarks/results/`, written by a "
-            "command of `benchmarks/` (named beside its table) run on a CPU machine, and is read "
-            "from it when this document is rendered (`python -m benchmarks.results_md`). The "
-            "README keeps a summary. Machines are noisy: ratios are measured side by side in one "
-            "run, and every comparison of training arms is paired and carries its interval.",
-        ),
-    ]
+def sep(loop: Any, comma: str | None = None, last: str = "and") -> str:
+    """What follows an item of a ``{% for %}`` to list it as ``a, b and c`` (``comma``: the
+    same separator between all items)."""
+    if loop.last:
+        return ""
+    if comma is not None:
+        return comma
+    return f" {last} " if loop.revindex == 2 else ", "
+
+
+def environment() -> jinja2.Environment:
+    """The templates with the report's filters, tests and shared names."""
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(TEMPLATES),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        autoescape=False,  # markdown, not HTML
+    )
+    env.filters.update(FILTERS, label=fp4.label, unit_words=fp4.unit_words)
+    env.tests["resolved"] = resolved
+    env.globals.update(sep=sep, table=table, SPIKE=SPIKE)
+    return env
 
 
 def render(root: Path = RESULTS) -> str:
     """The whole document from the result files under ``root``."""
     src = Source(root)
-    blocks = preamble()
+    names: dict[str, Any] = {"src": src}
     for section in SECTIONS:
-        blocks += section.render(src)
-    return "\n\n".join(b for b in blocks if b) + "\n"
+        names.update(section.context(src))
+    return fill_document(environment().get_template("RESULTS.md.j2").render(names))

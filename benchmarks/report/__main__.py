@@ -1,6 +1,6 @@
 """Render ``benchmarks/RESULTS.md`` from the result files, or check that it is up to date.
 
-    python -m benchmarks.results_md [--check] [--results DIR] [--out FILE]
+    python -m benchmarks.report [--check] [--results DIR] [--out FILE]
 
 Without ``--check`` the document is written. With it nothing is written, and the exit status is
 1 when the file differs from what the result files render (the first differing lines are logged).
@@ -15,15 +15,15 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.results_md import DOCUMENT, render
-from benchmarks.results_md.source import RESULTS
+from benchmarks.report import DOCUMENT, render
+from benchmarks.report.source import RESULTS
 
-logger = logging.getLogger("benchmarks.results_md")
+logger = logging.getLogger(__name__)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m benchmarks.results_md",
+        prog="python -m benchmarks.report",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -48,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         have.splitlines(), text.splitlines(), str(a.out), "rendered", n=0, lineterm=""
     )
     logger.error(
-        "%s is not what the result files render; run `python -m benchmarks.results_md`:\n%s",
+        "%s is not what the result files render; run `python -m benchmarks.report`:\n%s",
         a.out,
         "\n".join(list(diff)[:40]),
     )

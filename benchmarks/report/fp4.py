@@ -1,254 +1,314 @@
-"""RESULTS.md's FP4 section (issue 24): the branch sweeps of :mod:`benchmarks.sweep.fp4`, read
-from their reports (``results/sweep_fp4_*.json``) and branch records (``results/fp4/*.jsonl``).
-This module writes the section's head and its step-time subsection; :mod:`.fp4_regimes` the
-regimes."""
+"""The FP4 section's data (issue 24): one FP4 sweep's report (``results/sweep_fp4_*.json``) and
+the branch records behind it (``results/fp4/<regime>.jsonl``), as ``templates/fp4.md.j2`` reads
+them, and the figures the template derives from several of them."""
 
 from __future__ import annotations
 
+import json
 import math
+import statistics
+from collections.abc import Sequence
+from functools import cached_property
 from typing import Any
 
-from benchmarks.harness.branch_stats import SPIKE
-from benchmarks.results_md.fp4_regimes import mxfp4, nvfp4, stress
-from benchmarks.results_md.fp4_sweep import CLI, Sweep, label, sweeps
-from benchmarks.results_md.source import Source
-from benchmarks.results_md.words import (
-    bash,
-    compared,
-    listing,
-    numbered,
-    ordinal,
-    paragraph,
-    pct,
-    pm,
-    resolved,
-    span,
-)
+from benchmarks.harness.branch_stats import GAP, Design, per_seed
+from benchmarks.harness.stats import t95
+from benchmarks.report.source import Source
+from benchmarks.report.words import compared, listing, resolved, span
+
+CONTROLS = ("low-cost", "BF16", "null BF16 (1e-6)", "null low-cost (1e-6)", "low-cost (SR seed 1)")
+"""The arms that are not precision policies: the two static paths and the null controls."""
+
+NULLS = {  # noise figure -> its name in the bullet
+    "null BF16 (1e-6) - BF16": "BF16",
+    "null low-cost (1e-6) - low-cost": "low-cost",
+    "low-cost (SR seed 1) - low-cost": "SR seed 1",
+}
+
+CLI = ".venv/bin/python -m benchmarks.sweep.fp4"
+
+POLICIES = ("GNMR+e", "GNMR", "random", "oracle")
+"""The budgeted policies, named ``<policy> <k>``."""
+
+NAMES = {
+    "nv": "sweep_fp4_nvfp4",
+    "mx": "sweep_fp4_mxfp4_p100-250",
+    "mx_all": "sweep_fp4_mxfp4",
+    "st": "sweep_fp4_fp4_tensor_k2-4-7_p100-250",
+    "st_all": "sweep_fp4_fp4_tensor",
+}
+"""The section's sweeps by the name the template gives them."""
 
 
-def render(src: Source) -> list[str]:
-    """The FP4 section, one markdown block per item."""
-    sw = sweeps(src)
-    return [
-        "## FP4: what recovering a few units buys back, against NVIDIA's static rule (issue 24)",
-        commands(sw),
-        in_short(sw),
-        instrument(src, sw["nvfp4"]),
-        noise(sw["nvfp4"]),
-        arms(sw),
-        *nvfp4(sw["nvfp4"]),
-        *mxfp4(sw["mxfp4"], sw["mxfp4 all"], sw["nvfp4"]),
-        *stress(sw["stress"], sw["stress all"], sw["nvfp4"]),
-        *step_time(src),
-    ]
+class Sweep:
+    """One report of an FP4 sweep (``results/<name>.json``) and the branch records behind it."""
 
+    def __init__(self, src: Source, name: str) -> None:
+        self.src, self.name = src, name
+        self.r: dict[str, Any] = src.json(name)
+        self.regime: str = self.r["regime"]
+        self.seeds: list[int] = self.r["seeds"]
+        self.points: list[int] = self.r["points"]
+        self.horizon: int = self.r["horizon"]
+        self.inst: dict[str, Any] = self.r["instrument"]
+        self.summary: dict[str, dict[str, Any]] = self.r["summary"]
+        self.noise: dict[str, list[float]] = self.r["noise"]
+        self.gap: list[float] = self.noise[GAP]
+        k = self.k
+        self.e, self.gnmr, self.rand, self.oracle = (f"{p} {k}" for p in POLICIES)
+        self.last, self.late = self.arm("NVIDIA last"), self.arm("NVIDIA late")
 
-# ====================================================================== the section's head
+    @cached_property
+    def records(self) -> dict[tuple[str, int, int], dict[str, Any]]:
+        return self.src.records(self.regime)
 
+    @property
+    def budgets(self) -> list[int]:
+        return sorted(int(a.split()[1]) for a in self.summary if a.startswith("random "))
 
-def commands(sw: dict[str, Sweep]) -> str:
-    lines = [
-        f"{s.command()}   # {s.branches()} branches, {s.process_hours():.1f} process-hours"
-        for s in sw.values()
-    ]
-    return bash(*lines, f"{CLI} --step-time --regime nvfp4   # GNMR+e vs NVIDIA's rule, timed")
+    def arm(self, prefix: str) -> str:
+        """The one arm whose name starts with ``prefix`` (``NVIDIA last``: ``NVIDIA last-4``)."""
+        (name,) = [a for a in self.summary if a.startswith(prefix)]
+        return name
 
+    @property
+    def k(self) -> int:
+        """NVIDIA's budget: the k of ``NVIDIA last-k``."""
+        return int(self.arm("NVIDIA last").rpartition("-")[2])
 
-def in_short(sw: dict[str, Sweep]) -> str:
-    nv, st, mx = sw["nvfp4"], sw["stress all"], sw["mxfp4 all"]
-    e, last = f"GNMR+e {nv.k}", nv.arm("NVIDIA last")
-    amount = {"better": "more than", "worse": "less than"}.get(
-        compared(nv.comp(e, last)), "the same as"
-    )
-    beats = {"better": "beats", "worse": "loses to"}.get(
-        compared(st.comp(e, st.arm("NVIDIA last"))), "is level with"
-    )
-    fewest = min(st.spikes(a) for a in st.fp4_arms()) == st.spikes(e)
-    rand = [
-        (s, k)
-        for s in sw.values()
-        for k in s.budgets
-        if resolved(s.comp(f"GNMR+e {k}", f"random {k}"))
-    ]
-    against_random = (
-        f"Against random selection at the same budget no difference is resolved with "
-        f"{len(nv.seeds)} seeds in any regime."
-        if not rand
-        else "Against random selection at the same budget: "
-        + listing(
-            [f"{s.name} k = {k} {compared(s.comp(f'GNMR+e {k}', f'random {k}'))}" for s, k in rand]
+    @property
+    def late_steps(self) -> int:
+        """The steps of NVIDIA's late switch: the n of ``NVIDIA late-n``."""
+        return int(self.late.rpartition("-")[2])
+
+    @cached_property
+    def units(self) -> int:
+        """Projection units of the model: a branch's unit-steps over its steps."""
+        r = self.records[("low-cost", self.seeds[0], self.points[0])]
+        return r["unit_steps"] // self.horizon
+
+    def spec(self, arm: str) -> dict[str, Any]:
+        """The arm's specification, as its first branch record has it."""
+        return self.records[(arm, self.seeds[0], self.points[0])]["arm_spec"]
+
+    def options(self) -> str:
+        return json.dumps(self.spec("low-cost")["low_cost"])
+
+    def gap_after(self) -> tuple[int, list[float]] | None:
+        """(steps, static gap) at the earlier evaluation of the branches, when there is one."""
+        for name, pair in self.noise.items():
+            if name.startswith("static gap after"):
+                return int(name.split()[3]), pair
+        return None
+
+    def nulls(self) -> list[tuple[str, list[float]]]:
+        """(name, interval) of the null controls this sweep ran."""
+        return [(word, self.noise[key]) for key, word in NULLS.items() if key in self.noise]
+
+    def closed(self, arm: str) -> list[float]:
+        return self.summary[arm]["closed"]
+
+    def share(self, arm: str) -> str:
+        """The arm's share of unit-steps on the recovery path, ``14.3``."""
+        return f"{100 * self.summary[arm]['unit_steps']:.1f}"
+
+    def spikes(self, arm: str) -> int:
+        return self.summary[arm]["spikes"]
+
+    def troubles(self) -> int:
+        """Loss spikes and divergences of all arms together."""
+        return sum(r["spikes"] + r["diverged"] for r in self.summary.values())
+
+    def comp(self, a: str, b: str) -> list[float]:
+        return self.r["comparisons"][f"{a} - {b}"]
+
+    def fp4_arms(self, k: int | None = None) -> list[str]:
+        """Arms with some unit-steps on FP4 (at budget ``k`` and the controls, when given)."""
+        arms = [a for a in self.summary if self.summary[a]["unit_steps"] < 1]
+        if k is not None:
+            arms = [a for a in arms if not a[-1].isdigit() or a.endswith(f" {k}") or "-" in a]
+        return arms
+
+    def calmest(self, arm: str, k: int | None = None) -> bool:
+        """Whether ``arm`` has the fewest loss spikes of the FP4 arms (at budget ``k``)."""
+        return self.spikes(arm) == min(self.spikes(a) for a in self.fp4_arms(k))
+
+    def tightest(self, arm: str, k: int) -> bool:
+        """Whether ``arm``'s interval against BF16 is the narrowest of the FP4 arms at ``k``."""
+        half = self.summary[arm]["vs_bf16"][1]
+        return half == min(self.summary[a]["vs_bf16"][1] for a in self.fp4_arms(k))
+
+    def lowest_curve(self) -> bool:
+        """Whether GNMR+e ends lowest of the budgeted policies at every budget."""
+        return all(
+            self.summary[f"GNMR+e {k}"]["vs_bf16"][0]
+            == min(self.summary[f"{p} {k}"]["vs_bf16"][0] for p in POLICIES)
+            for k in self.budgets
         )
-        + "."
-    )
-    return paragraph(
-        f"**In short.** At NVIDIA's budget ({nv.k} of {nv.units} units), GNMR+e buys back "
-        f"{pct(nv.closed(e))} of NVFP4's cost, {amount} NVIDIA's last-layers rule; in the "
-        f"per-tensor E2M1 stress it buys back {pct(st.closed(e))} and {beats} NVIDIA's rule"
-        + (", with the fewest loss spikes;" if fewest else ";"),
-        _mx_in_short(mx, e),
-        against_random,
-    )
+
+    def measurable(self) -> list[str]:
+        """Policies at NVIDIA's budget (``first+last`` spends half the unit-steps) whose share
+        of the static gap closed is resolved above 0."""
+        return [
+            a
+            for a in self.summary
+            if a not in (*CONTROLS, "first+last")
+            and self.closed(a)[0] > 0
+            and resolved(self.closed(a))
+        ]
+
+    def resolved_comparisons(self) -> list[tuple[str, str, list[float]]]:
+        """(a, b, interval) of every resolved comparison ``a - b``."""
+        return [(*n.split(" - "), p) for n, p in self.r["comparisons"].items() if resolved(p)]
+
+    def grouped(self, a: str, others: Sequence[str]) -> dict[str, list[tuple[str, list[float]]]]:
+        """``a`` against each of ``others``, grouped by verdict in the order they first occur."""
+        groups: dict[str, list[tuple[str, list[float]]]] = {}
+        for b in others:
+            groups.setdefault(compared(self.comp(a, b)), []).append((b, self.comp(a, b)))
+        return groups
+
+    def split(self, a: str, others: Sequence[str]) -> tuple[list[Any], list[Any]]:
+        """``a`` against each of ``others`` as (b, interval): (the resolved, the rest)."""
+        pairs = [(b, self.comp(a, b)) for b in others]
+        return [x for x in pairs if resolved(x[1])], [x for x in pairs if not resolved(x[1])]
+
+    def vs_random(self, policy: str) -> list[list[float]]:
+        """``<policy> k - random k`` at every budget."""
+        return [self.comp(f"{policy} {k}", f"random {k}") for k in self.budgets]
+
+    def agrees_with(self, other: Sweep) -> bool:
+        """Whether every comparison both sweeps made has the same verdict in both."""
+        theirs = other.r["comparisons"]
+        both = [n for n in self.r["comparisons"] if n in theirs]
+        return all(compared(self.r["comparisons"][n]) == compared(theirs[n]) for n in both)
+
+    def diverged(self) -> int:
+        return sum(r["diverged"] for r in self.summary.values())
+
+    @property
+    def gamma_e(self) -> float:
+        """GNMR+e's ``gamma`` at NVIDIA's budget."""
+        return self.spec(self.e)["controller"]["gamma"]
+
+    def held_share(self, *arms: str) -> str:
+        """The span of the share of unit-steps the top 4 units held, over ``arms`` (``94-96%``)."""
+        return span([100 * sum(x for _, x in self.picks(a, 4)) for a in arms], ".0f", "%")
+
+    def median_other_half(self, name: str) -> float:
+        """The median half-width of the comparisons other than ``name``."""
+        return statistics.median(p[1] for n, p in self.r["comparisons"].items() if n != name)
+
+    def branches(self) -> int:
+        return len(self.summary) * len(self.seeds) * len(self.points)
+
+    def process_hours(self) -> float:
+        """Wall time of the design's branches, summed over the processes that ran them."""
+        return (
+            sum(
+                self.records[(a, s, p)]["wall_s"]
+                for a in self.summary
+                for s in self.seeds
+                for p in self.points
+            )
+            / 3600
+        )
+
+    def command(self) -> str:
+        """The command that ran this design (its budgets; its branch points when not all)."""
+        cmd = f"{CLI} --regime {self.regime} --budgets {','.join(map(str, self.budgets))}"
+        if self.points != self.inst["points"]:
+            cmd += f" --points {','.join(map(str, self.points))}"
+        return cmd
+
+    def picks(self, arm: str, top: int | None = None) -> list[tuple[str, float]]:
+        return [(u, x) for u, x in self.r["picks"].get(arm, [])][:top]
+
+    def top_units(self, arm: str) -> list[str]:
+        """The 4 units ``arm`` recovered most, sorted by name (to compare two arms' sets)."""
+        return sorted(u for u, _ in self.picks(arm, 4))
+
+    def kinds(self, arm: str) -> list[str]:
+        """The kinds of projection (``k``, ``q``) ``arm`` recovered, most first."""
+        return list(dict.fromkeys(u.partition(".")[2] for u, _ in self.picks(arm)))
+
+    def seeds_needed(self, a: str, b: str) -> dict[str, float] | None:
+        """How many seeds (``n``) would resolve ``a - b`` if its mean (``m``) and per-seed
+        spread (``sd``) held: the least n with ``t95(n-1) sd / sqrt(n) < |m|``."""
+        if resolved(self.comp(a, b)):
+            return None
+        design = Design(tuple(self.seeds), tuple(self.points), self.horizon)
+        diffs = per_seed(self.records, design, a, b)
+        m, sd = abs(statistics.fmean(diffs)), statistics.stdev(diffs)
+        n = next((n for n in range(2, 1000) if t95(n - 1) * sd / math.sqrt(n) < m), None)
+        if n is None:
+            return None
+        return {"n": n, "m": m, "sd": sd, "t": t95(n - 1), "half": t95(n - 1) * sd / math.sqrt(n)}
+
+    def early(self) -> dict[str, Any] | None:
+        """first+last against all-FP4 at the first branch point, when it lost in half the
+        seeds or more: the point, how many seeds it lost, of how many, by up to how much."""
+        p, h = self.points[0], str(self.horizon)
+        diffs = [
+            self.records[("first+last", s, p)]["heldout"][h]
+            - self.records[("low-cost", s, p)]["heldout"][h]
+            for s in self.seeds
+        ]
+        lost = [d for d in diffs if d > 0]
+        if len(lost) * 2 < len(diffs):
+            return None
+        return {"point": p, "lost": len(lost), "of": len(diffs), "most": max(lost)}
 
 
-def _mx_in_short(mx: Sweep, e: str) -> str:
-    got = mx.measurable()
-    if not got:
-        return "in MXFP4 no policy buys back a measurable share."
-    if len(got) > 1:
-        shares = listing([f"{label(a)} ({pct(mx.closed(a))})" for a in got])
-        return f"in MXFP4 {shares} buy back a measurable share."
-    (a,) = got
-    text = f"in MXFP4 only {label(a)} buys back a measurable share ({pct(mx.closed(a))})"
-    if a != e and compared(mx.comp(e, a)) == "worse":
-        text += ", and it beats GNMR+e"
-    return text + "."
+def label(arm: str) -> str:
+    """How the prose names an arm."""
+    if arm.startswith("NVIDIA last"):
+        return "NVIDIA's last-layers rule"
+    if arm.startswith("NVIDIA late"):
+        return "NVIDIA's late switch"
+    if arm.startswith("random "):
+        return f"random-{arm.split()[1]}"
+    if arm.startswith("oracle "):
+        return "the gradient-gap oracle"
+    return {"low-cost": "all-FP4", "first+last": "Megatron's first+last"}.get(arm, arm)
+
+
+def unit_words(names: Sequence[str]) -> str:
+    """``L0.v``, ``L0.o`` as ``layer 0's v and o projections``."""
+    layers: dict[str, list[str]] = {}
+    for n in names:
+        layer, _, proj = n.partition(".")
+        layers.setdefault(layer[1:], []).append(proj)
+    return listing([f"layer {i}'s {listing(p)} projections" for i, p in layers.items()])
 
 
 SELECTION_SWEEPS = ("act_quant", "fp6_fp8", "outlier", "delayed")
 """The whole-run selection sweeps whose static-gap intervals measure a whole run's noise."""
 
 
-def _whole_runs(src: Source) -> list[dict[str, Any]]:
-    return [src.json(f"sweep_{r}") for r in SELECTION_SWEEPS]
-
-
-def instrument(src: Source, nv: Sweep) -> str:
-    whole = _whole_runs(src)
+def context(src: Source) -> dict[str, Any]:
+    """The FP4 section's names: the five sweeps, the whole-run intervals, the step-time file."""
+    sw = {key: Sweep(src, name) for key, name in NAMES.items()}
+    whole = [src.json(f"sweep_{r}") for r in SELECTION_SWEEPS]
     halves = [w["static_gap"][1] for w in whole]
-    steps = [w["setup"]["steps"] for w in whole]
-    inst = nv.inst
-    return paragraph(
-        "**The instrument** (`benchmarks/harness/branch.py`). Whole runs cannot judge a policy at "
-        f"this scale: the selection sweeps below, whole runs of {span(steps, 'd')} steps paired by "
-        f"seed, put the static gap's 95% interval at +-{min(halves):.3f} to +-{max(halves):.3f}. "
-        "The branch estimator trains one BF16 reference run (the trunk, "
-        f"{inst['trunk_steps']} steps, warm-up then cosine) per seed and saves weights, AdamW "
-        "state, schedule and an observing GNMR controller at steps "
-        f"{numbered(inst['points'])}; every arm restarts from every checkpoint and trains "
-        f"{inst['horizon']} steps on the batches the trunk would have trained on next; the "
-        f"held-out loss ({inst['eval_batches']} batches, fp32 evaluation for every arm) is paired "
-        "by branch, averaged over a seed's branch points, and the 95% Student-t interval is taken "
-        f"over the {len(nv.seeds)} seeds ({', '.join(map(str, nv.seeds))}): seeds are the "
-        "replicates, branch points of one trunk are not. Model: the harness Llama of the sections "
-        f"below ({nv.units} projection units), at the learning rate `benchmarks/sweep/regimes.py` "
-        "gives the FP4 regimes.",
-    )
-
-
-def noise(nv: Sweep) -> str:
-    est, (gap, _) = nv.r["noise"], nv.gap
-    bf16, low = est["null BF16 (1e-6) - BF16"], est["null low-cost (1e-6) - low-cost"]
-    sr = est.get("low-cost (SR seed 1) - low-cost")
-    whole = min(w["static_gap"][1] for w in _whole_runs(nv.src))
-    louder = (
-        "much louder" if low[1] > 10 * bf16[1] else "louder" if low[1] > bf16[1] else "no louder"
-    )
-    sr_text = (
-        f", and another stochastic-rounding draw {pm(sr)} ({sr[1] / gap:.2f} of the gap). That "
-        "second figure is a property of NVFP4, not of the instrument: a run's FP4 rounding noise "
-        f"moves its loss by {sr[1] / gap:.2f} of what NVFP4 costs on average, so every "
-        "comparison between FP4 arms carries it."
-        if sr
-        else "."
-    )
-    return paragraph(
-        "**Its noise.** Two null controls per regime: BF16 twice, one copy with the weights moved "
-        "by 1e-6 relative at the branch point (a perturbation that changes nothing on average), "
-        "and the same for the low-cost path; in NVFP4, a third: the low-cost path with another "
-        "draw of its stochastic rounding (`seed` 1), which measures how much FP4's own "
-        f"realization moves the result. The BF16 null is the estimator's noise: "
-        f"**{pm(bf16, 6)}** in NVFP4, {100 * bf16[1] / gap:.0f}% of the static gap it resolves "
-        f"and about 1/{10 ** round(math.log10(whole / bf16[1])):,} of the narrowest whole-run "
-        f"interval (+-{whole:.3f}). The FP4 path's own realizations are {louder}: the 1e-6 null "
-        f"of the low-cost path {pm(low)} ({low[1] / gap:.2f} of the gap){sr_text}",
-    )
-
-
-def arms(sw: dict[str, Sweep]) -> str:
-    nv = sw["nvfp4"]
-    k, late, last = nv.k, nv.late, nv.arm("NVIDIA last")
-    e = f"GNMR+e {k}"
-    gammas = listing(
-        [str(sw[r].spec(e)["controller"]["gamma"]) for r in ("nvfp4", "mxfp4", "stress")]
-    )
-    every = ordinal(nv.spec(e)["error_every"])
-    return paragraph(
-        f"**Arms**, all from the same checkpoints and batches: `low-cost` (FP4 on all {nv.units} "
-        f"units), `BF16` (all units), `{last}` (NVIDIA's rule: the last linear layers in BF16, "
-        f"here the last {k} of {nv.units} units, {nv.share(last)}% of unit-steps), "
-        f"`NVIDIA late-{late}` (NVIDIA's other rule, the report's appendix D: every unit in BF16 "
-        f"for the last {late} of {nv.horizon} steps, {nv.share(f'NVIDIA late-{late}')}% of "
-        "unit-steps), `first+last` (megatron's `--first-last-layers-bf16`: the first and the last "
-        f"layer, {nv.share('first+last')}%), and at k = {k} (NVIDIA's share): `random {k}` "
-        f"(re-drawn every step), `GNMR {k}` (the seed's controller), `{e}` "
-        "(docs/algorithm.md#damage-term's error "
-        f"term measured every {every} step; `gamma` {gammas} in NVFP4, MXFP4 and the stress, "
-        "about the median score of the static FP4 path's units) and "
-        f"`oracle {k}` (every step, the {k} units with the largest measured gradient gap on that "
-        f"step's weights and batch). Loss spikes (a training step more than {SPIKE} above BF16's "
-        "on the same batch) and divergences (held-out more than 1.0 above BF16's, or a "
-        "non-finite loss) are counted per arm.",
-    )
-
-
-# ====================================================================== step time
-
-
-def step_time(src: Source) -> list[str]:
-    name = "sweep_fp4_step_time_nvfp4"
-    head = "### Step time: GNMR+e against NVIDIA's rule at the same budget"
-    how = (
-        "`python -m benchmarks.sweep.fp4 --step-time --regime nvfp4` trains both arms from one "
-        "trunk checkpoint on the same batches, interleaved one step each in turn in one process "
-        "on one thread, and a third: GNMR+e's own plan replayed without monitor, controller or "
-        "error score (the same weights at the end, checked). GNMR+e against NVIDIA's rule also "
-        "holds *which* units run BF16 (on the CPU an emulated FP4 unit costs more than a BF16 "
-        "one), so the runtime's own cost is the other ratio, GNMR+e against its plan replayed."
-    )
-    gpu = (
-        "The GPU figure, with TE, is what `benchmarks/gpu/te_check.py` reports; it has not been "
-        "run in this project on a Blackwell GPU (none was lent; an H200 has no FP4 GEMMs)."
-    )
-    if not src.has(f"{name}.json"):
-        return [
-            head,
-            paragraph(
-                how,
-                f"No run is stored: the command writes `results/{name}.json`, and this section "
-                "shows its runs once the file is committed.",
-                gpu,
-            ),
-        ]
-    r = src.json(name)
-    runs, target = r["runs"], r["target"]
-    first = runs[0]
-    names = list(first["ms"])
-    rows = [
-        "| run | date | " + " | ".join(names) + " | GNMR+e / NVIDIA | GNMR+e / replayed |",
-        "| --- | --- | " + " | ".join("---" for _ in names) + " | --- | --- |",
-    ]
-    for i, run in enumerate(runs, 1):
-        cells = [f"{run['ms'][n]:.1f} ms" for n in names]
-        rows.append(
-            f"| {i} | {run['date']} | {' | '.join(cells)} | **{run['vs_nvidia']:.3f}** | "
-            f"{run['vs_replayed']:.3f} |"
-        )
-    ratios = [run["vs_nvidia"] for run in runs]
-    own = [run["vs_replayed"] for run in runs]
-    met = all(x <= target for x in ratios)
-    return [
-        head,
-        paragraph(
-            how,
-            f"Seed {first['seed']}'s checkpoint at step {first['point']}, {first['steps']} steps "
-            f"per arm, medians after {first['warmup']} warm-up steps.",
-        ),
-        "\n".join(rows),
-        paragraph(
-            "GNMR+e at NVIDIA's budget against NVIDIA's rule: "
-            f"**{listing([f'{x:.3f}' for x in ratios])}, {'within' if met else 'not all within'} "
-            f"the {target} target**. Against its own plan replayed: "
-            f"**{listing([f'{x:.3f}' for x in own])}**.",
-            gpu,
-        ),
-    ]
+    nv = sw["nv"]
+    bf16_null = nv.noise["null BF16 (1e-6) - BF16"][1]
+    step = "sweep_fp4_step_time_nvfp4"
+    return {
+        **sw,
+        "sweeps": list(sw.values()),
+        "CLI": CLI,
+        "whole_halves": halves,
+        "whole_steps": [w["setup"]["steps"] for w in whole],
+        "whole_to_null": 10 ** round(math.log10(min(halves) / bf16_null)),
+        "against_random": [
+            (s, k)
+            for s in sw.values()
+            for k in s.budgets
+            if resolved(s.comp(f"GNMR+e {k}", f"random {k}"))
+        ],
+        "step": src.json(step) if src.has(f"{step}.json") else None,
+        "step_name": step,
+        "files": [f"{s.name}.json" for s in sw.values()]
+        + [f"fp4/{r}.jsonl" for r in ("nvfp4", "mxfp4", "fp4_tensor")],
+    }

@@ -1,8 +1,11 @@
-"""How RESULTS.md writes a figure and the verdict words it computes from an interval.
+"""The template's filters: how RESULTS.md writes a figure, the verdict words it computes from an
+interval, and the filling of its prose.
 
 An interval is ``(mean, 95% half-width)`` of a paired difference ``a - b``. It is *resolved*
 when it excludes 0; a resolved difference below 0 makes ``a`` *better* (lower loss), above 0
 *worse*; an interval that holds 0 is *not resolved*, and RESULTS.md calls the two the *same*.
+The template picks the phrasing of each verdict (``pair | says("beats", "loses to", "is level
+with")``); which of the three it is comes from the interval alone.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
+from typing import Any
 
 from benchmarks.harness.branch_stats import verdict
 from benchmarks.harness.stats import plus_minus
@@ -26,6 +30,11 @@ def pct(pair: Pair) -> str:
     """A share as ``54% +- 32%``."""
     m, h = pair
     return f"{100 * m:.0f}% +- {100 * h:.0f}%"
+
+
+def fmt(x: Any, spec: str) -> str:
+    """``format(x, spec)``: ``x | f(".3f")`` in the template."""
+    return format(x, spec)
 
 
 def resolved(pair: Pair) -> bool:
@@ -50,29 +59,29 @@ def compared(pair: Pair) -> str:
     return verdict((pair[0], pair[1]))
 
 
+def says(pair: Pair, better: str, worse: str, same: str) -> str:
+    """The template's words for the verdict of ``a - b``: ``better``, ``worse`` or ``same``."""
+    return {"better": better, "worse": worse}.get(compared(pair), same)
+
+
 def relation(pair: Pair, same: str = "the same as") -> str:
     """``a - b`` as the words between ``a`` and ``b``: ``better than``, ``worse than`` or
     ``same``."""
-    return {"better": "better than", "worse": "worse than"}.get(compared(pair), same)
+    return says(pair, "better than", "worse than", same)
 
 
-def listing(items: Sequence[str], last: str = "and") -> str:
+def listing(items: Sequence[Any], last: str = "and") -> str:
     """``a``, ``a and b``, ``a, b and c``."""
-    items = list(items)
+    items = [str(i) for i in items]
     if len(items) < 2:
         return "".join(items)
     return f"{', '.join(items[:-1])} {last} {items[-1]}"
 
 
-def span(values: Sequence[float], fmt: str = ".2f", unit: str = "") -> str:
+def span(values: Sequence[float], spec: str = ".2f", unit: str = "") -> str:
     """``lo-hi`` of ``values`` (one value when they agree at this precision)."""
-    lo, hi = f"{min(values):{fmt}}", f"{max(values):{fmt}}"
+    lo, hi = f"{min(values):{spec}}", f"{max(values):{spec}}"
     return f"{lo}{unit}" if lo == hi else f"{lo}-{hi}{unit}"
-
-
-def numbered(values: Sequence[int]) -> str:
-    """``100, 175, 250 and 325``."""
-    return listing([str(v) for v in values])
 
 
 def ordinal(n: int) -> str:
@@ -81,17 +90,43 @@ def ordinal(n: int) -> str:
     return f"{n}{suffix}"
 
 
+FILTERS = {
+    f.__name__: f
+    for f in (pm, pct, resolved, resolved_word, holds_zero, compared, says, relation, listing)
+}
+FILTERS.update(span=span, ordinal=ordinal, f=fmt)
+
 WIDTH = 100
 """Prose lines are filled to this width, as the rest of the repository's markdown."""
 
 _STARTS_A_BLOCK = re.compile(r"^([-+*>|#]+|\d+[.)])$")
 """A word that would open a list, quote, table or heading at the start of a line."""
 
+_KEPT = ("|", "```", "#", "![", "<!--")
+"""Blocks that are not prose: tables, code, headings, images, comments."""
 
-def paragraph(*parts: str) -> str:
-    """Sentences joined into one paragraph (empty parts left out), filled to :data:`WIDTH`
-    without starting a line with a word markdown would read as a list item or a heading."""
-    return _fill(" ".join(p.strip() for p in parts if p.strip()), "")
+
+def fill_document(text: str) -> str:
+    """The rendered template with its prose filled: blocks are separated by blank lines; a list
+    item (``- ``) is filled with its continuation lines indented, every other prose block as one
+    paragraph; tables, code, headings and images are kept as they are."""
+    blocks = [b.strip("\n") for b in re.split(r"\n\s*\n", text) if b.strip()]
+    out = []
+    for block in blocks:
+        if block.startswith(_KEPT):
+            out.append(block)
+        elif block.startswith("- "):
+            items = re.split(r"\n(?=- )", block)
+            out.append("\n".join(item(i[2:]) for i in items))
+        else:
+            out.append(paragraph(block))
+    return "\n\n".join(out) + "\n"
+
+
+def paragraph(text: str) -> str:
+    """``text`` as one paragraph filled to :data:`WIDTH`, without starting a line with a word
+    markdown would read as a list item or a heading."""
+    return _fill(text, "")
 
 
 def item(text: str) -> str:
@@ -109,8 +144,3 @@ def _fill(text: str, indent: str, width: int = WIDTH) -> str:
         else:
             line.append(word)
     return f"\n{indent}".join(" ".join(line) for line in lines)
-
-
-def bash(*lines: str) -> str:
-    """A fenced ``bash`` block of commands."""
-    return "```bash\n" + "\n".join(lines) + "\n```"

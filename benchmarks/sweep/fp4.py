@@ -28,7 +28,7 @@ processes with one torch thread each. Every finished branch is appended to
 time and across sessions; the trunk checkpoints live under ``results/sweep/`` (not committed:
 a trunk is deterministic and is rebuilt when missing). The report is printed and written to
 ``results/sweep_fp4_<regime>.json`` with a plot of quality against recovered unit-steps,
-``results/sweep_fp4_<regime>.png``; ``python -m benchmarks.results_md`` renders
+``results/sweep_fp4_<regime>.png``; ``python -m benchmarks.report`` renders
 ``benchmarks/RESULTS.md``'s tables from the JSON.
 
 ``--step-time`` trains ``GNMR+e k`` and ``NVIDIA last-k`` at the same budget side by side
@@ -54,6 +54,7 @@ from benchmarks.harness.arms import Arm
 from benchmarks.harness.branch import NULL_ARMS, run_branch, run_trunk
 from benchmarks.harness.branch_stats import Design, Records
 from benchmarks.harness.common import RESULTS, arg_parser
+from benchmarks.harness.provenance import record
 from benchmarks.sweep.fp4_step_time import save, step_time
 from benchmarks.sweep.regimes import FP4_REGIMES, Regime
 
@@ -145,7 +146,8 @@ def _job(payload: tuple[str, str, dict[str, Any], int, int, bool]) -> dict[str, 
     if kind == "trunk":
         wall = run_trunk(regime.setup, arm, regime.instrument, seed, root)
         return {"trunk": seed, "wall_s": wall}
-    return run_branch(regime.setup, arm, regime.instrument, seed, point, root, perturbed)
+    branch = run_branch(regime.setup, arm, regime.instrument, seed, point, root, perturbed)
+    return {**branch, "provenance": record()}
 
 
 def run_sweep(

@@ -24,6 +24,7 @@ from benchmarks.harness.branch_stats import (
 )
 from benchmarks.harness.common import RESULTS, finish_plot, jsonable
 from benchmarks.harness.model import PROJECTIONS
+from benchmarks.harness.provenance import record
 from benchmarks.harness.stats import plus_minus
 from benchmarks.sweep.regimes import Regime
 
@@ -184,6 +185,7 @@ def report(
         "verdicts": {name: verdict(pair) for name, pair in comp},
         "picks": chosen,
         "branches": len(records),
+        "provenance": record(),
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / f"sweep_fp4_{regime.name}{suffix}"

@@ -39,6 +39,7 @@ from benchmarks.harness.arms import Arm
 from benchmarks.harness.branch import load_trunk, run_trunk, trunk_file
 from benchmarks.harness.common import RESULTS
 from benchmarks.harness.model import Batches
+from benchmarks.harness.provenance import record
 from benchmarks.harness.recipes import ERROR_TARGET
 from benchmarks.harness.training import ArmRun
 from benchmarks.sweep.regimes import Regime
@@ -108,6 +109,7 @@ def save(
             "warmup": WARMUP,
             "ms": {k: v for k, v in got.items() if not k.startswith("vs_")},
             **{k: v for k, v in got.items() if k.startswith("vs_")},
+            "provenance": record(),
         }
     )
     out = {"regime": regime.name, "target": ERROR_TARGET, "runs": runs}

@@ -43,6 +43,7 @@ from typing import Any
 from benchmarks.harness.arms import Arm, Fault, Setup
 from benchmarks.harness.common import RESULTS, arg_parser, jsonable
 from benchmarks.harness.model import Batches
+from benchmarks.harness.provenance import record
 from benchmarks.harness.stats import Records, static_gap, summarize, verdicts
 from benchmarks.harness.training import run_arm
 from benchmarks.sweep.regimes import REGIMES, Regime
@@ -197,6 +198,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "summary": jsonable(summary),
         "verdicts": verdicts(summary, budgets),
         "wall_s": time.perf_counter() - t0,
+        "provenance": record(),
     }
     (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=1))
     plot(regime.name, summary, budgets, RESULTS / f"{name}.png")

@@ -189,9 +189,8 @@ def test_step_time_interleaves_gnmr_e_and_nvidias_rule(tmp_path, capsys):
     assert "same weights at the end: True" in capsys.readouterr().out
 
 
-def test_step_time_runs_are_appended_where_results_md_reads_them(tmp_path):
-    from benchmarks.results_md.fp4 import step_time as section
-    from benchmarks.results_md.source import Source
+def test_step_time_runs_are_appended_where_the_report_reads_them(tmp_path):
+    from benchmarks.report.source import Source
     from benchmarks.sweep.fp4_step_time import save
 
     got = {"NVIDIA last-4": 600.0, "GNMR+e 4": 612.0, "GNMR+e 4 replayed": 600.0}
@@ -201,8 +200,10 @@ def test_step_time_runs_are_appended_where_results_md_reads_them(tmp_path):
         assert save(FP4_REGIMES["nvfp4"], got, steps=40, path=path) == path
     stored = json.loads(path.read_text())
     assert len(stored["runs"]) == 2 and stored["runs"][0]["point"] == 175
-    text = "\n".join(section(Source(tmp_path)))
-    assert "612.0 ms" in text and "| 2 |" in text
+    assert stored["runs"][1]["ms"]["GNMR+e 4"] == 612.0
+    assert {"commit", "versions", "host"} <= set(stored["runs"][1]["provenance"])
+    text = Source(tmp_path).provenance(path.name)
+    assert text.startswith(f"- `{path.name}` run 1 and `{path.name}` run 2: commit ")
 
 
 def test_report_reads_constructed_records(tmp_path, capsys):

@@ -1,8 +1,8 @@
-"""benchmarks/results_md: RESULTS.md is what the result files render, and its verdict words follow
-the intervals.
+"""benchmarks/report: RESULTS.md is what the result files render through its template, its verdict
+words follow the intervals, and every section shows the provenance its result files record.
 
 The first test is the guard: a result file changed (or RESULTS.md edited by hand) without running
-``python -m benchmarks.results_md`` fails it. The others render a copy of the result files with one
+``python -m benchmarks.report`` fails it. The others render a copy of the result files with one
 figure changed, to show that the figure and the words that depend on it move together.
 """
 
@@ -14,14 +14,22 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.results_md import DOCUMENT, render
-from benchmarks.results_md.__main__ import main
-from benchmarks.results_md.source import RESULTS
-from benchmarks.results_md.words import compared, holds_zero, paragraph, relation, resolved_word
+from benchmarks.harness import provenance
+from benchmarks.report import DOCUMENT, render
+from benchmarks.report.__main__ import main
+from benchmarks.report.source import RESULTS
+from benchmarks.report.words import (
+    compared,
+    holds_zero,
+    paragraph,
+    relation,
+    resolved_word,
+    says,
+)
 
 
 def test_results_md_is_what_the_result_files_render():
-    assert main(["--check"]) == 0, "run `python -m benchmarks.results_md` and commit RESULTS.md"
+    assert main(["--check"]) == 0, "run `python -m benchmarks.report` and commit RESULTS.md"
 
 
 @pytest.fixture
@@ -116,10 +124,39 @@ def test_verdict_words_come_from_the_interval(pair, word, relation_, null):
     assert compared(pair) == word
     assert relation(pair) == relation_
     assert holds_zero(pair) == null
+    assert says(pair, "beats", "loses to", "is level with") == {
+        "better": "beats",
+        "worse": "loses to",
+    }.get(word, "is level with")
     assert resolved_word(pair) == ("not resolved" if word == "not resolved" else "resolved")
 
 
 def test_prose_never_starts_a_line_with_a_list_marker():
-    text = paragraph("x" * 97 + " - y", "+- z " * 40)
+    text = paragraph("x" * 97 + " - y " + "+- z " * 40)
     assert all(not line.startswith(("- ", "+- ")) for line in text.splitlines())
     assert all(len(line) <= 100 for line in text.splitlines()[:-1])
+
+
+def test_a_result_file_shows_the_provenance_it_records(results, monkeypatch):
+    """A record made now names the commit, the versions and the host, and the document shows
+    them beside the file; a file without one says so."""
+    record = provenance.record()
+    assert set(record) == {"commit", "commit_source", "dirty", "versions", "host"}
+    assert set(record["versions"]) == {"python", "torch", "megatron-core", "deepspeed"}
+    assert record["host"]["threads"] >= 1 and record["host"]["isa"]
+
+    def stamped(d):
+        d["provenance"] = {**record, "commit": "0123456789abcdef", "dirty": True}
+
+    _edit(results, "overhead_error", stamped)
+    text = _flat(results)
+    head = "`overhead_error.json`: commit 0123456789 (git rev-parse HEAD (run), with uncommitted"
+    assert head in text
+    assert f"torch {record['versions']['torch']}" in text
+    assert f"ISA {record['host']['isa']}, {record['host']['threads']} torch threads" in text
+
+    def unstamped(d):
+        d.pop("provenance", None)
+
+    _edit(results, "overhead", unstamped)
+    assert "`overhead.json`: no provenance recorded" in _flat(results)
