@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 from benchmarks.harness.branch_stats import Records, read_records
-from benchmarks.report.words import listing
+from benchmarks.harness.provenance import UNKNOWN
 
 logger = logging.getLogger(__name__)
 
@@ -49,47 +50,55 @@ class Source:
         return f"![{alt}](results/{name})"
 
     def provenance(self, *names: str) -> str:
-        """One list item per distinct provenance among the result files ``names`` (``x.json``;
-        ``fp4/<regime>.jsonl`` counts its records; a file of runs, each run's)."""
-        seen: dict[str, list[str]] = {}
+        """One list item per result file of ``names`` (``x.json``, ``fp4/<regime>.jsonl``) and
+        distinct provenance: its commits (with how many records or runs each, where the file
+        holds several) and what else the records say."""
+        items = []
         for name in names:
-            for where, record in self._provenances(name):
-                seen.setdefault(describe(record), []).append(where)
-        return "\n".join(f"- {listing(w)}: {text}" for text, w in seen.items())
+            records = self._provenances(name)
+            groups: dict[str, Counter[str]] = {}
+            for p in records:
+                groups.setdefault(describe(p), Counter())[_short(p.get("commit", UNKNOWN))] += 1
+            for text, commits in groups.items():
+                if len(records) == 1:
+                    items.append(f"- `{name}`: commit {next(iter(commits))} {text}")
+                else:
+                    each = ", ".join(f"{c} ({n})" for c, n in commits.items())
+                    items.append(
+                        f"- `{name}`, {len(records)} {self._unit(name)}: commits {each} {text}"
+                    )
+        return "\n".join(items)
 
-    def _provenances(self, name: str) -> list[tuple[str, dict[str, Any]]]:
+    def _provenances(self, name: str) -> list[dict[str, Any]]:
+        """The provenance of every record (``.jsonl``), run (a file of runs) or the file."""
         if name.endswith(".jsonl"):
             regime = name.removeprefix("fp4/").removesuffix(".jsonl")
-            records = list(self.records(regime).values())
-            by: dict[str, tuple[int, dict[str, Any]]] = {}
-            for r in records:
-                p = r.get("provenance", {})
-                n, _ = by.get(describe(p), (0, p))
-                by[describe(p)] = (n + 1, p)
-            return [(f"`{name}` ({n} of {len(records)} records)", p) for n, p in by.values()]
+            return [r.get("provenance", {}) for r in self.records(regime).values()]
         data = self.json(name.removesuffix(".json"))
-        if "runs" in data:
-            runs = enumerate(data["runs"], 1)
-            return [(f"`{name}` run {i}", r.get("provenance", {})) for i, r in runs]
-        return [(f"`{name}`", data.get("provenance", {}))]
+        return [r.get("provenance", {}) for r in data.get("runs", [data])]
+
+    @staticmethod
+    def _unit(name: str) -> str:
+        return "records" if name.endswith(".jsonl") else "runs"
+
+
+def _short(commit: str) -> str:
+    """A commit hash cut to 10 characters (anything else as it is)."""
+    return commit[:10] if commit != UNKNOWN else commit
 
 
 def describe(p: dict[str, Any]) -> str:
-    """A provenance record in words: commit, dirty tree, versions, host."""
+    """A provenance record in words, after its commit: how the commit is known, whether the tree
+    was edited, the versions and the host."""
     if not p:
-        return "no provenance recorded"
-    commit = p.get("commit", "not recorded")
-    text = f"commit {commit[:10]} ({p.get('commit_source', 'source not recorded')}"
+        return "(no provenance recorded)"
+    text = f"({p.get('commit_source', UNKNOWN)}"
     text += ", with uncommitted changes)" if p.get("dirty") is True else ")"
-    v = p.get("versions", "not recorded")
+    v = p.get("versions", UNKNOWN)
     text += "; versions " + (
         ", ".join(f"{k} {x}" for k, x in v.items()) if isinstance(v, dict) else v
     )
-    h = p.get("host", "not recorded")
+    h = p.get("host", UNKNOWN)
     if isinstance(h, dict):
-        text += (
-            f"; host {h['cpu']}, ISA {h['isa']}, {h['threads']} torch threads of {h['cores']} cores"
-        )
-    else:
-        text += f"; host {h}"
-    return text
+        h = f"{h['cpu']}, ISA {h['isa']}, {h['threads']} torch threads of {h['cores']} cores"
+    return f"{text}; host {h}"

@@ -203,7 +203,7 @@ def test_step_time_runs_are_appended_where_the_report_reads_them(tmp_path):
     assert stored["runs"][1]["ms"]["GNMR+e 4"] == 612.0
     assert {"commit", "versions", "host"} <= set(stored["runs"][1]["provenance"])
     text = Source(tmp_path).provenance(path.name)
-    assert text.startswith(f"- `{path.name}` run 1 and `{path.name}` run 2: commit ")
+    assert text.startswith(f"- `{path.name}`, 2 runs: commits ") and "(2) (git rev-parse" in text
 
 
 def test_report_reads_constructed_records(tmp_path, capsys):

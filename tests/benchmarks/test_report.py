@@ -159,4 +159,4 @@ def test_a_result_file_shows_the_provenance_it_records(results, monkeypatch):
         d.pop("provenance", None)
 
     _edit(results, "overhead", unstamped)
-    assert "`overhead.json`: no provenance recorded" in _flat(results)
+    assert "`overhead.json`: commit not recorded (no provenance recorded)" in _flat(results)
