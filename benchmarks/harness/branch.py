@@ -1,38 +1,12 @@
 """The branch estimator: what a precision policy costs, measured from shared checkpoints.
 
-Two whole training runs that differ only in their precision policy end at held-out losses that
-differ by more than any realistic policy effect at this scale: any change of path moves the
-trajectory, and the difference grows with the run (issue 24 measured +-0.05 to 0.1 after 150 to
-300 steps, BF16 against fp32 included). This instrument takes that noise out of the comparison:
-
-1. **Trunk.** One reference run per seed (the regime's recovery path on every unit: BF16)
-   trains ``trunk_steps`` with the usual warm-up and cosine schedule and saves, at every branch
-   point ``b``, the weights, the AdamW state, the schedule, and the state of a GNMR controller
-   that watched the trunk (observe only: its norm history is what a GNMR arm would have seen).
-2. **Branches.** Every arm restarts from every checkpoint and trains ``horizon`` steps on the
-   very batches the trunk would have trained on next, with its own precision policy; nothing
-   else differs (same weights, optimizer state, learning rate, data order).
-3. **Measure.** After ``e`` steps of a branch (each ``e`` in ``evals``), the held-out loss of
-   its weights, evaluated in fp32 for every arm alike (the question is what training in low
-   precision did to the weights, not what a low-precision forward costs at evaluation).
-4. **Estimate.** Per (seed, branch point), the paired difference of two arms' held-out losses;
-   per seed, the mean over its branch points; the estimate and its 95% interval are the mean
-   and Student-t interval over seeds (the seeds are the independent replicates; branch points
-   of one trunk share its state and data and are averaged, not counted as replicates).
-
-Why it is quieter: the chaotic part of two trajectories' difference grows with the steps they
-run apart; a branch runs only ``horizon`` steps apart from a shared state, and averaging many
-branch points takes the rest down. What it measures is the *local* cost of a policy over
-``horizon`` steps of training from a typical state of the run, which is what a runtime policy
-changes; it is a faithful stand-in for the final-loss cost when that cost accrues along the run
-(the regimes' static gaps grow steadily with the horizon, shown in ``benchmarks/RESULTS.md``).
-
-**Null controls** (:data:`NULL_ARMS`): the same policy twice, one copy with the weights moved by
-1e-6 relative at the branch point, a perturbation that changes nothing on average; for BF16 and
-for the low-cost path. Their paired difference is the estimator's own noise: its interval must
-hold 0, and be narrow next to the gaps it is asked to resolve. A low-cost path that rounds
-stochastically has a third: another draw of its rounding noise (another ``seed`` option), which
-measures how much the path's own realization moves the outcome.
+Two whole runs that differ only in their precision policy end further apart than any realistic
+policy effect at this scale. Here one BF16 trunk per seed saves its whole state (weights, AdamW,
+schedule, the GNMR controller that watched it) at every branch point; every arm restarts from
+every checkpoint and trains ``horizon`` steps on the batches the trunk would have trained on
+next; the estimate is the paired held-out difference (fp32 evaluation), averaged over a seed's
+branch points, with a Student-t interval over seeds. :data:`NULL_ARMS` measure the estimator's
+own noise. Why it is quieter and what it measures: docs/benchmarks.md#branch-estimator.
 
 Jobs are (arm, seed, branch point), run in a pool and written one JSON file each as they end,
 so a sweep stops and resumes at any time (:mod:`benchmarks.sweep.fp4`).

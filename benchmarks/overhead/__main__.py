@@ -2,27 +2,12 @@
 
     python -m benchmarks.overhead [--steps 30] [--budget 0.1] [--threads 1] [--parts abc]
 
-(a) Step time (:mod:`benchmarks.overhead.step_time`): the harness's small Llama trains under six
-arms from the same initial weights on the same batches, their steps interleaved: the backend's
-low-cost path alone (the baseline), GNMR with a budget of 0 and of K units, K units fixed on the
-recovery path, and GNMR with the error term (every step, every 10th step). Two backends
-(``act_quant``, ``fp8_emulated``), once in one process with ``GNMRRuntime(group=None)``, once
-under real DeepSpeed ZeRO-1 (``--local-only`` leaves that out). Printed: CPU and wall medians,
-the per-round ratios to the baseline, and the monitor's and controller's own CPU time.
-
-(b) The monitor against plain gradient clipping on the same gradients
-(:mod:`benchmarks.overhead.monitor_vs_clip`): ``clip_grad_norm_``, ``GradNormMonitor.compute`` and
-monitor + one controller decision, on the harness Llama's real gradients and on a larger
-Llama-shaped stack.
-
-(c) Collectives per step in a real 2-process gloo run under DeepSpeed ZeRO-1, GNMR on vs off
-(:mod:`benchmarks.overhead.collectives`), recorded by a wrapper around ``torch.distributed`` and
-by the torch profiler's ``gloo:*`` events. With GNMR on, the extra per step must be exactly one
-all-reduce of U + 1 float64 values, 8 (U + 1) bytes.
-
-Writes ``benchmarks/results/overhead.json``. ``--threads 1`` (the default) keeps the emulated
-quantization's many small elementwise passes from stalling on OpenMP barriers when another
-process holds a core (with 2 threads on a loaded 2-core machine they ran ~20x slower).
+(a) step time (:mod:`benchmarks.overhead.step_time`), (b) the monitor against plain gradient
+clipping on the same gradients (:mod:`benchmarks.overhead.monitor_vs_clip`), (c) the collectives
+of a step in a real 2-process gloo run under DeepSpeed ZeRO-1, GNMR on vs off
+(:mod:`benchmarks.overhead.collectives`): the extra per step must be exactly one all-reduce of
+U + 1 float64 values. Writes ``benchmarks/results/overhead.json``; the parts and why
+``--threads 1`` is the default: docs/benchmarks.md#overhead.
 """
 
 from __future__ import annotations

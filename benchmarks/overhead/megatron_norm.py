@@ -3,22 +3,12 @@
     python -m benchmarks.overhead.megatron_norm [--layers 8] [--hidden 1024] [--repeats 15]
         [--threads 1]
 
-One process (gloo, world size 1) builds a real megatron-core ``GPTModel`` (local layer spec, CPU
-compat on; default 8 layers x 1024 hidden, FFN 4096, vocabulary 32000: 134M parameters), wraps
-it in megatron's DDP, builds megatron's optimizer, runs one forward/backward and takes the
-gradient list megatron's clip norm reads (``optimizer.<grads_for_norm>()``, the version
-table's name). On those same tensors, interleaved in rotating order so machine load hits both
-alike, it times:
-
-* ``megatron``: megatron's own ``get_grad_norm_fp32`` (one multi-tensor l2 launch, one
-  all-reduce of one number);
-* ``megatron + GNMR``: the patched call GNMR installs (the same launch asked for its per-tensor
-  norms, the attribution of each gradient to its unit, one ``index_add_``, one all-reduce of
-  U + 3 numbers) -- and, separately, the controller's decision on the result (host side,
-  taken when the next step first needs the plan).
-
-Printed: medians in ms, the ratio of the medians and the median of the per-round ratios (the
-acceptance figure of issue 12 is ratio <= 1.05), and the two norms (they must agree).
+A real megatron-core ``GPTModel`` (CPU compat; default 134M parameters) in megatron's DDP, one
+forward/backward, then on the very gradient list megatron's clip norm reads, interleaved in
+rotating order: megatron's own ``get_grad_norm_fp32`` against the patched call GNMR installs
+(and, apart, the controller's decision). Printed: medians, their ratio and the per-round ratio
+(issue 12's acceptance figure is ratio <= 1.05) and the two norms, which must agree; written to
+``results/megatron_norm.json``. What each arm runs: docs/benchmarks.md#overhead-megatron_norm.
 """
 
 from __future__ import annotations

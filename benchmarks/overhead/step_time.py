@@ -1,34 +1,12 @@
 """Part (a) of :mod:`benchmarks.overhead`: GNMR's step time against the low-cost path.
 
-The harness's small Llama (4 layers x 128, 28 projection units, 8 x 128 tokens of the embedded
-corpus) trains under six arms built from the same initial weights and fed the same batch each
-round; their steps are interleaved, in an order that rotates every round, so machine load hits
-every arm alike. Each step is timed in wall-clock and in this process's CPU time (with one
-intra-op thread the step's compute; CPU time leaves out the time another process holds the
-core, not the slowdown of sharing it). Printed: medians, the median and quartiles of the
-per-round ratios to the baseline, and, inside the GNMR arms, the CPU time of the monitor and of
-the controller as a fraction of the baseline's step:
-
-* ``low-cost``: the backend's low-cost path on every unit, no GNMR (the baseline);
-* ``gnmr k=0``: GNMR's monitor and controller every step with ``max_active=0``, so every unit
-  stays on the low-cost path: the difference to the baseline is GNMR's own work;
-* ``gnmr k=K``: GNMR with its budget (``--budget`` of the units): monitor, controller, and the
-  recovery path of the units the plan picks (``mean active`` says how many ran it);
-* ``K fixed on recovery``: no GNMR, K units always on the recovery path: the recovery path's own
-  cost with the budget full;
-* ``gnmr+e k=K``: ``gnmr k=K`` with docs/algorithm.md#damage-term's error term (``gamma``): the
-  backend
-  also measures its error sums, which ride the same all-reduce (target <= 1.02, issue 13);
-* ``gnmr+e/10 k=K``: the same with ``error_every = 10`` (error sums measured on every 10th step,
-  the score carried forward in between).
-
-Each arm runs forward, backward, (GNMR), ``clip_grad_norm_`` and AdamW. Two backends:
-``act_quant`` (4-bit / 8-bit saved activations) and ``fp8_emulated`` (FP6 / FP8 GEMM inputs, the
-formats of ``benchmarks/seed/fp6_fp8.py``); once in one process with ``GNMRRuntime(group=None)``,
-once under real DeepSpeed (ZeRO-1, fp32, world size 1 over gloo, gradient clipping 1.0): there
-the GNMR arms come from ``gnmr_dist.deepspeed.initialize`` with a ``"gnmr"`` block and the
-baselines from plain ``deepspeed.initialize`` with the same backend wrapped on the same units.
-The monitor's and the controller's own times are measured inside the GNMR arms.
+The harness's small Llama trains under six arms (:func:`arm_specs`) built from the same initial
+weights and fed the same batch each round; their steps are interleaved in an order that rotates
+every round, so machine load hits every arm alike. Each step is timed in wall-clock and in this
+process's CPU time; inside the GNMR arms the monitor's and the controller's own CPU time too.
+Two backends (``act_quant``, ``fp8_emulated``), once in one process with
+``GNMRRuntime(group=None)``, once under real DeepSpeed (ZeRO-1, world size 1 over gloo). The
+six arms and what each difference to the baseline measures: docs/benchmarks.md#overhead-a-step-time.
 """
 
 from __future__ import annotations

@@ -3,41 +3,12 @@
 
     python -m benchmarks.seed.act_quant [--steps 300] [--bits 2] [--group-size 128] [--budget 0.1]
 
-A small Llama (4 layers x 128, FFN 344, 858k parameters, 28 projection units) pretrained from
-scratch on the first 4 MB of the embedded corpus (byte tokens), 300 steps of 8 x 128 tokens,
-AdamW at 3e-3 (cosine, 20 warm-up steps), clip 1.0; held-out loss on 16 batches of the held-out
-split. Every projection saves its input for backward at ``--bits`` on the low-cost path and at 8
-bits on the recovery path (per-group min/scale, ``--group-size`` values per group). Arms, all in
-one process from the same initial weights and batches: FP32 (no quantization), static 8-bit,
-static 4-bit (the seed's low-cost path), static ``--bits``-bit, GNMR ``--bits``/8 with
-``max_active`` = ``--budget`` x 28 units (3 at 10%), Megatron's recipe (first and last layer at
-8 bits, the rest at ``--bits``) and a ZClip-style global spike guard on the ``--bits`` path. The
-FP32 arm's final weights go to ``results/act_quant_fp32.pt``: the LoRA experiment's base.
-
-Stress knob. ``--bits`` (default 2, the fewest the backend has) and ``--group-size`` (128: one
-(min, scale) pair per token row of the 128-wide inputs, three for the 344-wide ``down_proj``
-input; a group cannot span tokens, so a whole row is the coarsest the backend allows, and larger
-values only pad zeros). Only the weight gradient sees the error (the forward and the input
-gradient are exact). The printed target lines say whether the static low-bit arm ends more than
-1% above FP32 in that run.
-
-GNMR policy (shared by every arm; only the GNMR arms act on it): ``alpha = 6``, ``beta = 6``,
-``window = 8``, ``warmup_steps = 30``, ``lock_steps = 8``. The thresholds were calibrated on
-another seed's unit norms so that an FP32 run crosses them on about 0.2% of unit-steps, the
-seed's healthy rate (calibrated before a harness bug was fixed that trained on the token two
-ahead; not re-tuned since). the default (docs/algorithm.md#policy) thresholds (1.5 / 2) flag 8-12%
-of unit-steps here: per-operator norms at 8 sequences per batch are heavy-tailed, and the q/k
-projections spike to 10-30x their recent mean in every arm, FP32 included. A unit on the recovery
-path stays there ``lock_steps`` steps after its last exceedance, so at rare exceedances GNMR's
-recovery rate is about exceedance rate x 8, far below a 10% budget. The second GNMR arm (``a=b=2``,
-``TIGHT``) lowers both thresholds to 2 so that the budget is actually spent: it shows what
-recovering 3 units at a time can and cannot buy when the damage is spread over every unit.
-
-Measurement: arms are interleaved (``run_experiment(..., interleave=True)``: one step of each
-arm in turn, rotating), so the step-time ratios compare arms over the same stretch of machine
-load. ``--threads 1`` by default: on the shared 2-core machine two intra-op threads made a step
-about 7x slower (busy-waiting threads under oversubscription). 300 steps keep the seven arms
-under 15 minutes there (eight arms: about 9 minutes).
+The harness's Llama pretrained from scratch for 300 steps; every projection saves its input for
+backward at ``--bits`` on the low-cost path and at 8 bits on the recovery path. Arms, interleaved
+from the same initial weights and batches: FP32, static 8 / 4 / ``--bits``-bit, two GNMR arms
+(the seed's thresholds and ``a=b=2``), Megatron's first+last recipe and a ZClip guard. The FP32
+arm's final weights go to ``results/act_quant_fp32.pt``: the LoRA experiment's base. The setup,
+the stress knob and the choice of the GNMR policy: docs/benchmarks.md#seed-act_quant.
 """
 
 from __future__ import annotations

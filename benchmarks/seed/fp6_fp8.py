@@ -3,34 +3,11 @@
 
     python -m benchmarks.seed.fp6_fp8 [--steps 200] [--stress tensor|none] [--budget 0.1]
 
-A small Llama (4 layers x 128, 28 projection units) pretrained on the embedded corpus with the
-``fp8_emulated`` backend: every projection's three GEMMs (forward, dgrad, wgrad) take inputs
-fake-quantized to FP6/FP8 and accumulate in fp32. Recovery path: FP8 e4m3 for x, W and dy with
-DeepSeek-V3's fine-grained scales (1 x 128 tiles for activations and gradients, 128 x 128 for
-weights). Arms, all interleaved step by step from the same init on the same batches: FP32 (no
-backend), fixed FP8, fixed FP6, GNMR FP6/FP8 with a budget of ``--budget`` of the units,
-Megatron's first/last layers in FP8 (the rest FP6), and a ZClip-style global spike guard on fixed
-FP6.
-
-The FP6 recipe (``FP6_LOW_COST``, ``--stress none``): e2m3 for activations and weights, e3m2 for the
-output gradients, with the same block scales as FP8. With one scale per tile the tile's largest
-value maps to the format's maximum, so inside a tile resolution matters more than range: e2m3 (3
-mantissa bits, 60:1 from the largest value to the smallest subnormal) rounds 2x finer than e3m2
-(2 mantissa bits, 448:1). Gradients get e3m2's range, the FP8 hybrid recipe (e4m3 forward, e5m2
-backward) one bit down and the OCP MX FP6 split: measured on this model (1 x 128 tiles), dy keeps
-26.2 dB SQNR in e3m2 against 30.9 dB in e2m3, but once the scale groups are coarse (one per
-tensor) e3m2 keeps 25.2 dB and e2m3 drops to 20.7 dB: e3m2 is the choice that does not depend on
-how well the scales fit. x and W: 31.3 / 30.9 dB in e2m3, 25.9 / 25.6 dB in e3m2; FP8 e4m3 reaches
-31.9 / 31.6 / 32.2 dB, so block-scaled e2m3 is within 1 dB of FP8 on x and W.
-
-Stress knob ``--stress`` (default ``tensor``): at this scale fixed FP6 with block scales trained
-like fixed FP8 in probes (both about 0.5% above FP32 in held-out loss after 200 steps; probes
-run before the harness's next-token-loss fix, on the token two ahead), so GNMR, which can
-only move units to FP8, has nothing to recover. ``tensor`` makes the low-cost path as poor as
-this backend allows while still training: one scale per tensor instead of per tile (an outlier
-sets the scale of the whole tensor and small values flush to zero) and e2m3 for dy too (20.7 dB
-on dy, 11 dB below FP8); the recovery path keeps its block-scaled e4m3. ``none`` is the recipe.
-The README says which setting each table used.
+The harness's Llama pretrained with the ``fp8_emulated`` backend (every projection's three GEMMs
+take FP6 or FP8 inputs and accumulate in fp32). Arms, interleaved from the same init on the same
+batches: FP32, fixed FP8, fixed FP6, GNMR FP6/FP8, Megatron's first/last layers in FP8 and a
+ZClip guard on fixed FP6. The FP6 recipe's formats (with their measured SQNR) and the
+``--stress`` knob: docs/benchmarks.md#seed-fp6_fp8.
 """
 
 from __future__ import annotations

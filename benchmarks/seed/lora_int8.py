@@ -3,49 +3,12 @@
 
     python -m benchmarks.seed.lora_int8 [--steps 200] [--granularity tensor] [--budget 0.1]
 
-Base: the FP32 arm of experiment 1 (``results/act_quant_fp32.pt``, written by
-``python -m benchmarks.seed.act_quant``); when that file is missing this command pretrains the
-same FP32 arm first (same setup and seed, about one arm of experiment 1) and saves it there.
-
-Fine-tuning: peft LoRA, rank 8 (alpha 16, no dropout) on all 7 projections of each layer
-(78k trainable parameters; the base is frozen), 200 steps of 8 x 128 tokens, AdamW at 2e-3
-(cosine, 10 warm-up steps, no weight decay), clip 1.0, on one held-out DOMAIN of the corpus:
-the ``idlelib/`` package (121 train files, 1.2 MB; its 4 held-out files, 358 samples, give the
-held-out loss on 32 batches). The domain is absent from pretraining: ``corpus.py`` can select a
-domain but not exclude one, and pretraining reads the first 4 MB of the train split sorted by
-path, which ends inside ``encodings/``; the command checks that no ``idlelib/`` file is among
-them and logs the count. The base model's own held-out loss on the domain is logged as well.
-
-Arms (one process, same adapters' init, same batches): FP32 (no backend), BF16 (the int8
-backend with every unit on its recovery path: the base GEMMs in BF16), INT8 (static W8A8 base
-GEMMs), GNMR INT8/BF16 with ``max_active`` = ``--budget`` x 28 units, Megatron's recipe (first
-and last layer in BF16) and a ZClip-style global spike guard on INT8. The adapters run peft's
-FP32 forward on both paths. Evaluation uses each arm's current forward, so the INT8 arm is also
-evaluated with INT8 base GEMMs.
-
-Stress knob: ``--granularity tensor`` (default): one int8 scale per weight matrix and one per
-activation tensor, instead of one per output row and one per token (``row``), the coarsest
-scales the backend has. In a probe (base pretrained with seed 1235, otherwise this setup, run
-before the harness's next-token-loss fix, so on the token two ahead) the held-out losses
-after 200 steps were FP32 2.7131, BF16 2.7133, INT8 per-row 2.7132 and INT8 per-tensor 2.7126:
-int8 rounding (at most 1/254 of the largest magnitude per tensor) is far below what moves a
-LoRA fine-tune of a small model without outlier features, and with the base frozen the arms
-hardly diverge. The seed's INT8 stress
-comes from LLaMA-2 13B's activation outliers, which this model does not have.
-
-GNMR policy: ``alpha = 4``, ``beta = 3``, ``window = 8``, ``warmup_steps = 20``, ``lock_steps = 8``,
-calibrated on the probe's unit norms (different base, same caveat) to keep exceedances rare
-(0.06-0.08% of unit-steps there). Unit norms are the adapters' gradients, and they GROW through
-fine-tuning (B starts at zero: mean unit norm 0.012 over the first 25 steps, 0.032 over the last
-25), so GNMR against the all-time mean has a median of 1.3 and the default
-(docs/algorithm.md#policy) ``alpha = 1.5`` (or 2) would flag about 8% of unit-steps; ``alpha = 4``
-leaves the trend alone.
-
-On this CPU (AMX BF16) the BF16 path is faster than the int8 path (per-step activation
-quantization, ``torch._int_mm``, a dequantized weight in backward), so GNMR's step time over
-INT8's can only fall with recovery: the opposite of a GPU with int8 tensor cores. Arms are
-interleaved step by step (fair step-time ratios) on one thread (see
-:mod:`benchmarks.seed.act_quant`).
+Base: the FP32 arm of experiment 1 (``results/act_quant_fp32.pt``; pretrained first when it is
+missing). peft LoRA adapters of rank 8 on all seven projections of each layer fine-tune for 200
+steps on one corpus domain absent from pretraining (``idlelib/``). Arms: FP32, BF16, INT8,
+GNMR INT8/BF16, Megatron's first+last recipe in BF16 and a ZClip guard on INT8. The data, the
+``--granularity`` stress knob, the GNMR policy and why the CPU's BF16 is faster than its int8:
+docs/benchmarks.md#seed-lora_int8.
 """
 
 from __future__ import annotations

@@ -4,37 +4,15 @@
         [--jobs 2] [--arms substring,...] [--report-only]
     python -m benchmarks.sweep.fp4 --step-time [--regime nvfp4] [--steps 40]
 
-For one FP4 regime (:data:`benchmarks.sweep.regimes.FP4_REGIMES`) every arm below branches from the
-same checkpoints of one BF16 reference run per seed and trains ``horizon`` steps
-(:mod:`benchmarks.harness.branch`: why, and how it is measured); the records are compared by seed,
-paired on every branch:
-
-- controls: ``low-cost`` (every unit FP4), ``BF16`` (every unit on the recovery path),
-  ``NVIDIA last-k`` (the last ``k`` units in the model's order always in BF16, ``k`` the
-  nearest whole count to 15% of the units: NVIDIA's static rule, arXiv 2509.25149),
-  ``NVIDIA late`` (every unit in BF16 for the last ``k / U`` of each branch's steps, the same
-  share of unit-steps: the report's appendix D, switching to BF16 near the end of training),
-  ``first+last`` (Megatron's ``--first-last-layers-bf16``: layers 0 and 3, half the units);
-- at every budget ``k``: ``random k``, ``GNMR k`` (the seed's controller), ``GNMR+e k`` (with
-  docs/algorithm.md#damage-term's error term, measured every ``ERROR_EVERY`` steps) and ``oracle k``
-  (the ``k`` units with the largest measured gradient gap of the step itself: the upper bound);
-- null controls (:data:`benchmarks.harness.branch.NULL_ARMS`): ``BF16`` with the weights moved by
-  1e-6 at the branch point, and ``low-cost`` with the same move; and the low-cost path's own
-  realization noise, ``low-cost`` with another stochastic-rounding seed (NVFP4 only).
-
-Jobs (trunks first, then one job per arm, seed and branch point) run in a pool of ``--jobs``
-processes with one torch thread each. Every finished branch is appended to
-``results/fp4/<regime>.jsonl`` at once (small, committed), so a sweep stops and resumes at any
-time and across sessions; the trunk checkpoints live under ``results/sweep/`` (not committed:
-a trunk is deterministic and is rebuilt when missing). The report is printed and written to
-``results/sweep_fp4_<regime>.json`` with a plot of quality against recovered unit-steps,
-``results/sweep_fp4_<regime>.png``; ``python -m benchmarks.report`` renders
-``benchmarks/RESULTS.md``'s tables from the JSON.
-
-``--step-time`` trains ``GNMR+e k`` and ``NVIDIA last-k`` at the same budget side by side
-(interleaved step by step from one checkpoint, same batches), prints their median step times
-and ratio (the cost of GNMR's monitor, controller and error score against a static rule) and
-appends them to ``results/sweep_fp4_step_time_<regime>.json``.
+For one FP4 regime (:data:`benchmarks.sweep.regimes.FP4_REGIMES`) every arm of :func:`make_arms`
+(controls, NVIDIA's two static rules, first+last, and ``random`` / ``GNMR`` / ``GNMR+e`` /
+``oracle`` at every budget, plus the null controls) branches from the same checkpoints of one
+BF16 trunk per seed (:mod:`benchmarks.harness.branch`). Jobs run in a pool of ``--jobs``
+processes; every finished branch is appended to ``results/fp4/<regime>.jsonl`` at once, so a
+sweep stops and resumes at any time. The report (:mod:`benchmarks.sweep.fp4_report`) goes to
+``results/sweep_fp4_<regime>.json`` and ``.png``; ``--step-time`` times ``GNMR+e k`` against
+NVIDIA's rule (:mod:`benchmarks.sweep.fp4_step_time`). The arms in detail:
+docs/benchmarks.md#sweep-fp4.
 """
 
 from __future__ import annotations

@@ -2,26 +2,12 @@
 
     python -m benchmarks.sweep.fp4 --step-time [--regime nvfp4] [--steps 40]
 
-Both arms start from the same trunk checkpoint (seed 1234, the regime's second branch point)
-and train the same batches, interleaved one step each in turn (the order alternating), in one
-process with one torch thread, so both sample the same stretch of machine load:
-
-- ``NVIDIA last-k``: the last ``k`` units in BF16, the rest in FP4, and nothing else: no
-  monitor, no controller, no error score (what a user of the static rule runs);
-- ``GNMR+e k``: the same backend with GNMR's monitor (one fused norm pass), the controller, and
-  the error score measured every ``ERROR_EVERY``-th step (shadow of the recovered units
-  included) and carried in between, as in the sweep;
-- ``GNMR+e k replayed``: GNMR+e's own plan of each step run without GNMR (no monitor, no
-  controller, no error score). It trains exactly as ``GNMR+e k`` (checked: the same weights at
-  the end), so ``GNMR+e / replayed`` is the runtime's cost alone.
-
-Printed: each arm's median step time over the steps after the first 5, and the two ratios;
-the command (``--step-time``) also appends the run to ``results/sweep_fp4_step_time_<regime>.json``
-(:func:`save`), which RESULTS.md's step-time table reads.
-Against NVIDIA's rule the ratio also holds *which* units run BF16: on the CPU a BF16 unit is
-cheaper than an emulated FP4 one, and more so for the wide MLP projections NVIDIA's last units
-are (on a Blackwell GPU it is the other way round), so the runtime's cost is the replayed ratio;
-the GPU's is the one ``benchmarks/gpu/te_check.py`` reports for TE.
+Both arms, and ``GNMR+e``'s own plan replayed without GNMR's work, start from the same trunk
+checkpoint (seed 1234, the regime's second branch point) and train the same batches, interleaved
+one step each in turn, in one process with one torch thread. Printed: each arm's median step time
+after the first 5 steps and the two ratios; the command appends the run to
+``results/sweep_fp4_step_time_<regime>.json`` (:func:`save`). Why the replayed ratio is the
+runtime's cost on a CPU: docs/benchmarks.md#sweep-fp4-step-time.
 """
 
 from __future__ import annotations

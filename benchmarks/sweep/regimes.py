@@ -1,44 +1,14 @@
-"""The regimes of the selection sweeps (:mod:`benchmarks.sweep.selection`): where the low-cost
-path hurts.
+"""The regimes of the sweeps: where the low-cost path hurts.
 
-Every regime trains the harness's Llama (4 layers x 128, 28 projection units, 858k parameters)
-on the embedded corpus with one precision backend; what differs is where the damage sits:
-
-- ``act_quant``: seed experiment 1's stress -- every projection saves its input for backward at
-  2 bits (one (min, scale) pair per 128 values) on the low-cost path, 8 bits on the recovery
-  path. The damage is spread over every unit and every step (issue 8).
-- ``fp6_fp8``: seed experiment 2's stress -- per-tensor-scaled FP6 (e2m3 for x, W and dy) on the
-  low-cost path, DeepSeek-V3's block-scaled FP8 e4m3 on the recovery path. Also spread out.
-- ``outlier``: local and transient by construction -- the healthy block-scaled FP6 recipe
-  (1 x 128 / 128 x 128 tiles, e2m3 / e3m2) on the low-cost path, FP8 on the recovery path, and
-  one input channel of ``model.layers.2.mlp.up_proj`` multiplied by 100 for steps 60-109 (the
-  outlier features LLM activations grow). Its 1 x 128 tiles then take their scale from the
-  outlier, so the rest of every token row of that input rounds to FP6's few levels near 0,
-  in that one projection, for that window only.
-- ``delayed``: the failure Transformer Engine users meet -- per-tensor FP8 e4m3 with TE's
-  delayed scaling (the scale comes from the max of the last 16 steps' amaxes) on the low-cost
-  path, bf16 on the recovery path, and two activation spikes that rise x2 per step for 8 steps
-  (steps 40-47 in ``layers.1.mlp.down_proj``, 90-97 in ``layers.2.self_attn.o_proj``): the
-  history lags a rising spike at every step, so the spiking input saturates at e4m3's max, in
-  one projection, for those steps (and rounds coarser for the 16 steps its amax stays in the
-  history).
-
-Each regime names the GNMR policy of issue 8's experiments and the error-term threshold
-``gamma`` of its ``GNMR+e`` arms (chosen as said in :attr:`Regime.gamma`'s docstring).
-
-The FP4 regimes (:data:`FP4_REGIMES`, issue 24) are measured with the branch estimator
-(:mod:`benchmarks.harness.branch`, :mod:`benchmarks.sweep.fp4`) at a learning rate of 1e-3 (the
-harness's 3e-3 is past this model's stable edge: issue 24 measured every arm lower and 2.4x
-less spread at 1e-3), recovery in BF16:
-
-- ``nvfp4``: NVIDIA's NVFP4 recipe on every projection (``{"format": "e2m1"}``: 1 x 16 / 16 x 16
-  blocks with E4M3 scales under an fp32 tensor scale, stochastic rounding of the gradients, the
-  random Hadamard transform of the wgrad inputs);
-- ``mxfp4``: OCP MXFP4 on every projection (1 x 32 blocks, power-of-two scales, round to
-  nearest, no transform);
-- ``fp4_tensor``: the stress, E2M1 with one scale per tensor on every projection: at this scale
-  the static NVFP4 path costs little, and this one clearly fails (issue 24 measured +0.61 in
-  held-out loss after 300 steps of whole runs).
+Every regime trains the harness's Llama (4 layers x 128, 28 projection units) on the embedded
+corpus with one precision backend; what differs is where the damage sits. :data:`REGIMES`
+(the selection sweeps, :mod:`benchmarks.sweep.selection`): ``act_quant`` and ``fp6_fp8`` spread
+it over every unit and step, ``outlier`` and ``delayed`` make it local and transient by
+construction (an outlier input channel, rising activation spikes). :data:`FP4_REGIMES` (the
+branch estimator's sweeps, :mod:`benchmarks.sweep.fp4`, at lr 1e-3, recovery in BF16):
+``nvfp4``, ``mxfp4`` and the ``fp4_tensor`` stress. Each regime names its GNMR policy and the
+error-term threshold ``gamma`` of its ``GNMR+e`` arms. Each regime in detail:
+docs/benchmarks.md#sweep-regimes.
 """
 
 from __future__ import annotations

@@ -3,29 +3,13 @@
     python -m benchmarks.sweep.selection --regime act_quant [--seeds 1234,7,42] [--budgets 1,3,7,14]
         [--steps N] [--jobs 2] [--arms substring,...] [--fresh]
 
-For one regime (:mod:`benchmarks.sweep.regimes`), every arm below trains the harness's Llama (28
-projection units) from the same initial weights on the same batches, once per seed:
-
-- ``low-cost`` / ``recovery``: the backend's static paths (every unit, every step);
-- ``first+last``: Megatron's static recipe, 14 of 28 units (the first and the last layer);
-- at every budget ``k``: ``random k`` (k eligible units re-drawn each step), ``GNMR k`` (the
-  seed's controller, docs/algorithm.md), ``GNMR+e k`` (with section 2.1's error term) and
-  ``oracle k`` (the k largest measured gradient gaps of the step itself: the upper bound).
-
-Each (arm, seed) is one job, run in a pool of ``--jobs`` processes (one torch thread each) and
-written to ``results/sweep/<regime>/<arm>__<seed>.json`` as soon as it ends, so an interrupted
-sweep resumes where it stopped (``--fresh`` starts over). The command then prints, per arm, the
-mean held-out loss over seeds with a 95% Student-t interval, the share of the static gap
-(``low-cost - recovery``) the arm closes, and, for every budgeted arm, the paired difference to
-``random k`` at the same budget (same seed: same weights, batches and order) with its interval;
-a verdict per budget says whether a policy beats random-k (and, at k = 14, first+last) by more
-than that interval. Selection quality (precision@k of the risk, of each error score and of the
-active set against the measured gaps) comes from the probe every ``PROBE_EVERY`` steps on the
-``low-cost``, ``GNMR`` and ``GNMR+e`` arms. Everything lands in ``results/sweep_<regime>.json``
-and a plot of quality against budget, one curve per policy, in ``results/sweep_<regime>.png``.
-
-The statistics live in :mod:`benchmarks.harness.stats`, the tables and the plot in
-:mod:`benchmarks.sweep.selection_report`.
+For one regime (:mod:`benchmarks.sweep.regimes`) every arm (:func:`make_arms`: the static
+paths, first+last, and ``random k`` / ``GNMR k`` / ``GNMR+e k`` / ``oracle k`` at every budget)
+trains the harness's Llama once per seed, one job per (arm, seed) in a pool, each written to
+``results/sweep/<regime>/`` as it ends (an interrupted sweep resumes). The report pairs arms by
+seed (:mod:`benchmarks.harness.stats`; tables and plot in
+:mod:`benchmarks.sweep.selection_report`) and lands in ``results/sweep_<regime>.json`` and
+``.png``. The arms, the verdicts and the selection figures: docs/benchmarks.md#sweep-selection.
 """
 
 from __future__ import annotations
