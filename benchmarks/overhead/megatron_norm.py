@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from benchmarks.harness.common import RESULTS, arg_parser, gloo_world
+from benchmarks.harness.provenance import record
 
 
 def build(layers: int, hidden: int, vocab: int) -> tuple[Any, Any]:
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result = measure(model, optimizer, args.repeats)
     print(report(result))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    args.out.write_text(json.dumps({**result, "provenance": record()}, indent=2) + "\n")
     return result
 
 
