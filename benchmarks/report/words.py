@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from benchmarks.harness.branch_stats import verdict
@@ -90,11 +90,12 @@ def ordinal(n: int) -> str:
     return f"{n}{suffix}"
 
 
-FILTERS = {
+FILTERS: dict[str, Callable[..., Any]] = {
     f.__name__: f
     for f in (pm, pct, resolved, resolved_word, holds_zero, compared, says, relation, listing)
 }
 FILTERS.update(span=span, ordinal=ordinal, f=fmt)
+"""The template's filters by name (``x | f(".3f")`` formats with :func:`fmt`)."""
 
 WIDTH = 100
 """Prose lines are filled to this width, as the rest of the repository's markdown."""
