@@ -14,22 +14,17 @@ the forward in full precision, but stores ``x`` for the backward compressed to `
 Only the weight gradient sees the quantization error, bounded by ``scale / 2`` per element. Codes
 are stored packed (two 4-bit or four 2-bit codes per byte) next to two fp32 numbers per group, so
 at k = 4 and 128-element groups a saved activation takes 0.5625 bytes per element against 2 for
-bf16: the saving is real memory, measured in ``benchmarks/act_memory.py``. The low-cost path is
-4 bits (the seed's first experiment); recovery is 8 bits, 16 (bf16) or 32 (unchanged).
+bf16 (``python -m benchmarks.overhead.act_memory`` measures it). The low-cost path is 4 bits (the
+seed's first experiment); recovery is 8 bits, 16 (bf16) or 32 (unchanged). Projections that read
+the same input (q/k/v, gate/up) share one packed copy, as they share one saved tensor without
+the backend. ``group_size`` and ``bits`` are the stress knobs of the activation experiment.
 
-Projections that read the same input (q/k/v, gate/up) share one packed copy, as they share one
-saved tensor without the backend. Coarser groups and fewer bits make the low-cost path worse:
-``group_size`` and ``bits`` are the stress knobs of the activation-quantization experiment.
-
-Error score (``gnmr.gamma``, docs/algorithm.md#damage-term; after ``track_errors``)
----------------------------------------------------------------------------
-Only the saved ``x`` is rounded, so per GEMM the backend reports ``||dy||_F ||x - x_hat||_F``
-(``x_hat = unpack(pack(x))`` at the *low-cost* bits), summed into ``B(u)``. ``||x - x_hat||`` is
-taken in the forward from the pack's own codes (one fused multiply-add, a subtraction and a
-norm over ``x``; projections that share an input share it), ``||dy||`` in the backward (one norm
-of ``dy``). A unit on the recovery path re-quantizes its ``x`` at the low-cost bits once more,
-only to measure it (no bit packing, nothing kept): the shadow that docs/algorithm.md#damage-term
-describes. No GEMM, no host sync; with tracking off nothing of this runs.
+Error score (``gnmr.gamma``, docs/algorithm.md#damage-term; after ``track_errors``): only the
+saved ``x`` is rounded, so per GEMM the backend reports ``||dy||_F ||x - x_hat||_F`` (``x_hat =
+unpack(pack(x))`` at the *low-cost* bits), summed into ``B(u)``. ``||x - x_hat||`` is taken in
+the forward from the pack's own codes (shared by projections of one input), ``||dy||`` in the
+backward. A unit on the recovery path re-quantizes its ``x`` at the low-cost bits once more, only
+to measure it (the shadow). No GEMM, no host sync; with tracking off nothing of this runs.
 """
 
 from __future__ import annotations
@@ -44,12 +39,8 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from gnmr_dist.backends.base import (
-    LOW_COST,
-    GemmProbe,
-    PrecisionBackend,
-    frobenius,
-)
+from gnmr_dist.backends.base import LOW_COST, PrecisionBackend
+from gnmr_dist.backends.error_sums import GemmProbe, frobenius
 from gnmr_dist.backends.operators import operators_of
 from gnmr_dist.backends.registry import register_backend
 

@@ -12,39 +12,18 @@ A precision backend owns the low-cost and the recovery path of every unit it wra
   step, counted in the forwards themselves, so tests and logs see what happened rather than what
   was asked for.
 * :meth:`PrecisionBackend.error_sums` (after :meth:`PrecisionBackend.track_errors`) returns this
-  rank's per-unit partial sums ``B(u)`` of docs/algorithm.md#damage-term's damage score, accumulated
-  since the last :meth:`apply` (see below).
+  rank's per-unit partial sums ``B(u)`` of the damage score (docs/algorithm.md#damage-term;
+  :mod:`gnmr_dist.backends.error_sums`), accumulated since the last :meth:`apply`; ``None`` for a
+  backend that reports no error. Measuring is off until ``track_errors``: runs without
+  ``gnmr.gamma`` pay nothing.
 
 Custom autograd functions save the path they ran in the forward, so the backward of a step uses
 the forward's precision even if the plan changes before it runs.
 
 The controller never imports a backend; the integrations wire the two together. A backend knows
 no training framework: an integration describes its framework's operators with an
-:class:`~gnmr_dist.backends.operators.Operators` value passed to the backend when it is built.
-
-**Writing a backend** (the public hooks; ``docs/backends.md`` has a worked example)::
-
-    @register_backend("my_fp8")
-    class MyBackend(PrecisionBackend):
-        LowCost = MyOptions            # the dataclass of ``gnmr.low_cost`` (or omit: no options)
-        Recovery = MyOptions           # ``gnmr.recovery``
-        reports_errors = False         # True: make_gemm feeds GemmProbe (section 2.1's B(u))
-        adapted_gemms = False          # True: also run integration-adapted operators (TP shards)
-
-        def make_gemm(self, op, path):          # (x, weight, bias) -> y with its own autograd
-            ...
-
-Hooks a subclass may override: :meth:`make_gemm` (or :meth:`make_forward` for whole-module
-backends), :meth:`supports`, :meth:`targets`, :meth:`on_plan_change`, :meth:`step_context`,
-:meth:`recovery_region`, :meth:`measuring`; everything else is the contract the integrations
-call and is not overridden.
-
-The error sums (``B(u)``, docs/algorithm.md#damage-term: what they bound, how they are measured
-without a host sync or an extra GEMM) are explained in :mod:`gnmr_dist.backends.error_sums`.
-Measuring is off until :meth:`PrecisionBackend.track_errors` is called, so runs without
-``gnmr.gamma`` pay nothing; :meth:`PrecisionBackend.error_sums` returns ``None`` for a backend that
-reports no error (the base class default; ``te_fp8`` for now). Units the backend does not wrap read
-0.
+:class:`Operators` value passed to the backend when it is built. Writing a backend (the hooks a
+subclass implements or overrides, a worked example): ``docs/backends.md#writing-a-backend``.
 """
 
 from __future__ import annotations
@@ -58,24 +37,53 @@ from typing import Any, ClassVar, cast
 import torch
 from torch import nn
 
-from gnmr_dist.backends.error_sums import ErrorSums, GemmProbe, frobenius
-from gnmr_dist.backends.operators import TORCH, Gemm, GemmAdapter, Operators, operators_of
+from gnmr_dist.backends.error_sums import ErrorSums, GemmProbe
+from gnmr_dist.backends.operators import Gemm, GemmAdapter, ModuleSwitch, operators_of
 from gnmr_dist.backends.options import parse_options
 
 __all__ = [
     "LOW_COST",
     "RECOVERY",
-    "Gemm",
-    "GemmProbe",
+    "TORCH",
+    "Operators",
     "PrecisionBackend",
     "StepReport",
-    "frobenius",
+    "Switcher",
 ]
 
 logger = logging.getLogger(__name__)
 
 LOW_COST = "low_cost"
 RECOVERY = "recovery"
+
+
+Switcher = Callable[[nn.Module, str, "PrecisionBackend"], "ModuleSwitch | None"]
+"""``(module, label, backend) -> switch``, or ``None`` when the module is not such a module."""
+
+
+@dataclass(frozen=True)
+class Operators:
+    """What a framework adds to the operators a backend knows, described by its integration
+    (:mod:`gnmr_dist.backends.operators`) and passed to the backend when it is built."""
+
+    types: frozenset[str] = frozenset()
+    """Class names of the framework's operators besides ``nn.Linear`` and LoRA layers."""
+    adapters: tuple[GemmAdapter, ...] = ()
+    """How GEMM backends run those operators."""
+    switcher: Switcher | None = None
+    """Factory of :class:`ModuleSwitch` objects for self-switching modules (``te_fp8``)."""
+
+    def adapter_of(self, module: nn.Module) -> GemmAdapter | None:
+        """The adapter that runs ``module``, or ``None``."""
+        return next((a for a in self.adapters if a.matches(module)), None)
+
+    def all_types(self) -> frozenset[str]:
+        """:attr:`types` and every adapter's."""
+        return self.types.union(*(a.types for a in self.adapters))
+
+
+TORCH = Operators()
+"""Plain torch: ``nn.Linear`` and LoRA layers only (what a backend knows by default)."""
 
 
 @dataclass(frozen=True)
@@ -112,9 +120,8 @@ class PrecisionBackend:
     integration-adapted operators (:attr:`adapted_gemms`), report errors
     (:attr:`reports_errors`) and give layer units a :meth:`recovery_region`.
 
-    ``operators`` (keyword, default :data:`~gnmr_dist.backends.operators.TORCH`): what the
-    integration adds to the operators the backend knows (its framework's; see
-    :mod:`gnmr_dist.backends.operators`).
+    ``operators`` (keyword, default :data:`TORCH`): what the integration adds to the operators
+    the backend knows (its framework's; see :class:`Operators`).
     """
 
     name: ClassVar[str] = ""

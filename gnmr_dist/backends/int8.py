@@ -12,52 +12,19 @@ Symmetric int8, the two operands of ``x W^T`` (``x``: tokens x K, ``W``: N x K):
     acc    = x_q @ W_q^T                  int32, exact
     y      = acc * (s_x s_w^T) + b        the outer product of the scales, in fp32
 
-Scales follow the reduction axis: each output ``y[m, n]`` sums over ``k`` only, so a scale may
-vary with ``m`` (one per token) and with ``n`` (one per output row) and still factor out of the
-integer sum. Per-token scales keep one outlier token from flattening the resolution of all the
-others; per-row weight scales do the same for output features. Rounding to nearest gives
-``|t - q s| <= s / 2`` elementwise. The range is [-127, 127], not -128, so negation is exact and
-``|acc| <= K * 127^2``, which fits int32 up to K = 133,144.
+Scales follow the reduction axis, so each factors out of the integer sum; ``|acc| <= K * 127^2``
+fits int32 up to K = 133,144. The integer GEMM is ``torch._int_mm`` where it applies and is
+exact (a CPU's is checked once per process: :func:`int_mm_is_exact_on_cpu`), else an exact
+float64 emulation of the integer product.
 
-The integer GEMM is ``torch._int_mm`` (int8 x int8 -> int32). On CUDA it needs more than 16 rows
-and K, N multiples of 8. On a CPU it takes any shape (torch 2.13) but is exact only where
-oneDNN's int8 kernels have VNNI: without it (AVX2, AVX-512 before VNNI, or
-``ONEDNN_MAX_CPU_ISA`` below it) they multiply with ``vpmaddubsw``, whose int16 pair sums
-saturate (measured under ``ONEDNN_MAX_CPU_ISA=AVX2``: 4,073 of the 4,096 outputs of a 64 x 256 x
-64 product wrong, by up to 77,391). So a CPU's ``_int_mm`` is checked once per process against
-the exact product of codes that saturate there (:func:`int_mm_is_exact_on_cpu`). Other shapes,
-K beyond the int32 bound, and a CPU that fails the check use an exact emulation: a float64 matmul
-of the integer values. Every product is an integer below 127^2 and every partial sum an integer
-below K * 127^2 < 2^53, so every intermediate is exactly representable whatever the summation
-order: the result is the integer result.
-
-Backward (:class:`W8A8LinearFn`): the input gradient is ``dx = dy @ dequant(W_q)``, in fp32
-(a straight-through estimator for the activation rounding; it uses the weight the forward used).
-A frozen base has no weight gradient. If the weight does require a gradient it is computed in
-high precision from the unquantized input, ``dW = dy^T x`` (``x`` is then saved for backward),
-so the backend is correct, if not cheap, on a trainable weight.
-
-Recovery runs the same module in BF16: ``F.linear(x.bf16(), W.bf16(), b.bf16())`` cast back to
-the input's dtype (``{"dtype": "bf16"}``, the default), or the module's own ``F.linear`` in its
-own dtype (``{"dtype": "fp32"}``, bit-identical to the unwrapped module).
-
-The int8 weight is cached per module and re-quantized when the weight's identity changes
-(``data_ptr``, its in-place version counter, dtype, shape): optimizer steps, ``copy_`` under
-``no_grad``, ``load_state_dict`` and adapter merges are all seen. Writes through ``.data`` carry a
-separate version counter by PyTorch's design and are not: call :meth:`Int8Backend.invalidate`.
-
-Error score (``gnmr.gamma``, docs/algorithm.md#damage-term; after ``track_errors``)
----------------------------------------------------------------------------
-Of the weight-gradient product ``dy^T x`` the low-cost path rounds only ``x`` (``dy`` is never
-quantized; ``W``'s rounding does not enter ``dW``), so per GEMM the backend reports
-``||dy||_F ||x - dequant(x_q)||_F``, with the per-token (or per-tensor) codes the forward
-computed: the error of the weight gradient that the forward's integer input implies (a frozen
-base computes no ``dW``; the score still measures how far the product's input was moved).
-Cost: one dequantize, a subtraction and a norm over ``x`` in the forward, one norm of ``dy`` in
-the backward. A unit on the recovery path re-quantizes its ``x`` once in the forward only to
-measure it, and takes ``||dy||`` in a hook on its output's gradient (shadow). A GEMM whose
-output needs no gradient (the frozen first projections of a LoRA model, whose input carries no
-gradient either) has no backward and reports 0. No GEMM, no host sync.
+Backward (:class:`W8A8LinearFn`): ``dx = dy @ dequant(W_q)`` in fp32 (straight-through); a
+trainable weight gets ``dW = dy^T x`` in high precision. Recovery runs the module in BF16
+(``{"dtype": "bf16"}``) or its own ``F.linear`` (``{"dtype": "fp32"}``, bit-identical to the
+unwrapped module). The int8 weight is cached per module and re-quantized when the weight's
+identity changes (``data_ptr``, version counter, dtype, shape); writes through ``.data`` are not
+seen: call :meth:`Int8Backend.invalidate`. The error score is ``||dy||_F ||x - dequant(x_q)||_F``
+per GEMM, measured in shadow on the recovery path. Why each choice, the CPU check and the costs:
+``docs/backends.md#inside-int8``.
 """
 
 from __future__ import annotations
@@ -74,7 +41,8 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from gnmr_dist.backends.base import RECOVERY, GemmProbe, PrecisionBackend, frobenius
+from gnmr_dist.backends.base import RECOVERY, PrecisionBackend
+from gnmr_dist.backends.error_sums import GemmProbe, frobenius
 from gnmr_dist.backends.registry import register_backend
 from gnmr_dist.core.validation import check_choice
 

@@ -1,42 +1,38 @@
-"""The operators a backend switches, and how an integration teaches it a framework's own.
+"""The operators a backend switches, and the pieces an integration describes a framework's with.
 
 A unit is made of *operators*: the projections whose GEMMs run on the low-cost or the recovery
 path. Out of the box every backend knows torch's ``nn.Linear`` (and a peft LoRA layer around
-one, which belongs to its outer layer as a whole). A backend may declare more module classes of
-the library it wraps (``te_fp8``: Transformer Engine's linears) in
+one, which belongs to its outer layer as a whole: :func:`operators_of`). A backend may declare
+more module classes of the library it wraps (``te_fp8``: Transformer Engine's linears) in
 :attr:`~gnmr_dist.backends.base.PrecisionBackend.operator_types`.
 
 A training framework with projections of its own (megatron-core's tensor-parallel linears) is
-described by its integration, never here: it builds an :class:`Operators` value
+described by its integration, never here, in the
+:class:`~gnmr_dist.backends.base.Operators` value the backend is built with, from two pieces:
 
-* ``types``: the class names that are operators, so that unit discovery finds them;
-* ``adapters``: a :class:`GemmAdapter` per operator family that can run a backend's GEMM: which
+* a :class:`GemmAdapter` per operator family that can run a backend's :data:`Gemm`: which
   method of the instance is replaced, and how the framework's data movement (a tensor-parallel
   all-gather or all-reduce) is put around the GEMM;
-* ``switcher``: for modules that switch their own precision through a framework setting (a
-  megatron TE linear's ``te_quant_params``), a factory of :class:`ModuleSwitch` objects.
+* a :class:`ModuleSwitch` for a module that switches its own precision through a framework
+  setting (a megatron TE linear's ``te_quant_params``).
 
-and passes it to the backend when it is built (``get_backend(..., operators=...)``). A backend
-runs an adapted operator only if it opts in (:attr:`~gnmr_dist.backends.base.PrecisionBackend.
-adapted_gemms`): a backend written and tested on ``nn.Linear`` is never applied to a
-tensor-parallel shard by default.
+A backend runs an adapted operator only if it opts in (:attr:`~gnmr_dist.backends.base.
+PrecisionBackend.adapted_gemms`): a backend written and tested on ``nn.Linear`` is never applied
+to a tensor-parallel shard by default.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from gnmr_dist.distributed.units import is_operator
 
-if TYPE_CHECKING:
-    from gnmr_dist.backends.base import PrecisionBackend
-
-__all__ = ["TORCH", "Gemm", "GemmAdapter", "ModuleSwitch", "Operators", "operators_of"]
+__all__ = ["Gemm", "GemmAdapter", "ModuleSwitch", "operators_of"]
 
 Gemm = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 """``(x, weight, bias) -> y``: one operator's GEMM on one path, with its own autograd."""
@@ -74,7 +70,8 @@ class GemmAdapter:
 
 class ModuleSwitch(Protocol):
     """A module that runs the path a framework setting of its own names (see
-    :class:`Operators`): the backend sets the setting instead of replacing a forward."""
+    :class:`~gnmr_dist.backends.base.Operators`): the backend sets the setting instead of
+    replacing a forward."""
 
     module: nn.Module
 
@@ -93,34 +90,6 @@ class ModuleSwitch(Protocol):
     def check_recovered(self) -> None:
         """After a recovery forward: raise if the module did not run what was asked."""
         ...
-
-
-Switcher = Callable[[nn.Module, str, "PrecisionBackend"], "ModuleSwitch | None"]
-"""``(module, label, backend) -> switch``, or ``None`` when the module is not such a module."""
-
-
-@dataclass(frozen=True)
-class Operators:
-    """What a framework adds to the operators a backend knows (module docstring)."""
-
-    types: frozenset[str] = frozenset()
-    """Class names of the framework's operators besides ``nn.Linear`` and LoRA layers."""
-    adapters: tuple[GemmAdapter, ...] = ()
-    """How GEMM backends run those operators."""
-    switcher: Switcher | None = None
-    """Factory of :class:`ModuleSwitch` objects for self-switching modules (``te_fp8``)."""
-
-    def adapter_of(self, module: nn.Module) -> GemmAdapter | None:
-        """The adapter that runs ``module``, or ``None``."""
-        return next((a for a in self.adapters if a.matches(module)), None)
-
-    def all_types(self) -> frozenset[str]:
-        """:attr:`types` and every adapter's."""
-        return self.types.union(*(a.types for a in self.adapters))
-
-
-TORCH = Operators()
-"""Plain torch: ``nn.Linear`` and LoRA layers only (what a backend knows by default)."""
 
 
 def operators_of(

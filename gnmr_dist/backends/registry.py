@@ -18,20 +18,18 @@ A backend module must not import an optional package (Transformer Engine) at mod
 :func:`registered_operator_types` reads every registered class, also on hosts that cannot run
 it; the backend imports its package when it is built.
 
-This module imports no backend (nor :mod:`gnmr_dist.backends.base`) at module level, so
-``base`` can use it; :mod:`gnmr_dist.backends` imports the built-in backends.
+This module imports no backend: the built-in ones are registered by
+:mod:`gnmr_dist.backends.builtin`, which :mod:`gnmr_dist.backends` imports when one of its names
+is first used (``from gnmr_dist.backends import get_backend``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
-from gnmr_dist.backends.operators import TORCH, Operators
+from gnmr_dist.backends.base import TORCH, Operators, PrecisionBackend
 from gnmr_dist.core.validation import did_you_mean
-
-if TYPE_CHECKING:
-    from gnmr_dist.backends.base import PrecisionBackend
 
 __all__ = [
     "BACKENDS",

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gnmr_dist.backends.fp8_scaling import AMAX_ALGOS
+from gnmr_dist.backends.emulated_options import AMAX_ALGOS
 from gnmr_dist.core.validation import check_choice, check_nonnegative_int, check_positive_int
 
 __all__ = [

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from gnmr_dist.backends.operators import Gemm, GemmAdapter, Operators
+from gnmr_dist.backends.base import Operators
+from gnmr_dist.backends.operators import Gemm, GemmAdapter
 from gnmr_dist.distributed.units import ModelMarks
 from gnmr_dist.integrations.megatron.te import MEGATRON_TE_LINEARS, te_quant_params_switcher
 

@@ -263,7 +263,7 @@ def te_quant_params_switcher(
     stops it: no megatron config, a CUDA-graphed layer, megatron's own recipe other than the
     backend's low-cost one, a recovery recipe not stronger than the module's own.
 
-    The integration's :attr:`~gnmr_dist.backends.operators.Operators.switcher`.
+    The integration's ``switcher`` (:class:`~gnmr_dist.backends.base.Operators`).
     """
     if not is_megatron_te_linear(module):
         return None

@@ -9,71 +9,42 @@ step t quantizes with
     scale_t = a_t * 2^margin / max_value           (TE's scale is the inverse, fp8_max/a_t/2^m)
     Q(x)    = clamp(round(x / scale_t), +-max_value) * scale_t
 
-(:func:`~gnmr_dist.backends.numerics.quantize_dequantize_scaled`). ``amax_t = max|x|`` over the
-step's calls joins the history when the next step's plan is applied. So a spike
+(:func:`~gnmr_dist.backends.numerics.scaled.quantize_dequantize_scaled`). ``amax_t = max|x|``
+over the step's calls joins the history when the next step's plan is applied. So a spike
 (``amax_t >> a_t``) saturates at ``+-max_value * scale_t`` until it is in the history, and once
-it is, its amax keeps the scale too large for up to H steps ("max"): small values fall into the
-subnormals or flush to zero until the spike leaves the window. Per-tensor scales only: one
-history per tensor (``"granularity": "tensor"``, refused otherwise).
+it is, its amax keeps the scale too large for up to H steps ("max"). Per-tensor scales only.
 
 An empty history (first step, after a reset) scales each call by its own amax (current scaling,
-margin included). A scale that is 0 or not finite (all-zero tensor, inf in the history) falls
-back to 1 (TE keeps its previous scale). When the histories are committed, reset or left alone
-(plan changes, steps run again, the probe's passes) is the backend's choice:
-:mod:`gnmr_dist.backends.fp8_emulated`, "Delayed scaling".
+margin included). A scale that is 0 or not finite falls back to 1 (TE keeps its previous
+scale). When the histories are committed, reset or left alone (plan changes, steps run again,
+the probe's passes) is the backend's choice (:mod:`gnmr_dist.backends.emulated`;
+``docs/backends.md#delayed-scaling``).
 
-Cost: per GEMM input one amax (as per-tensor current scaling) and one ``maximum``; per history
-and step one reduction over H values (cached for the step) and, at ``apply``, one fused copy of
-all the step's amaxes; H floats per history on the parameter's device. No host sync: amaxes and
-scales stay tensors, positions and counts are Python integers.
+Cost: per GEMM input one amax and one ``maximum``; per history and step one reduction over H
+values (cached for the step) and, at ``apply``, one fused copy of all the step's amaxes; H floats
+per history on the parameter's device. No host sync: amaxes and scales stay tensors.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from gnmr_dist.backends.emulated_options import DelayedRecipe, LinearQuantSpec
 from gnmr_dist.backends.numerics.formats import FloatFormat
 from gnmr_dist.backends.numerics.scaled import quantize_dequantize_scaled
 
-if TYPE_CHECKING:
-    from gnmr_dist.backends.fp8_linear import LinearQuantSpec
-
-__all__ = [
-    "AMAX_ALGOS",
-    "AmaxHistory",
-    "DelayedRecipe",
-    "DelayedScales",
-    "amax_of",
-    "commit_all",
-    "scale_of",
-]
-
-
-@dataclass(frozen=True)
-class DelayedRecipe:
-    """Delayed scaling's settings, named as TE's ``DelayedScaling`` fields."""
-
-    amax_history_len: int = 16
-    """Steps of amax history H (TE's default: 1024)."""
-    amax_compute_algo: str = "max"
-    """``"max"`` over the history or its ``"most_recent"`` entry (TE's default: max)."""
-    margin: int = 0
-    """``scale = a * 2^margin / max_value``: ``margin`` binades of headroom (TE's default: 0)."""
-
-
-AMAX_ALGOS = ("max", "most_recent")
-"""How delayed scaling reads its history (TE's ``amax_compute_algo``)."""
+__all__ = ["AmaxHistory", "DelayedScales", "amax_of", "commit_all", "scale_of"]
 
 
 def scale_of(amax: torch.Tensor, fmt: FloatFormat, margin: int) -> torch.Tensor:
     """``amax * 2^margin / max_value`` (0-dim fp32), 1 where that is 0 or not finite.
 
-    Divided first, as :func:`~gnmr_dist.backends.numerics.quantize_dequantize` does, so an empty
-    history's scale equals current per-tensor scaling's bit for bit (``2^margin`` is exact).
+    Divided first, as :func:`~gnmr_dist.backends.numerics.scaled.quantize_dequantize` does, so
+    an empty history's scale equals current per-tensor scaling's bit for bit (``2^margin`` is
+    exact).
     """
     scale = amax / fmt.max_value
     if margin:

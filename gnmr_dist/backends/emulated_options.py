@@ -1,21 +1,37 @@
-"""The quantized linear of ``fp8_emulated``: one path's options, and its three GEMMs.
+"""The ``fp8_emulated`` backend's options: one path's block, parsed strictly, and its resolved spec.
 
-:class:`Fp8Options` is one ``low_cost`` / ``recovery`` block, :class:`LinearQuantSpec` its
-resolved quantization, and :func:`fp8_linear` the linear whose forward, dgrad and wgrad GEMMs
-take inputs quantized as the spec says, with the wgrad GEMM's error bound for ``B(u)``. The
-maths, the options and the error score: :mod:`gnmr_dist.backends.fp8_emulated`; delayed
-scaling's histories: :mod:`gnmr_dist.backends.fp8_scaling`.
+:class:`EmulatedOptions` is one ``low_cost`` / ``recovery`` block, :class:`LinearQuantSpec` the
+quantization it resolves to (what :mod:`~gnmr_dist.backends.emulated_linear` applies)::
+
+    format       "e4m3" | "e5m2" | "e3m2" | "e2m3" | "e2m1" | "bf16" | "fp16" | "fp32"  (x, W)
+    grad_format  same choices or None (= format)                                         (dy)
+    granularity  "tensor" | "row" | "block" | "none" | "nvfp4" | "mxfp4" or None
+                 (None = "nvfp4" for e2m1, "block" for FP8/FP6, "none" for bf16/fp16/fp32)
+    block        tile length along the reduction dimension (default 128; nvfp4 16, mxfp4 32)
+    weight_2d    FP4: W in block x block tiles (None = true for nvfp4, false for mxfp4)
+    stochastic_rounding  dy rounded stochastically (None = true for nvfp4)
+    hadamard     wgrad inputs rotated by the 16 x 16 random Hadamard transform (None = true
+                 for nvfp4)
+    seed         stochastic rounding's seed option (default 0)
+    scaling      "current" (default: each call scales by its own tensor's amax) | "delayed"
+                 (Transformer Engine's recipe: :class:`DelayedRecipe`; needs "granularity":
+                 "tensor")
+    amax_history_len   delayed only: steps of amax history H, int >= 1 (default 16; TE's
+                       ``DelayedScaling`` default is 1024, set it to match TE)
+    amax_compute_algo  delayed only: "max" over the history (default, as TE) | "most_recent"
+    margin             delayed only: binades of headroom, int >= 0 (default 0, as TE)
+
+Defaults: low-cost ``{"format": "e4m3"}`` (DeepSeek-V3's 1 x 128 / 128 x 128 blocks for x, W
+and dy), recovery ``{"format": "bf16"}``; ``"format": "e2m1"`` is NVIDIA's NVFP4 recipe. The
+recipes and their trade-offs: ``docs/backends.md#fp8_emulated``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
-from gnmr_dist.backends.base import GemmProbe
-from gnmr_dist.backends.fp8_scaling import AMAX_ALGOS, DelayedRecipe, DelayedScales
 from gnmr_dist.backends.numerics.formats import (
     BLOCK_SCALED,
     FORMATS,
@@ -25,27 +41,32 @@ from gnmr_dist.backends.numerics.formats import (
     FloatFormat,
 )
 from gnmr_dist.backends.numerics.hadamard import hadamard_rotate
-from gnmr_dist.backends.numerics.rounding import sr_seed
-from gnmr_dist.backends.numerics.scaled import quantize_dequantize, quantize_dequantize_scaled
+from gnmr_dist.backends.numerics.scaled import quantize_dequantize
 from gnmr_dist.core.validation import check_choice, check_nonnegative_int, check_positive_int
 
-__all__ = [
-    "SCALINGS",
-    "Fp8Call",
-    "Fp8LinearFn",
-    "Fp8Options",
-    "Fp8Probe",
-    "InputNorms",
-    "LinearQuantSpec",
-    "fp8_linear",
-]
+__all__ = ["AMAX_ALGOS", "SCALINGS", "DelayedRecipe", "EmulatedOptions", "LinearQuantSpec"]
 
 SCALINGS = ("current", "delayed")
 """``"current"``: each call's own amax; ``"delayed"``: the amax history of earlier steps."""
 
+AMAX_ALGOS = ("max", "most_recent")
+"""How delayed scaling reads its history (TE's ``amax_compute_algo``)."""
+
 
 @dataclass(frozen=True)
-class Fp8Options:
+class DelayedRecipe:
+    """Delayed scaling's settings, named as TE's ``DelayedScaling`` fields."""
+
+    amax_history_len: int = 16
+    """Steps of amax history H (TE's default: 1024)."""
+    amax_compute_algo: str = "max"
+    """``"max"`` over the history or its ``"most_recent"`` entry (TE's default: max)."""
+    margin: int = 0
+    """``scale = a * 2^margin / max_value``: ``margin`` binades of headroom (TE's default: 0)."""
+
+
+@dataclass(frozen=True)
+class EmulatedOptions:
     """One path's GEMM-input precision (the ``low_cost`` or ``recovery`` block)."""
 
     format: str = "e4m3"
@@ -184,7 +205,7 @@ class Fp8Options:
 
 @dataclass(frozen=True)
 class LinearQuantSpec:
-    """The resolved quantization of one path: what :class:`Fp8LinearFn` applies."""
+    """The resolved quantization of one path: what :class:`EmulatedLinearFn` applies."""
 
     x_format: FloatFormat
     """Format of ``x`` (forward and wgrad) and of ``W`` (forward and dgrad)."""
@@ -199,14 +220,14 @@ class LinearQuantSpec:
     weight_2d: bool = True
     """W in block x block tiles (else 1 x block along each GEMM's reduction dimension)."""
     stochastic: bool = False
-    """``dy`` rounded stochastically (seeded per call: :meth:`Fp8Call.seed_of`)."""
+    """``dy`` rounded stochastically (seeded per call: :meth:`EmulatedCall.seed_of`)."""
     hadamard: bool = False
     """The wgrad GEMM's inputs rotated along the tokens before they are quantized."""
     seed: int = 0
     """The path's stochastic-rounding seed option."""
 
     @classmethod
-    def from_options(cls, options: Fp8Options) -> LinearQuantSpec:
+    def from_options(cls, options: EmulatedOptions) -> LinearQuantSpec:
         """Fill the ``None`` defaults of ``options`` (NVIDIA's NVFP4 choices for nvfp4)."""
         granularity = options.resolved_granularity
         nvfp4 = granularity == "nvfp4"
@@ -261,173 +282,3 @@ class LinearQuantSpec:
     def rotate(self, t: torch.Tensor) -> torch.Tensor:
         """A wgrad input (flat ``[M, .]``) rotated along M when the spec says so (else ``t``)."""
         return hadamard_rotate(t, dim=0) if self.hadamard else t
-
-
-def _acc_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
-    """fp32 accumulation, float64 when an input is float64 (gradcheck)."""
-    wide = any(t is not None and t.dtype == torch.float64 for t in tensors)
-    return torch.float64 if wide else torch.float32
-
-
-@dataclass(frozen=True)
-class Fp8Call:
-    """What one call of :func:`fp8_linear` quantizes with, besides its operands."""
-
-    spec: LinearQuantSpec
-    """The path's quantization."""
-    probe: GemmProbe | None = None
-    """Receives the wgrad GEMM's error bound in the backward (``None``: nothing measured)."""
-    scales: DelayedScales | None = None
-    """The operator's delayed-scaling histories on the path (``None``: current scaling)."""
-    record: bool = True
-    """Whether this call's amaxes of x, W and (in the backward) dy join the step's."""
-    seed: int = 0
-    """Stochastic rounding's seed for this call (the backend mixes step, unit, operator and
-    call in); its dgrad and wgrad quantizations of ``dy`` draw from two seeds derived here."""
-
-    def seed_of(self, gemm: int) -> int | None:
-        """The seed of ``dy``'s quantization in GEMM ``gemm`` (0 dgrad, 1 wgrad), or ``None``
-        when the spec rounds to nearest."""
-        return sr_seed(self.seed, gemm) if self.spec.stochastic else None
-
-    def __call__(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        """``F.linear(x, weight, bias)`` with its three GEMMs' inputs quantized as :attr:`spec`
-        says (a :data:`~gnmr_dist.backends.base.Gemm`)."""
-        return Fp8LinearFn.apply(x, weight, bias, self)  # type: ignore[no-untyped-call,no-any-return]
-
-
-class Fp8LinearFn(torch.autograd.Function):
-    """``y = Q(x) Q(W)^T + b`` with quantized dgrad and wgrad (``fp8_emulated``'s docstring)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, call: Fp8Call
-    ) -> torch.Tensor:
-        spec, scales = call.spec, call.scales
-        acc = _acc_dtype(x, weight, bias)
-        x2 = x.reshape(-1, x.shape[-1])
-        ctx.x_scale = None
-        if scales is None:
-            wq = spec.weight(weight, dim=-1).to(acc)
-            xq = spec.act(x2, spec.x_format, dim=-1)
-        else:  # one tensor scale serves every GEMM: Q_K(x) = Q_M(x), Q_K(W) = Q_N(W)
-            wq = scales.w.quantize(weight, record=call.record)[0].to(acc)
-            xq, ctx.x_scale = scales.x.quantize(x2, record=call.record)
-        y = xq.to(acc).mm(wq.t())
-        if bias is not None:
-            y = y + bias.to(acc)
-        w_saved = wq if spec.weight_transposable else weight
-        ctx.save_for_backward(x, w_saved)
-        ctx.call, ctx.acc, ctx.has_bias = call, acc, bias is not None
-        ctx.w_dtype, ctx.b_dtype = weight.dtype, None if bias is None else bias.dtype
-        return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, w_saved = ctx.saved_tensors
-        call: Fp8Call = ctx.call
-        spec, acc = call.spec, ctx.acc
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        dx = dw = db = None
-        delayed = _delayed_dy(ctx, dy2)  # None: current scaling, per GEMM below
-        if ctx.needs_input_grad[0]:
-            wq = w_saved if spec.weight_transposable else spec.weight(w_saved, dim=0)
-            dyq = delayed
-            if dyq is None:
-                dyq = spec.act(dy2, spec.grad_format, dim=-1, seed=call.seed_of(0))
-            dx = dyq.to(acc).mm(wq.to(acc)).to(x.dtype).reshape(x.shape)
-        if ctx.needs_input_grad[1]:
-            xr, dyr = spec.rotate(x.reshape(-1, x.shape[-1])), spec.rotate(dy2)
-            dyq_m = delayed
-            if dyq_m is None:
-                dyq_m = spec.act(dyr, spec.grad_format, dim=0, seed=call.seed_of(1))
-            dyq_m, xq_m = dyq_m.to(acc), _wgrad_x(ctx, xr).to(acc)
-            dw = dyq_m.t().mm(xq_m).to(ctx.w_dtype)
-            if call.probe is not None:
-                _record_wgrad_error(call.probe, spec, xr, dyr, xq_m, dyq_m, acc)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = dy2.to(acc).sum(dim=0).to(ctx.b_dtype)
-        return dx, dw, db, None
-
-
-def _delayed_dy(ctx: Any, dy2: torch.Tensor) -> torch.Tensor | None:
-    """``Q(dy)`` at this step's delayed scale (both GEMMs: one tensor scale), recorded once;
-    ``None`` under current scaling or when no input needs a gradient."""
-    call: Fp8Call = ctx.call
-    if call.scales is None or not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
-        return None
-    return call.scales.dy.quantize(dy2, record=call.record)[0]
-
-
-def _wgrad_x(ctx: Any, x2: torch.Tensor) -> torch.Tensor:
-    """``Q_M(x)`` for wgrad: the spec's tiles along M, or the forward's own delayed scale."""
-    spec: LinearQuantSpec = ctx.call.spec
-    if ctx.call.scales is None:
-        return spec.act(x2, spec.x_format, dim=0)
-    return quantize_dequantize_scaled(x2, spec.x_format, ctx.x_scale)
-
-
-@dataclass
-class InputNorms:
-    """``||x - Q_M(x)||`` and ``||x||`` of one forward input, taken once for all the GEMMs that
-    read it (q/k/v, gate/up)."""
-
-    x_err: torch.Tensor | None = None
-    x_norm: torch.Tensor | None = None
-    done: bool = False
-
-    def fill(self, spec: LinearQuantSpec, x2: torch.Tensor, xq_m: torch.Tensor) -> None:
-        """Measure from ``x2`` and its wgrad quantization ``xq_m`` (both flat, one dtype)."""
-        if self.done:
-            return
-        want_err, want_norm = not spec.x_format.is_identity, not spec.grad_format.is_identity
-        tensors = [xq_m - x2] if want_err else []
-        norms = torch._foreach_norm([*tensors, x2] if want_norm else tensors)
-        self.x_err = norms[0] if want_err else None
-        self.x_norm = norms[-1] if want_norm else None
-        self.done = True
-
-
-@dataclass
-class Fp8Probe(GemmProbe):
-    """A :class:`GemmProbe` whose ``x`` norms are shared with the GEMMs of the same input."""
-
-    shared: InputNorms = field(default_factory=InputNorms)
-
-    def record_dy(self, spec: LinearQuantSpec, dy2: torch.Tensor, dyq_m: torch.Tensor) -> None:
-        """``||dy||`` and ``||Q_M(dy) - dy||`` (one fused norm call), then the bound."""
-        self.x_err, self.x_norm = self.shared.x_err, self.shared.x_norm
-        if spec.grad_format.is_identity:
-            self.record(torch.linalg.vector_norm(dy2))
-            return
-        dy_norm, dy_err = torch._foreach_norm([dy2, dyq_m - dy2])
-        self.record(dy_norm, dy_err)
-
-
-def _record_wgrad_error(
-    probe: GemmProbe,
-    spec: LinearQuantSpec,
-    x2: torch.Tensor,
-    dy2: torch.Tensor,
-    xq_m: torch.Tensor,
-    dyq_m: torch.Tensor,
-    acc: torch.dtype,
-) -> None:
-    """``||dy|| ||x - Q_M(x)|| + ||Q_M(dy) - dy|| ||x||`` of one wgrad GEMM, from its operands
-    (``x2``, ``dy2`` flat and, with the Hadamard transform, rotated: the rotation keeps the
-    norms and the product, so the bound holds for the rotated operands as for the originals)."""
-    assert isinstance(probe, Fp8Probe)
-    if not probe.shared.done:  # projections of one input share its norms: cast it once
-        probe.shared.fill(spec, x2.to(acc), xq_m)
-    probe.record_dy(spec, dy2.to(acc), dyq_m)
-
-
-def fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spec: LinearQuantSpec
-) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` with its three GEMMs' inputs quantized as ``spec`` says:
-    :class:`Fp8Call` with nothing measured and current scaling (the backend's calls add a probe
-    and delayed scales)."""
-    return Fp8Call(spec)(x, weight, bias)

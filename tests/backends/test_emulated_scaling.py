@@ -18,11 +18,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from gnmr_dist.backends import get_backend
-from gnmr_dist.backends.fp8_emulated import (
-    DelayedRecipe,
-    Fp8EmulatedBackend,
-    Fp8Options,
-)
+from gnmr_dist.backends.emulated import EmulatedBackend
+from gnmr_dist.backends.emulated_options import DelayedRecipe, EmulatedOptions
 from gnmr_dist.backends.numerics.formats import FORMATS
 from gnmr_dist.backends.numerics.rounding import round_to_format
 from gnmr_dist.backends.numerics.scaled import quantize_dequantize, sqnr_db
@@ -45,7 +42,7 @@ def identity_unit(low_cost, width=64, **kw):
     """(backend, linear with W = I, no bias) wrapped as unit 0."""
     lin = nn.Linear(width, width, bias=False)
     lin.weight.data = torch.eye(width)
-    backend = Fp8EmulatedBackend(low_cost=low_cost, **kw)
+    backend = EmulatedBackend(low_cost=low_cost, **kw)
     backend.wrap({0: lin})
     return backend, lin
 
@@ -99,16 +96,18 @@ def test_option_errors_name_the_key_the_value_and_the_fix(low_cost, message):
 
 def test_recovery_block_is_parsed_with_its_own_path():
     with pytest.raises(ValueError, match=r"gnmr\.recovery\.scaling 'delayed' .* granularity"):
-        Fp8EmulatedBackend(recovery={"scaling": "delayed"})
+        EmulatedBackend(recovery={"scaling": "delayed"})
 
 
 def test_option_defaults():
-    assert Fp8Options().scaling == "current" and Fp8Options().delayed is None
-    assert Fp8Options(**delayed()).delayed == DelayedRecipe(16, "max", 0)
-    got = Fp8Options(**delayed(amax_history_len=1024, amax_compute_algo="most_recent", margin=0))
+    assert EmulatedOptions().scaling == "current" and EmulatedOptions().delayed is None
+    assert EmulatedOptions(**delayed()).delayed == DelayedRecipe(16, "max", 0)
+    got = EmulatedOptions(
+        **delayed(amax_history_len=1024, amax_compute_algo="most_recent", margin=0)
+    )
     assert got.delayed == DelayedRecipe(1024, "most_recent", 0)
-    assert Fp8EmulatedBackend(low_cost=delayed()).specs["low_cost"].delayed == DelayedRecipe()
-    assert Fp8EmulatedBackend().specs["low_cost"].delayed is None
+    assert EmulatedBackend(low_cost=delayed()).specs["low_cost"].delayed == DelayedRecipe()
+    assert EmulatedBackend().specs["low_cost"].delayed is None
 
 
 # ------------------------------------------------------------------- current is unchanged
@@ -117,7 +116,7 @@ def test_option_defaults():
 def _run(backend_kwargs, steps=3, plan=()):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(200, 96), nn.ReLU(), nn.Linear(96, 48))
-    backend = Fp8EmulatedBackend(**backend_kwargs)
+    backend = EmulatedBackend(**backend_kwargs)
     backend.wrap({0: model[0], 1: model[2]})
     backend.track_errors(2)
     out = []
@@ -187,7 +186,7 @@ def test_scale_of_step_t_comes_from_the_amaxes_of_steps_t_minus_h_to_t_minus_1(a
     h, fmt = 3, "e4m3"
     torch.manual_seed(0)
     lin = nn.Linear(48, 40)
-    backend = Fp8EmulatedBackend(
+    backend = EmulatedBackend(
         low_cost=delayed(fmt, amax_history_len=h, amax_compute_algo=algo, margin=margin)
     )
     backend.wrap({0: lin})
@@ -256,7 +255,7 @@ def test_recomputation_reproduces_the_forward_and_adds_one_entry():
     for mode in ("plain", "reentrant", "non-reentrant"):
         torch.manual_seed(0)
         lin = nn.Linear(48, 40)
-        backend = Fp8EmulatedBackend(low_cost=delayed(amax_history_len=4))
+        backend = EmulatedBackend(low_cost=delayed(amax_history_len=4))
         backend.wrap({0: lin})
         for step in range(1, 4):
             backend.apply((), step)
@@ -312,7 +311,7 @@ def test_a_recovered_units_shadow_scores_a_return_and_records_nothing():
     runs again); the low-cost histories record nothing meanwhile."""
     torch.manual_seed(0)
     lin = nn.Linear(64, 32)
-    backend = Fp8EmulatedBackend(low_cost=delayed(amax_history_len=4))
+    backend = EmulatedBackend(low_cost=delayed(amax_history_len=4))
     backend.wrap({0: lin})
     backend.track_errors(1)
     amax_x, amax_dy = [], []
@@ -345,7 +344,7 @@ def test_a_spike_raises_the_error_sum_more_under_delayed_scaling():
         torch.manual_seed(0)
         lin = nn.Linear(64, 32)
         low = delayed(amax_history_len=4) if mode == "delayed" else {"granularity": "tensor"}
-        backend = Fp8EmulatedBackend(low_cost=low)
+        backend = EmulatedBackend(low_cost=low)
         backend.wrap({0: lin})
         backend.track_errors(1)
         b = []
@@ -479,7 +478,7 @@ def test_no_host_sync_in_a_delayed_step(monkeypatch):
     shadow, error tracking on) never read a tensor on the host."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
-    backend = Fp8EmulatedBackend(low_cost=delayed(amax_history_len=2))
+    backend = EmulatedBackend(low_cost=delayed(amax_history_len=2))
     backend.wrap({0: model[0], 1: model[2]})
     backend.track_errors(2)
     for step in range(1, 5):
@@ -519,7 +518,7 @@ def test_a_step_applied_again_drops_its_amaxes_and_an_overflow_keeps_the_scale()
     (an overflow) commits the history's own amax instead: the scale stays."""
     torch.manual_seed(0)
     lin = nn.Linear(64, 32)
-    backend = Fp8EmulatedBackend(low_cost=delayed(amax_history_len=4))
+    backend = EmulatedBackend(low_cost=delayed(amax_history_len=4))
     backend.wrap({0: lin})
     hist = backend.delayed_scales(lin).x
     backend.apply((), 1)

@@ -1,118 +1,27 @@
 """``fp8_emulated``: linear layers whose GEMM inputs are rounded to FP8/FP6/FP4, on any device.
 
-A linear layer ``y = x W^T + b`` (``x``: [M tokens, K in], ``W``: [N out, K]) runs three GEMMs
-per training step. Each one's inputs are fake-quantized (:mod:`gnmr_dist.backends.numerics`:
-scaled, rounded to the format, scaled back) along that GEMM's reduction dimension, and the
-product is accumulated in fp32, as an FP8 tensor-core GEMM does:
+The backend switches every wrapped linear between two quantized linears
+(:mod:`~gnmr_dist.backends.emulated_linear`), one per path, each configured by its option block
+(:mod:`~gnmr_dist.backends.emulated_options`): by default e4m3 with DeepSeek-V3's 1 x 128 /
+128 x 128 block scales on the low-cost path and bf16 GEMM inputs on the recovery path; a path
+whose formats are both ``fp32`` is plain ``F.linear``. It reproduces the numerics, not the speed:
+on a CPU the rounding costs a few elementwise passes per GEMM.
 
-    forward  (reduce over K):  y  = Q_K(x)   @ Q_K(W)^T  + b
-    dgrad    (reduce over N):  dx = Q_N(dy)  @ Q_N(W)
-    wgrad    (reduce over M):  dW = Q_M(dy)^T @ Q_M(x)
-    bias:                      db = sum_M dy               (not quantized)
+What the backend adds to the linear:
 
-With ``granularity="block"`` (the default) activations and gradients get one scale per 1 x block
-tile and weights one per block x block tile, DeepSeek-V3's fine-grained recipe: tiles along the
-reduction dimension let a kernel apply the scales to partial sums, and an outlier only spoils
-its own tile. ``Q_K(W)`` and ``Q_N(W)`` are the same tensor for square weight tiles; ``Q_M(x)``
-uses 128 x 1 tiles of ``x``. The forward saves ``x`` as given and the dequantized ``Q(W)`` (fp32,
-one weight-sized buffer; with row scales it saves ``W`` and re-quantizes it along N), so wgrad
-quantizes the full-precision ``x`` once. DeepSeek caches ``x`` as 1 x 128 FP8 and re-quantizes
-it into 128 x 1 tiles, a second rounding this emulation does not model.
-
-Options (one block per path, parsed strictly):
-
-    format       "e4m3" | "e5m2" | "e3m2" | "e2m3" | "e2m1" | "bf16" | "fp16" | "fp32"  (x, W)
-    grad_format  same choices or None (= format)                                         (dy)
-    granularity  "tensor" | "row" | "block" | "none" | "nvfp4" | "mxfp4" or None
-                 (None = "nvfp4" for e2m1, "block" for FP8/FP6, "none" for bf16/fp16/fp32)
-    block        tile length along the reduction dimension (default 128; nvfp4 16, mxfp4 32)
-    weight_2d    FP4: W in block x block tiles (None = true for nvfp4, false for mxfp4)
-    stochastic_rounding  dy rounded stochastically (None = true for nvfp4)
-    hadamard     wgrad inputs rotated by the 16 x 16 random Hadamard transform (None = true
-                 for nvfp4)
-    seed         stochastic rounding's seed option (default 0)
-    scaling      "current" (default: each call scales by its own tensor's amax) | "delayed"
-                 (Transformer Engine's recipe, below; needs "granularity": "tensor")
-    amax_history_len   delayed only: steps of amax history H, int >= 1 (default 16; TE's
-                       ``DelayedScaling`` default is 1024, set it to match TE)
-    amax_compute_algo  delayed only: "max" over the history (default, as TE) | "most_recent"
-    margin             delayed only: binades of headroom, int >= 0 (default 0, as TE)
-
-Defaults: low-cost ``{"format": "e4m3"}`` (e4m3 for x, W and dy with 1x128 / 128x128 blocks, as
-DeepSeek-V3: fine-grained scales make e5m2's extra range for gradients unnecessary; set
-``"grad_format": "e5m2"`` for the hybrid recipe); recovery ``{"format": "bf16"}`` (bf16 GEMM
-inputs, fp32 accumulation). A path whose formats are both ``fp32`` is the unwrapped module:
-plain ``F.linear``.
-
-FP4 (``"format": "e2m1"``): NVIDIA's NVFP4 recipe (arXiv 2509.25149) by default --
-``Q_K(x)`` and ``Q_N(dy)`` in 1 x 16 blocks, ``W`` in 16 x 16 tiles (one quantized weight for
-fprop and dgrad), ``dy`` rounded stochastically in both backward GEMMs, and the wgrad GEMM run
-on ``Q_M(H dy)^T Q_M(H x)`` with ``H`` the 16 x 16 random Hadamard transform along the tokens
-(:func:`~gnmr_dist.backends.numerics.hadamard_rotate`: ``(H dy)^T (H x) = dy^T x``); each
-element of that recipe can be turned off. ``"granularity": "mxfp4"`` is OCP MXFP4: 1 x 32
-blocks with power-of-two scales along each GEMM's reduction dimension, round to nearest. The
-recovery path is ``{"format": "bf16"}`` (default) or an FP8 block (``{"format": "e4m3"}``).
-
-Stochastic rounding draws from a generator seeded per call by the path's ``seed`` option, the
-step, the unit, the operator and the call's number in the step (``_call_key``): never from
-torch's global generator, so every rank that holds the same values draws the same bits, a
-resumed run draws what the uninterrupted one would have, and the probe's passes never shift
-the training step's draws.
-
-On the CPU the rounding costs a few elementwise passes per GEMM (see the step-time check in
-``tests/backends/test_fp8_emulated.py``); nothing is faster than fp32, it only behaves like FP8.
-
-Error score (``gnmr.gamma``, docs/algorithm.md#damage-term; after ``track_errors``)
----------------------------------------------------------------------------
-Both factors of the weight gradient are rounded, so per GEMM the backend reports
-
-    ||dy||_F ||x - Q_M(x)||_F + ||Q_M(dy) - dy||_F ||x||_F
-
-with the wgrad GEMM's own quantizers (tiles along M, the low-cost formats; a term whose format
-is ``fp32`` is dropped), summed into ``B(u)``. With the Hadamard transform the two factors are
-the rotated ``H x`` and ``H dy``, whose norms and product are the originals'. A stochastically
-rounded ``dy`` scores its realised rounding. On the low-cost path the backward already holds
-``Q_M(x)`` and ``Q_M(dy)``: the score costs two subtractions and four norms per GEMM. A unit on
-the recovery path is measured in shadow: ``Q_M(x)`` at the low-cost format once in the forward
-and ``Q_M(dy)`` once in a hook on the output gradient, only to take the norms (with the seed
-the low-cost path would have drawn with). The rounding of
-``W`` does not enter the weight gradient and is not scored. No GEMM, no host sync.
-
-Delayed scaling (``"scaling": "delayed"``, TE's ``DelayedScaling``)
--------------------------------------------------------------------
-Per-tensor scales from the amax histories of the last H steps, one per GEMM input and path of
-every operator (the maths and its cost: :mod:`gnmr_dist.backends.fp8_scaling`).
-
-Choices, where TE leaves room:
-
-* One history entry per optimizer step (:meth:`Fp8EmulatedBackend.apply`), the max over the
-  step's calls. All forwards of a step (micro-batches, activation recomputation) read one scale
-  as they read one plan, so a recomputed forward reproduces the first bit for bit and adds
-  nothing new. TE pushes one entry per autocast region, one micro-batch in Megatron: the same
-  with one micro-batch per step. Forwards under ``no_grad`` (evaluation) count too;
-  run them inside :meth:`Fp8EmulatedBackend.measuring` to keep them out.
-* An empty history (first step, after a reset) scales each call by its own amax. TE starts
-  from scale 1 and its first amax sets the second step's scale; from the second step on the two
-  agree, without TE's unscaled first step.
-* A unit whose plan returns it to the low-cost path resets its low-cost histories
-  (docs/backends.md#delayed-scaling:
-  a stale history must not overflow the first step back); one that enters the recovery path
-  resets the recovery path's (when that path is delayed too). While a unit runs recovery its
-  low-cost histories are frozen: the shadow error measurement quantizes with their scale but
-  records nothing.
-* Inside :meth:`Fp8EmulatedBackend.measuring` (the recovery-gap probe's passes) histories are
-  read, never recorded, committed or reset, so a probe does not change the training run. A
-  unit that a pass puts on another path than the training plan's quantizes there as it would
-  on entering that path: with an empty stand-in history (each call by its own amax), not with
-  the history it left (frozen while it runs recovery, reset before it is used again). So the
-  probe's low-cost gap of a recovered unit is the gap of its return, which is also what its
-  shadow error score measures.
-* Not checkpointed: the backend has no ``state_dict``, so a restarted run re-seeds every
-  history from the current amax, as on a return from recovery.
-
-Layout: the option blocks, their resolved specs and the autograd linear live in
-:mod:`gnmr_dist.backends.fp8_linear`, the amax histories in :mod:`gnmr_dist.backends.fp8_scaling`;
-this module holds the backend and re-exports their public names.
+* Stochastic rounding draws from a generator seeded per call by the path's ``seed`` option, the
+  step, the unit, the operator and the call's number in the step (:meth:`EmulatedBackend.
+  _call_key`): every rank that holds the same values draws the same bits, a resumed run draws
+  what the uninterrupted one would have, and the probe's passes never shift the training draws.
+* The error score ``B(u)`` (``gnmr.gamma``, after ``track_errors``): on the low-cost path the
+  wgrad GEMM reports it; a unit on the recovery path is measured in shadow, ``Q_M(x)`` at the
+  low-cost format once in the forward and ``Q_M(dy)`` in a hook on the output gradient, only to
+  take the norms (with the seed the low-cost path would have drawn with).
+* Delayed scaling (``"scaling": "delayed"``, :mod:`~gnmr_dist.backends.emulated_scaling`): one
+  history entry per optimizer step, committed by :meth:`EmulatedBackend.apply`; a unit entering
+  a path starts that path's histories afresh; :meth:`EmulatedBackend.measuring` reads them and
+  never records, commits or resets; histories are not checkpointed. The reasons, and where TE
+  differs: ``docs/backends.md#delayed-scaling``.
 """
 
 from __future__ import annotations
@@ -128,52 +37,23 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from gnmr_dist.backends.base import LOW_COST, RECOVERY, PrecisionBackend
-from gnmr_dist.backends.fp8_linear import (
-    SCALINGS,
-    Fp8Call,
-    Fp8LinearFn,
-    Fp8Options,
-    Fp8Probe,
-    InputNorms,
-    LinearQuantSpec,
-    fp8_linear,
-)
-from gnmr_dist.backends.fp8_scaling import (
-    AMAX_ALGOS,
-    AmaxHistory,
-    DelayedRecipe,
-    DelayedScales,
-    amax_of,
-    commit_all,
-    scale_of,
-)
+from gnmr_dist.backends.emulated_linear import EmulatedCall, EmulatedProbe, InputNorms
+from gnmr_dist.backends.emulated_options import EmulatedOptions, LinearQuantSpec
+from gnmr_dist.backends.emulated_scaling import DelayedScales, amax_of, commit_all, scale_of
 from gnmr_dist.backends.numerics.rounding import sr_seed
 from gnmr_dist.backends.numerics.scaled import quantize_dequantize_scaled
 from gnmr_dist.backends.registry import register_backend
 
-__all__ = [
-    "AMAX_ALGOS",
-    "SCALINGS",
-    "AmaxHistory",
-    "DelayedRecipe",
-    "DelayedScales",
-    "Fp8Call",
-    "Fp8EmulatedBackend",
-    "Fp8LinearFn",
-    "Fp8Options",
-    "LinearQuantSpec",
-    "commit_all",
-    "fp8_linear",
-]
+__all__ = ["EmulatedBackend"]
 
 logger = logging.getLogger(__name__)
 
 
 @register_backend("fp8_emulated")
-class Fp8EmulatedBackend(PrecisionBackend):
-    """Emulated FP8/FP6 GEMMs on the low-cost path, bf16 (or any format) on recovery.
+class EmulatedBackend(PrecisionBackend):
+    """Emulated FP8/FP6/FP4 GEMMs on the low-cost path, bf16 (or any format) on recovery.
 
-    Options: ``low_cost`` / ``recovery`` blocks of :class:`Fp8Options`; defaults
+    Options: ``low_cost`` / ``recovery`` blocks of :class:`EmulatedOptions`; defaults
     ``{"format": "e4m3"}`` (1x128 / 128x128 block scales) and ``{"format": "bf16"}``. A path with
     ``"scaling": "delayed"`` keeps amax histories per operator (module docstring).
 
@@ -185,11 +65,11 @@ class Fp8EmulatedBackend(PrecisionBackend):
 
     reports_errors = True
     adapted_gemms = True
-    LowCost = Fp8Options
-    Recovery = Fp8Options
+    LowCost = EmulatedOptions
+    Recovery = EmulatedOptions
     recovery_defaults: ClassVar[Mapping[str, Any]] = {"format": "bf16"}
-    low_cost: Fp8Options
-    recovery: Fp8Options
+    low_cost: EmulatedOptions
+    recovery: EmulatedOptions
 
     def __init__(self, **blocks: Any) -> None:
         super().__init__(**blocks)
@@ -277,7 +157,7 @@ class Fp8EmulatedBackend(PrecisionBackend):
     def measuring(self) -> Iterator[None]:
         """Histories are read but not recorded, committed or reset inside (probe passes,
         evaluation): what runs inside does not change the training run's scales. A unit moved to
-        another path inside uses a stand-in history there (module docstring)."""
+        another path inside uses a stand-in history there (``docs/backends.md#delayed-scaling``)."""
         outer, self._measuring = self._measuring, True
         if not outer:
             self._training_plan, self._stand_ins, self._probe_calls = self._recover, {}, {}
@@ -317,11 +197,11 @@ class Fp8EmulatedBackend(PrecisionBackend):
             if weight.requires_grad and not low.is_identity:
                 probe = self._probe(x)
             if path == LOW_COST and probe is not None:
-                return Fp8Call(spec, probe, scales, record, seed)(x, weight, bias)
+                return EmulatedCall(spec, probe, scales, record, seed)(x, weight, bias)
             if spec.is_identity:
                 y = F.linear(x, weight, bias)
             else:
-                y = Fp8Call(spec, scales=scales, record=record, seed=seed)(x, weight, bias)
+                y = EmulatedCall(spec, scales=scales, record=record, seed=seed)(x, weight, bias)
             if probe is not None and y.requires_grad:
                 self._shadow(probe, x, y, low_scales, sr_seed(low.seed, *key))
             return y
@@ -343,23 +223,23 @@ class Fp8EmulatedBackend(PrecisionBackend):
         calls[id(op)] = n + 1
         return self._step, uid, index, n, int(self._measuring)
 
-    def _probe(self, x: torch.Tensor) -> Fp8Probe | None:
+    def _probe(self, x: torch.Tensor) -> EmulatedProbe | None:
         """A probe for the running unit, sharing ``x``'s norms with the last GEMM of the same
         ``x`` (one slot keyed on its identity and version, as ``act_quant``'s shared pack)."""
         base = self._error_probe()
         if base is None:
             return None
         if self.specs[LOW_COST].delayed is not None:  # each operator has its own x scale
-            return Fp8Probe(base.sink, base.unit)
+            return EmulatedProbe(base.sink, base.unit)
         ref, version, shared = self._last_input
         if ref is None or ref() is not x or version != x._version:
             shared = InputNorms()
             self._last_input = (weakref.ref(x), x._version, shared)
-        return Fp8Probe(base.sink, base.unit, shared=shared)
+        return EmulatedProbe(base.sink, base.unit, shared=shared)
 
     def _shadow(
         self,
-        probe: Fp8Probe,
+        probe: EmulatedProbe,
         x: torch.Tensor,
         y: torch.Tensor,
         low_scales: DelayedScales | None,
@@ -376,7 +256,7 @@ class Fp8EmulatedBackend(PrecisionBackend):
         if not probe.shared.done:  # projections of one input share its norms: cast it once
             x2 = low.rotate(_flat(x.detach()))
             probe.shared.fill(low, x2, _low_cost_q(low, low_scales, x2, "x").to(x2.dtype))
-        dy_seed = Fp8Call(low, seed=seed).seed_of(1)
+        dy_seed = EmulatedCall(low, seed=seed).seed_of(1)
 
         def hook(dy: torch.Tensor) -> None:
             dy2 = low.rotate(_flat(dy))

@@ -7,12 +7,9 @@ import torch
 from torch import nn
 
 from gnmr_dist.backends import RECOVERY, get_backend
-from gnmr_dist.backends.fp8_emulated import (
-    Fp8EmulatedBackend,
-    Fp8Options,
-    LinearQuantSpec,
-    fp8_linear,
-)
+from gnmr_dist.backends.emulated import EmulatedBackend
+from gnmr_dist.backends.emulated_linear import emulated_linear
+from gnmr_dist.backends.emulated_options import EmulatedOptions, LinearQuantSpec
 from gnmr_dist.backends.numerics.formats import FORMATS
 from gnmr_dist.backends.numerics.rounding import round_to_format
 from gnmr_dist.backends.numerics.scaled import quantize_dequantize, sqnr_db
@@ -38,7 +35,7 @@ def reference_linear(x, w, b, dy, s: LinearQuantSpec):
 
 def run_linear(x, w, b, dy, s):
     x, w, b = (t.detach().clone().requires_grad_() for t in (x, w, b))
-    y = fp8_linear(x, w, b, s)
+    y = emulated_linear(x, w, b, s)
     y.backward(dy)
     return y.detach(), x.grad, w.grad, b.grad
 
@@ -52,9 +49,9 @@ def test_identity_spec_passes_gradcheck_in_float64():
     w = torch.randn(4, 5, dtype=torch.float64, generator=gen, requires_grad=True)
     b = torch.randn(4, dtype=torch.float64, generator=gen, requires_grad=True)
     s = spec("fp32", granularity="block")
-    assert torch.autograd.gradcheck(lambda *a: fp8_linear(*a, s), (x, w, b))
-    assert torch.autograd.gradcheck(lambda x, w: fp8_linear(x, w, None, s), (x, w))
-    assert fp8_linear(x, w, b, s).dtype == torch.float64
+    assert torch.autograd.gradcheck(lambda *a: emulated_linear(*a, s), (x, w, b))
+    assert torch.autograd.gradcheck(lambda x, w: emulated_linear(x, w, None, s), (x, w))
+    assert emulated_linear(x, w, b, s).dtype == torch.float64
 
 
 @pytest.mark.parametrize(
@@ -105,7 +102,7 @@ def test_fp8_e4m3_block_sqnr_of_outputs_and_grads():
 def test_mixed_dtypes_keep_input_and_param_dtypes():
     x = torch.randn(4, 128, dtype=torch.bfloat16, requires_grad=True)
     layer = nn.Linear(128, 64)
-    y = fp8_linear(x, layer.weight, layer.bias, spec())
+    y = emulated_linear(x, layer.weight, layer.bias, spec())
     y.sum().backward()
     assert y.dtype == torch.bfloat16 and x.grad.dtype == torch.bfloat16
     assert layer.weight.grad.dtype == torch.float32 and layer.bias.grad.dtype == torch.float32
@@ -130,7 +127,7 @@ def fwd_bwd(model, x):
 
 def test_recovery_fp32_unit_is_the_plain_module_and_low_cost_is_fp8():
     backend = get_backend("fp8_emulated", low_cost={"format": "e4m3"}, recovery={"format": "fp32"})
-    assert isinstance(backend, Fp8EmulatedBackend)
+    assert isinstance(backend, EmulatedBackend)
     model, ref = make_model(), make_model()
     backend.wrap({0: model[0], 1: model[2]})
     backend.apply(active={1}, step=1)
@@ -152,7 +149,7 @@ def test_recovery_fp32_unit_is_the_plain_module_and_low_cost_is_fp8():
 
 
 def test_all_units_on_fp32_recovery_equal_the_unwrapped_model():
-    backend = Fp8EmulatedBackend(recovery={"format": "fp32"})
+    backend = EmulatedBackend(recovery={"format": "fp32"})
     model, ref = make_model(), make_model()
     backend.wrap({0: model[0], 1: model[2]})
     backend.apply(active={0, 1}, step=3)
@@ -165,7 +162,7 @@ def test_all_units_on_fp32_recovery_equal_the_unwrapped_model():
 
 
 def test_default_recovery_is_bf16_gemm_inputs_with_fp32_accumulation():
-    backend = Fp8EmulatedBackend()
+    backend = EmulatedBackend()
     layer = nn.Linear(256, 64)
     backend.wrap({0: layer})
     backend.apply(active={0}, step=1)
@@ -176,7 +173,7 @@ def test_default_recovery_is_bf16_gemm_inputs_with_fp32_accumulation():
 
 def test_backward_uses_the_path_of_its_forward():
     """A plan change between forward and backward does not change the gradients."""
-    backend = Fp8EmulatedBackend(recovery={"format": "fp32"})
+    backend = EmulatedBackend(recovery={"format": "fp32"})
     model = make_model()
     backend.wrap({0: model[0], 1: model[2]})
     x = torch.randn(32, 256)
@@ -189,8 +186,8 @@ def test_backward_uses_the_path_of_its_forward():
 
 
 def test_options_defaults_and_resolution():
-    backend = Fp8EmulatedBackend()
-    assert backend.low_cost == Fp8Options()
+    backend = EmulatedBackend()
+    assert backend.low_cost == EmulatedOptions()
     low, rec = backend.specs["low_cost"], backend.specs["recovery"]
     assert (low.x_format.name, low.grad_format.name, low.granularity, low.block) == (
         "e4m3",
@@ -199,10 +196,10 @@ def test_options_defaults_and_resolution():
         128,
     )
     assert (rec.x_format.name, rec.grad_format.name, rec.granularity) == ("bf16", "bf16", "none")
-    hybrid = Fp8EmulatedBackend(low_cost={"grad_format": "e5m2", "granularity": "row"})
+    hybrid = EmulatedBackend(low_cost={"grad_format": "e5m2", "granularity": "row"})
     assert hybrid.specs["low_cost"].grad_format.name == "e5m2"
     assert hybrid.specs["low_cost"].granularity == "row"
-    assert Fp8EmulatedBackend(recovery={"format": "fp32"}).specs["recovery"].is_identity
+    assert EmulatedBackend(recovery={"format": "fp32"}).specs["recovery"].is_identity
 
 
 @pytest.mark.parametrize(

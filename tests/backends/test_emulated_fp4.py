@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from gnmr_dist.backends import get_backend
-from gnmr_dist.backends.fp8_linear import Fp8Call, LinearQuantSpec, fp8_linear
+from gnmr_dist.backends.emulated_linear import EmulatedCall, emulated_linear
+from gnmr_dist.backends.emulated_options import LinearQuantSpec
 from gnmr_dist.backends.numerics.formats import NVFP4_WEIGHT_BLOCK
 from gnmr_dist.backends.numerics.hadamard import hadamard_rotate
 from gnmr_dist.backends.numerics.rounding import sr_seed
@@ -85,11 +86,11 @@ def test_bf16_gradients_beside_fp4_forward_are_a_plain_cast():
 
 
 def reference_gemms(x, w, dy, spec, seed):
-    """NVIDIA's three NVFP4 GEMMs composed from the numerics (what fp8_linear must equal)."""
+    """NVIDIA's three NVFP4 GEMMs composed from the numerics (what emulated_linear must equal)."""
     xq = quantize_dequantize(x, "e2m1", "nvfp4", dim=-1)
     wq = quantize_dequantize(w, "e2m1", "nvfp4", block=NVFP4_WEIGHT_BLOCK, dim=-1)
     y = xq @ wq.t()
-    call = Fp8Call(spec, seed=seed)
+    call = EmulatedCall(spec, seed=seed)
     dyq = quantize_dequantize(
         dy, "e2m1", "nvfp4", dim=-1, rounding="stochastic", seed=call.seed_of(0)
     )
@@ -108,7 +109,7 @@ def test_nvfp4_linear_runs_nvidias_three_gemms():
     w = torch.randn(48, 64, generator=gen, requires_grad=True)
     dy = torch.randn(40, 48, generator=gen)
     spec = nvfp4_spec()
-    y = Fp8Call(spec, seed=123)(x, w, None)
+    y = EmulatedCall(spec, seed=123)(x, w, None)
     y.backward(dy)
     ry, rdx, rdw = reference_gemms(x.detach(), w.detach(), dy, spec, 123)
     assert torch.equal(y, ry) and torch.equal(x.grad, rdx)
@@ -128,7 +129,7 @@ def test_stochastic_nvfp4_weight_gradients_are_unbiased():
 
     def wgrad(spec, seed):
         wp = w.clone().requires_grad_(True)
-        Fp8Call(spec, seed=seed)(x, wp, None).backward(dy)
+        EmulatedCall(spec, seed=seed)(x, wp, None).backward(dy)
         return wp.grad
 
     def rel(g):
@@ -246,11 +247,11 @@ def test_error_score_bounds_the_fp4_wgrad_error_and_the_shadow_matches():
     assert scores["recovery"] == pytest.approx(scores["low_cost"], rel=1e-6)
 
 
-def test_fp8_linear_without_a_backend_rounds_with_seed_zero():
+def test_emulated_linear_without_a_backend_rounds_with_seed_zero():
     spec = nvfp4_spec()
     x, w = torch.randn(16, 32, requires_grad=True), torch.randn(8, 32, requires_grad=True)
-    fp8_linear(x, w, None, spec).sum().backward()
+    emulated_linear(x, w, None, spec).sum().backward()
     g1 = w.grad.clone()
     w.grad = None
-    Fp8Call(spec, seed=0)(x, w, None).sum().backward()
-    assert torch.equal(g1, w.grad) and Fp8Call(spec, seed=0).seed_of(1) == sr_seed(0, 1)
+    EmulatedCall(spec, seed=0)(x, w, None).sum().backward()
+    assert torch.equal(g1, w.grad) and EmulatedCall(spec, seed=0).seed_of(1) == sr_seed(0, 1)
