@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
+import math
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,14 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def arg_parser(doc: str | None) -> argparse.ArgumentParser:
     """The command's parser, described by the first paragraph of its module docstring."""
     return argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
+
+
+def start_cli(threads: int | None = None) -> None:
+    """A command's set-up: INFO messages bare on stdout (its progress, tables and verdicts) and,
+    given ``threads``, torch's intra-op threads."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    if threads is not None:
+        torch.set_num_threads(threads)
 
 
 def llama(
@@ -90,12 +101,31 @@ def jsonable(x: Any) -> Any:
     return None if isinstance(x, float) and x != x else x
 
 
-def finish_plot(fig: Any, ax: Any, path: Path, legend_size: int = 8) -> None:
-    """Grid and legend on ``ax``, then ``fig`` written to ``path`` (110 dpi) and closed."""
+def subplots(*args: Any, **kwargs: Any) -> Any:
+    """``plt.subplots(*args, **kwargs)`` on matplotlib's file-only Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=legend_size)
+    return plt.subplots(*args, **kwargs)
+
+
+def errorbar(ax: Any, xs: list[float], pairs: list[Any], **kwargs: Any) -> None:
+    """Means with their 95% half-widths (``(mean, half)`` pairs) as error bars at ``xs``; a NaN
+    half-width (one seed) draws none."""
+    hs = [0.0 if math.isnan(h) else h for _, h in pairs]
+    ax.errorbar(xs, [m for m, _ in pairs], yerr=hs, capsize=3, **kwargs)
+
+
+def finish_plot(fig: Any, path: Path, legend_size: int = 8) -> None:
+    """Grid and legend on every axes of ``fig``, then ``fig`` written to ``path`` (110 dpi) and
+    closed."""
+    import matplotlib.pyplot as plt
+
+    for ax in fig.axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=legend_size)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -17,6 +17,7 @@ its JSON and plot (:mod:`benchmarks.harness.verdicts` prints its table and targe
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import statistics
@@ -27,12 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness.arms import Arm, ArmResult, Setup
-from benchmarks.harness.common import RESULTS
+from benchmarks.harness.common import RESULTS, arg_parser, finish_plot, subplots
 from benchmarks.harness.model import Batches
 from benchmarks.harness.provenance import record
 from benchmarks.harness.training import ArmRun, run_arm
+from benchmarks.harness.verdicts import table, targets
 
-logger = logging.getLogger("benchmarks.harness.experiment")
+logger = logging.getLogger(__name__)
 
 
 def run_experiment(
@@ -87,12 +89,8 @@ def _run_interleaved(
 
 
 def plot(name: str, results: Sequence[ArmResult], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
+    """Training loss (moving mean) and held-out loss of every arm against the step."""
+    fig, (ax1, ax2) = subplots(1, 2, figsize=(13, 4.5))
     for r in results:
         k = max(1, len(r.losses) // 50)
         smooth = [statistics.fmean(r.losses[max(0, i - k) : i + 1]) for i in range(len(r.losses))]
@@ -102,9 +100,35 @@ def plot(name: str, results: Sequence[ArmResult], path: Path) -> None:
     ax2.set(title="held-out loss (y zoomed on the later evaluations)", xlabel="step", ylabel="loss")
     lows = [min(r.eval_losses) for r in results]
     ax2.set_ylim(min(lows) - 0.05, max(r.eval_losses[len(r.eval_losses) // 3] for r in results))
-    for ax in (ax1, ax2):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    finish_plot(fig, path)
+
+
+def experiment_parser(doc: str | None, steps: int) -> argparse.ArgumentParser:
+    """A seed experiment's command line: ``--steps``, ``--budget``, ``--threads``, ``--arms``."""
+    p = arg_parser(doc)
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--budget", type=float, default=0.1, help="max_active / units for GNMR")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--arms", default=None, help="comma-separated subset of arm names")
+    return p
+
+
+def run_chosen(name: str, setup: Setup, arms: Sequence[Arm], only: str | None) -> dict[str, Any]:
+    """:func:`run_experiment`, interleaved, on the arms named in the comma-separated ``only``
+    (``--arms``; every arm without it)."""
+    if only:
+        keep = {x.strip() for x in only.split(",")}
+        arms = [a for a in arms if a.name in keep]
+    return run_experiment(name, setup, arms, interleave=True)
+
+
+def report(out: dict[str, Any], reference: str, low_cost: str, gnmr: str | None = None) -> None:
+    """Log the table and, given ``gnmr``, the target lines of :func:`run_experiment`'s ``out``
+    (arms left out by ``--arms`` are skipped)."""
+    results = [ArmResult(**r) for r in out["results"]]
+    names = [r.name for r in results]
+    ref = reference if reference in names else names[0]
+    low = low_cost if low_cost in names else names[0]
+    logger.info(table(results, ref, low))
+    if gnmr is not None and {reference, low_cost, gnmr} <= set(names):
+        logger.info("\n" + targets(results, reference, low_cost, gnmr))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -21,10 +22,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from benchmarks.harness.arms import Setup
-from benchmarks.harness.common import RESULTS, arg_parser
+from benchmarks.harness.common import RESULTS, arg_parser, start_cli
 from benchmarks.harness.provenance import record
 from benchmarks.harness.recipes import TARGET
 from benchmarks.overhead.collectives import Call, CollectiveSpec, part_c
@@ -33,6 +32,8 @@ from benchmarks.overhead.monitor_vs_clip import part_b
 from benchmarks.overhead.step_time import part_a, table_a, verdict
 from benchmarks.overhead.tables import collectives_table as table_c
 from benchmarks.overhead.tables import monitor_table as table_b
+
+logger = logging.getLogger(__name__)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -51,7 +52,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     a = parse_args(argv)
-    torch.set_num_threads(a.threads)
+    start_cli(a.threads)
     setup = Setup()
     units = 7 * setup.layers
     budget = max(1, round(a.budget * units))
@@ -70,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         t0 = time.perf_counter()
         out["collectives"] = res = part_c(CollectiveSpec(max_active=budget))
         text.append(_report_c(res))
-        print(f"  (c) {time.perf_counter() - t0:.0f} s", flush=True)
+        logger.info(f"  (c) {time.perf_counter() - t0:.0f} s")
     if "b" in a.parts:
         out["monitor_vs_clip"] = rows = part_b(setup, a.repeats)
         text.append(f"(b) monitor vs clip_grad_norm_ on the same gradients\n{table_b(rows)}")
@@ -79,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         text.append(_report_a(res_a, a, budget, units))
     RESULTS.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1, default=_json))
-    print("\n\n".join(text))
+    logger.info("\n\n".join(text))
 
 
 def _report_c(res: dict[str, Any]) -> str:

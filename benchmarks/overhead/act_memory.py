@@ -12,14 +12,17 @@ for the projection inputs alone (what the backend controls) and for the whole mo
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
-from benchmarks.harness.common import arg_parser, hf_loss, llama
+from benchmarks.harness.common import arg_parser, hf_loss, llama, start_cli
 from gnmr_dist.backends import get_backend
 from gnmr_dist.distributed import UnitRegistry
+
+logger = logging.getLogger(__name__)
 
 BITS = (32, 16, 8, 4)
 
@@ -72,6 +75,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    start_cli()
     model = llama(
         vocab=512, hidden=args.hidden, ffn=args.hidden * 3, layers=args.layers, heads=4, seed=0
     )
@@ -88,20 +92,24 @@ def main() -> None:
     # projection inputs alone: what the backend changed, from the 32-bit run (which saves every
     # distinct projection input once, in fp32, exactly as the model without a backend does)
     proj = {bits: projection_bytes(units, args.tokens, bits) for bits in rows}
-    print(
+    logger.info(
         f"Llama {args.layers} layers x hidden {args.hidden}, {args.tokens} tokens, "
         f"{len(units)} projections"
     )
-    print(f"no backend: {base / 2**20:.1f} MiB saved for backward by the whole model")
-    print(f"{'bits':>5} {'projection MiB':>15} {'/ 16-bit':>9} {'model MiB':>10} {'/ 16-bit':>9}")
+    logger.info(f"no backend: {base / 2**20:.1f} MiB saved for backward by the whole model")
+    logger.info(
+        f"{'bits':>5} {'projection MiB':>15} {'/ 16-bit':>9} {'model MiB':>10} {'/ 16-bit':>9}"
+    )
     for bits in BITS:
-        print(
+        logger.info(
             f"{bits:>5} {proj[bits] / 2**20:>15.2f} {proj[bits] / proj[16]:>9.3f} "
             f"{rows[bits] / 2**20:>10.1f} {rows[bits] / rows[16]:>9.3f}"
         )
-    print("projection: each projection alone on its own input (what the backend stores);")
-    print("model: unique storage saved by the whole model (attention and MLP internals included,")
-    print("and inputs that other ops also save stay alive whatever the projection keeps).")
+    logger.info("projection: each projection alone on its own input (what the backend stores);")
+    logger.info(
+        "model: unique storage saved by the whole model (attention and MLP internals included,"
+    )
+    logger.info("and inputs that other ops also save stay alive whatever the projection keeps).")
 
 
 if __name__ == "__main__":

@@ -14,14 +14,17 @@ smallest GEMM of a small model's step.
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 
 import numpy as np
 import torch
 
-from benchmarks.harness.common import arg_parser
+from benchmarks.harness.common import arg_parser, start_cli
 from gnmr_dist import GNMRConfig, GNMRController
+
+logger = logging.getLogger(__name__)
 
 
 def _ratio(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -110,10 +113,13 @@ def main() -> None:
     parser.add_argument("--units", type=int, nargs="+", default=[28, 1024, 4096, 16384])
     parser.add_argument("--steps", type=int, default=2000)
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, numpy {np.__version__}, {torch.get_num_threads()} threads")
+    start_cli()
+    logger.info(
+        f"torch {torch.__version__}, numpy {np.__version__}, {torch.get_num_threads()} threads"
+    )
     gemm = matmul_time()
-    print(f"reference: one 1024x1024x1024 fp32 matmul = {gemm * 1e3:.2f} ms")
-    print(
+    logger.info(f"reference: one 1024x1024x1024 fp32 matmul = {gemm * 1e3:.2f} ms")
+    logger.info(
         f"{'units':>8} {'median ms':>10} {'p90 ms':>8} {'/ matmul':>9} {'twin ms':>8} "
         f"{'/ twin':>7}  decisions"
     )
@@ -121,7 +127,7 @@ def main() -> None:
         ours, theirs = time_steps(units, args.steps)
         med, p90 = statistics.median(ours), sorted(ours)[int(0.9 * len(ours))]
         twin = statistics.median(theirs)
-        print(
+        logger.info(
             f"{units:>8} {med * 1e3:>10.3f} {p90 * 1e3:>8.3f} {med / gemm:>9.3f} "
             f"{twin * 1e3:>8.3f} {med / twin:>7.2f}  identical"
         )

@@ -12,12 +12,15 @@ fused read of every gradient), the controller, and whatever recovery the plan as
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 
 import torch
 
-from benchmarks.harness.common import arg_parser, deepspeed_world, hf_loss, llama
+from benchmarks.harness.common import arg_parser, deepspeed_world, hf_loss, llama, start_cli
+
+logger = logging.getLogger(__name__)
 
 VOCAB, SEQ, BATCH = 1024, 256, 4
 WARM = 5
@@ -87,19 +90,22 @@ def main() -> None:
     parser.add_argument("--stage", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
+    start_cli()
     with deepspeed_world():
         on, off = build(args.backend, args.stage)
         times = interleaved_times(on, off, args.steps)
         med = {k: statistics.median(v) for k, v in times.items()}
-        print(
+        logger.info(
             f"backend {args.backend}, ZeRO stage {args.stage}, {args.steps} steps each, interleaved"
         )
         for name, m in med.items():
-            print(f"{name:>9}: median step {m * 1e3:8.1f} ms")
-        print(f"ratio gnmr on / off = {med['gnmr on'] / med['gnmr off']:.3f}  (target <= 1.03)")
+            logger.info(f"{name:>9}: median step {m * 1e3:8.1f} ms")
+        logger.info(
+            f"ratio gnmr on / off = {med['gnmr on'] / med['gnmr off']:.3f}  (target <= 1.03)"
+        )
         tele = on.gnmr.telemetry()  # type: ignore[attr-defined]
         decisions = on.gnmr.controller.step_count  # type: ignore[attr-defined]
-        print(f"gnmr: {decisions} decisions, last active {tele.get('num_active')}")
+        logger.info(f"gnmr: {decisions} decisions, last active {tele.get('num_active')}")
 
 
 if __name__ == "__main__":

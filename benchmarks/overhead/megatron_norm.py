@@ -14,6 +14,7 @@ rotating order: megatron's own ``get_grad_norm_fp32`` against the patched call G
 from __future__ import annotations
 
 import json
+import logging
 import statistics
 import time
 from pathlib import Path
@@ -21,8 +22,10 @@ from typing import Any
 
 import torch
 
-from benchmarks.harness.common import RESULTS, arg_parser, gloo_world
+from benchmarks.harness.common import RESULTS, arg_parser, gloo_world, start_cli
 from benchmarks.harness.provenance import record
+
+logger = logging.getLogger(__name__)
 
 
 def build(layers: int, hidden: int, vocab: int) -> tuple[Any, Any]:
@@ -164,13 +167,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=RESULTS / "megatron_norm.json")
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    start_cli(args.threads)
     from megatron_patches import cpu_compat
 
     with gloo_world(), cpu_compat():  # megatron's parallel state needs a process group
         model, optimizer = build(args.layers, args.hidden, args.vocab)
         result = measure(model, optimizer, args.repeats)
-    print(report(result))
+    logger.info(report(result))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({**result, "provenance": record()}, indent=2) + "\n")
     return result

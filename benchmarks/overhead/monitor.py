@@ -14,6 +14,7 @@ All three are memory-bound reads of the same bytes, so the ratios should be clos
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -21,8 +22,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from benchmarks.harness.common import arg_parser
+from benchmarks.harness.common import arg_parser, start_cli
 from gnmr_dist.distributed import GradNormMonitor, UnitRegistry
+
+logger = logging.getLogger(__name__)
 
 
 class Layer(nn.Module):
@@ -58,11 +61,12 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
+    start_cli()
     model = build(args.layers, args.hidden)
     params = list(model.parameters())
     monitor = GradNormMonitor(UnitRegistry.from_model(model))
     n = sum(p.numel() for p in params)
-    print(
+    logger.info(
         f"{n / 1e6:.1f}M parameters, {monitor.registry.num_units} units, "
         f"{torch.get_num_threads()} threads"
     )
@@ -79,12 +83,12 @@ def main() -> None:
         for name, fn in arms.items():
             median_time(fn, times[name])
     base = statistics.median(times["clip_grad_norm_"])
-    print(f"{'arm':>16} {'median ms':>10} {'/ clip':>7}")
+    logger.info(f"{'arm':>16} {'median ms':>10} {'/ clip':>7}")
     for name, ts in times.items():
         med = statistics.median(ts)
-        print(f"{name:>16} {med * 1e3:>10.2f} {med / base:>7.3f}")
+        logger.info(f"{name:>16} {med * 1e3:>10.2f} {med / base:>7.3f}")
     check = monitor.compute().global_norm / float(nn.utils.get_total_norm([p.grad for p in params]))
-    print(f"monitor global norm / torch total norm = {check:.9f}")
+    logger.info(f"monitor global norm / torch total norm = {check:.9f}")
 
 
 if __name__ == "__main__":

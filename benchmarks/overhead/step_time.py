@@ -11,10 +11,11 @@ six arms and what each difference to the baseline measures: docs/benchmarks.md#o
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -32,6 +33,8 @@ from benchmarks.overhead.config import (
     backend_options,
     ds_config,
 )
+
+logger = logging.getLogger(__name__)
 
 BACKENDS = ("act_quant", "fp8_emulated")
 
@@ -85,14 +88,9 @@ class Arm:
         raise NotImplementedError
 
     def record(self) -> None:
-        """Keep the last step's measurements."""
-        wall, cpu, mon, ctl, active = self._last
-        t = self.timings
-        t.wall.append(wall)
-        t.cpu.append(cpu)
-        t.monitor.append(mon)
-        t.controller.append(ctl)
-        t.active.append(active)
+        """Keep the last step's measurements (``_last`` in the order of :class:`Timings`)."""
+        for f, value in zip(fields(Timings), self._last, strict=True):
+            getattr(self.timings, f.name).append(value)
 
 
 class LocalArm(Arm):
@@ -284,7 +282,7 @@ def part_a(
             arms = [arm(spec, setup) for spec in arm_specs(backend, budget)]
             interleave(arms, train, steps, warm)
             out[f"{backend} / {runtime}"] = summarize(arms)
-            print(f"  (a) {backend} {label}: {time.perf_counter() - t0:.0f} s", flush=True)
+            logger.info(f"  (a) {backend} {label}: {time.perf_counter() - t0:.0f} s")
 
     run(LocalArm, "GNMRRuntime", "single process")
     if not local_only:

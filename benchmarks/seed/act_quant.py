@@ -13,16 +13,12 @@ the stress knob and the choice of the GNMR policy: docs/benchmarks.md#seed-act_q
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
-import torch
-
-from benchmarks.harness.arms import Arm, ArmResult, Setup, with_budget
-from benchmarks.harness.common import RESULTS, arg_parser
-from benchmarks.harness.experiment import run_experiment
+from benchmarks.harness.arms import Arm, Setup, with_budget
+from benchmarks.harness.common import RESULTS, start_cli
+from benchmarks.harness.experiment import experiment_parser, report, run_chosen
 from benchmarks.harness.recipes import act_quant_policy
-from benchmarks.harness.verdicts import table, targets
 
 BASE = RESULTS / "act_quant_fp32.pt"
 """The FP32 arm's final weights: the base model of the LoRA experiment
@@ -67,37 +63,16 @@ def make_arms(bits: int, group_size: int, budget: float, save: bool) -> list[Arm
 
 
 def main() -> None:
-    p = arg_parser(__doc__)
-    p.add_argument("--steps", type=int, default=STEPS)
+    p = experiment_parser(__doc__, STEPS)
     p.add_argument("--bits", type=int, default=2, help="low-cost bits: the stress knob")
     p.add_argument("--group-size", type=int, default=128, help="values per (min, scale) group")
-    p.add_argument("--budget", type=float, default=0.1, help="max_active / units for GNMR")
     p.add_argument("--seed", type=int, default=SEED)
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    p.add_argument("--arms", default=None, help="comma-separated subset of arm names")
     p.add_argument("--no-save", action="store_true", help=f"do not write {BASE.name}")
     a = p.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    torch.set_num_threads(a.threads)
-    setup = pretrain_setup(a.steps, a.seed)
+    start_cli(a.threads)
     arms = make_arms(a.bits, a.group_size, a.budget, save=not a.no_save)
-    if a.arms:
-        keep = {x.strip() for x in a.arms.split(",")}
-        arms = [x for x in arms if x.name in keep]
-    out = run_experiment("act_quant", setup, arms, interleave=True)
+    out = run_chosen("act_quant", pretrain_setup(a.steps, a.seed), arms, a.arms)
     report(out, "fp32", f"static {a.bits}-bit", f"GNMR {a.bits}/8")
-
-
-def report(out: dict[str, Any], reference: str, low_cost: str, gnmr: str) -> None:
-    """Print the table and the target lines (arms left out by ``--arms`` are skipped)."""
-    results = [ArmResult(**r) for r in out["results"]]
-    names = [r.name for r in results]
-    ref = reference if reference in names else names[0]
-    low = low_cost if low_cost in names else names[0]
-    print(table(results, ref, low))
-    if {reference, low_cost, gnmr} <= set(names):
-        print()
-        print(targets(results, reference, low_cost, gnmr))
 
 
 if __name__ == "__main__":

@@ -16,13 +16,12 @@ import logging
 import time
 from typing import Any
 
-import torch
-
-from benchmarks.harness.arms import Arm, ArmResult, Setup
-from benchmarks.harness.common import arg_parser
-from benchmarks.harness.experiment import run_experiment
+from benchmarks.harness.arms import Arm, Setup
+from benchmarks.harness.common import start_cli
+from benchmarks.harness.experiment import experiment_parser, report, run_chosen
 from benchmarks.harness.recipes import FP6_LOW_COST, FP6_STRESS, FP8_RECOVERY, fp6_fp8_policy
-from benchmarks.harness.verdicts import table
+
+logger = logging.getLogger(__name__)
 
 STEPS = 200
 
@@ -33,16 +32,11 @@ def low_cost(stress: str, block: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    p = arg_parser(__doc__)
-    p.add_argument("--steps", type=int, default=STEPS)
+    p = experiment_parser(__doc__, STEPS)
     p.add_argument("--stress", choices=("tensor", "none"), default="tensor")
     p.add_argument("--block", type=int, default=128, help="low-cost tile length (--stress none)")
-    p.add_argument("--budget", type=float, default=0.1, help="max_active / units for GNMR")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    p.add_argument("--arms", default=None, help="comma-separated subset of arm names")
     a = p.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    torch.set_num_threads(a.threads)
+    start_cli(a.threads)
     setup = Setup(steps=a.steps, eval_every=50, gnmr=fp6_fp8_policy())
     units = 7 * setup.layers
     q = {
@@ -58,20 +52,13 @@ def main() -> None:
         Arm("first+last FP8", "first_last", **q),
         Arm("ZClip FP6", "zclip", **q),
     ]
-    if a.arms:
-        keep = {x.strip() for x in a.arms.split(",")}
-        arms = [x for x in arms if x.name in keep]
     t0 = time.perf_counter()
-    out = run_experiment("fp6_fp8", setup, arms, interleave=True)
-    results = [ArmResult(**r) for r in out["results"]]
-    names = [r.name for r in results]
-    ref = "fp32" if "fp32" in names else names[0]
-    low = "fixed FP6" if "fixed FP6" in names else names[0]
-    print(
+    out = run_chosen("fp6_fp8", setup, arms, a.arms)
+    logger.info(
         f"stress={a.stress}, low-cost {q['low_cost']}, recovery {FP8_RECOVERY}, {a.steps} steps, "
         f"{a.threads} thread(s), {time.perf_counter() - t0:.0f} s"
     )
-    print(table(results, ref, low))
+    report(out, "fp32", "fixed FP6")
 
 
 if __name__ == "__main__":

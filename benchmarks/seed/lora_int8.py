@@ -20,17 +20,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from benchmarks.harness.arms import Arm, Setup, with_budget
-from benchmarks.harness.common import arg_parser
-from benchmarks.harness.experiment import run_experiment
-from benchmarks.harness.model import Batches, build_model, evaluate, save_state
-from benchmarks.harness.training import ArmRun
+from benchmarks.harness.common import start_cli
+from benchmarks.harness.experiment import experiment_parser, report, run_chosen
+from benchmarks.harness.model import Batches, build_model, evaluate
+from benchmarks.harness.training import run_arm
 from benchmarks.seed import act_quant
 from gnmr_dist.data.corpus import embedded_corpus, stdlib_root
 
-logger = logging.getLogger("benchmarks.seed.lora_int8")
+logger = logging.getLogger(__name__)
 
 DOMAIN = "idlelib"
 STEPS = 200
@@ -76,15 +74,10 @@ def ensure_base(path: Path) -> None:
         "base model %s missing: pretraining act_quant's FP32 arm (%d steps)", path, pre.steps
     )
     t0 = time.perf_counter()
-    train, heldout = Batches(pre.data, pre), Batches(pre.heldout, pre)
-    run = ArmRun(pre, Arm("fp32", "full"), heldout)
-    for step in range(1, pre.steps + 1):
-        run.step(step, train)
-    save_state(run.model, path)
+    fp32 = Arm("fp32", "full", save_to=str(path))  # run_arm saves its weights there at the end
+    base = run_arm(pre, fp32, Batches(pre.data, pre), Batches(pre.heldout, pre))
     logger.info(
-        "base pretrained in %.0f s, held-out loss %.4f",
-        time.perf_counter() - t0,
-        run.eval_losses[-1],
+        "base pretrained in %.0f s, held-out loss %.4f", time.perf_counter() - t0, base.heldout_loss
     )
 
 
@@ -107,33 +100,24 @@ def make_arms(granularity: str, budget: float) -> list[Arm]:
 
 
 def main() -> None:
-    p = arg_parser(__doc__)
-    p.add_argument("--steps", type=int, default=STEPS)
+    p = experiment_parser(__doc__, STEPS)
     p.add_argument(
         "--granularity",
         choices=("row", "tensor"),
         default="tensor",
         help="int8 scales: per row/token, or per tensor (the stress knob)",
     )
-    p.add_argument("--budget", type=float, default=0.1, help="max_active / units for GNMR")
     p.add_argument("--base", type=Path, default=act_quant.BASE)
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    p.add_argument("--arms", default=None, help="comma-separated subset of arm names")
     a = p.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    torch.set_num_threads(a.threads)
+    start_cli(a.threads)
     ensure_base(a.base)
     setup = lora_setup(a.base, a.steps)
     seen = pretraining_files_in(DOMAIN, act_quant.pretrain_setup())
     logger.info("pretraining files under %s/: %d", DOMAIN, seen)
     before = evaluate(build_model(setup), Batches(setup.heldout, setup), setup.eval_batches)
     logger.info("base model's held-out loss on %s/ before fine-tuning: %.4f", DOMAIN, before)
-    arms = make_arms(a.granularity, a.budget)
-    if a.arms:
-        keep = {x.strip() for x in a.arms.split(",")}
-        arms = [x for x in arms if x.name in keep]
-    out = run_experiment("lora_int8", setup, arms, interleave=True)
-    act_quant.report(out, "BF16", "INT8", "GNMR INT8/BF16")
+    out = run_chosen("lora_int8", setup, make_arms(a.granularity, a.budget), a.arms)
+    report(out, "BF16", "INT8", "GNMR INT8/BF16")
 
 
 if __name__ == "__main__":

@@ -31,12 +31,12 @@ from benchmarks.harness import branch_stats
 from benchmarks.harness.arms import Arm
 from benchmarks.harness.branch import NULL_ARMS, run_branch, run_trunk
 from benchmarks.harness.branch_stats import Design, Records
-from benchmarks.harness.common import RESULTS, arg_parser
+from benchmarks.harness.common import RESULTS, arg_parser, start_cli
 from benchmarks.harness.provenance import record
 from benchmarks.sweep.fp4_step_time import save, step_time
 from benchmarks.sweep.regimes import FP4_REGIMES, Regime
 
-logger = logging.getLogger("benchmarks.sweep.fp4")
+logger = logging.getLogger(__name__)
 
 SEEDS = (1234, 7, 42, 5, 11)
 BUDGETS = (4,)
@@ -210,7 +210,7 @@ def design_suffix(regime: Regime, budgets: Sequence[int], points: Sequence[int])
 
 def main(argv: Sequence[str] | None = None) -> None:
     a = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    start_cli()
     regime = FP4_REGIMES[a.regime]
     if a.step_time:
         got = step_time(regime, *step_time_arms(regime), a.steps, TRUNKS)

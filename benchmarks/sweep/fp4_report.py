@@ -4,7 +4,7 @@ row per arm, the verdicts per budget, a JSON summary and the quality-against-bud
 from __future__ import annotations
 
 import json
-import math
+import logging
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -22,11 +22,13 @@ from benchmarks.harness.branch_stats import (
     unit_step_share,
     verdict,
 )
-from benchmarks.harness.common import RESULTS, finish_plot, jsonable
+from benchmarks.harness.common import RESULTS, errorbar, finish_plot, jsonable, subplots
 from benchmarks.harness.model import PROJECTIONS
 from benchmarks.harness.provenance import record
 from benchmarks.harness.stats import plus_minus
 from benchmarks.sweep.regimes import Regime
+
+logger = logging.getLogger(__name__)
 
 
 def complete(records: Records, d: Design, arm: str) -> bool:
@@ -170,7 +172,7 @@ def report(
         for a, got in chosen.items()
         if got
     ]
-    print("\n".join(lines))
+    logger.info("\n".join(lines))
     out = {
         "regime": regime.name,
         "description": regime.description,
@@ -199,19 +201,19 @@ def plot(
     regime: Regime, summary: dict[str, dict[str, Any]], budgets: Sequence[int], path: Path
 ) -> None:
     """Held-out loss minus BF16's against the share of unit-steps on the recovery path."""
-    import matplotlib
+    fig, ax = subplots(figsize=(7.5, 4.8))
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    def bars(names: list[str], **kwargs: Any) -> None:
+        xs = [summary[n]["unit_steps"] for n in names]
+        errorbar(ax, xs, [summary[n]["vs_bf16"] for n in names], **kwargs)
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
     for policy, marker in zip(("random", "GNMR", "GNMR+e", "oracle"), "osD^", strict=True):
         names = [f"{policy} {k}" for k in budgets if f"{policy} {k}" in summary]
         if names:
-            _errorbar(ax, summary, names, marker, policy)
+            bars(names, marker=marker, label=policy)
     for name in summary:
         if name.startswith(("NVIDIA", "first+last")):
-            _errorbar(ax, summary, [name], "*", name, ms=11, ls="none")
+            bars([name], marker="*", label=name, ms=11, ls="none")
     ax.axhline(0.0, ls=":", color="gray", label="BF16 everywhere")
     if "low-cost" in summary:
         m, h = summary["low-cost"]["vs_bf16"]
@@ -222,13 +224,4 @@ def plot(
         xlabel="share of unit-steps on the recovery path (BF16)",
         ylabel="held-out loss - BF16 (paired)",
     )
-    finish_plot(fig, ax, path, 7)
-
-
-def _errorbar(
-    ax: Any, summary: dict[str, Any], names: list[str], marker: str, label: str, **kw: Any
-) -> None:
-    xs = [summary[n]["unit_steps"] for n in names]
-    ms = [summary[n]["vs_bf16"][0] for n in names]
-    hs = [0.0 if math.isnan(summary[n]["vs_bf16"][1]) else summary[n]["vs_bf16"][1] for n in names]
-    ax.errorbar(xs, ms, yerr=hs, marker=marker, capsize=3, label=label, **kw)
+    finish_plot(fig, path, 7)

@@ -13,6 +13,7 @@ runtime's cost on a CPU: docs/benchmarks.md#sweep-fp4-step-time.
 from __future__ import annotations
 
 import json
+import logging
 import statistics
 import time
 from dataclasses import replace
@@ -29,6 +30,8 @@ from benchmarks.harness.provenance import record
 from benchmarks.harness.recipes import ERROR_TARGET
 from benchmarks.harness.training import ArmRun
 from benchmarks.sweep.regimes import Regime
+
+logger = logging.getLogger(__name__)
 
 WARMUP = 5
 
@@ -63,7 +66,7 @@ def step_time(
         "vs_replayed": ms[gnmr.name] / ms[replayed.name],
     }
     recovered = {n: int(r.unit_recovered.sum()) for n, r in runs.items()}
-    print(
+    logger.info(
         f"{regime.name}, seed {seed}, from step {point}, {steps} steps each, interleaved: "
         + ", ".join(f"{n} {t:.1f} ms" for n, t in ms.items())
         + f"; GNMR+e / NVIDIA's rule {ratios['vs_nvidia']:.3f}, GNMR+e / its plan replayed "

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness.arms import Arm, Fault, Setup
-from benchmarks.harness.common import RESULTS, arg_parser, jsonable
+from benchmarks.harness.common import RESULTS, arg_parser, jsonable, start_cli
 from benchmarks.harness.model import Batches
 from benchmarks.harness.provenance import record
 from benchmarks.harness.stats import Records, static_gap, summarize, verdicts
@@ -33,7 +33,7 @@ from benchmarks.harness.training import run_arm
 from benchmarks.sweep.regimes import REGIMES, Regime
 from benchmarks.sweep.selection_report import plot, print_report
 
-logger = logging.getLogger("benchmarks.sweep.selection")
+logger = logging.getLogger(__name__)
 
 SEEDS = (1234, 7, 42)
 BUDGETS = (1, 3, 7, 14)
@@ -159,7 +159,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     a = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    start_cli()
     regime = REGIMES[a.regime]
     if a.steps is not None:
         regime = regime.with_steps(a.steps)
@@ -186,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     }
     (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=1))
     plot(regime.name, summary, budgets, RESULTS / f"{name}.png")
-    print(f"{regime.name}: {regime.description}; seeds {seeds}; {regime.setup.steps} steps")
+    logger.info(f"{regime.name}: {regime.description}; seeds {seeds}; {regime.setup.steps} steps")
     print_report(summary, static, out["verdicts"], windows)
 
 

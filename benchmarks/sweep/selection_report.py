@@ -5,6 +5,7 @@ The tables import no torch: ``python -m benchmarks.report`` renders RESULTS.md w
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -12,6 +13,8 @@ from typing import Any
 
 from benchmarks.harness.markdown import markdown_table
 from benchmarks.harness.stats import POLICY_PREFIXES, plus_minus
+
+logger = logging.getLogger(__name__)
 
 
 def table(summary: dict[str, Any]) -> str:
@@ -109,50 +112,25 @@ def plot(regime: str, summary: dict[str, Any], budgets: Sequence[int], path: Pat
     """Quality against budget, one curve per policy: held-out loss minus the static low-cost
     arm's, paired by seed (mean and 95% interval of the per-seed differences: the spread
     between seeds' trajectories is left out, as the verdicts leave it out)."""
-    import matplotlib
+    from benchmarks.harness.common import errorbar, finish_plot, subplots  # torch
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from benchmarks.harness.common import finish_plot  # torch: the tables above do without it
-
-    def point(name: str) -> tuple[float, float]:
-        m, h = summary[name]["vs_low_cost"]
-        return m, 0.0 if math.isnan(h) else h
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = subplots(figsize=(7, 4.5))
     for offset, (policy, marker) in enumerate(zip(POLICY_PREFIXES, "osD^", strict=True)):
         ks = [k for k in budgets if f"{policy} {k}" in summary]
         if not ks or "vs_low_cost" not in summary[f"{policy} {ks[0]}"]:
             continue
-        pts = [point(f"{policy} {k}") for k in ks]
         xs = [k * 1.04 ** (offset - 1.5) for k in ks]  # side by side, not on top of each other
-        ax.errorbar(
-            xs,
-            [m for m, _ in pts],
-            yerr=[h for _, h in pts],
-            marker=marker,
-            capsize=3,
-            label=policy,
-        )
+        pairs = [summary[f"{policy} {k}"]["vs_low_cost"] for k in ks]
+        errorbar(ax, xs, pairs, marker=marker, label=policy)
     ax.axhline(0.0, ls="--", color="gray", label="static low-cost")
     if "vs_low_cost" in summary.get("recovery", {}):
-        m, h = point("recovery")
+        m, h = summary["recovery"]["vs_low_cost"]
+        h = 0.0 if math.isnan(h) else h
         ax.axhspan(m - h, m + h, color="gray", alpha=0.15)
         ax.axhline(m, ls=":", color="gray", label="static recovery (band: 95% CI)")
     if "vs_low_cost" in summary.get("first+last", {}):
-        m, h = point("first+last")
-        ax.errorbar(
-            [14],
-            [m],
-            yerr=[h],
-            marker="*",
-            ms=12,
-            color="k",
-            ls="none",
-            capsize=3,
-            label="first+last (14)",
-        )
+        pair = summary["first+last"]["vs_low_cost"]
+        errorbar(ax, [14], [pair], marker="*", ms=12, color="k", ls="none", label="first+last (14)")
     ax.set(
         title=f"{regime}: held-out loss vs recovery budget, paired by seed",
         xlabel="units on the recovery path (of 28)",
@@ -160,7 +138,7 @@ def plot(regime: str, summary: dict[str, Any], budgets: Sequence[int], path: Pat
     )
     ax.set_xscale("log", base=2)
     ax.set_xticks(list(budgets), [str(k) for k in budgets])
-    finish_plot(fig, ax, path, 8)
+    finish_plot(fig, path, 8)
 
 
 def print_report(
@@ -171,30 +149,28 @@ def print_report(
 ) -> None:
     """The sweep's printed report: the static gap, the arms' table, the verdicts, the selection
     tables over every probe step and inside each fault window, and the probe's cost."""
+    out = []
     if static is not None:
         resolved = static[0] - static[1] > 0
-        print(
+        out.append(
             f"static gap (low-cost - recovery, paired): {plus_minus(static)} -> "
             f"{'resolved' if resolved else 'NOT resolved: no policy can be told apart'}"
         )
-    print(table(summary))
-    print()
-    print("\n".join(f"- {v}" for v in verdicts))
-    print()
+    out += [table(summary), "", "\n".join(f"- {v}" for v in verdicts), ""]
     probed = ["low-cost"] + [n for n in summary if n.startswith(("GNMR", "oracle"))]
-    print(selection_table(summary, probed))
-    print("\n" + compact_selection(summary))
+    out += [selection_table(summary, probed), "\n" + compact_selection(summary)]
     for a, b in windows:
-        print(
-            f"\ninside the fault window, steps {a}-{b - 1}:\n"
-            + compact_selection(summary, f"{a}-{b - 1}")
+        window = f"{a}-{b - 1}"
+        out.append(
+            f"\ninside the fault window, steps {window}:\n" + compact_selection(summary, window)
         )
     costs = [row["probe_cost"] for n, row in summary.items() if n in probed and row["probe_cost"]]
     if costs:
-        print(
+        out.append(
             f"\none probe (two extra forward/backward passes) costs {min(costs):.2f}-"
             f"{max(costs):.2f} median steps of its arm"
         )
     for a, b in windows:
-        print(f"\nthe same on the probe steps inside the fault window, steps {a}-{b - 1}:")
-        print(selection_table(summary, probed, f"{a}-{b - 1}"))
+        out.append(f"\nthe same on the probe steps inside the fault window, steps {a}-{b - 1}:")
+        out.append(selection_table(summary, probed, f"{a}-{b - 1}"))
+    logger.info("\n".join(out))

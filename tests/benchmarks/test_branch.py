@@ -5,6 +5,7 @@ the statistics return known answers on constructed records."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import statistics
 from dataclasses import replace
@@ -168,9 +169,10 @@ def test_spikes_and_divergence_are_counted_against_bf16():
     assert troubles(r, d, "low-cost") == (2, 1)  # +0.2 and a non-finite step; held-out +2 > 1
 
 
-def test_step_time_interleaves_gnmr_e_and_nvidias_rule(tmp_path, capsys):
+def test_step_time_interleaves_gnmr_e_and_nvidias_rule(tmp_path, caplog):
     from benchmarks.sweep.fp4_step_time import step_time
 
+    caplog.set_level(logging.INFO)
     regime = replace(
         FP4_REGIMES["nvfp4"],
         setup=tiny(steps=8, lr=1e-3, gnmr={"warmup_steps": 0}),
@@ -186,7 +188,7 @@ def test_step_time_interleaves_gnmr_e_and_nvidias_rule(tmp_path, capsys):
         "vs_replayed",
     }
     assert got["vs_nvidia"] == pytest.approx(got["GNMR+e 2"] / got["NVIDIA last-2"])
-    assert "same weights at the end: True" in capsys.readouterr().out
+    assert "same weights at the end: True" in caplog.text
 
 
 def test_step_time_runs_are_appended_where_the_report_reads_them(tmp_path):
@@ -206,10 +208,11 @@ def test_step_time_runs_are_appended_where_the_report_reads_them(tmp_path):
     assert text.startswith(f"- `{path.name}`, 2 runs: commits ") and "(2) (git rev-parse" in text
 
 
-def test_report_reads_constructed_records(tmp_path, capsys):
+def test_report_reads_constructed_records(tmp_path, caplog):
     """A regime where the oracle closes the gap and GNMR+e half of it, random nothing."""
     from benchmarks.sweep.fp4_report import report
 
+    caplog.set_level(logging.INFO)
     regime = FP4_REGIMES["fp4_tensor"]
     arms = [a.name for a, _ in make_arms(regime, (4,), 28)]
     base = [[2.0, 2.1], [2.2, 2.3], [2.4, 2.5]]
@@ -227,7 +230,7 @@ def test_report_reads_constructed_records(tmp_path, capsys):
     r = records_of(values, horizon=50)
     d = Design(seeds=(0, 1, 2), points=(0, 1), horizon=50)
     out = report(regime, d, r, arms, (4,), out_dir=tmp_path)
-    text = capsys.readouterr().out
+    text = caplog.text
     assert "- GNMR+e 4 - random 4: -0.1000 +- 0.0000 -> better" in text
     assert out["verdicts"]["oracle 4 - random 4"] == "better"
     assert out["summary"]["GNMR+e 4"]["closed"][0] == pytest.approx(0.1 / 0.2005)
