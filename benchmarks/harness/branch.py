@@ -157,7 +157,7 @@ def run_branch(
         "point": point,
         "heldout": {str(k): v for k, v in losses.items()},
         "train_loss": run.losses,
-        "recovered_unit_steps": _recovered_unit_steps(run),
+        "recovered_unit_steps": int(run.unit_recovered.sum()),  # the backend's count, not the plan
         "unit_recovered": [int(x) for x in run.unit_recovered.tolist()],  # per unit, in order
         "unit_steps": run.n_elig * inst.horizon,
         "step_ms": 1e3 * sorted(run.times)[len(run.times) // 2],
@@ -165,8 +165,3 @@ def run_branch(
         "wall_s": time.perf_counter() - t0,
         "arm_spec": asdict(arm),
     }
-
-
-def _recovered_unit_steps(run: ArmRun) -> int:
-    """Unit-steps whose forward ran the recovery path (the backend's count, not the plan)."""
-    return int(run.unit_recovered.sum())

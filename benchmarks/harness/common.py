@@ -1,5 +1,5 @@
-"""What several benchmarks share: the results folder, the command line, a Llama, a gloo world,
-strict JSON and the last lines of every plot.
+"""What several benchmarks share: the results folder, the command line and its logging, a Llama,
+interleaved timing, a gloo world, strict JSON and the plots' figure, error bars and last lines.
 
 Nothing here measures; the measuring lives with each benchmark.
 """
@@ -12,7 +12,8 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,27 @@ def gloo_world(rank: int = 0, world: int = 1, port: int | None = None) -> Iterat
         dist.destroy_process_group()
         os.environ.clear()
         os.environ.update(saved)
+
+
+def interleaved_times(
+    arms: dict[str, Callable[[], object]],
+    repeats: int,
+    warm: int = 3,
+    clock: Callable[[], float] = time.process_time,
+) -> dict[str, list[float]]:
+    """``clock`` seconds of each arm over ``repeats`` rounds after ``warm`` untimed ones (caches,
+    allocator), the order of the arms rotating every round (so a slow stretch of the machine hits
+    every arm). The default clock is this process's CPU time."""
+    times: dict[str, list[float]] = {k: [] for k in arms}
+    names = list(arms)
+    for r in range(warm + repeats):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            t0 = clock()
+            arms[name]()
+            if r >= warm:
+                times[name].append(clock() - t0)
+    return times
 
 
 def skip_deepspeed_shm_comm() -> None:

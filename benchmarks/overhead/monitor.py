@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from benchmarks.harness.common import arg_parser, start_cli
+from benchmarks.harness.common import arg_parser, interleaved_times, start_cli
 from gnmr_dist.distributed import GradNormMonitor, UnitRegistry
 
 logger = logging.getLogger(__name__)
@@ -49,12 +49,6 @@ def build(layers: int, hidden: int) -> nn.Module:
     return model
 
 
-def median_time(fn: Callable[[], object], times: list[float]) -> None:
-    t0 = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t0)
-
-
 def main() -> None:
     parser = arg_parser(__doc__)
     parser.add_argument("--layers", type=int, default=8)
@@ -75,13 +69,7 @@ def main() -> None:
         "get_total_norm": lambda: nn.utils.get_total_norm([p.grad for p in params]),
         "monitor": monitor.compute,
     }
-    times: dict[str, list[float]] = {k: [] for k in arms}
-    for _ in range(3):
-        for fn in arms.values():
-            fn()
-    for _ in range(args.repeats):
-        for name, fn in arms.items():
-            median_time(fn, times[name])
+    times = interleaved_times(arms, args.repeats, clock=time.perf_counter)
     base = statistics.median(times["clip_grad_norm_"])
     logger.info(f"{'arm':>16} {'median ms':>10} {'/ clip':>7}")
     for name, ts in times.items():

@@ -10,18 +10,14 @@ on a larger Llama-shaped stack (``benchmarks/overhead/monitor.py``). The ratio o
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
 from benchmarks.harness.arms import Setup
-from benchmarks.harness.common import hf_loss
+from benchmarks.harness.common import hf_loss, interleaved_times
 from benchmarks.harness.model import Batches, build_model
-
-WARM = 3
-"""Untimed rounds first (caches, allocator)."""
 
 
 def part_b(setup: Setup, repeats: int) -> list[dict[str, Any]]:
@@ -51,7 +47,7 @@ def _monitor_vs_clip(label: str, model: nn.Module, repeats: int) -> list[dict[st
         "monitor": monitor.compute,
         "monitor + controller": lambda: ctrl.step(monitor.compute().norms),
     }
-    times = interleaved_cpu_times(arms, repeats)
+    times = interleaved_times(arms, repeats)
     base = statistics.median(times["clip_grad_norm_"])
     grads = f"{label} ({sum(p.numel() for p in params) / 1e6:.1f}M, {registry.num_units} units)"
     return [
@@ -63,20 +59,3 @@ def _monitor_vs_clip(label: str, model: nn.Module, repeats: int) -> list[dict[st
         }
         for name, ts in times.items()
     ]
-
-
-def interleaved_cpu_times(
-    arms: dict[str, Callable[[], object]], repeats: int
-) -> dict[str, list[float]]:
-    """CPU seconds of each arm over ``repeats`` rounds after ``WARM`` untimed ones, the order
-    of the arms rotating every round (so a slow stretch of the machine hits every arm)."""
-    times: dict[str, list[float]] = {k: [] for k in arms}
-    names = list(arms)
-    for r in range(WARM + repeats):
-        k = r % len(names)
-        for name in names[k:] + names[:k]:
-            t0 = time.process_time()
-            arms[name]()
-            if r >= WARM:
-                times[name].append(time.process_time() - t0)
-    return times

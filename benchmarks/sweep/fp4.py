@@ -99,13 +99,9 @@ setup and recovery path: ``tests/benchmarks/test_branch.py`` checks it), so that
 different regimes start from the same checkpoints too."""
 
 
-def _records_file(regime: str) -> Path:
+def records_file(regime: str) -> Path:
+    """The JSON-lines file of ``regime``'s finished branches (:func:`branch_stats.read_records`)."""
     return RESULTS / "fp4" / f"{regime}.jsonl"
-
-
-def read_records(regime: str, path: Path | None = None) -> Records:
-    """Every finished branch of ``regime`` (:func:`branch_stats.read_records` of its file)."""
-    return branch_stats.read_records(path or _records_file(regime))
 
 
 def _worker_init() -> None:
@@ -141,7 +137,7 @@ def run_sweep(
     arms = make_arms(regime, budgets, regime.units)
     if arm_filter:
         arms = [(a, p) for a, p in arms if any(f in a.name for f in arm_filter)]
-    done = read_records(regime.name)
+    done = branch_stats.read_records(records_file(regime.name))
     reference = Arm("trunk", "recovery", **regime.backend_args())
     trunks = [("trunk", regime.name, asdict(reference), s, 0, False) for s in seeds]
     branches = [
@@ -153,7 +149,7 @@ def run_sweep(
     ]
     branches.sort(key=lambda t: t[2]["policy"] != "oracle")  # the longest first
     logger.info("%s: %d branches to run (%d done)", regime.name, len(branches), len(done))
-    t0, out = time.perf_counter(), _records_file(regime.name)
+    t0, out = time.perf_counter(), records_file(regime.name)
     out.parent.mkdir(parents=True, exist_ok=True)
     with mp.get_context("spawn").Pool(jobs, initializer=_worker_init) as pool:
         for r in pool.imap_unordered(_job, trunks):
@@ -170,7 +166,7 @@ def run_sweep(
                 r["point"],
                 time.perf_counter() - t0,
             )
-    return read_records(regime.name)
+    return branch_stats.read_records(out)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -220,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     budgets = [int(k) for k in a.budgets.split(",")]
     points = _points(a.points, regime)
     if a.report_only:
-        records = read_records(regime.name)
+        records = branch_stats.read_records(records_file(regime.name))
     else:
         arm_filter = [x.strip() for x in a.arms.split(",") if x.strip()]
         records = run_sweep(regime, seeds, budgets, a.jobs, arm_filter, points)

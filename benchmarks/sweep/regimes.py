@@ -13,7 +13,7 @@ docs/benchmarks.md#sweep-regimes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks.harness.arms import Fault, Setup
@@ -75,9 +75,6 @@ class Regime:
     def error_policy(self) -> dict[str, Any]:
         """The controller keys of a ``GNMR+e`` arm (the seed policy plus ``gamma``)."""
         return {"gamma": self.gamma}
-
-    def with_steps(self, steps: int) -> Regime:
-        return replace(self, setup=replace(self.setup, steps=steps))
 
 
 REGIMES = {

@@ -162,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     start_cli()
     regime = REGIMES[a.regime]
     if a.steps is not None:
-        regime = regime.with_steps(a.steps)
+        regime = replace(regime, setup=replace(regime.setup, steps=a.steps))
     seeds = [int(s) for s in a.seeds.split(",")]
     budgets = [int(k) for k in a.budgets.split(",")]
     t0 = time.perf_counter()

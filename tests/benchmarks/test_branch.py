@@ -22,7 +22,14 @@ from benchmarks.harness.branch import (
     run_trunk,
     trunk_file,
 )
-from benchmarks.harness.branch_stats import Design, paired, share_closed, troubles, unit_step_share
+from benchmarks.harness.branch_stats import (
+    Design,
+    paired,
+    read_records,
+    share_closed,
+    troubles,
+    unit_step_share,
+)
 from benchmarks.harness.model import Batches
 from benchmarks.harness.training import ArmRun
 from benchmarks.sweep.fp4 import make_arms, nvidia_k, step_time_arms
@@ -243,15 +250,13 @@ def test_report_reads_constructed_records(tmp_path, caplog):
 
 
 def test_records_survive_a_line_cut_short(tmp_path):
-    from benchmarks.sweep.fp4 import read_records
-
     path = tmp_path / "x.jsonl"
     rows = [{"arm": "a", "seed": 1, "point": p, "heldout": {"5": p}} for p in (3, 5)]
     path.write_text("\n".join(json.dumps(r) for r in rows) + '\n{"arm": "a", "se')
-    assert sorted(read_records("x", path)) == [("a", 1, 3), ("a", 1, 5)]
+    assert sorted(read_records(path)) == [("a", 1, 3), ("a", 1, 5)]
     path.write_text('{"arm": \n' + json.dumps(rows[0]) + "\n")
     with pytest.raises(json.JSONDecodeError):
-        read_records("x", path)
+        read_records(path)
 
 
 def test_points_are_a_subset_of_the_trunks_checkpoints():
