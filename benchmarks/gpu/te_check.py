@@ -10,38 +10,9 @@ finer-grained suite (bitwise checks on a stack of ``te.Linear``), this script is
 transformer-ish end-to-end check with numbers. On a machine without CUDA or TE it prints why and
 exits with status 2, without a traceback.
 
-NVFP4 (issue 24): on a GPU with FP4 GEMMs ``nvfp4`` joins the recipes above (``fp8_equal[nvfp4]``
-is the backend against plain ``te.autocast(NVFP4BlockScaling())``, bitwise where TE's stochastic
-rounding is deterministic and else within the plain-vs-plain control; ``switching[nvfp4->bf16]``
-and ``[nvfp4->mxfp8]``), plus ``megatron_operator[nvfp4->bf16]`` under megatron's own
-``--fp4-format e2m1`` context. On any other GPU, ``nvfp4_refused``: ``te_fp8`` with recipe
-``nvfp4`` and ``megatron_patches.apply`` on an FP4 megatron config both raise before any region,
-naming the device and its compute capability; TE's global quantization state is still off
-afterwards, and an FP8 step still trains.
-
-The model: ``--layers`` blocks of ``x + Linear(gelu(LayerNormLinear(x)))`` then
-``h + LayerNormMLP(h)`` (BF16 parameters), every TE module one unit. For each FP8 recipe the
-device supports (delayed, tensorwise, blockwise, mxfp8):
-
-* ``fp8_equal``: the backend with an empty plan == plain ``te.autocast(recipe)``, bitwise over
-  three training steps (outputs, losses, every gradient);
-* ``switching``: ``--steps`` training steps with units flipping path every step: no inf/nan,
-  and under delayed scaling every unit returning to FP8 had its state reset in place.
-
-Once: ``bf16_equal`` (every unit recovered == the model without FP8, bitwise),
-``unit_bf16_equal`` (one recovered unit == that module in BF16, on the input it got),
-``stronger_recovery`` (tensorwise low-cost, blockwise recovery, if both run here), and the step
-time of the backend (empty plan; one unit per step in BF16) against plain FP8 and plain BF16;
-``overhead`` fails above 1.25x plain FP8. A bitwise check whose plain-vs-plain control is itself
-not bitwise (a non-deterministic kernel) passes when the backend differs no more than the control.
-
-With megatron-core installed (else SKIP), ``megatron_operator[bf16]`` (and ``[blockwise]`` where
-blockwise runs): a 2-layer ``GPTModel`` with ``get_gpt_layer_with_transformer_engine_spec()``
-under megatron's own tensorwise FP8, units ``linear_proj`` and ``linear_fc2`` of layer 0, the
-first recovered through its ``te_quant_params``. Over a forward and backward: the paths reported,
-the recovered output == that module run alone in BF16 (or blockwise) on the input it got, the
-neighbour's output == plain tensorwise and != BF16 (FP8 error > 0), finite gradients, and on
-return the original ``te_quant_params`` object back with FP8 running again.
+The checks (``fp8_equal``, ``switching``, ``bf16_equal``, ``unit_bf16_equal``,
+``stronger_recovery``, ``overhead``, ``megatron_operator``, ``nvfp4_refused``) and what each
+compares are listed in docs/backends.md#the-gpu-check-check-by-check.
 
 Exit status: 0 every check passed, 1 a check failed, 2 cannot run here.
 """
