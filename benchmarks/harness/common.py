@@ -33,9 +33,12 @@ def arg_parser(doc: str | None) -> argparse.ArgumentParser:
 
 
 def start_cli(threads: int | None = None) -> None:
-    """A command's set-up: INFO messages bare on stdout (its progress, tables and verdicts) and,
-    given ``threads``, torch's intra-op threads."""
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    """A command's set-up: its own INFO messages (progress, tables, verdicts: the loggers of
+    ``benchmarks`` and of the command's ``__main__``) bare on stdout, the library's warnings
+    only; given ``threads``, torch's intra-op threads."""
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stdout)
+    for name in ("benchmarks", "__main__"):
+        logging.getLogger(name).setLevel(logging.INFO)
     if threads is not None:
         torch.set_num_threads(threads)
 

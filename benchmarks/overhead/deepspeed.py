@@ -2,86 +2,32 @@
 
     python -m benchmarks.overhead.deepspeed [--backend act_quant] [--stage 2] [--steps 30]
 
-One process (world size 1, gloo) holds two engines built from the same small Llama: one through
-``gnmr_dist.deepspeed.initialize`` with a ``"gnmr"`` block, one through plain
-``deepspeed.initialize`` with the same backend wrapped on the same units and an empty plan (every
-unit on the low-cost path). Their steps are interleaved so machine noise hits both alike; the
-medians and their ratio are printed. With GNMR on, the extra work per step is the monitor (one
-fused read of every gradient), the controller, and whatever recovery the plan asks for.
+Part (a)'s DeepSpeed pair (:class:`benchmarks.overhead.step_time.DeepSpeedArm`) at any ZeRO
+stage and backend: one process (world size 1, gloo) holds two engines built from the harness's
+Llama, one through ``gnmr_dist.deepspeed.initialize`` with a ``"gnmr"`` block (budget 2), one
+through plain ``deepspeed.initialize`` with the same backend wrapped on the same units and an
+empty plan (every unit on the low-cost path). Their steps are interleaved so machine noise hits
+both alike; the medians and their ratio are printed. With GNMR on, the extra work per step is
+the monitor (one fused read of every gradient), the controller, and whatever recovery the plan
+asks for.
 """
 
 from __future__ import annotations
 
 import logging
 import statistics
-import time
 
-import torch
-
-from benchmarks.harness.common import arg_parser, deepspeed_world, hf_loss, llama, start_cli
+from benchmarks.harness.arms import Setup
+from benchmarks.harness.common import arg_parser, deepspeed_world, start_cli
+from benchmarks.harness.model import Batches
+from benchmarks.harness.recipes import TARGET
+from benchmarks.overhead.config import backend_options
+from benchmarks.overhead.step_time import ArmSpec, DeepSpeedArm, interleave
 
 logger = logging.getLogger(__name__)
 
-VOCAB, SEQ, BATCH = 1024, 256, 4
 WARM = 5
 """Untimed steps first."""
-
-
-def small_llama(seed: int = 0) -> torch.nn.Module:
-    """A Llama of 4 layers x 256 (FFN 688) on a 1024-token vocabulary."""
-    return llama(
-        vocab=VOCAB, hidden=256, ffn=688, layers=4, heads=4, seed=seed, max_position_embeddings=SEQ
-    )
-
-
-def config(stage: int) -> dict:
-    return {
-        "train_micro_batch_size_per_gpu": BATCH,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
-        "zero_optimization": {"stage": stage},
-        "steps_per_print": 10**9,
-    }
-
-
-def build(backend_name: str, stage: int) -> tuple[object, object]:
-    """(GNMR's engine, the plain engine with the backend's low-cost path on every unit)."""
-    import deepspeed
-
-    import gnmr_dist.deepspeed as gds
-    from gnmr_dist.backends import get_backend
-    from gnmr_dist.distributed import UnitRegistry
-
-    gnmr = {"backend": backend_name, "max_active": 2, "warmup_steps": 5}
-    on, *_ = gds.initialize(model=small_llama(), config={**config(stage), "gnmr": gnmr})
-    plain = small_llama()
-    backend = get_backend(backend_name)
-    backend.wrap(UnitRegistry.from_model(plain).local_modules)
-    backend.apply((), step=1)
-    off, *_ = deepspeed.initialize(model=plain, config=config(stage))
-    return on, off
-
-
-def timed_step(engine: object, tokens: torch.Tensor) -> float:
-    """Wall seconds of forward, backward and optimizer step."""
-    t0 = time.perf_counter()
-    loss = hf_loss(engine, tokens)
-    engine.backward(loss)  # type: ignore[attr-defined]
-    engine.step()  # type: ignore[attr-defined]
-    return time.perf_counter() - t0
-
-
-def interleaved_times(on: object, off: object, steps: int) -> dict[str, list[float]]:
-    """Step times of both engines on the same batches, one step of each in turn."""
-    times: dict[str, list[float]] = {"gnmr on": [], "gnmr off": []}
-    for step in range(steps + WARM):
-        g = torch.Generator().manual_seed(step)
-        tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-        for name, engine in (("gnmr on", on), ("gnmr off", off)):
-            dt = timed_step(engine, tokens)
-            if step >= WARM:
-                times[name].append(dt)
-    return times
 
 
 def main() -> None:
@@ -91,21 +37,25 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
     start_cli()
+    setup, options = Setup(), backend_options().get(args.backend, {})
+    specs = [ArmSpec(f"gnmr {s}", args.backend, options, k) for s, k in (("on", 2), ("off", None))]
     with deepspeed_world():
-        on, off = build(args.backend, args.stage)
-        times = interleaved_times(on, off, args.steps)
-        med = {k: statistics.median(v) for k, v in times.items()}
-        logger.info(
-            f"backend {args.backend}, ZeRO stage {args.stage}, {args.steps} steps each, interleaved"
-        )
-        for name, m in med.items():
-            logger.info(f"{name:>9}: median step {m * 1e3:8.1f} ms")
-        logger.info(
-            f"ratio gnmr on / off = {med['gnmr on'] / med['gnmr off']:.3f}  (target <= 1.03)"
-        )
-        tele = on.gnmr.telemetry()  # type: ignore[attr-defined]
-        decisions = on.gnmr.controller.step_count  # type: ignore[attr-defined]
-        logger.info(f"gnmr: {decisions} decisions, last active {tele.get('num_active')}")
+        arms = [DeepSpeedArm(spec, setup, args.stage) for spec in specs]
+        interleave(arms, Batches(setup.data, setup), args.steps, WARM)
+    med = {arm.name: statistics.median(arm.timings.wall) for arm in arms}
+    logger.info(
+        f"backend {args.backend}, ZeRO stage {args.stage}, {args.steps} steps each, interleaved"
+    )
+    for name, m in med.items():
+        logger.info(f"{name:>9}: median step {m * 1e3:8.1f} ms")
+    logger.info(
+        f"ratio gnmr on / off = {med['gnmr on'] / med['gnmr off']:.3f}  (target <= {TARGET})"
+    )
+    gnmr = arms[0].engine.gnmr
+    logger.info(
+        f"gnmr: {gnmr.controller.step_count} decisions, last active "
+        f"{gnmr.telemetry().get('num_active')}"
+    )
 
 
 if __name__ == "__main__":
