@@ -327,7 +327,8 @@ def _bad_state_worker(rank, world, ckpt, stride):
     path = Path(ckpt) / "global_step8" / "gnmr_state.pt"
     pristine, want = path.read_bytes(), engine.gnmr.state_dict()
     assert want["plan_active"] or bool((want["controller"]["lock"] > 0).any())
-    edited = torch.load(path, weights_only=True)
+    dist.barrier()  # every rank holds the saved bytes before rank 0 rewrites the file below
+    edited = torch.load(io.BytesIO(pristine), weights_only=True)
     edited["plan_active"] = [99]
     buf = io.BytesIO()
     torch.save(seal(edited), buf)
