@@ -2,11 +2,9 @@
 
     python -m benchmarks.overhead.act_memory [--layers 4] [--hidden 256] [--tokens 2048]
 
-Counts the unique storage of every tensor autograd saves during one forward
-(``saved_tensors_hooks``; a tensor saved by q, k and v counts once), parameters excluded, for the
-same model and batch: without a backend, and with the ``act_quant`` backend on
-all seven projections of every layer at each width. Prints bytes and ratios to the 16-bit run,
-for the projection inputs alone (what the backend controls) and for the whole model.
+The unique storage autograd saves during one forward, without a backend and with ``act_quant``
+at each width, for the projection inputs alone and the whole model:
+docs/benchmarks.md#overhead-act_memory.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """Part (c) of :mod:`benchmarks.overhead`: the collectives of a step, GNMR on vs off.
 
-A real 2-process gloo run (spawned processes) under DeepSpeed ZeRO-1 steps a GNMR engine and a
-plain one on the same batches. Every ``torch.distributed`` collective is recorded by a wrapper
-installed before DeepSpeed starts (DeepSpeed's comm layer keeps references to some of them),
-with its payload (the tensor a rank contributes: dtype, elements, bytes), and independently by
-the torch profiler's ``gloo:*`` events (shapes and dtypes of what reached the gloo process
-group). With GNMR on, the extra per step must be exactly one all-reduce of U + 1 float64 values,
-8 (U + 1) bytes, with U counted independently (the ``nn.Linear`` modules inside the transformer
-layers).
+A real 2-process gloo run under DeepSpeed ZeRO-1 steps a GNMR engine and a plain one on the same
+batches; every collective is recorded by a wrapper around ``torch.distributed`` and by the torch
+profiler's ``gloo:*`` events. With GNMR on, the extra per step must be exactly one all-reduce of
+U + 1 float64 values: docs/benchmarks.md#overhead-c-collectives.
 """
 
 from __future__ import annotations

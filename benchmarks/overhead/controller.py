@@ -2,14 +2,9 @@
 
     python -m benchmarks.overhead.controller [--units 28 1024 4096 16384] [--steps 2000]
 
-Feeds a realistic trace (log-normal norms with rare spikes and NaNs) through the controller and
-prints the median and 90th-percentile wall time of ``GNMRController.step``, and side by side, on
-the same trace in the same loop (the two alternating), the time of :class:`NumpyTwin`: the
-policy of docs/algorithm.md in 25 lines of numpy and nothing else (no input checks, no
-telemetry, no torch at the boundary). The ratio controller / twin is what the controller's own
-engineering costs; every decision of the two is compared and must be identical. For scale it
-also prints the time of a 1024x1024 fp32 matmul on the same machine in the same run, the
-smallest GEMM of a small model's step.
+``GNMRController.step`` on a realistic norm trace, timed side by side with :class:`NumpyTwin`
+(the policy of docs/algorithm.md in 25 lines of numpy; every decision of the two must be
+identical) and next to a 1024x1024 fp32 matmul: docs/benchmarks.md#overhead-controller.
 """
 
 from __future__ import annotations

@@ -3,13 +3,8 @@
     python -m benchmarks.overhead.deepspeed [--backend act_quant] [--stage 2] [--steps 30]
 
 Part (a)'s DeepSpeed pair (:class:`benchmarks.overhead.step_time.DeepSpeedArm`) at any ZeRO
-stage and backend: one process (world size 1, gloo) holds two engines built from the harness's
-Llama, one through ``gnmr_dist.deepspeed.initialize`` with a ``"gnmr"`` block (budget 2), one
-through plain ``deepspeed.initialize`` with the same backend wrapped on the same units and an
-empty plan (every unit on the low-cost path). Their steps are interleaved so machine noise hits
-both alike; the medians and their ratio are printed. With GNMR on, the extra work per step is
-the monitor (one fused read of every gradient), the controller, and whatever recovery the plan
-asks for.
+stage and backend, interleaved; the medians and their ratio are printed:
+docs/benchmarks.md#overhead-deepspeed.
 """
 
 from __future__ import annotations

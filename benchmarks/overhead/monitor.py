@@ -2,14 +2,8 @@
 
     python -m benchmarks.overhead.monitor [--layers 8] [--hidden 1024] [--repeats 30]
 
-Builds a Llama-shaped stack of projections (seven linear operators per layer), fills every
-gradient once, and times, interleaved in one run so machine noise hits all alike:
-
-* ``clip_grad_norm_``: ``torch.nn.utils.clip_grad_norm_`` (reads every gradient, then scales it);
-* ``get_total_norm``: ``torch.nn.utils.get_total_norm`` (reads every gradient once);
-* ``monitor``: ``GradNormMonitor.compute()`` (reads every gradient once, per-unit + global norm).
-
-All three are memory-bound reads of the same bytes, so the ratios should be close to 1.
+``clip_grad_norm_``, ``get_total_norm`` and ``GradNormMonitor.compute()`` on the gradients of a
+Llama-shaped stack of projections, interleaved: docs/benchmarks.md#overhead-monitor.
 """
 
 from __future__ import annotations
