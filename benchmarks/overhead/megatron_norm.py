@@ -79,9 +79,10 @@ def measure(model: Any, optimizer: Any, repeats: int) -> dict[str, Any]:
     from megatron.core.optimizer import clip_grads
 
     import megatron_patches
+    from gnmr_dist.integrations.megatron.gnmr import leaf_optimizers
 
     handle = megatron_patches.apply(model, {"max_active": 4}, optimizer=optimizer)
-    leaf = next(iter(megatron_patches.gnmr.leaf_optimizers(optimizer)))
+    leaf = next(iter(leaf_optimizers(optimizer)))
     optimizer.prepare_grads()  # main grads as megatron's step prepares them
     grads = list(getattr(leaf, handle.info.grads_for_norm)())
     group = ps.get_model_parallel_group()

@@ -1,7 +1,8 @@
 """Megatron-LM's ``pretrain_gpt.py`` providers, as :func:`megatron.training.pretrain` takes them:
 the GPT model, the forward step with its loss, and the blended GPT data sets (megatron-core's own
 classes, from Megatron-LM's parsed arguments). :mod:`gnmr_dist.train.megatron_lm` hands them to
-``pretrain`` unchanged; GNMR attaches through :func:`megatron_patches.loop.attach`.
+``pretrain`` unchanged; GNMR attaches through
+:func:`gnmr_dist.train.megatron_flags.attach_from_argv`.
 """
 
 from __future__ import annotations

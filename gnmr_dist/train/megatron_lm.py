@@ -4,8 +4,8 @@
         <any argument set of Megatron-LM's pretrain_gpt.py> --gnmr-config gnmr.json
 
 The program is ``pretrain_gpt.py`` (its providers: :mod:`gnmr_dist.train.megatron_gpt`) with
-GNMR attached the public way, :func:`megatron_patches.loop.attach` (what it adds, and the two
-lines that give any other pretrain script the same): Megatron-LM's argument parser, data sets
+GNMR attached the way any pretrain script gets it,
+:func:`gnmr_dist.train.megatron_flags.attach_from_argv`: Megatron-LM's argument parser, data sets
 (``--data-path``, blends, splits, ``--mock-data``), LR schedules, distributed optimizer,
 TP/SP/PP/VPP/CP, checkpointing and TensorBoard / W&B writers run unchanged, on megatron-core
 0.17+ (the version table's ``has_training``). The program adds a preflight of its own data
@@ -23,28 +23,21 @@ from pathlib import Path
 
 import torch
 
-from gnmr_dist.integrations.megatron import loop
-from gnmr_dist.integrations.megatron.loop import (
+from gnmr_dist.integrations.megatron.loop import require_training
+from gnmr_dist.train import megatron_gpt
+from gnmr_dist.train.common import setup_logging
+from gnmr_dist.train.megatron_flags import (
     add_gnmr_args,
+    attach_from_argv,
     cpu_argv,
     customary_argv,
     gnmr_block,
     gnmr_namespace,
-    parse_spikes,
-    require_training,
 )
-from gnmr_dist.train import megatron_gpt
-from gnmr_dist.train.common import setup_logging
 
 __all__ = ["check_args", "check_data_split", "main"]
 
 logger = logging.getLogger(__name__)
-
-# =============================================================================== arguments
-
-
-# =============================================================================== CLI
-
 
 _LEGACY_SPLIT = "969, 30, 1"
 """Megatron-LM's ``--split`` when ``--data-path`` is given without one (``validate_args``)."""
@@ -122,7 +115,10 @@ def check_args(argv: Sequence[str], world_size: int, check_host: bool = True) ->
     _check_batches(args)
     check_data_split(args.data_path, args.split, args.mock_data)
     gnmr_block(args, check_host=check_host)
-    parse_spikes(args.gnmr_inject_grad_spike)
+    if args.gnmr_inject_grad_spike:
+        from gnmr_dist.train.drills import parse_spikes
+
+        parse_spikes(args.gnmr_inject_grad_spike)
 
 
 def _check_batches(args: argparse.Namespace) -> None:
@@ -148,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging()  # every rank at INFO: megatron's own logs come from the last rank
     words = list(sys.argv[1:] if argv is None else argv)
     try:
-        extra_args_provider = loop.attach(argv=words)
+        extra_args_provider = attach_from_argv(argv=words)
         given = gnmr_namespace(sys.argv[1:])  # what attach left for megatron to parse
         check_data_split(given.data_path, given.split, given.mock_data)
     except ValueError as err:

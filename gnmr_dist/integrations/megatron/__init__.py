@@ -1,70 +1,55 @@
-"""The megatron-core integration: every megatron-core and Megatron-LM fact of gnmr-dist
-(megatron is imported lazily; importing this package needs torch only).
+"""The megatron-core integration: every megatron-core and Megatron-LM fact of gnmr-dist.
 
-Public under its design-card name :mod:`megatron_patches` (plain re-exports of this package).
+Public under its design-card name :mod:`megatron_patches`. The package exports its public names
+only and imports each submodule when one of its names is first used (module ``__getattr__``),
+so importing it loads neither megatron nor the backends:
 
-* :mod:`~gnmr_dist.integrations.megatron.operators`: megatron's operators, as the backends see
-  them (the tensor-parallel forward adapter, the TE linears), and its parameter marks.
-* :mod:`~gnmr_dist.integrations.megatron.te`: a megatron TE linear's own ``te_quant_params``
-  switch, for the ``te_fp8`` backend.
-* :mod:`~gnmr_dist.integrations.megatron.cpu`: opt-in CPU stand-ins (tests, CPU-only hosts),
-  split by what they stand in for; :mod:`~gnmr_dist.integrations.megatron.cpu.training` its
-  ``megatron.training`` part.
-* :mod:`~gnmr_dist.integrations.megatron.gnmr`: GNMR in a megatron-core run (``apply`` /
-  ``remove``).
-* :mod:`~gnmr_dist.integrations.megatron.loop`: GNMR on Megatron-LM's own training loop for any
-  pretrain script (``loop.attach()`` before ``pretrain``).
-* :mod:`~gnmr_dist.integrations.megatron.versions`: the one table of what differs between
-  megatron-core series.
+* ``apply`` / ``remove`` / ``current`` / ``MegatronGNMR``
+  (:mod:`~gnmr_dist.integrations.megatron.gnmr`): GNMR in a megatron-core run your own loop
+  drives;
+* ``attach`` / ``detach`` (:mod:`~gnmr_dist.integrations.megatron.loop`): GNMR on Megatron-LM's
+  own training loop (``megatron.training.pretrain``);
+* the CPU switch (:mod:`~gnmr_dist.integrations.megatron.cpu`): ``enable_cpu_compat``,
+  ``disable_cpu_compat``, ``is_cpu_compat_enabled``, ``cpu_compat`` and
+  ``cpu_transformer_config``, opt-in CPU stand-ins for tests and CPU-only hosts.
+
+Inside: :mod:`~gnmr_dist.integrations.megatron.operators` (megatron's operators as the backends
+see them, its parameter marks), :mod:`~gnmr_dist.integrations.megatron.te` (a TE linear's
+``te_quant_params`` switch), :mod:`~gnmr_dist.integrations.megatron.attribution` (gradient
+attribution), :mod:`~gnmr_dist.integrations.megatron.session` (GNMR around one run) and
+:mod:`~gnmr_dist.integrations.megatron.versions` (what differs between megatron-core series).
 """
 
-from gnmr_dist.integrations.megatron import (
-    attribution,
-    cpu,
-    gnmr,
-    loop,
-    operators,
-    session,
-    te,
-    versions,
-)
-from gnmr_dist.integrations.megatron.cpu import (
-    SUPPORTED_MEGATRON_VERSIONS,
-    cpu_compat,
-    cpu_transformer_config,
-    disable_cpu_compat,
-    enable_cpu_compat,
-    is_cpu_compat_enabled,
-)
-from gnmr_dist.integrations.megatron.gnmr import MegatronGNMR, apply, current, remove
-from gnmr_dist.integrations.megatron.versions import (
-    SERIES,
-    SeriesInfo,
-    megatron_series,
-    series_info,
-)
+from __future__ import annotations
 
-__all__ = [
-    "SERIES",
-    "SUPPORTED_MEGATRON_VERSIONS",
-    "MegatronGNMR",
-    "SeriesInfo",
-    "apply",
-    "attribution",
-    "cpu",
-    "cpu_compat",
-    "cpu_transformer_config",
-    "current",
-    "disable_cpu_compat",
-    "enable_cpu_compat",
-    "gnmr",
-    "is_cpu_compat_enabled",
-    "loop",
-    "megatron_series",
-    "operators",
-    "remove",
-    "series_info",
-    "session",
-    "te",
-    "versions",
-]
+import importlib
+from typing import Any
+
+_HOMES = {
+    "MegatronGNMR": "gnmr",
+    "apply": "gnmr",
+    "current": "gnmr",
+    "remove": "gnmr",
+    "attach": "loop",
+    "detach": "loop",
+    "cpu_compat": "cpu",
+    "cpu_transformer_config": "cpu",
+    "disable_cpu_compat": "cpu",
+    "enable_cpu_compat": "cpu",
+    "is_cpu_compat_enabled": "cpu",
+}
+"""Each public name and the submodule that defines it."""
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    """A public name, from its submodule (imported on first use)."""
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{home}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

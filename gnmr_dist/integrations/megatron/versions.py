@@ -21,9 +21,10 @@ table records, per ``major.minor``:
   (0.16-0.19), so one projection can be put on a high-precision recipe with no context patch.
 * ``grad_sync_current_stream``: DDP's ``start_grad_sync`` asks for ``torch.cuda.current_stream()``
   on every grad sync (0.19: to wait for CUDA-graph weight-gradient events), which
-  :mod:`megatron_patches.cpu` must then stand in for.
+  :mod:`gnmr_dist.integrations.megatron.cpu` must then stand in for.
 
-:mod:`megatron_patches.cpu` gates on the same table (``SUPPORTED_MEGATRON_VERSIONS`` is its keys).
+:mod:`gnmr_dist.integrations.megatron.cpu` gates on the same table (``SUPPORTED_MEGATRON_VERSIONS``
+is its keys).
 """
 
 from __future__ import annotations
@@ -116,8 +117,8 @@ def series_info(series: str | None = None, *, what: str = "megatron_patches") ->
         listed = ", ".join(f"{s}.x (checked on {i.checked})" for s, i in SERIES.items())
         raise RuntimeError(
             f"{what}: megatron-core {series} is not in the version table "
-            f"(megatron_patches.versions.SERIES: {listed}). Install one of those, or read this "
-            "series' optimizer/clip_grads.py and optimizer.py against the table's fields and "
-            "add a row."
+            f"(gnmr_dist.integrations.megatron.versions.SERIES: {listed}). Install one of "
+            "those, or read this series' optimizer/clip_grads.py and optimizer.py against the "
+            "table's fields and add a row."
         )
     return info

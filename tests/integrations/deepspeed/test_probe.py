@@ -124,7 +124,7 @@ def test_probe_loss_reads_tensor_attribute_or_mapping():
 
 
 def test_megatron_refuses_the_probe_before_patching(tmp_path):
-    from gnmr_dist.integrations.megatron.loop import gnmr_block as _read_block
+    from gnmr_dist.train.megatron_flags import gnmr_block as _read_block
 
     path = tmp_path / "gnmr.json"
     path.write_text(json.dumps({"backend": "act_quant", "probe": {"every": 2}}))

@@ -6,8 +6,9 @@ copies the full weights in: a ``tensor_model_parallel`` parameter takes its chun
 global layer ``layer_number - 1``, the number megatron's own offsets give it; a bf16 model gets
 the fp32 weights rounded to bf16. So the parallel run and the single-process run hold the same
 model, and their gradients can be compared slice for slice. Requires megatron-core and
-``megatron_patches.cpu``. ``tests/integrations/megatron/settings.py`` builds the full set of layouts
-(bf16, distributed optimizer, sequence parallel, virtual pipeline) on top of this module.
+``gnmr_dist.integrations.megatron.cpu``. ``tests/integrations/megatron/settings.py`` builds the full
+set of layouts (bf16, distributed optimizer, sequence parallel, virtual pipeline) on top of this
+module.
 """
 
 from __future__ import annotations

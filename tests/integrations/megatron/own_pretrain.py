@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-import megatron_patches
+from gnmr_dist.train.megatron_flags import attach_from_argv
 
 
 class TokenSet(torch.utils.data.Dataset):  # type: ignore[type-arg]
@@ -76,7 +76,7 @@ if __name__ == "__main__":
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
 
-    extra_args_provider = megatron_patches.loop.attach()  # reads --gnmr-* from sys.argv
+    extra_args_provider = attach_from_argv()  # reads --gnmr-* from sys.argv
     pretrain(
         datasets_provider,
         model_provider,

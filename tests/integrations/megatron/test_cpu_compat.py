@@ -43,8 +43,8 @@ from tests.requires import require
 
 require("megatron.core")
 
+from gnmr_dist.integrations.megatron import cpu
 from megatron_patches import (
-    cpu,
     cpu_compat,
     cpu_transformer_config,
     disable_cpu_compat,
@@ -115,7 +115,7 @@ def test_version_gate_names_the_version(monkeypatch):
     monkeypatch.setattr(package_info, "__version__", "0.18.0")
     with pytest.raises(RuntimeError, match=r"0\.19\.x; found 0\.18\.0.*'0\.18' row"):
         enable_cpu_compat()
-    from megatron_patches import versions
+    from gnmr_dist.integrations.megatron import versions
 
     row = dataclasses.replace(versions.SERIES["0.16"], series="0.18", checked="0.18.0")
     monkeypatch.setitem(versions.SERIES, "0.18", row)  # the one table every gate reads

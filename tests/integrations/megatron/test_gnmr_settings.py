@@ -108,7 +108,8 @@ def _gnmr_worker(rank, world, names, backend_names):
 
     from megatron.core import parallel_state as ps
 
-    from megatron_patches import enable_cpu_compat, series_info
+    from gnmr_dist.integrations.megatron.versions import series_info
+    from megatron_patches import enable_cpu_compat
     from tests.integrations.megatron import settings
 
     warnings.filterwarnings("ignore")
@@ -350,7 +351,7 @@ def _tensor_norm_worker(rank, world):
     from megatron.core.optimizer import clip_grads
 
     import megatron_patches
-    from megatron_patches import series_info
+    from gnmr_dist.integrations.megatron.versions import series_info
     from tests.integrations.megatron import settings
 
     chunks, opt, handle = settings.patched(settings.SETTINGS_BY_NAME["fp32-dp2"], BLOCK)

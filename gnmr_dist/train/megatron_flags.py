@@ -1,0 +1,267 @@
+"""The ``--gnmr-*`` flags of a pretrain script on Megatron-LM's loop, and the command line
+megatron then parses: :func:`attach_from_argv`, the two lines any pretrain script adds::
+
+    from gnmr_dist.train.megatron_flags import attach_from_argv
+
+    extra_args_provider = attach_from_argv()  # reads --gnmr-* from sys.argv
+    pretrain(..., extra_args_provider=extra_args_provider)
+
+It reads the flags (:func:`add_gnmr_args`), reads and checks the block before any process group
+(:func:`gnmr_block`: a bad one fails at once), loads the drills only when a drill flag asks for
+one (:mod:`gnmr_dist.train.drills`), attaches GNMR (:func:`megatron_patches.attach`) and sets
+``sys.argv`` to what megatron will parse: plus Megatron-LM's customary values megatron-core 0.17+
+leaves unset (:data:`CUSTOMARY`) and, without CUDA, the flags a CPU run needs (:data:`CPU_FLAGS`,
+with ``gnmr_dist.integrations.megatron.cpu`` turned on). Paths are read relative to the working
+directory. docs/megatron.md, "Megatron-LM's training loop" and "CPU compatibility".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from gnmr_dist.integrations.config import GNMRBlock, read_block
+from gnmr_dist.integrations.megatron.loop import attach, attached, require_training
+from gnmr_dist.integrations.session import refuse_probe
+
+if TYPE_CHECKING:
+    from gnmr_dist.train.drills import Drills
+
+__all__ = [
+    "CPU_FLAGS",
+    "CUSTOMARY",
+    "add_gnmr_args",
+    "attach_from_argv",
+    "cpu_argv",
+    "customary_argv",
+    "drills_of",
+    "gnmr_block",
+    "gnmr_namespace",
+]
+
+logger = logging.getLogger(__name__)
+
+ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
+
+CPU_FLAGS: dict[str, str | None] = {
+    "--distributed-backend": "gloo",
+    "--transformer-impl": "local",
+    "--use-cpu-initialization": None,
+    "--no-gradient-accumulation-fusion": None,
+    "--no-masked-softmax-fusion": None,
+    "--no-bias-gelu-fusion": None,
+    "--no-bias-swiglu-fusion": None,
+    "--no-bias-dropout-fusion": None,
+    "--no-rope-fusion": None,
+    "--no-persist-layer-norm": None,
+}
+"""Megatron-LM flags a CPU run needs (value, or ``None`` for a switch): gloo, megatron-core's
+own layers (TE needs CUDA), CPU initialisation, and no CUDA-only fused kernel."""
+
+_RESHARDABLE = "--dist-ckpt-optim-fully-reshardable"
+"""Added on CPU with ``--use-distributed-optimizer``: with megatron's default ``dp_reshardable``
+optimizer checkpoint a CPU run (torch Adam) resumed from ``--load`` diverges from the
+uninterrupted run from the first step after loading; ``fully_reshardable`` resumes it exactly."""
+
+CUSTOMARY = {"--eval-interval": "1000"}
+"""Megatron-LM flags whose default became ``None`` in megatron-core 0.17's ``megatron.training``
+while its loop still divides by them (``train_iters // eval_interval`` when it sizes the
+validation split, unless ``--skip-train`` or ``--full-validation``): given Megatron-LM's
+customary value (its ``arguments.py`` defaulted ``--eval-interval`` to 1000) when absent."""
+
+
+def add_gnmr_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron-LM's ``extra_args_provider``: the GNMR arguments."""
+    group = parser.add_argument_group(title="GNMR")
+    group.add_argument(
+        "--gnmr-config",
+        default=None,
+        metavar="FILE",
+        help='JSON "gnmr" block (or a DeepSpeed config with one); unset: GNMR off',
+    )
+    group.add_argument(
+        "--gnmr-backend",
+        default=None,
+        metavar="NAME",
+        help="override the block's backend ('none': GNMR observes only)",
+    )
+    group.add_argument(
+        "--gnmr-trace",
+        default=None,
+        metavar="FILE",
+        help="override the block's log.trace (JSON-lines, rank 0)",
+    )
+    group.add_argument(
+        "--gnmr-inject-grad-spike",
+        action="append",
+        default=[],
+        metavar="ITER:LAYER[:FACTOR]",
+        help="multiply layer LAYER's gradients by FACTOR at iteration ITER",
+    )
+    group.add_argument(
+        "--gnmr-fail-at",
+        type=int,
+        default=None,
+        metavar="ITER",
+        help="restart drill: on a job's first attempt the last rank sends itself SIGKILL "
+        "before the optimizer step of iteration ITER",
+    )
+    return parser
+
+
+def customary_argv(argv: Sequence[str]) -> list[str]:
+    """``argv`` plus the :data:`CUSTOMARY` flags it lacks (each added is logged)."""
+    out = list(argv)
+    if "--skip-train" in argv or "--full-validation" in argv:
+        return out
+    for flag, value in CUSTOMARY.items():
+        if flag not in argv and not any(w.startswith(flag + "=") for w in argv):
+            out += [flag, value]
+            logger.info(
+                "%s not given: Megatron-LM's customary %s (megatron-core 0.17+ leaves it unset "
+                "and then fails sizing the validation split)",
+                flag,
+                value,
+            )
+    return out
+
+
+def cpu_argv(argv: Sequence[str]) -> list[str]:
+    """``argv`` plus the :data:`CPU_FLAGS` it lacks; ``ValueError`` on a contradicting flag."""
+    out = list(argv)
+    added = []
+    for flag, value in CPU_FLAGS.items():
+        if flag in argv:
+            given = argv[argv.index(flag) + 1] if value is not None else None
+            if given != value:
+                raise ValueError(
+                    f"{flag} {given}: not available without CUDA; on CPU this program needs "
+                    f"{flag} {value} (drop the flag, or run on a GPU host)"
+                )
+            continue
+        out += [flag] if value is None else [flag, value]
+        added.append(flag if value is None else f"{flag} {value}")
+    if "--use-distributed-optimizer" in argv and _RESHARDABLE not in argv:
+        out.append(_RESHARDABLE)  # dp_reshardable resumes inexactly on CPU (_RESHARDABLE)
+        added.append(_RESHARDABLE)
+    if added:
+        logger.info("no CUDA: megatron_patches.cpu on, added %s", " ".join(added))
+    return out
+
+
+def gnmr_block(args: argparse.Namespace, check_host: bool = True) -> GNMRBlock | None:
+    """The effective ``"gnmr"`` block (file, then the overrides), or ``None`` without a file.
+
+    Read once (``read_block``): building the backend checks its option blocks
+    (``megatron_patches.apply`` builds the run's own, with megatron's operators); a backend this
+    host cannot load (``te_fp8`` without CUDA) is an error only when ``check_host``.
+    """
+    if args.gnmr_config is None:
+        return None
+    path = args.gnmr_config
+    try:
+        given = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as err:
+        raise ValueError(f"--gnmr-config {path}: cannot read it ({err.strerror})") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--gnmr-config {path}: not valid JSON ({err})") from None
+    if isinstance(given, dict) and isinstance(given.get("gnmr"), dict):
+        given = given["gnmr"]  # a DeepSpeed-style config
+    if not isinstance(given, dict):
+        raise ValueError(f"--gnmr-config {path}: expected a JSON object (the gnmr block)")
+    block = dict(given)
+    if args.gnmr_backend is not None:
+        none = args.gnmr_backend.lower() in ("none", "null")
+        block["backend"] = None if none else args.gnmr_backend
+    if args.gnmr_trace is not None:
+        block["log"] = {**dict(block.get("log") or {}), "trace": args.gnmr_trace}
+    parsed = GNMRBlock.of(block, path=f"{path}: gnmr")
+    refuse_probe(parsed, "GNMR on Megatron-LM's loop")
+    checked, _ = read_block(parsed, f"{path}: gnmr", check_host=check_host)
+    return checked
+
+
+def gnmr_namespace(argv: Sequence[str]) -> argparse.Namespace:
+    """The GNMR arguments, and the data flags the program's preflight reads, as Megatron-LM
+    will parse them (its parser reads everything later)."""
+    parser = add_gnmr_args(argparse.ArgumentParser(add_help=False))
+    parser.add_argument("--data-path", nargs="*", default=None)
+    parser.add_argument("--split", default=None)
+    parser.add_argument("--mock-data", action="store_true")
+    return parser.parse_known_args(argv)[0]
+
+
+def drills_of(args: argparse.Namespace) -> Drills | None:
+    """The drills ``args`` asks for, checked (``ValueError``), or ``None``: the drills' module
+    (:mod:`gnmr_dist.train.drills`) is imported only when a drill flag is given."""
+    if not args.gnmr_inject_grad_spike and args.gnmr_fail_at is None:
+        return None
+    from gnmr_dist.train.drills import Drills
+
+    return Drills.of(args.gnmr_inject_grad_spike, args.gnmr_fail_at)
+
+
+def print_help(extra_args_provider: ArgsProvider | None = None) -> None:
+    """Megatron-LM's ``--help`` with the GNMR arguments (and ``extra_args_provider``'s).
+
+    ``pretrain`` cannot print it: its first parse (``ft_integration.setup``, megatron-core
+    0.17+) runs ``parse_args`` without the ``extra_args_provider`` and exits on ``--help``
+    there, so the script's own flags would be missing from the text.
+    """
+    from megatron.training.arguments import add_megatron_arguments
+
+    prog = Path(sys.argv[0]).name or None
+    parser = argparse.ArgumentParser(
+        prog=prog, description="Megatron-LM Arguments", allow_abbrev=False
+    )
+    parser = add_megatron_arguments(parser)
+    if extra_args_provider is not None:
+        parser = extra_args_provider(parser)
+    add_gnmr_args(parser).print_help()
+
+
+def attach_from_argv(
+    extra_args_provider: ArgsProvider | None = None, *, argv: Sequence[str] | None = None
+) -> ArgsProvider:
+    """Attach GNMR to Megatron-LM's training loop from the command line; returns the
+    ``extra_args_provider`` to pass to ``pretrain`` (the GNMR arguments, after
+    ``extra_args_provider``'s own when given).
+
+    Call it once, before ``pretrain``. Reads the GNMR arguments from ``argv`` (default
+    ``sys.argv[1:]``), checks them and the block, attaches (:func:`megatron_patches.attach`) and
+    sets ``sys.argv`` to the arguments megatron will parse. Raises ``ValueError`` naming what is
+    wrong (the block, a flag, the megatron-core), ``RuntimeError`` when called twice.
+    """
+    if attached() is not None:
+        raise RuntimeError("attach_from_argv: GNMR is already attached in this process")
+    require_training()
+    words = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in words or "--help" in words:
+        print_help(extra_args_provider)
+        raise SystemExit(0)
+    words = customary_argv(words)
+    if not torch.cuda.is_available():
+        from gnmr_dist.integrations.megatron.cpu import enable_cpu_compat
+
+        words = cpu_argv(words)
+        enable_cpu_compat(training=True)
+    given = gnmr_namespace(words)
+    drills = drills_of(given)
+    block = gnmr_block(given)  # a bad block fails before any process group
+    gnmr_on = block is not None and block.enabled
+    attach(block, step_wrappers=drills.step_wrappers(gnmr_on) if drills else ())
+    sys.argv = [sys.argv[0], *words]  # megatron's parse_args reads sys.argv
+
+    def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        if extra_args_provider is not None:
+            parser = extra_args_provider(parser)
+        return add_gnmr_args(parser)
+
+    return provider
