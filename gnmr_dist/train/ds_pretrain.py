@@ -15,9 +15,8 @@ keys are this command's options (``{"layers": 8, "hidden": 512, "steps": 10000}`
 line overrides them. DeepSpeed never sees either block.
 
 Data order. Rank r takes the samples ``(k * world + r) * micro + i`` for micro-step ``k =
-step * accumulation + a`` (``step`` 0-based),
-so every layout sees the same data in the same order and a resumed run reads what the
-uninterrupted one would have read.
+step * accumulation + a`` (``step`` 0-based), so every layout sees the same data in the same
+order and a resumed run reads what the uninterrupted one would have read.
 
 Checkpoints and restarts. ``RUN_DIR/checkpoint/`` is written every ``--save-interval`` steps and
 at the end (DeepSpeed's files plus ``gnmr_state.pt``). A run whose ``RUN_DIR/checkpoint/latest``
@@ -26,10 +25,8 @@ exists resumes from it (unless ``--no-resume``): model, optimizer, step, control
 a Slurm requeue continues where it was. ``--fail-at STEP`` kills one worker with SIGKILL before
 step STEP on a job's first attempt only (fault-injection for restart tests).
 
-At the end rank 0 evaluates the held-out loss, saves the model (``hf_model/``: the full model, or
-the LoRA adapter, with ``save_pretrained``; ZeRO-3 runs skip it), draws the report and prints a
-summary. The run folder holds ``trace.jsonl``, ``report.png``, ``summary.json``, ``checkpoint/``
-and ``hf_model/``.
+At the end rank 0 evaluates the held-out loss, saves the model (``hf_model/``), draws the report
+and prints a summary (the run folder: docs/deepspeed.md, "gnmr-ds-pretrain").
 """
 
 from __future__ import annotations

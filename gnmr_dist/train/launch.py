@@ -17,24 +17,17 @@ picks the engine:
   error); input paths (``--gnmr-config``, ``--data-path``, tokenizer files: ``PATH_FLAGS``) are
   relative to the set's file, outputs to the working directory.
 
-``EXTRA`` is passed through to the engine after the config's own arguments, so it overrides them.
-
-Everything a user can get wrong is checked in this process, before any worker starts: the config
-exists and parses, every engine option and the ``"gnmr"`` block are valid, the world size the
+``EXTRA`` is passed through to the engine after the config's own arguments, so it overrides
+them. Everything a user can get wrong is checked in this process, before any worker starts: the
+config exists and parses, every engine option and the ``"gnmr"`` block are valid, the world size the
 launch would create (``nproc x nnodes``, or the hostfile's slots) is divisible by tensor x
 pipeline parallel size and agrees with DeepSpeed's batch sizes, the hostfile exists and parses,
 a multi-node launch names a rendezvous. On an error it exits with status 2 and starts nothing.
 Then it replaces itself (``exec``) with the launcher, so signals from a scheduler reach it.
 
-Defaults come from the environment variables multi-node scripts already set: ``NPROC_PER_NODE``,
-``NNODES``, ``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, ``RDZV_ENDPOINT``, ``RDZV_ID``,
-``MAX_RESTARTS``, ``HOSTFILE``, ``LOCAL_ADDR`` (torchrun's ``--local-addr``: the address of
-this node that the others reach, on multi-homed nodes), ``RDZV_CONF`` (torchrun's
-``--rdzv-conf``; ``is_host=1`` on the node that serves the rendezvous when its hostname does
-not resolve to the endpoint's address); ``GNMR_CONFIG_DIR`` adds a directory
-to search for configs; ``DRY_RUN=1`` prints the command instead of running it. A Megatron job
-also gets ``CUDA_DEVICE_MAX_CONNECTIONS=1`` unless it is set (Megatron-LM requires it with TP
-or CP > 1).
+Defaults come from the environment variables multi-node scripts already set (``NPROC_PER_NODE``,
+``NNODES``, ``MASTER_ADDR``, ``RDZV_ENDPOINT``, ...: the table in docs/launch.md); ``DRY_RUN=1``
+prints the command instead of running it.
 """
 
 from __future__ import annotations
@@ -84,7 +77,7 @@ class Job:
 
 def config_dirs() -> list[Path]:
     """Where config names are looked up: ``$GNMR_CONFIG_DIR``, ``./configs``, the repository's
-    ``configs/`` (a checkout), the installed package's ``gnmr_dist/configs`` (a wheel)."""
+    ``configs/`` (a checkout), the ``configs`` folder inside the installed package (a wheel)."""
     dirs = [Path(d) for d in os.environ.get("GNMR_CONFIG_DIR", "").split(os.pathsep) if d]
     package = Path(__file__).resolve().parents[1]
     dirs += [Path.cwd() / "configs", package.parent / "configs", package / "configs"]

@@ -1,80 +1,29 @@
 """GNMR inside megatron-core: per-unit norms in the clip-norm all-reduce, plan applied per step.
 
-``apply(model, block, optimizer=...)`` wires a GNMR runtime into a megatron-core training run.
+``apply(model, block, optimizer=...)`` wires a GNMR runtime into a megatron-core training run;
+``remove()`` undoes it. docs/megatron.md ("megatron_patches.apply") has the full account.
 
-**What the per-unit norms are made of.** megatron's clip norm reads one list of gradients,
-``optimizer.<grads_for_norm>()`` (the name is in :mod:`megatron_patches.versions`): the
-``.grad`` of every *main* parameter the optimizer steps, filtered for shared parameters and
-tensor-parallel duplicates. Which tensors those are depends on the setting:
+* **Attribution.** megatron's clip norm reads the ``.grad`` of every *main* parameter the
+  optimizer steps (the name of the list is in :mod:`gnmr_dist.integrations.megatron.versions`);
+  each is mapped once, through the optimizer's own parallel lists, to the model parameter it
+  stands for and so to its unit. A shard lies inside its parameter's unit and squared norms add
+  over any partition, so summing the shards' squares over the grad-stats group is exact.
+* **No extra collective, one read.** ``get_grad_norm_fp32`` is replaced where it is called: it
+  computes megatron's norm with the same multi-tensor kernel, the per-tensor norms of the same
+  launch, and all-reduces ``[megatron's squared total, units, rest, unattributed]`` in megatron's
+  one all-reduce (total first: gloo then sums it in megatron's own order, bitwise). The decision
+  is taken when the next step first needs the plan. With ``gamma`` the backend's error sums ride
+  the same all-reduce (``e = B / G``).
+* **The guard.** An unattributed gradient, units at zero under a positive total, or a rest share
+  above ``gnmr.attribution.max_rest_share`` stops the run with the cause named (or warns once).
+* **Per-layer precision.** ``get_fp8_context`` / ``get_fp4_context`` as ``TransformerBlock``
+  (and 0.19's recompute) import them give a recovery layer the backend's recovery region instead
+  of megatron's per-layer context; operator units are switched on the operators themselves.
+* **Refused:** Megatron-FSDP, ``--fp4-format`` without FP4 GEMMs, an emulated backend with
+  gradient-accumulation fusion (:func:`apply` names each).
 
-=========================================  =================================================
-setting                                    the gradient megatron norms, per main parameter
-=========================================  =================================================
-fp32, plain optimizer                      the model parameter's ``main_grad`` buffer view
-bf16/fp16 (Float16 optimizer)              ``model_param.main_grad.float()``: a fresh copy
-distributed optimizer                      ``main_grad.view(-1)[start:end].float()``: this
-                                           DP rank's contiguous (possibly empty) slice
-=========================================  =================================================
-
-So a gradient is attributed by *what it is*, never by the identity of a model tensor: each main
-parameter is mapped once, through the optimizer's own parallel lists (``float16_groups`` <->
-``fp32_from_float16_groups``, ``model_float16_groups`` <-> ``shard_fp32_from_float16_groups``,
-...; chained optimizers recursively), to the model parameter it stands for and so to its unit;
-at each norm call the list megatron hands over is matched to the main parameters whose
-``.grad`` it holds. A shard of a parameter lies inside that parameter's unit, and squared norms
-add over any partition, so summing the shards' squares over the grad-stats group gives each
-unit's exact squared norm.
-
-**No extra collective, one read.** ``get_grad_norm_fp32`` is replaced in the modules that call
-it (version table). Inside an optimizer step it computes megatron's l2 norm with the same
-multi-tensor kernel, asking it for the per-tensor norms of the same launch (one read of each
-gradient), adds their squares per unit slot, and all-reduces ``[megatron's squared total,
-units, rest, unattributed]`` (U + 3 float32 numbers) in the one all-reduce megatron makes, over
-the grad-stats group megatron passes (model-parallel group, or the whole distributed-optimizer
-group). megatron gets back the total it would have computed, as a float (0.16) or as a device
-tensor (0.17+, when TE's tensor-scale kernel exists: no host sync). Its entry comes first
-because a reduction's order per element depends on where the element sits in the vector: gloo
-sums element 0 of any vector in the order it sums megatron's own one-element vector, so there
-the total is bitwise megatron's (docs/megatron.md, "Observe mode: what stays equal"). The
-host needs the vector to decide; it is copied asynchronously and the decision is taken when the
-next step first needs the plan. With ``fused_norm=False`` the same sums ride a separate
-all-reduce of GNMR's own. When megatron computes no norm in a step (``clip_grad == 0`` with a
-plain optimizer), the same gradients are read at the start of ``step_with_ready_grads``
-(prepared, unscaled, not clipped) with one all-reduce of GNMR's own.
-
-**The error term (docs/algorithm.md#damage-term, ``gnmr.gamma``).** The backend's per-unit error
-sums ``B(u)`` (linear in the output gradients: divided by megatron's loss scale, times DDP's
-``1/dp``) ride the first clip-norm all-reduce of the step as U more numbers. That group spans the
-data-parallel ranks only with the distributed optimizer; with the plain optimizer the DP
-partials are summed first, in one extra all-reduce of U values over DP (the one collective the
-term adds there). The controller receives ``e = B / G`` (``G``: the global gradient norm).
-
-**The guard.** A mapping that misses leaves the units at zero and the rest slot holding the
-whole gradient: the controller would score 1.0 forever and never act. Every step, after the
-reduction, an unattributed gradient, units at zero under a positive total, or a rest share above
-``gnmr.attribution.max_rest_share`` stops the run with the cause named (or warns once).
-
-**Per-layer precision.** ``get_fp8_context`` and ``get_fp4_context`` as imported by
-``TransformerBlock`` (and by 0.19's ``megatron.core.recompute``, full recomputation) are replaced:
-a layer unit on the recovery path gets the backend's recovery region (``te_fp8``: FP8/FP4 off or
-a stronger FP8 recipe) instead of megatron's per-layer FP8 or FP4 context (its
-``--first-last-layers-bf16`` layers included), by global layer number. Operator units are
-switched by the backend on the operators themselves (``te_quant_params``).
-
-**FP4.** megatron's ``--fp4-format`` runs TE's NVFP4 recipe, which needs FP4 GEMMs (compute
-capability 10.0+). :func:`apply` refuses a model whose config asks for FP4 on any other device,
-naming it: on a CPU megatron's ``get_fp4_context`` silently returns a null context without TE,
-and on Hopper TE fails inside its autocast after switching its global state on.
-
-**Layouts.** Several model chunks per rank (virtual pipeline) form one registry: megatron's
-layers carry their global ``layer_number``, so unit names do not depend on the layout. Sequence
-parallelism needs nothing here: norm weights are summed over TP by ``finalize_model_grads``
-before the optimizer step and megatron's filter counts them on TP rank 0 only.
-
-**State.** :meth:`MegatronGNMR.state_dict` is a plain dict to store as a common (non-sharded)
-entry of a megatron checkpoint, identical on every rank; :meth:`load_state_dict` restores it.
-With megatron's rerun state machine, ``install_rerun_hooks`` snapshots the plan at the start
-of each iteration so a rerun replays the same plan.
+Several model chunks per rank form one registry (global ``layer_number``); the state is a plain
+common checkpoint entry; ``install_rerun_hooks`` replays a rerun's plan.
 """
 
 from __future__ import annotations

@@ -9,11 +9,9 @@ redirects exactly those, reversibly, and refuses to do anything when CUDA is ava
 never active on a GPU.
 
 Checked against megatron-core 0.16.1, 0.17.1 and 0.19.2 (the version table,
-:data:`megatron_patches.versions.SERIES`; ``SUPPORTED_MEGATRON_VERSIONS`` is its keys). What
-is patched, and why:
-
-The stand-ins are split by what they stand in for, each module listing its patches and the reason
-for each:
+:data:`gnmr_dist.integrations.megatron.versions.SERIES`; ``SUPPORTED_MEGATRON_VERSIONS`` is its
+keys). The stand-ins are split by what they stand in for, each module listing its patches and
+the reason for each:
 
 * :mod:`~gnmr_dist.integrations.megatron.cpu.device`: ``torch.cuda``'s device, synchronize and
   stream; the name ``torch`` inside four megatron modules; ``Tensor.cuda`` around the tied
@@ -26,14 +24,8 @@ for each:
   (``megatron.training``).
 * :mod:`~gnmr_dist.integrations.megatron.cpu.config`: :func:`cpu_transformer_config`.
 
-Not patched (not needed on the paths above, so unverified on CPU): ``tensor_parallel.data.
-broadcast_data``, ``torch.autocast("cuda")`` in the schedules (only with
-``config.enable_autocast``), fp16 (``optimizer.grad_scaler`` builds its scales with
-``device='cuda'``), overlapped grad reduce / param gather, several distributed-optimizer
-instances, the other distributed-optimizer checkpoint formats, CUDA graphs, FSDP, the
-inference engines, the NCCL allocator, Transformer Engine.
-
-The patches are process-wide while enabled (module attributes, not thread- or scope-local).
+What is not patched (so unverified on CPU): docs/megatron.md, "CPU compatibility". The
+patches are process-wide while enabled (module attributes, not thread- or scope-local).
 """
 
 from __future__ import annotations
@@ -98,7 +90,7 @@ keys of the version table (0.16.1, 0.17.1, 0.19.2; 0.18 was not checked)."""
 _LOCK = threading.Lock()
 _APPLIED = Patches("cpu compat")
 _TRAINING_ON: list[bool] = []
-"""Non-empty while :mod:`megatron_patches.cpu.training`'s patches are on."""
+"""Non-empty while :mod:`gnmr_dist.integrations.megatron.cpu.training`'s patches are on."""
 
 
 # --------------------------------------------------------------------------- patch plan
@@ -113,7 +105,7 @@ def _checked_series(version: str) -> SeriesInfo:
             f"megatron_patches.cpu was checked against megatron-core "
             f"{', '.join(v + '.x' for v in SERIES)}; found {version}. "
             f"Verify the patched call sites against its sources, then add a {series!r} row to "
-            f"megatron_patches.versions.SERIES."
+            f"gnmr_dist.integrations.megatron.versions.SERIES."
         )
     return info
 
@@ -197,9 +189,9 @@ def is_cpu_compat_enabled() -> bool:
 def enable_cpu_compat(*, training: bool = False) -> None:
     """Apply the CPU patches to megatron-core (idempotent).
 
-    ``training=True`` also applies :mod:`megatron_patches.cpu.training`, for Megatron-LM's own
-    training loop (``megatron.training.pretrain``); it needs a series whose wheel ships
-    ``megatron.training`` (the version table's ``has_training``: 0.17+). It may be asked for
+    ``training=True`` also applies :mod:`gnmr_dist.integrations.megatron.cpu.training`, for
+    Megatron-LM's own training loop (``megatron.training.pretrain``); it needs a series whose wheel
+    ships ``megatron.training`` (the version table's ``has_training``: 0.17+). It may be asked for
     after the core patches are on.
 
     Raises:

@@ -2,10 +2,9 @@
 
 megatron-core 0.17+ wheels ship ``megatron/training``: ``pretrain()``, the argument parser, the
 LR schedules, checkpointing and the TensorBoard / W&B writers. On a host without CUDA that
-loop stops on a few hard-wired CUDA calls outside megatron-core's model code (which
-:mod:`megatron_patches.cpu` already redirects). This module redirects those, from
-:func:`megatron_patches.cpu.enable_cpu_compat` with ``training=True``; like the rest of
-:mod:`megatron_patches.cpu` it is never active when CUDA is available.
+loop stops on a few hard-wired CUDA calls outside megatron-core's model code (which the rest
+of :mod:`~gnmr_dist.integrations.megatron.cpu` redirects). This module redirects those, from
+``enable_cpu_compat(training=True)``; like the rest it is never active when CUDA is available.
 
 What is patched, and why (run against 0.17.1; the call sites also read in 0.19.2, whose
 ``megatron.training`` does not import on Python 3.11: ``megatron/training/models/hybrid.py``
@@ -13,37 +12,22 @@ imports ``typing.override``, new in 3.12, so it has not run here):
 
 * The name ``torch`` inside every loaded ``megatron.training`` module and in
   ``megatron.core.rerun_state_machine`` (driven by the loop: it saves and restores the CUDA
-  RNG around every step) -> a stand-in module
-  that forwards every attribute to ``torch`` except the tensor factories (``device='cuda'``
-  becomes the CPU, as in :mod:`megatron_patches.cpu`: the loop builds its loss sums, flags
-  and iteration counters that way) and ``cuda``, which is :class:`_CpuCuda`: a view of
-  ``torch.cuda`` for a process whose one device is the CPU. ``is_available()`` is True (so
-  ``initialize_megatron``'s "Megatron requires CUDA." assertion passes: the loop *has* its
-  device), ``device_count()`` is 1 (``_initialize_distributed`` then initialises model
-  parallelism and ``_set_random_seed`` seeds the tensor-parallel RNG tracker, both skipped
-  with no device; ``set_device`` does nothing and no ``device_id`` reaches
-  ``init_process_group``), the RNG state is the CPU default
-  generator's (the state megatron's checkpoints save as ``cuda_rng_state`` and restore), streams
-  are :class:`megatron_patches.cpu._CpuStream` (DDP is built on a side stream), memory queries
-  report 0, the compute capability is 0.0 (no GPU architecture: megatron's own checks then
-  refuse GPU-only kernels such as grouped GEMM) and ``empty_cache`` / ``synchronize`` do
-  nothing. Any other ``torch.cuda`` attribute is the real one (it raises without CUDA, as it
-  would have). The rest of torch, and every module outside ``megatron.training``, sees the
-  real ``torch.cuda``.
-* The CUDA RNG stream (:class:`megatron_patches.cpu.CudaRng`) -> its own state, apart from the
-  CPU generator's, as on a GPU; ``training.train_step`` and ``training.evaluate`` -> the
-  originals with the CUDA stream swapped into the CPU generator for their duration (where
+  RNG around every step) -> a stand-in module that forwards every attribute to ``torch`` except
+  the tensor factories (``device='cuda'`` becomes the CPU: the loop builds its loss sums, flags
+  and iteration counters that way) and ``cuda``, which is :class:`_CpuCuda` (what it reports,
+  and why, is in its docstring). The rest of torch, and every module outside
+  ``megatron.training``, sees the real ``torch.cuda``.
+* The CUDA RNG stream (:class:`~gnmr_dist.integrations.megatron.cpu.rng.CudaRng`) -> its own state,
+  apart from the CPU generator's, as on a GPU; ``training.train_step`` and ``training.evaluate``
+  -> the originals with the CUDA stream swapped into the CPU generator for their duration (where
   dropout draws). Checkpoints then save and restore the two streams separately
   (``torch_rng_state``, ``cuda_rng_state``), and what draws from the CPU stream between a
   ``--load`` and the first step (the data loaders' base seed) no longer shifts the dropout
   masks: a resumed run with dropout on is the uninterrupted run, bit for bit.
 * ``initialize._warmup_jit_function`` -> nothing: it compiles CUDA fusions that are off on CPU.
 * ``torch.Tensor.cuda`` -> the identity. ``get_batch_on_this_tp_rank`` moves each batch with
-  ``.cuda(non_blocking=True)``; without CUDA the original can only raise.
-
-Not patched (unverified on CPU): the CUDA profiler (``--profile``), memory snapshots
-(``--record-memory-history``), CUDA graphs, in-process restart, fault-tolerance integration,
-``--log-device-memory-used``.
+  ``.cuda(non_blocking=True)``; without CUDA the original can only raise. (Not patched, so
+  unverified on CPU: docs/megatron.md, "CPU compatibility".)
 """
 
 from __future__ import annotations
@@ -88,7 +72,20 @@ _NO_GPU_ARCH = types.SimpleNamespace(name="cpu", major=0, minor=0, total_memory=
 
 
 class _CpuCuda(types.ModuleType):
-    """``torch.cuda`` as ``megatron.training`` sees it on a CPU host: its one device is the CPU."""
+    """``torch.cuda`` as ``megatron.training`` sees it on a CPU host: its one device is the CPU.
+
+    ``is_available()`` is True (so ``initialize_megatron``'s "Megatron requires CUDA." assertion
+    passes: the loop *has* its device), ``device_count()`` is 1 (``_initialize_distributed`` then
+    initialises model parallelism and ``_set_random_seed`` seeds the tensor-parallel RNG tracker,
+    both skipped with no device; ``set_device`` does nothing and no ``device_id`` reaches
+    ``init_process_group``), the RNG state is the CPU default generator's (the state megatron's
+    checkpoints save as ``cuda_rng_state`` and restore), streams are
+    :class:`~gnmr_dist.integrations.megatron.cpu.device._CpuStream` (DDP is built on a side stream),
+    memory queries report 0, the compute capability is 0.0 (no GPU architecture: megatron's own
+    checks then refuse GPU-only kernels such as grouped GEMM) and ``empty_cache`` /
+    ``synchronize`` do nothing. Any other ``torch.cuda`` attribute is the real one (it raises
+    without CUDA, as it would have).
+    """
 
     def __init__(self) -> None:
         super().__init__("torch.cuda", "torch.cuda for megatron.training on a CPU-only host")
@@ -128,7 +125,8 @@ class _TrainingTorch(_CpuTorch):
 def _skip_jit_warmup() -> None:
     """CPU stand-in for ``initialize._warmup_jit_function``: it runs megatron's fused
     bias-GeLU / bias-dropout-add kernels on CUDA tensors to compile them; on CPU those fusions
-    are off (``megatron_patches.cpu``'s required config), so there is nothing to warm up."""
+    are off (``gnmr_dist.integrations.megatron.cpu``'s required config), so there is nothing to warm
+    up."""
 
 
 _LOOP_CORE_MODULES = frozenset({"megatron.core.rerun_state_machine"})
