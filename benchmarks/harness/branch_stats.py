@@ -23,6 +23,7 @@ from benchmarks.harness.markdown import markdown_table
 from benchmarks.harness.stats import interval, plus_minus, t95
 
 Records = dict[tuple[str, int, int], dict[str, Any]]
+"""Branch records (:func:`benchmarks.harness.branch.run_branch`) by (arm, seed, point)."""
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +47,6 @@ def read_records(path: Path) -> Records:
         records[(r["arm"], r["seed"], r["point"])] = r
     return records
 
-
-"""Branch records (:func:`benchmarks.harness.branch.run_branch`) by (arm, seed, point)."""
 
 SPIKE = 0.1
 """A training step whose loss exceeds the BF16 branch's loss on the same batch by more than

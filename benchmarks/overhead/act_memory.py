@@ -90,24 +90,23 @@ def main() -> None:
     # projection inputs alone: what the backend changed, from the 32-bit run (which saves every
     # distinct projection input once, in fp32, exactly as the model without a backend does)
     proj = {bits: projection_bytes(units, args.tokens, bits) for bits in rows}
-    logger.info(
+    lines = [
         f"Llama {args.layers} layers x hidden {args.hidden}, {args.tokens} tokens, "
-        f"{len(units)} projections"
-    )
-    logger.info(f"no backend: {base / 2**20:.1f} MiB saved for backward by the whole model")
+        f"{len(units)} projections",
+        f"no backend: {base / 2**20:.1f} MiB saved for backward by the whole model",
+        f"{'bits':>5} {'projection MiB':>15} {'/ 16-bit':>9} {'model MiB':>10} {'/ 16-bit':>9}",
+    ]
+    lines += [
+        f"{bits:>5} {proj[bits] / 2**20:>15.2f} {proj[bits] / proj[16]:>9.3f} "
+        f"{rows[bits] / 2**20:>10.1f} {rows[bits] / rows[16]:>9.3f}"
+        for bits in BITS
+    ]
     logger.info(
-        f"{'bits':>5} {'projection MiB':>15} {'/ 16-bit':>9} {'model MiB':>10} {'/ 16-bit':>9}"
+        "\n".join(lines)
+        + "\nprojection: each projection alone on its own input (what the backend stores);"
+        "\nmodel: unique storage saved by the whole model (attention and MLP internals included,"
+        "\nand inputs that other ops also save stay alive whatever the projection keeps)."
     )
-    for bits in BITS:
-        logger.info(
-            f"{bits:>5} {proj[bits] / 2**20:>15.2f} {proj[bits] / proj[16]:>9.3f} "
-            f"{rows[bits] / 2**20:>10.1f} {rows[bits] / rows[16]:>9.3f}"
-        )
-    logger.info("projection: each projection alone on its own input (what the backend stores);")
-    logger.info(
-        "model: unique storage saved by the whole model (attention and MLP internals included,"
-    )
-    logger.info("and inputs that other ops also save stay alive whatever the projection keeps).")
 
 
 if __name__ == "__main__":
