@@ -23,7 +23,7 @@ from torch import nn
 
 from gnmr_dist.distributed.comm import join_local_world, local_store
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 """Where the benchmarks write their JSON and plots (``benchmarks/results``)."""
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -387,3 +388,12 @@ def test_probe_steps_add_probes_on_the_named_steps(data):
     setup = tiny(steps=4)
     result = run_arm(setup, replace(q_arm("s", "static"), probe_every=4, probe_steps=(1, 2)), *data)
     assert [p["step"] for p in result.probes] == [1, 2, 4]
+
+
+def test_results_are_written_to_benchmarks_results():
+    """Every study writes beside the committed results (the harness's own folder is not one)."""
+    from benchmarks.harness.common import RESULTS
+
+    root = Path(__file__).resolve().parents[2]
+    assert root / "benchmarks" / "results" == RESULTS
+    assert (RESULTS / "overhead.json").is_file() and (RESULTS / "fp4" / "nvfp4.jsonl").is_file()
