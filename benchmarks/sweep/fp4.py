@@ -23,7 +23,6 @@ import logging
 import multiprocessing as mp
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -112,15 +111,14 @@ def _worker_init() -> None:
     logging.getLogger("gnmr_dist.core.controller").setLevel(logging.ERROR)  # the trunk's policy
 
 
-def _job(payload: tuple[str, str, dict[str, Any], int, int, bool]) -> dict[str, Any]:
+def _job(payload: tuple[str, str, Arm, int, int, bool]) -> dict[str, Any]:
     """A trunk (``point == 0``) or one branch, in a worker process."""
-    kind, regime_name, arm_d, seed, point, perturbed = payload
+    kind, regime_name, arm, seed, point, perturbed = payload
     regime = FP4_REGIMES[regime_name]
-    arm, root = Arm(**arm_d), TRUNKS
     if kind == "trunk":
-        wall = run_trunk(regime.setup, arm, regime.instrument, seed, root)
+        wall = run_trunk(regime.setup, arm, regime.instrument, seed, TRUNKS)
         return {"trunk": seed, "wall_s": wall}
-    branch = run_branch(regime.setup, arm, regime.instrument, seed, point, root, perturbed)
+    branch = run_branch(regime.setup, arm, regime.instrument, seed, point, TRUNKS, perturbed)
     return {**branch, "provenance": record()}
 
 
@@ -139,15 +137,15 @@ def run_sweep(
         arms = [(a, p) for a, p in arms if any(f in a.name for f in arm_filter)]
     done = branch_stats.read_records(records_file(regime.name))
     reference = Arm("trunk", "recovery", **regime.backend_args())
-    trunks = [("trunk", regime.name, asdict(reference), s, 0, False) for s in seeds]
+    trunks = [("trunk", regime.name, reference, s, 0, False) for s in seeds]
     branches = [
-        ("branch", regime.name, asdict(a), s, p, pert)
+        ("branch", regime.name, a, s, p, pert)
         for s in seeds
         for p in (points or regime.instrument.points)
         for a, pert in arms
         if (a.name, s, p) not in done
     ]
-    branches.sort(key=lambda t: t[2]["policy"] != "oracle")  # the longest first
+    branches.sort(key=lambda t: t[2].policy != "oracle")  # the longest first
     logger.info("%s: %d branches to run (%d done)", regime.name, len(branches), len(done))
     t0, out = time.perf_counter(), records_file(regime.name)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -22,9 +22,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
 
-from benchmarks.harness.arms import Arm, Fault, Setup
+from benchmarks.harness.arms import Arm, Setup
 from benchmarks.harness.common import RESULTS, arg_parser, jsonable, start_cli
 from benchmarks.harness.model import Batches
 from benchmarks.harness.provenance import record
@@ -78,31 +77,22 @@ def _job_path(regime: str, arm: str, seed: int) -> Path:
     return RESULTS / "sweep" / regime / f"{safe}__{seed}.json"
 
 
-def _run_job(payload: tuple[str, dict[str, Any], dict[str, Any], int]) -> str:
+def _run_job(payload: tuple[str, Setup, Arm, int]) -> str:
     """One (arm, seed) in a worker process; returns the path it wrote."""
     import torch
 
     torch.set_num_threads(1)
-    regime_name, setup_d, arm_d, seed = payload
-    setup = _setup_from(setup_d, seed)
-    arm = Arm(**arm_d)
+    regime_name, setup, arm, seed = payload
+    setup = replace(setup, seed=seed)
     t0 = time.perf_counter()
     result = run_arm(setup, arm, Batches(setup.data, setup), Batches(setup.heldout, setup))
-    record = asdict(result)
-    record.update(seed=seed, wall_s=time.perf_counter() - t0)
+    row = {**asdict(result), "seed": seed, "wall_s": time.perf_counter() - t0}
     path = _job_path(regime_name, arm.name, seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record))
+    tmp.write_text(json.dumps(row))
     tmp.replace(path)
     return str(path)
-
-
-def _setup_from(setup_d: dict[str, Any], seed: int) -> Setup:
-    """The regime's ``Setup`` back from its JSON form, with ``seed``."""
-    d = dict(setup_d)
-    d["faults"] = tuple(Fault(**f) for f in d.get("faults", ()))
-    return replace(Setup(**d), seed=seed)
 
 
 def run_sweep(
@@ -117,7 +107,6 @@ def run_sweep(
     arms = make_arms(regime, budgets)
     if arm_filter:
         arms = [a for a in arms if any(f in a.name for f in arm_filter)]
-    setup_d = asdict(regime.setup)
     todo = []
     for arm in arms:
         for seed in seeds:
@@ -125,24 +114,22 @@ def run_sweep(
             if fresh and path.exists():
                 path.unlink()
             if not path.exists():
-                todo.append((regime.name, setup_d, asdict(arm), seed))
+                todo.append((regime.name, regime.setup, arm, seed))
     logger.info(
         "%s: %d arms x %d seeds, %d jobs to run", regime.name, len(arms), len(seeds), len(todo)
     )
     t0 = time.perf_counter()
     if todo:
         # the oracle arms cost ~4 steps per step: start them first so the pool ends together
-        todo.sort(key=lambda t: t[2]["policy"] != "oracle")
+        todo.sort(key=lambda t: t[2].policy != "oracle")
         with mp.get_context("spawn").Pool(jobs) as pool:
             for i, path in enumerate(pool.imap_unordered(_run_job, todo), 1):
                 logger.info("[%d/%d] %s (%.0f s)", i, len(todo), path, time.perf_counter() - t0)
-    records = {}
-    for arm in arms:
-        for seed in seeds:
-            records[(arm.name, seed)] = json.loads(
-                _job_path(regime.name, arm.name, seed).read_text()
-            )
-    return records
+    return {
+        (arm.name, seed): json.loads(_job_path(regime.name, arm.name, seed).read_text())
+        for arm in arms
+        for seed in seeds
+    }
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
