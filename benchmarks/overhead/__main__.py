@@ -3,7 +3,7 @@
     python -m benchmarks.overhead [--steps 30] [--budget 0.1] [--threads 1] [--parts abc]
 
 (a) step time (:mod:`benchmarks.overhead.step_time`), (b) the monitor against plain gradient
-clipping on the same gradients (:mod:`benchmarks.overhead.monitor_vs_clip`), (c) the collectives
+clipping on the same gradients (:func:`benchmarks.overhead.monitor.part_b`), (c) the collectives
 of a step in a real 2-process gloo run under DeepSpeed ZeRO-1, GNMR on vs off
 (:mod:`benchmarks.overhead.collectives`): the extra per step must be exactly one all-reduce of
 U + 1 float64 values. Writes ``benchmarks/results/overhead.json``; the parts and why
@@ -28,7 +28,7 @@ from benchmarks.harness.provenance import record
 from benchmarks.harness.recipes import TARGET
 from benchmarks.overhead.collectives import Call, CollectiveSpec, part_c
 from benchmarks.overhead.config import GNMR_POLICY, backend_options
-from benchmarks.overhead.monitor_vs_clip import part_b
+from benchmarks.overhead.monitor import part_b
 from benchmarks.overhead.step_time import part_a, table_a, verdict
 from benchmarks.overhead.tables import collectives_table as table_c
 from benchmarks.overhead.tables import monitor_table as table_b
