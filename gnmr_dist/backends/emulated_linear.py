@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from gnmr_dist.backends.emulated_options import LinearQuantSpec
 from gnmr_dist.backends.emulated_scaling import DelayedScales
@@ -42,7 +43,7 @@ from gnmr_dist.backends.numerics.scaled import quantize_dequantize_scaled
 __all__ = ["EmulatedCall", "EmulatedLinearFn", "EmulatedProbe", "InputNorms", "emulated_linear"]
 
 
-def _acc_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
+def _acc_dtype(*tensors: Tensor | None) -> torch.dtype:
     """fp32 accumulation, float64 when an input is float64 (gradcheck)."""
     wide = any(t is not None and t.dtype == torch.float64 for t in tensors)
     return torch.float64 if wide else torch.float32
@@ -69,9 +70,7 @@ class EmulatedCall:
         when the spec rounds to nearest."""
         return sr_seed(self.seed, gemm) if self.spec.stochastic else None
 
-    def __call__(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         """``F.linear(x, weight, bias)`` with its three GEMMs' inputs quantized as :attr:`spec`
         says (a :data:`~gnmr_dist.backends.operators.Gemm`)."""
         return EmulatedLinearFn.apply(x, weight, bias, self)  # type: ignore[no-untyped-call,no-any-return]
@@ -82,12 +81,8 @@ class EmulatedLinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        call: EmulatedCall,
-    ) -> torch.Tensor:
+        ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, call: EmulatedCall
+    ) -> Tensor:
         spec, scales = call.spec, call.scales
         acc = _acc_dtype(x, weight, bias)
         x2 = x.reshape(-1, x.shape[-1])
@@ -109,7 +104,7 @@ class EmulatedLinearFn(torch.autograd.Function):
         return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
         x, w_saved = ctx.saved_tensors
         call: EmulatedCall = ctx.call
         spec, acc = call.spec, ctx.acc
@@ -139,7 +134,7 @@ class EmulatedLinearFn(torch.autograd.Function):
         return dx, dw, db, None
 
 
-def _delayed_dy(ctx: Any, dy2: torch.Tensor) -> torch.Tensor | None:
+def _delayed_dy(ctx: Any, dy2: Tensor) -> Tensor | None:
     """``Q(dy)`` at this step's delayed scale (both GEMMs: one tensor scale), recorded once;
     ``None`` under current scaling or when no input needs a gradient."""
     call: EmulatedCall = ctx.call
@@ -148,7 +143,7 @@ def _delayed_dy(ctx: Any, dy2: torch.Tensor) -> torch.Tensor | None:
     return call.scales.dy.quantize(dy2, record=call.record)[0]
 
 
-def _wgrad_x(ctx: Any, x2: torch.Tensor) -> torch.Tensor:
+def _wgrad_x(ctx: Any, x2: Tensor) -> Tensor:
     """``Q_M(x)`` for wgrad: the spec's tiles along M, or the forward's own delayed scale."""
     spec: LinearQuantSpec = ctx.call.spec
     if ctx.call.scales is None:
@@ -161,11 +156,11 @@ class InputNorms:
     """``||x - Q_M(x)||`` and ``||x||`` of one forward input, taken once for all the GEMMs that
     read it (q/k/v, gate/up)."""
 
-    x_err: torch.Tensor | None = None
-    x_norm: torch.Tensor | None = None
+    x_err: Tensor | None = None
+    x_norm: Tensor | None = None
     done: bool = False
 
-    def fill(self, spec: LinearQuantSpec, x2: torch.Tensor, xq_m: torch.Tensor) -> None:
+    def fill(self, spec: LinearQuantSpec, x2: Tensor, xq_m: Tensor) -> None:
         """Measure from ``x2`` and its wgrad quantization ``xq_m`` (both flat, one dtype)."""
         if self.done:
             return
@@ -183,7 +178,7 @@ class EmulatedProbe(GemmProbe):
 
     shared: InputNorms = field(default_factory=InputNorms)
 
-    def record_dy(self, spec: LinearQuantSpec, dy2: torch.Tensor, dyq_m: torch.Tensor) -> None:
+    def record_dy(self, spec: LinearQuantSpec, dy2: Tensor, dyq_m: Tensor) -> None:
         """``||dy||`` and ``||Q_M(dy) - dy||`` (one fused norm call), then the bound."""
         self.x_err, self.x_norm = self.shared.x_err, self.shared.x_norm
         if spec.grad_format.is_identity:
@@ -196,10 +191,10 @@ class EmulatedProbe(GemmProbe):
 def _record_wgrad_error(
     probe: GemmProbe,
     spec: LinearQuantSpec,
-    x2: torch.Tensor,
-    dy2: torch.Tensor,
-    xq_m: torch.Tensor,
-    dyq_m: torch.Tensor,
+    x2: Tensor,
+    dy2: Tensor,
+    xq_m: Tensor,
+    dyq_m: Tensor,
     acc: torch.dtype,
 ) -> None:
     """``||dy|| ||x - Q_M(x)|| + ||Q_M(dy) - dy|| ||x||`` of one wgrad GEMM, from its operands
@@ -212,8 +207,8 @@ def _record_wgrad_error(
 
 
 def emulated_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spec: LinearQuantSpec
-) -> torch.Tensor:
+    x: Tensor, weight: Tensor, bias: Tensor | None, spec: LinearQuantSpec
+) -> Tensor:
     """``F.linear(x, weight, bias)`` with its three GEMMs' inputs quantized as ``spec`` says:
     :class:`EmulatedCall` with nothing measured and current scaling (the backend's calls add a probe
     and delayed scales)."""

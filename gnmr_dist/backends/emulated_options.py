@@ -29,6 +29,7 @@ recipes and their trade-offs: ``docs/backends.md#fp8_emulated``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,11 +39,13 @@ from gnmr_dist.backends.numerics.formats import (
     GRANULARITIES,
     MXFP4_BLOCK,
     NVFP4_BLOCK,
-    FloatFormat,
 )
 from gnmr_dist.backends.numerics.hadamard import hadamard_rotate
 from gnmr_dist.backends.numerics.scaled import quantize_dequantize
 from gnmr_dist.core.validation import check_choice, check_nonnegative_int, check_positive_int
+
+if TYPE_CHECKING:
+    from gnmr_dist.backends.numerics.formats import FloatFormat
 
 __all__ = ["AMAX_ALGOS", "SCALINGS", "DelayedRecipe", "EmulatedOptions", "LinearQuantSpec"]
 

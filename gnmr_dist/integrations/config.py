@@ -44,7 +44,8 @@ _GUARD_ACTIONS = ("error", "warn")
 
 @dataclass(frozen=True)
 class AttributionGuard:
-    """The per-step check that the per-unit norms see the gradient (``gnmr.attribution``)."""
+    """The per-step check that the per-unit norms see the gradient (``gnmr.attribution``): a
+    violation stops the run or warns once (docs/megatron.md)."""
 
     max_rest_share: float = 0.99
     """Largest admitted share of the squared global norm outside every unit (0 < x <= 1)."""

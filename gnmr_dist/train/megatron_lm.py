@@ -24,16 +24,8 @@ from pathlib import Path
 import torch
 
 from gnmr_dist.integrations.megatron.loop import require_training
-from gnmr_dist.train import megatron_gpt
+from gnmr_dist.train import megatron_flags, megatron_gpt
 from gnmr_dist.train.common import setup_logging
-from gnmr_dist.train.megatron_flags import (
-    add_gnmr_args,
-    attach_from_argv,
-    cpu_argv,
-    customary_argv,
-    gnmr_block,
-    gnmr_namespace,
-)
 
 __all__ = ["check_args", "check_data_split", "main"]
 
@@ -88,11 +80,11 @@ def check_args(argv: Sequence[str], world_size: int, check_host: bool = True) ->
     import os
 
     require_training()
-    argv = customary_argv(argv)
+    argv = megatron_flags.customary_argv(argv)
     if not torch.cuda.is_available():
         from gnmr_dist.integrations.megatron.cpu import enable_cpu_compat
 
-        argv = cpu_argv(argv) if check_host else argv
+        argv = megatron_flags.cpu_argv(argv) if check_host else argv
         enable_cpu_compat(training=True)  # validate_args asks torch.cuda for the device arch
     from megatron.training.arguments import parse_args, validate_args
 
@@ -101,7 +93,7 @@ def check_args(argv: Sequence[str], world_size: int, check_host: bool = True) ->
     os.environ.update(WORLD_SIZE=str(world_size), RANK="0")
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # megatron prints every argument
-            args = parse_args(add_gnmr_args)
+            args = parse_args(megatron_flags.add_gnmr_args)
             validate_args(args, {})
     except AssertionError as err:
         raise ValueError(f"megatron: {err}") from None
@@ -114,7 +106,7 @@ def check_args(argv: Sequence[str], world_size: int, check_host: bool = True) ->
                 os.environ[key] = value
     _check_batches(args)
     check_data_split(args.data_path, args.split, args.mock_data)
-    gnmr_block(args, check_host=check_host)
+    megatron_flags.gnmr_block(args, check_host=check_host)
     if args.gnmr_inject_grad_spike:
         from gnmr_dist.train.drills import parse_spikes
 
@@ -144,8 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging()  # every rank at INFO: megatron's own logs come from the last rank
     words = list(sys.argv[1:] if argv is None else argv)
     try:
-        extra_args_provider = attach_from_argv(argv=words)
-        given = gnmr_namespace(sys.argv[1:])  # what attach left for megatron to parse
+        extra_args_provider = megatron_flags.attach_from_argv(argv=words)
+        given = megatron_flags.gnmr_namespace(sys.argv[1:])  # what attach left for megatron
         check_data_split(given.data_path, given.split, given.mock_data)
     except ValueError as err:
         logger.error("%s", err)
