@@ -107,7 +107,9 @@ else:
 
 for name in ("gnmr_dist.deepspeed", "megatron_patches"):
     try:
-        importlib.import_module(name)
+        module = importlib.import_module(name)
+        for public in getattr(module, "__all__", ()):  # megatron_patches loads its modules lazily
+            getattr(module, public)
     except Exception as err:
         die(f"import {name}: {type(err).__name__}: {err}")
     out(f"import {name}: ok")
