@@ -15,7 +15,9 @@ import json
 import logging
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import product
 from pathlib import Path
 from typing import Any
 
@@ -78,14 +80,12 @@ def heldout(records: Records, arm: str, seed: int, point: int, horizon: int) -> 
 def per_seed(records: Records, d: Design, arm: str, minus: str | None = None) -> list[float]:
     """Per seed: the mean over its branch points of ``arm``'s held-out loss (minus ``minus``'s on
     the same branch)."""
-    out = []
-    for s in d.seeds:
-        diffs = []
-        for p in d.points:
-            x = heldout(records, arm, s, p, d.horizon)
-            diffs.append(x - (heldout(records, minus, s, p, d.horizon) if minus else 0.0))
-        out.append(statistics.fmean(diffs))
-    return out
+
+    def diff(s: int, p: int) -> float:
+        x = heldout(records, arm, s, p, d.horizon)
+        return x - (heldout(records, minus, s, p, d.horizon) if minus else 0.0)
+
+    return [statistics.fmean([diff(s, p) for p in d.points]) for s in d.seeds]
 
 
 def paired(records: Records, d: Design, a: str, b: str) -> tuple[float, float]:
@@ -109,27 +109,23 @@ def share_closed(records: Records, d: Design, arm: str) -> tuple[float, float]:
 
 def unit_step_share(records: Records, d: Design, arm: str) -> float:
     """Mean share of eligible unit-steps whose forward ran the recovery path."""
-    return statistics.fmean(
-        records[(arm, s, p)]["recovered_unit_steps"] / records[(arm, s, p)]["unit_steps"]
-        for s in d.seeds
-        for p in d.points
-    )
+    rows = [records[(arm, s, p)] for s, p in product(d.seeds, d.points)]
+    return statistics.fmean(r["recovered_unit_steps"] / r["unit_steps"] for r in rows)
 
 
 def troubles(records: Records, d: Design, arm: str) -> tuple[int, int]:
     """(loss spikes, diverged branches) of ``arm`` against the BF16 branch on the same batches."""
     spikes = diverged = 0
-    for s in d.seeds:
-        for p in d.points:
-            mine, ref = records[(arm, s, p)], records[(d.high, s, p)]
-            pairs = zip(mine["train_loss"], ref["train_loss"], strict=True)
-            spikes += sum(1 for a, b in pairs if not math.isfinite(a) or a - b > SPIKE)
-            gap = heldout(records, arm, s, p, d.horizon) - heldout(records, d.high, s, p, d.horizon)
-            diverged += bool(mine["nonfinite"]) or not math.isfinite(gap) or gap > DIVERGED
+    for s, p in product(d.seeds, d.points):
+        mine, ref = records[(arm, s, p)], records[(d.high, s, p)]
+        pairs = zip(mine["train_loss"], ref["train_loss"], strict=True)
+        spikes += sum(1 for a, b in pairs if not math.isfinite(a) or a - b > SPIKE)
+        gap = heldout(records, arm, s, p, d.horizon) - heldout(records, d.high, s, p, d.horizon)
+        diverged += bool(mine["nonfinite"]) or not math.isfinite(gap) or gap > DIVERGED
     return spikes, diverged
 
 
-def verdict(pair: tuple[float, float]) -> str:
+def verdict(pair: Sequence[float]) -> str:
     """A paired difference ``a - b`` (mean, 95% half-width): ``better`` when the interval lies
     below 0, ``worse`` above, else ``not resolved``."""
     m, h = pair

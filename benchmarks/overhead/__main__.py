@@ -70,35 +70,27 @@ def main(argv: Sequence[str] | None = None) -> None:
     if "c" in a.parts:
         t0 = time.perf_counter()
         out["collectives"] = res = part_c(CollectiveSpec(max_active=budget))
-        text.append(_report_c(res))
+        text.append(
+            f"(c) collectives per step, 2 processes (gloo), DeepSpeed ZeRO-1, GNMR on vs off; "
+            f"U = {res['units_independent']} (registry {res['units_registry']}); plain ZeRO-1 "
+            f"step ops {res['plain_step_ops']}\n{table_c(res)}\n"
+            f"extra = exactly one all_reduce of 8(U+1) = {res['expected_extra_bytes']} bytes on "
+            f"every rank and step: {'yes' if res['ok'] else 'NO'}"
+        )
         logger.info(f"  (c) {time.perf_counter() - t0:.0f} s")
     if "b" in a.parts:
         out["monitor_vs_clip"] = rows = part_b(setup, a.repeats)
         text.append(f"(b) monitor vs clip_grad_norm_ on the same gradients\n{table_b(rows)}")
     if "a" in a.parts:
         out["step_time"] = res_a = part_a(setup, a.steps, a.warm, budget, a.local_only)
-        text.append(_report_a(res_a, a, budget, units))
+        text.append(
+            f"(a) step time, {a.steps} interleaved rounds per arm after {a.warm} warm-up, "
+            f"{a.threads} thread(s), budget K = {budget} of {units} units\n{table_a(res_a)}\n"
+            + "\n".join(verdict(k, v, budget) for k, v in res_a.items())
+        )
     RESULTS.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1, default=_json))
     logger.info("\n\n".join(text))
-
-
-def _report_c(res: dict[str, Any]) -> str:
-    return (
-        f"(c) collectives per step, 2 processes (gloo), DeepSpeed ZeRO-1, GNMR on vs off; "
-        f"U = {res['units_independent']} (registry {res['units_registry']}); plain ZeRO-1 "
-        f"step ops {res['plain_step_ops']}\n{table_c(res)}\n"
-        f"extra = exactly one all_reduce of 8(U+1) = {res['expected_extra_bytes']} bytes on "
-        f"every rank and step: {'yes' if res['ok'] else 'NO'}"
-    )
-
-
-def _report_a(res: dict[str, Any], a: argparse.Namespace, budget: int, units: int) -> str:
-    return (
-        f"(a) step time, {a.steps} interleaved rounds per arm after {a.warm} warm-up, "
-        f"{a.threads} thread(s), budget K = {budget} of {units} units\n{table_a(res)}\n"
-        + "\n".join(verdict(k, v, budget) for k, v in res.items())
-    )
 
 
 def _json(obj: Any) -> Any:

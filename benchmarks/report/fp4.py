@@ -4,6 +4,7 @@ them, and the figures the template derives from several of them."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import statistics
@@ -11,10 +12,10 @@ from collections.abc import Sequence
 from functools import cached_property
 from typing import Any
 
-from benchmarks.harness.branch_stats import GAP, Design, per_seed
+from benchmarks.harness.branch_stats import GAP, Design, per_seed, verdict
 from benchmarks.harness.stats import t95
 from benchmarks.report.source import Source
-from benchmarks.report.words import compared, listing, resolved, span
+from benchmarks.report.words import listing, resolved, span
 
 CONTROLS = ("low-cost", "BF16", "null BF16 (1e-6)", "null low-cost (1e-6)", "low-cost (SR seed 1)")
 """The arms that are not precision policies: the two static paths and the null controls."""
@@ -165,7 +166,7 @@ class Sweep:
         """``a`` against each of ``others``, grouped by verdict in the order they first occur."""
         groups: dict[str, list[tuple[str, list[float]]]] = {}
         for b in others:
-            groups.setdefault(compared(self.comp(a, b)), []).append((b, self.comp(a, b)))
+            groups.setdefault(verdict(self.comp(a, b)), []).append((b, self.comp(a, b)))
         return groups
 
     def split(self, a: str, others: Sequence[str]) -> tuple[list[Any], list[Any]]:
@@ -181,7 +182,7 @@ class Sweep:
         """Whether every comparison both sweeps made has the same verdict in both."""
         theirs = other.r["comparisons"]
         both = [n for n in self.r["comparisons"] if n in theirs]
-        return all(compared(self.r["comparisons"][n]) == compared(theirs[n]) for n in both)
+        return all(verdict(self.r["comparisons"][n]) == verdict(theirs[n]) for n in both)
 
     def diverged(self) -> int:
         return sum(r["diverged"] for r in self.summary.values())
@@ -204,15 +205,8 @@ class Sweep:
 
     def process_hours(self) -> float:
         """Wall time of the design's branches, summed over the processes that ran them."""
-        return (
-            sum(
-                self.records[(a, s, p)]["wall_s"]
-                for a in self.summary
-                for s in self.seeds
-                for p in self.points
-            )
-            / 3600
-        )
+        keys = itertools.product(self.summary, self.seeds, self.points)
+        return sum(self.records[k]["wall_s"] for k in keys) / 3600
 
     def command(self) -> str:
         """The command that ran this design (its budgets; its branch points when not all)."""
@@ -240,20 +234,17 @@ class Sweep:
         design = Design(tuple(self.seeds), tuple(self.points), self.horizon)
         diffs = per_seed(self.records, design, a, b)
         m, sd = abs(statistics.fmean(diffs)), statistics.stdev(diffs)
-        n = next((n for n in range(2, 1000) if t95(n - 1) * sd / math.sqrt(n) < m), None)
-        if n is None:
-            return None
-        return {"n": n, "m": m, "sd": sd, "t": t95(n - 1), "half": t95(n - 1) * sd / math.sqrt(n)}
+        for n in range(2, 1000):
+            if (half := t95(n - 1) * sd / math.sqrt(n)) < m:
+                return {"n": n, "m": m, "sd": sd, "t": t95(n - 1), "half": half}
+        return None
 
     def early(self) -> dict[str, Any] | None:
         """first+last against all-FP4 at the first branch point, when it lost in half the
         seeds or more: the point, how many seeds it lost, of how many, by up to how much."""
-        p, h = self.points[0], str(self.horizon)
-        diffs = [
-            self.records[("first+last", s, p)]["heldout"][h]
-            - self.records[("low-cost", s, p)]["heldout"][h]
-            for s in self.seeds
-        ]
+        p = self.points[0]
+        first = Design(tuple(self.seeds), (p,), self.horizon)  # a seed's mean of one point: itself
+        diffs = per_seed(self.records, first, "first+last", "low-cost")
         lost = [d for d in diffs if d > 0]
         if len(lost) * 2 < len(diffs):
             return None

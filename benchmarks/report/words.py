@@ -21,11 +21,6 @@ from benchmarks.harness.stats import plus_minus
 Pair = Sequence[float]
 
 
-def pm(pair: Pair, digits: int = 4) -> str:
-    """``+0.0031 +- 0.0011``."""
-    return plus_minus(pair, digits)
-
-
 def pct(pair: Pair) -> str:
     """A share as ``54% +- 32%``."""
     m, h = pair
@@ -53,15 +48,9 @@ def holds_zero(pair: Pair) -> str:
     return "excludes 0" if resolved(pair) else "holds 0"
 
 
-def compared(pair: Pair) -> str:
-    """``better``, ``worse`` or ``not resolved``
-    (:func:`benchmarks.harness.branch_stats.verdict`)."""
-    return verdict((pair[0], pair[1]))
-
-
 def says(pair: Pair, better: str, worse: str, same: str) -> str:
     """The template's words for the verdict of ``a - b``: ``better``, ``worse`` or ``same``."""
-    return {"better": better, "worse": worse}.get(compared(pair), same)
+    return {"better": better, "worse": worse}.get(verdict(pair), same)
 
 
 def relation(pair: Pair, same: str = "the same as") -> str:
@@ -92,10 +81,11 @@ def ordinal(n: int) -> str:
 
 FILTERS: dict[str, Callable[..., Any]] = {
     f.__name__: f
-    for f in (pm, pct, resolved, resolved_word, holds_zero, compared, says, relation, listing)
+    for f in (pct, resolved, resolved_word, holds_zero, says, relation, listing, span, ordinal)
 }
-FILTERS.update(span=span, ordinal=ordinal, f=fmt)
-"""The template's filters by name (``x | f(".3f")`` formats with :func:`fmt`)."""
+FILTERS.update(f=fmt, pm=plus_minus, compared=verdict)
+"""The template's filters by name (``x | f(".3f")`` formats with :func:`fmt`; ``pm``:
+``+0.0031 +- 0.0011``; ``compared``: ``better``, ``worse`` or ``not resolved``)."""
 
 WIDTH = 100
 """Prose lines are filled to this width, as the rest of the repository's markdown."""

@@ -7,6 +7,7 @@ import json
 import logging
 from collections.abc import Sequence
 from dataclasses import replace
+from itertools import product
 from pathlib import Path
 from typing import Any
 
@@ -78,12 +79,7 @@ def noise(records: Records, d: Design) -> dict[str, tuple[float, float]]:
 
 def _horizons(records: Records, d: Design) -> list[int]:
     """The other evaluation steps every branch of the two static arms recorded."""
-    keys = [
-        set(records[(a, s, p)]["heldout"])
-        for a in (d.low, d.high)
-        for s in d.seeds
-        for p in d.points
-    ]
+    keys = [set(records[k]["heldout"]) for k in product((d.low, d.high), d.seeds, d.points)]
     return sorted(int(e) for e in set.intersection(*keys) if int(e) != d.horizon)
 
 
@@ -122,21 +118,20 @@ def comparisons(
     records: Records, d: Design, budgets: Sequence[int], nvidia: Sequence[str]
 ) -> list[tuple[str, tuple[float, float]]]:
     """Paired differences a - b that carry the verdicts (negative: a better)."""
-    out = []
+    pairs = []
     for k in budgets:
-        for policy in ("GNMR+e", "GNMR", "oracle"):
-            a, b = f"{policy} {k}", f"random {k}"
-            if complete(records, d, a) and complete(records, d, b):
-                out.append((f"{a} - {b}", paired(records, d, a, b)))
-        a = f"GNMR+e {k}"
+        pairs += [(f"{policy} {k}", f"random {k}") for policy in ("GNMR+e", "GNMR", "oracle")]
         # the late switch spends NVIDIA's share of unit-steps: the last-k rule's budget
         at_nvidias = f"NVIDIA last-{k}" in nvidia
         for b in [*nvidia, f"oracle {k}"]:
             last_k = b == f"NVIDIA last-{k}"
-            same_budget = b.startswith("oracle") or last_k or ("late" in b and at_nvidias)
-            if same_budget and complete(records, d, a) and complete(records, d, b):
-                out.append((f"{a} - {b}", paired(records, d, a, b)))
-    return out
+            if b.startswith("oracle") or last_k or ("late" in b and at_nvidias):
+                pairs.append((f"GNMR+e {k}", b))
+    return [
+        (f"{a} - {b}", paired(records, d, a, b))
+        for a, b in pairs
+        if complete(records, d, a) and complete(records, d, b)
+    ]
 
 
 def report(
@@ -160,8 +155,7 @@ def report(
         "branch, mean over a seed's points, 95% Student-t interval over seeds"
     )
     checks = noise_checks(est)
-    lines += [f"- {name}: {plus_minus(pair)}" for name, pair in est.items()]
-    lines += checks
+    lines += [f"- {name}: {plus_minus(pair)}" for name, pair in est.items()] + checks
     lines += ["", table(summary), ""]
     lines += [f"- {name}: {plus_minus(pair)} -> {verdict(pair)}" for name, pair in comp]
     chosen = {

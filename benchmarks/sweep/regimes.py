@@ -130,35 +130,32 @@ REGIMES = {
 FP4_SETUP = Setup(lr=1e-3, gnmr=fp6_policy())
 """The FP4 regimes' training: the harness's Llama at lr 1e-3 (warm-up 20, cosine to 0.1)."""
 
+
+def _fp4(name: str, description: str, low_cost: dict[str, Any], **kw: Any) -> Regime:
+    """An FP4 regime: E2M1 ``low_cost`` / BF16 on every projection, in ``fp8_emulated``."""
+    return Regime(name, description, FP4_SETUP, "fp8_emulated", low_cost, {"format": "bf16"}, **kw)
+
+
 FP4_REGIMES = {
     r.name: r
     for r in (
-        Regime(
+        _fp4(
             "nvfp4",
             "NVIDIA's NVFP4 recipe on every projection / BF16 (fp8_emulated)",
-            FP4_SETUP,
-            "fp8_emulated",
             {"format": "e2m1"},
-            {"format": "bf16"},
             gamma=0.4,
             stochastic=True,
         ),
-        Regime(
+        _fp4(
             "mxfp4",
             "OCP MXFP4 (1 x 32, E8M0 scales) on every projection / BF16 (fp8_emulated)",
-            FP4_SETUP,
-            "fp8_emulated",
             {"format": "e2m1", "granularity": "mxfp4"},
-            {"format": "bf16"},
             gamma=0.45,
         ),
-        Regime(
+        _fp4(
             "fp4_tensor",
             "stress: E2M1 with one scale per tensor on every projection / BF16 (fp8_emulated)",
-            FP4_SETUP,
-            "fp8_emulated",
             {"format": "e2m1", "granularity": "tensor"},
-            {"format": "bf16"},
             gamma=1.0,
         ),
     )

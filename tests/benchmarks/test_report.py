@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from benchmarks.harness import provenance
+from benchmarks.harness.branch_stats import verdict
 from benchmarks.report import DOCUMENT, render
 from benchmarks.report.__main__ import main
 from benchmarks.report.source import RESULTS
 from benchmarks.report.words import (
-    compared,
     holds_zero,
     paragraph,
     relation,
@@ -121,7 +121,7 @@ def test_a_stored_step_time_run_becomes_a_table(results):
     ],
 )
 def test_verdict_words_come_from_the_interval(pair, word, relation_, null):
-    assert compared(pair) == word
+    assert verdict(pair) == word
     assert relation(pair) == relation_
     assert holds_zero(pair) == null
     assert says(pair, "beats", "loses to", "is level with") == {
