@@ -128,6 +128,21 @@ def test_a_module_outside_every_layer_is_named():
     ]
 
 
+def test_the_report_reads_result_files_and_the_harness_only():
+    """RESULTS.md is rendered from result files: the report imports no study family, only the
+    harness floor's pure helpers (statistics, tables), so it cannot run or re-derive a study."""
+    names = {_module_name(Path(p)): (p, text) for p, text in _tree().items()}
+    studies = ("benchmarks.overhead", "benchmarks.seed", "benchmarks.sweep", "benchmarks.gpu")
+    found = [
+        f"{path}:{line}: {target}"
+        for module, (path, text) in names.items()
+        if module.startswith("benchmarks.report")
+        for line, target in _targets(ast.parse(text), module, path.endswith("__init__.py"))
+        if target.startswith(studies)
+    ]
+    assert found == []
+
+
 # ------------------------------------------------------------------------ the framework boundary
 
 FRAMEWORK_FREE = (

@@ -26,12 +26,12 @@ from benchmarks.harness.arms import Setup
 from benchmarks.harness.common import RESULTS, arg_parser, start_cli
 from benchmarks.harness.provenance import record
 from benchmarks.harness.recipes import TARGET
+from benchmarks.harness.tables import collectives_table as table_c
+from benchmarks.harness.tables import monitor_table as table_b
 from benchmarks.overhead.collectives import Call, CollectiveSpec, part_c
 from benchmarks.overhead.config import GNMR_POLICY, backend_options
 from benchmarks.overhead.monitor import part_b
 from benchmarks.overhead.step_time import part_a, table_a, verdict
-from benchmarks.overhead.tables import collectives_table as table_c
-from benchmarks.overhead.tables import monitor_table as table_b
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import statistics
 from typing import Any
 
 from benchmarks.harness.recipes import ERROR_TARGET
-from benchmarks.overhead.tables import collectives_table, monitor_table
+from benchmarks.harness.tables import collectives_table, monitor_table
 from benchmarks.report.source import Source
 
 

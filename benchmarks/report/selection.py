@@ -8,8 +8,8 @@ import statistics
 from typing import Any
 
 from benchmarks.harness.stats import SELECTION_BAR, verdicts
+from benchmarks.harness.tables import compact_selection, table
 from benchmarks.report.source import Source
-from benchmarks.sweep.selection_report import compact_selection, table
 
 REGIMES = ("act_quant", "fp6_fp8", "outlier", "delayed")
 SIGNALS = (  # the k = 3 scores and sets graded against the update gap: (arm, graded set)

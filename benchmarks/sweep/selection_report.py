@@ -1,6 +1,6 @@
 """The printed tables and the plot of a selection sweep (:mod:`benchmarks.sweep.selection`).
 
-The tables import no torch: ``python -m benchmarks.report`` renders RESULTS.md with them.
+Its tables live in :mod:`benchmarks.harness.tables`, which RESULTS.md renders with too.
 """
 
 from __future__ import annotations
@@ -11,101 +11,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness.markdown import markdown_table
 from benchmarks.harness.stats import POLICY_PREFIXES, plus_minus
+from benchmarks.harness.tables import compact_selection, selection_table, table
 
 logger = logging.getLogger(__name__)
-
-
-def table(summary: dict[str, Any]) -> str:
-    """Per arm: held-out loss, the paired differences to low-cost and to random-k, the share of
-    the static gap closed and the recovery rate."""
-    header = ["arm", "held-out loss (95% CI)", "vs low-cost (paired)"]
-    header += ["share of static gap closed", "vs random-k (paired)", "recovery"]
-    rows = [
-        [
-            name,
-            "{:.4f} +- {:.4f}".format(*row["loss"]),
-            plus_minus(row.get("vs_low_cost")),
-            "n/a" if row.get("closed") is None else f"{row['closed']:+.2f}",
-            plus_minus(row.get("vs_random")),
-            f"{100 * row['recovery_rate']:.1f}%",
-        ]
-        for name, row in summary.items()
-    ]
-    return markdown_table(header, rows)
-
-
-SELECTION_SETS = (
-    "risk_topk",
-    "error_bound_topk",
-    "error_global_topk",
-    "error_relative_topk",
-    "error_adam_topk",
-    "active",
-    "decided",
-    "random",
-    "first_last",
-    "oracle_grad",
-    "oracle_update",
-)
-FIGURES = ("precision_grad", "precision_update", "share_grad", "share_update")
-COMPACT_FIGURES = FIGURES[:3]
-
-
-def selection_table(summary: dict[str, Any], arms: Sequence[str], window: str = "") -> str:
-    """Selection figures of ``arms`` over every probe step, or inside the fault ``window``."""
-    header = ["arm", "set", "precision vs grad gap", "vs update gap", "share of grad gap^2"]
-    rows = [
-        [arm, set_name, *(plus_minus(f.get(k), 2).lstrip("+") for k in FIGURES)]
-        for arm in arms
-        for set_name in SELECTION_SETS
-        if (f := _selection_of(summary, arm, window).get(set_name))
-    ]
-    return markdown_table([*header, "share of update gap^2"], rows)
-
-
-COMPACT_ROWS = [  # in the table's order: (arm, {graded set: the row's label})
-    (
-        "low-cost",
-        {
-            "risk_topk": "seed GNMR's risk, top-3 (static low-cost arm)",
-            "error_global_topk": "error score e = B / G, top-3 (static low-cost arm)",
-            "error_adam_topk": "B scaled as Adam scales it, top-3 (static low-cost arm)",
-            "random": "3 random units (static low-cost arm)",
-        },
-    ),
-    ("GNMR 3", {"active": "GNMR 3: the set that ran recovery"}),
-    (
-        "GNMR+e 3",
-        {"risk_topk": "GNMR+e 3: its risk, top-3", "active": "GNMR+e 3: the set that ran recovery"},
-    ),
-    (
-        "low-cost",
-        {
-            "oracle_grad": "oracle by gradient gap, top-3",
-            "oracle_update": "oracle by update gap, top-3",
-        },
-    ),
-]
-
-
-def compact_selection(summary: dict[str, Any], window: str = "") -> str:
-    """The README's selection table: the k = 3 signals and sets against both measured gaps."""
-    header = ["signal or set", "precision@3 vs gradient gap", "vs update gap"]
-    rows = [
-        [label, *(plus_minus(f.get(k), 2).lstrip("+") for k in COMPACT_FIGURES)]
-        for arm, labels in COMPACT_ROWS
-        for set_name, label in labels.items()
-        if (f := _selection_of(summary, arm, window).get(set_name))
-    ]
-    return markdown_table([*header, "share of the gradient gap^2 it covers"], rows)
-
-
-def _selection_of(summary: dict[str, Any], arm: str, window: str) -> dict[str, Any]:
-    """``arm``'s selection figures over every probe step, or inside the fault ``window``."""
-    row = summary.get(arm, {})
-    return row.get("selection_fault", {}).get(window, {}) if window else row.get("selection", {})
 
 
 def plot(regime: str, summary: dict[str, Any], budgets: Sequence[int], path: Path) -> None:

@@ -9,9 +9,9 @@ import statistics
 import pytest
 
 from benchmarks.harness.stats import _budget_of, interval, static_gap, summarize, verdicts
+from benchmarks.harness.tables import table
 from benchmarks.sweep import selection as sweep
 from benchmarks.sweep.regimes import REGIMES
-from benchmarks.sweep.selection_report import table
 
 SEEDS = (1, 2, 3)
 
