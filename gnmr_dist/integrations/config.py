@@ -35,7 +35,16 @@ from gnmr_dist.backends import BACKENDS, TORCH, Operators, PrecisionBackend, get
 from gnmr_dist.core import GNMRConfig
 from gnmr_dist.core.validation import check_choice, check_keys, check_positive_int, did_you_mean
 
-__all__ = ["AttributionGuard", "GNMRBlock", "LogOptions", "ProbeOptions", "read_block"]
+__all__ = [
+    "BLOCK",
+    "AttributionGuard",
+    "GNMRBlock",
+    "LogOptions",
+    "ProbeOptions",
+    "check_block_name",
+    "looks_like_block",
+    "read_block",
+]
 
 _UNITS = ("operator", "layer")
 _ON_MISSING = ("error", "fresh")
@@ -309,6 +318,52 @@ class GNMRBlock:
                 f"{path}.error_every={self.error_every} needs {path}.gamma (the error term it "
                 f"paces); set {path}.gamma or drop {path}.error_every"
             )
+
+
+BLOCK = "gnmr"
+"""The one name of the block in a DeepSpeed config (and in a DeepSpeed-style GNMR config)."""
+
+
+def _edit_distance(a: str, b: str) -> int:
+    """Optimal string alignment distance: insertions, deletions, substitutions and swaps of two
+    neighbouring characters each cost 1 (``"gmnr"`` is 1 from ``"gnmr"``)."""
+    d = [[i + j if i * j == 0 else 0 for j in range(len(b) + 1)] for i in range(len(a) + 1)]
+    for i, ca in enumerate(a, 1):
+        for j, cb in enumerate(b, 1):
+            d[i][j] = min(d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (ca != cb))
+            if i > 1 and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
+                d[i][j] = min(d[i][j], d[i - 2][j - 2] + 1)
+    return d[-1][-1]
+
+
+def looks_like_block(key: object) -> bool:
+    """Whether a config key is a misspelt ``"gnmr"``: not the name itself, but the name in
+    another case, with separators or words around it (``"GNMR"``, ``"gnmr_block"``), one edit
+    away from it, or its four letters in another order (``"gmnr"``, ``"gmrn"``)."""
+    if not isinstance(key, str) or key == BLOCK:
+        return False
+    letters = "".join(c for c in key.lower() if c.isalnum())
+    return (
+        BLOCK in letters
+        or _edit_distance(key.strip().lower(), BLOCK) <= 1
+        or _edit_distance(letters, BLOCK) <= 1
+        or sorted(letters) == sorted(BLOCK)
+    )
+
+
+def check_block_name(config: Mapping[str, Any], where: str) -> None:
+    """Refuse a config whose GNMR block is misspelt: without a ``"gnmr"`` key, every key that
+    :func:`looks_like_block` is named, with the fix. A misspelt block would otherwise be ignored
+    by DeepSpeed and GNMR alike, and the run would train without the settings it was given."""
+    if BLOCK in config:
+        return
+    near = [repr(k) for k in config if looks_like_block(k)]
+    if near:
+        raise ValueError(
+            f"{where}: unknown top-level key {', '.join(near)}; did you mean 'gnmr'? GNMR reads "
+            f'its settings only from a block named exactly "gnmr": rename the key (or remove it '
+            "to train without GNMR)"
+        )
 
 
 def read_block(

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from gnmr_dist.core.validation import did_you_mean
-from gnmr_dist.integrations.config import GNMRBlock, read_block
+from gnmr_dist.integrations.config import GNMRBlock, check_block_name, read_block
 from gnmr_dist.train.common import next_token_loss, setup_logging
 
 logger = logging.getLogger(__name__)
@@ -179,6 +179,7 @@ def _validate(
             "--lora-rank fine-tunes a pretrained model: give --init-from DIR (a local Hugging "
             "Face directory, e.g. a previous run's RUN_DIR/hf_model)"
         )
+    check_block_name(config, str(args.config))
     gnmr = _check_gnmr(config.get("gnmr", {}), f"{args.config}: gnmr", args.run_dir, check_host)
     refuse_auto(config, args.config)
     check_batch(config, world)

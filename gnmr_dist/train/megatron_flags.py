@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gnmr_dist.integrations.config import GNMRBlock, read_block
+from gnmr_dist.integrations.config import GNMRBlock, check_block_name, read_block
 from gnmr_dist.integrations.megatron.loop import attach, attached, require_training
 from gnmr_dist.integrations.session import refuse_probe
 
@@ -172,6 +172,8 @@ def gnmr_block(args: argparse.Namespace, check_host: bool = True) -> GNMRBlock |
         raise ValueError(f"--gnmr-config {path}: cannot read it ({err.strerror})") from None
     except json.JSONDecodeError as err:
         raise ValueError(f"--gnmr-config {path}: not valid JSON ({err})") from None
+    if isinstance(given, dict):
+        check_block_name(given, f"--gnmr-config {path}")
     if isinstance(given, dict) and isinstance(given.get("gnmr"), dict):
         given = given["gnmr"]  # a DeepSpeed-style config
     if not isinstance(given, dict):

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from gnmr_dist.backends import PrecisionBackend, registered_operator_types
 from gnmr_dist.distributed import UnitRegistry
 from gnmr_dist.distributed.units import check_selection
-from gnmr_dist.integrations.config import GNMRBlock
+from gnmr_dist.integrations.config import GNMRBlock, check_block_name
 from gnmr_dist.integrations.deepspeed.session import (
     STATE_FILE,
     DeepSpeedGNMR,
@@ -169,6 +169,7 @@ def initialize(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
         or params.pop("config_params", None)
         or getattr(params.get("args"), "deepspeed_config", None)
     )
+    check_block_name(ds_config, "gnmr_dist.deepspeed.initialize: the DeepSpeed config")
     block = GNMRBlock.of(ds_config.pop("gnmr", None))  # parsed once: a program's block passes
     params["config"] = ds_config  # DeepSpeed never sees the gnmr block
     if getattr(params.get("args"), "deepspeed_config", None):

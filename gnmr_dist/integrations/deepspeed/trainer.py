@@ -20,6 +20,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from gnmr_dist.integrations.config import check_block_name
 from gnmr_dist.integrations.deepspeed.engine import (
     disable,
     enable,
@@ -100,7 +101,10 @@ def _ds_block(args: Any) -> Any:
     if config is None:
         given = getattr(args, "deepspeed", None)
         config = load_ds_config(given) if given else {}
-    return config.get("gnmr") if isinstance(config, dict) else None
+    if not isinstance(config, dict):
+        return None
+    check_block_name(config, "GNMRCallback: the DeepSpeed config")
+    return config.get("gnmr")
 
 
 def _block_enabled(block: Any) -> bool:
