@@ -16,8 +16,9 @@ records without them read as before. docs/telemetry.md#the-trace shows every fie
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -25,6 +26,8 @@ import torch
 
 from gnmr_dist.core import Decision, GNMRConfig
 from gnmr_dist.telemetry.selection import set_figures
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "ProbeRecord",
@@ -142,10 +145,13 @@ class ProbeRecord:
 class TraceWriter:
     """Writes one line per decision to ``path``.
 
-    A new run truncates the file and writes the header. A resumed run passes ``resume_after``
-    (the last step the restored controller had decided): records after it, written by the
-    interrupted run after its checkpoint, are dropped so every step appears once and a replay
-    reproduces the run.
+    A new run writes the header to a new file. A trace already at ``path`` (an earlier run in
+    the same folder, or a restart whose GNMR state was missing or corrupt and started fresh) is
+    never overwritten: it is renamed to the first free ``<stem>.<n><suffix>`` (``trace.1.jsonl``)
+    and the new header names it (``meta["previous_trace"]``). A resumed run passes
+    ``resume_after`` (the last step the restored controller had decided): records after it,
+    written by the interrupted run after its checkpoint, are dropped so every step appears once
+    and a replay reproduces the run.
     """
 
     def __init__(
@@ -157,8 +163,27 @@ class TraceWriter:
             self._truncate_after(resume_after)
             self._fh: IO[str] = self.path.open("a", encoding="utf-8")
         else:
+            previous = self._set_aside()
+            if previous is not None:
+                header = replace(header, meta={**header.meta, "previous_trace": previous.name})
             self._fh = self.path.open("w", encoding="utf-8")
             self._write(header.to_json())
+
+    def _set_aside(self) -> Path | None:
+        """Rename a non-empty trace at :attr:`path` to the first free numbered name."""
+        if not self.path.is_file() or self.path.stat().st_size == 0:
+            return None
+        n = 1
+        while (kept := self.path.with_name(f"{self.path.stem}.{n}{self.path.suffix}")).exists():
+            n += 1
+        self.path.rename(kept)
+        logger.warning(
+            "gnmr: %s already held a trace (an earlier run, or a restart whose GNMR state "
+            "started fresh); it is kept as %s and this run's trace starts anew",
+            self.path,
+            kept,
+        )
+        return kept
 
     def _truncate_after(self, step: int) -> None:
         lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
