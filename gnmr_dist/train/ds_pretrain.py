@@ -93,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--no-resume", action="store_true", help="ignore RUN_DIR/checkpoint")
     g.add_argument(
+        "--observe",
+        action="store_true",
+        help='a config without a "gnmr" block: record the norms with the default policy and '
+        "no backend (without this flag such a config is refused)",
+    )
+    g.add_argument(
         "--fail-at",
         type=int,
         default=None,
@@ -180,6 +186,7 @@ def _validate(
             "Face directory, e.g. a previous run's RUN_DIR/hf_model)"
         )
     check_block_name(config, str(args.config))
+    _check_observe(config, args)
     gnmr = _check_gnmr(config.get("gnmr", {}), f"{args.config}: gnmr", args.run_dir, check_host)
     refuse_auto(config, args.config)
     check_batch(config, world)
@@ -225,6 +232,22 @@ def check_monitors(config: Mapping[str, Any]) -> None:
                 f"the config enables DeepSpeed's {block} monitor but {package} is not installed: "
                 f"pip install {package}, or use csv_monitor, or set {block}.enabled to false"
             )
+
+
+def _check_observe(config: Mapping[str, Any], args: argparse.Namespace) -> None:
+    """A config without a ``"gnmr"`` block runs only with ``--observe`` (and that flag only
+    without one): a GNMR program silently observing is the silent corner issue 33 closes."""
+    if "gnmr" not in config and not args.observe:
+        raise ValueError(
+            f'{args.config}: no "gnmr" block, so this run has no GNMR settings; add one (e.g. '
+            '"gnmr": {"backend": "act_quant", "max_active": 2}), set "gnmr": null to train plain '
+            "DeepSpeed, or pass --observe to record the norms with the default policy"
+        )
+    if "gnmr" in config and args.observe:
+        raise ValueError(
+            f'--observe is for a config without a "gnmr" block, and {args.config} has one; '
+            'drop --observe, or set "backend": null in the block to observe with its policy'
+        )
 
 
 def _check_gnmr(block: Any, path: str, run_dir: str, check_host: bool = True) -> GNMRBlock:

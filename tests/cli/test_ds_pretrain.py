@@ -207,3 +207,26 @@ def test_fail_at_kills_the_last_rank_on_the_first_attempt_only():
     env["TORCHELASTIC_RESTART_COUNT"] = "1"
     again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert again.returncode == 0 and again.stdout.strip() == "survived"
+
+
+def test_a_config_without_a_block_is_refused_unless_told_to_observe(tmp_path, capsys):
+    """Issue 33, item 1: gnmr-ds-pretrain observed silently with the default policy when the
+    config had no "gnmr" block; now it says so in one line and needs --observe."""
+    from gnmr_dist.train.ds_pretrain import parse_args
+
+    path = tmp_path / "ds.json"
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+    }
+    path.write_text(json.dumps(config))
+    argv = ["--config", str(path), "--run-dir", str(tmp_path / "run")]
+    with pytest.raises(SystemExit):
+        parse_args(argv, world_size=1)
+    assert 'ds.json: no "gnmr" block, so this run has no GNMR settings' in capsys.readouterr().err
+    observed = parse_args([*argv, "--observe"], world_size=1)
+    assert observed.gnmr_block.enabled and observed.gnmr_block.backend is None
+    path.write_text(json.dumps({**config, "gnmr": {"backend": "act_quant"}}))
+    with pytest.raises(SystemExit):
+        parse_args([*argv, "--observe"], world_size=1)
+    assert '--observe is for a config without a "gnmr" block' in capsys.readouterr().err
