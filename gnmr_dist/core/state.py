@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_invariants", "check_state"]
+__all__ = ["StateMismatchError", "check_invariants", "check_state"]
 
 _TENSORS: dict[str, torch.dtype] = {
     "eligible": torch.bool,
@@ -43,6 +43,11 @@ _KEYS = ("version", "num_units", "step", "config", *_TENSORS)
 _FIX = "(is this checkpoint from another model or run? start fresh with a new controller instead)"
 
 
+class StateMismatchError(ValueError):
+    """A readable, intact state saved under other settings (unit count, window, format): not
+    corruption, so the fix is the settings it was saved with, not another copy of the file."""
+
+
 def _expect_tensor(
     state: Mapping[str, Any], key: str, shape: tuple[int, ...], dtype: torch.dtype
 ) -> None:
@@ -52,7 +57,7 @@ def _expect_tensor(
             f"GNMR state is corrupted: {key!r} is {type(value).__name__}, not a tensor"
         )
     if tuple(value.shape) != shape or value.dtype != dtype:
-        raise ValueError(
+        raise StateMismatchError(
             f"GNMR state does not fit: {key!r} is {value.dtype} {list(value.shape)}, "
             f"expected {dtype} {list(shape)} {_FIX}"
         )
@@ -141,19 +146,19 @@ def check_state(state: Mapping[str, Any], num_units: int, window: int, version: 
     if missing:
         raise ValueError(f"GNMR state is corrupted or not a GNMR state: missing {missing}")
     if state["version"] != version:
-        raise ValueError(
+        raise StateMismatchError(
             f"GNMR state has format version {state['version']!r}; this gnmr-dist reads version "
             f"{version}. Use the gnmr-dist release that wrote it, or start fresh."
         )
     if state["num_units"] != num_units:
-        raise ValueError(
+        raise StateMismatchError(
             f"GNMR state has num_units={state['num_units']}, this controller has {num_units} {_FIX}"
         )
     if not isinstance(state["config"], Mapping):
         raise ValueError(f"GNMR state is corrupted: config is {type(state['config']).__name__}")
     saved_window = state["config"].get("window")
     if saved_window != window:
-        raise ValueError(
+        raise StateMismatchError(
             f"GNMR state was saved with window={saved_window}, the config has window={window}; "
             "the window length cannot change on resume: set window back to it"
         )

@@ -31,6 +31,7 @@ import torch
 
 from gnmr_dist.core import Decision, GNMRConfig, GNMRController
 from gnmr_dist.core.integrity import open_state, seal
+from gnmr_dist.core.state import StateMismatchError
 from gnmr_dist.distributed.comm import Group, all_gather_objects
 from gnmr_dist.distributed.monitor import ErrorFn, GradFn, GradNormMonitor, UnitNorms
 from gnmr_dist.distributed.units import UnitRegistry
@@ -252,7 +253,7 @@ class GNMRRuntime:
         if not isinstance(names, list) or names != list(self.registry.names):
             names = list(names) if isinstance(names, list | tuple) else []
             diff = sorted(set(map(str, names)) ^ set(self.registry.names))[:5]
-            raise ValueError(
+            raise StateMismatchError(
                 f"GNMR state was saved for {len(names)} units, this model has "
                 f"{self.registry.num_units}; first differing names: {diff}. The unit list must "
                 "match (same model, granularity and include/exclude patterns)."

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from gnmr_dist.core.state import StateMismatchError
 from gnmr_dist.integrations.config import GNMRBlock
 
 __all__ = ["read_state", "restart_drill", "restore_or_refuse", "write_atomic"]
@@ -59,14 +60,26 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+_TORCH_MAGIC = (b"PK\x03\x04", b"\x80")
+"""How a ``torch.save`` file starts: a zip archive (torch >= 1.6) or a (legacy) pickle."""
+
+
 def read_state(path: str | os.PathLike[str]) -> tuple[str, Any]:
     """``("ok", state)``, ``("missing", None)`` or ``("corrupted", reason)``."""
     if not Path(path).is_file():
         return "missing", None
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+    if not head:
+        return "corrupted", f"{path} is empty (0 bytes), not a GNMR state"
+    if not head.startswith(_TORCH_MAGIC):
+        return "corrupted", (
+            f"{path} is not a GNMR state: torch.save did not write it (it starts with {head!r})"
+        )
     try:
         return "ok", torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # any unreadable file is reported the same way, with its reason
-        return "corrupted", f"{type(err).__name__}: {err}"
+        return "corrupted", f"{path} is not a readable GNMR state ({type(err).__name__}: {err})"
 
 
 def restore_or_refuse(block: GNMRBlock, where: str, found: tuple[str, Any], session: Any) -> bool:
@@ -95,12 +108,13 @@ def restore_or_refuse(block: GNMRBlock, where: str, found: tuple[str, Any], sess
             "purpose."
         )
     reason = payload if kind == "corrupted" else None
+    mismatch = False
     if reason is None:
         try:
             session.load_state_dict(payload)
             return True
         except (KeyError, TypeError, ValueError) as err:
-            reason = str(err)
+            reason, mismatch = str(err), isinstance(err, StateMismatchError)
     if block.on_corrupt_state == "fresh":
         logger.warning(
             "gnmr: the GNMR state of %s is unusable (%s); the controller starts "
@@ -110,6 +124,12 @@ def restore_or_refuse(block: GNMRBlock, where: str, found: tuple[str, Any], sess
         )
         session.reset()
         return False
+    if mismatch:
+        raise ValueError(
+            f"gnmr: the GNMR state of {where} is intact but was saved under other settings: "
+            f"{reason}. Resume with the settings it was saved with; to start the controller "
+            'fresh on purpose set "on_corrupt_state": "fresh" in the gnmr block.'
+        )
     raise ValueError(
         f"gnmr: cannot restore the GNMR state of {where}: {reason}. Restore the checkpoint from "
         "a good copy or resume from an earlier one; to start the controller fresh on purpose set "
