@@ -464,6 +464,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def rates_line(summary: Mapping[str, Any]) -> str:
+    """The summary's line on exceedances and recovery, counted after the warm-up; a run that
+    never left its warm-up has no such figures, and says so instead of printing 0%."""
+    warmup, skipped = summary["warmup_steps"], f"{summary['skipped_steps']:.0f} skipped steps"
+    if summary["steps"] <= warmup:
+        return (
+            f"  no exceedance or recovery figures: all {summary['steps']} steps were within the "
+            f"{warmup} warm-up steps (gnmr.warmup_steps), when GNMR only learns the norms; "
+            f"{skipped}"
+        )
+    counted = f" after the {warmup} warm-up steps" if warmup else ""
+    return (
+        f"  exceedances {100 * summary['exceedance_rate']:.3f}% and recovery "
+        f"{100 * summary['recovery_rate']:.3f}% of the eligible unit-steps{counted}; {skipped}"
+    )
+
+
 def _finish(run: Path, summary: dict[str, Any], title: str) -> None:
     from gnmr_dist.telemetry.report import draw_report
 
@@ -484,12 +501,5 @@ def _finish(run: Path, summary: dict[str, Any], title: str) -> None:
         f"loss {summary['heldout_loss']:.3f} (perplexity {summary['heldout_ppl']:.1f})"
     )
     if "exceedance_rate" in summary:
-        counted = (
-            f"after the {summary['warmup_steps']} warm-up steps" if summary["warmup_steps"] else ""
-        )
-        print(
-            f"  exceedances {100 * summary['exceedance_rate']:.3f}% and recovery "
-            f"{100 * summary['recovery_rate']:.3f}% of the eligible unit-steps {counted}; "
-            f"{summary['skipped_steps']:.0f} skipped steps"
-        )
+        print(rates_line(summary))
     print(f"  run folder: {run}/ (trace.jsonl, report.png, summary.json, checkpoint/, hf_model/)")

@@ -230,3 +230,18 @@ def test_a_config_without_a_block_is_refused_unless_told_to_observe(tmp_path, ca
     with pytest.raises(SystemExit):
         parse_args([*argv, "--observe"], world_size=1)
     assert '--observe is for a config without a "gnmr" block' in capsys.readouterr().err
+
+
+def test_the_summary_does_not_print_rates_for_a_run_inside_its_warm_up():
+    """Issue 33, item 6: "0.000% ... after the 20 warm-up steps" when every step was warm-up."""
+    from gnmr_dist.train.ds_pretrain import rates_line
+
+    run = {"warmup_steps": 20, "skipped_steps": 0, "exceedance_rate": 0.0, "recovery_rate": 0.0}
+    assert rates_line({**run, "steps": 20}) == (
+        "  no exceedance or recovery figures: all 20 steps were within the 20 warm-up steps "
+        "(gnmr.warmup_steps), when GNMR only learns the norms; 0 skipped steps"
+    )
+    assert rates_line({**run, "steps": 21, "exceedance_rate": 0.05}) == (
+        "  exceedances 5.000% and recovery 0.000% of the eligible unit-steps after the 20 "
+        "warm-up steps; 0 skipped steps"
+    )
