@@ -94,7 +94,7 @@ class TEFp8Backend(PrecisionBackend):
         check_pair(self.low_cost.recipe, self.recovery.recipe)
         self.amax_reduction_group = amax_reduction_group
         """Process group over which delayed-scaling amaxes are reduced (None: this rank)."""
-        self._te = load_te()
+        self._te = load_te(fp4="nvfp4" in (self.low_cost.recipe, self.recovery.recipe))
         self.low_cost_recipe = self._recipe(self.low_cost.recipe)
         """The TE recipe object of the outer region."""
         self.recovery_recipe = (

@@ -79,8 +79,17 @@ def _te_version(root: types.ModuleType) -> str:
         return "unknown"
 
 
-def load_te() -> TE:
-    """Import Transformer Engine, or raise an ``ImportError`` that says what to do."""
+FP4_HINT = (
+    "Recipe 'nvfp4' also needs FP4 GEMMs: an NVIDIA GPU of compute capability {need} or higher "
+    "(Blackwell). On any other device the 'fp8_emulated' backend runs NVFP4 emulated "
+    '(low_cost {{"format": "e2m1"}}).'
+)
+"""What an ``nvfp4`` request adds to a refusal: the GPU it needs and the emulated route."""
+
+
+def load_te(fp4: bool = False) -> TE:
+    """Import Transformer Engine, or raise an ``ImportError`` that says what to do (``fp4``:
+    the run asked for NVFP4, so the message also names the GPU it needs, :data:`FP4_HINT`)."""
     try:
         root = importlib.import_module("transformer_engine")
         te_pytorch = importlib.import_module("transformer_engine.pytorch")
@@ -91,12 +100,16 @@ def load_te() -> TE:
             "the 'te_fp8' backend needs NVIDIA Transformer Engine and a CUDA GPU "
             f"(import failed: {err}; {cuda}). Install it on a GPU machine with "
             "`pip install --no-build-isolation transformer_engine[pytorch]` (or use an NGC "
-            f"PyTorch container). {NO_TE_HINT}"
+            f"PyTorch container). {_fp4_hint() if fp4 else NO_TE_HINT}"
         ) from err
     new = hasattr(te_pytorch, "autocast")
     if not new and not hasattr(te_pytorch, "fp8_autocast"):
         raise ImportError(f"transformer_engine {_te_version(root)} has no fp8_autocast/autocast")
     return TE(_te_version(root), te_pytorch, recipe, new)
+
+
+def _fp4_hint() -> str:
+    return FP4_HINT.format(need=".".join(map(str, FP4_MIN_CAPABILITY)))
 
 
 def _support(te: TE, kind: str) -> tuple[bool, str] | None:

@@ -242,3 +242,21 @@ def test_megatron_enum_and_fields_this_backend_reads_exist(mcore):
     fields = module.TEQuantizationRecipe.__dataclass_fields__
     assert "fp4_quantization_recipe" in fields and "override_quantized_autocast" in fields
     assert isinstance(module.Fp4Recipe.nvfp4, enum.Enum)
+
+
+def test_nvfp4_without_transformer_engine_names_the_gpu_and_the_emulated_route():
+    """Issue 33, item 6: the refusal on a host without TE (a CPU) was the generic "needs
+    Transformer Engine and a CUDA GPU"; asked for NVFP4 it names Blackwell and fp8_emulated."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("Transformer Engine is installed here: its import does not fail")
+    with pytest.raises(ImportError) as err:
+        get_backend("te_fp8", low_cost={"recipe": "nvfp4"}, recovery={"recipe": "bf16"})
+    assert "Recipe 'nvfp4' also needs FP4 GEMMs: an NVIDIA GPU of compute capability 10.0" in str(
+        err.value
+    )
+    assert "the 'fp8_emulated' backend runs NVFP4 emulated" in str(err.value)
+    with pytest.raises(ImportError) as fp8:
+        get_backend("te_fp8", low_cost={"recipe": "tensorwise"}, recovery={"recipe": "bf16"})
+    assert "nvfp4" not in str(fp8.value) and "use the 'fp8_emulated' backend" in str(fp8.value)
