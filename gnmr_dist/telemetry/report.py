@@ -5,9 +5,9 @@ The figure has four panels over the optimizer steps of a recorded trace:
 1. the loss (``extra.loss``; the global gradient norm when the run logged no loss);
 2. the per-unit risk ``max(GNMR / alpha_t, dGNMR / beta_t)`` as a units x steps heatmap on a log
    colour scale centred on the threshold 1 (red exceeds, blue is calm, black is a non-finite
-   norm), with the units the run put on the recovery path drawn over it;
-3. the fraction of eligible units that exceeded the threshold, and the fraction on the recovery
-   path, at every step, with their run averages after warm-up in the legend;
+   norm), with a circle where a unit ran the recovery path (at the step after it was chosen);
+3. the fraction of eligible units that exceeded the threshold, and the fraction chosen for the
+   next step's recovery path, at every step, with their run averages after warm-up in the legend;
 4. a text summary: steps, units, budget, policy and the two rates.
 
 A trace stores norms, not risk: the risk is recomputed by replaying the norms through a
@@ -117,6 +117,8 @@ def summarise(
     for i, r in enumerate(records):
         active[i, list(r["active"])] = True
     recovery = active.sum(dim=1).double() / n_elig
+    ran = torch.zeros_like(active)  # a decision runs at the next step: A_t is the plan of t + 1
+    ran[1:] = active[:-1]
     scored = torch.arange(1, len(records) + 1) > header.config.warmup_steps
     n_scored = int(scored.sum())
     return {
@@ -132,6 +134,7 @@ def summarise(
         "_exceed": exceed,
         "_recovery": recovery,
         "_active": active,
+        "_ran": ran,
     }
 
 
@@ -273,7 +276,7 @@ def _draw_heatmap(
         norm=LogNorm(vmin=1.0 / span, vmax=span),
         extent=(0.5, steps + 0.5, units - 0.5, -0.5),
     )
-    act_u, act_t = torch.nonzero(s["_active"].T, as_tuple=True)
+    act_u, act_t = torch.nonzero(s["_ran"].T, as_tuple=True)
     ax.scatter(
         (act_t + 1).numpy(),
         act_u.numpy(),
@@ -291,7 +294,8 @@ def _draw_heatmap(
     _label_units(ax, header)
     ax.set_ylabel("unit")
     ax.set_title(
-        "Per-unit risk (red > 1 exceeds; black = non-finite norm; o = on recovery path)",
+        "Per-unit risk (red > 1 exceeds; black = non-finite norm; o = ran the recovery path, "
+        "chosen the step before)",
         loc="left",
         fontsize=11,
     )
@@ -336,7 +340,7 @@ def _draw_fractions(ax: Any, steps: list[int], s: dict[str, Any], warmup: int) -
         ls="--",
         marker=marker,
         ms=3,
-        label=f"on recovery path (avg {100 * s['recovery_rate']:.3g}%)",
+        label=f"chosen for the next step's recovery path (avg {100 * s['recovery_rate']:.3g}%)",
     )
     if warmup > 0:
         ax.axvspan(0.5, min(warmup, len(steps)) + 0.5, color="0.85", zorder=0, label="warm-up")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.requires import require
 
@@ -85,3 +86,22 @@ def test_report_of_a_trace_with_error_scores(tmp_path):
     scored = [d for d in decisions if d.step > CFG.warmup_steps]
     want = sum(d.telemetry.num_exceed_eligible for d in scored) / (len(scored) * 5)
     assert s["exceedance_rate"] == pytest.approx(want) and s["config"]["gamma"] == 0.5
+
+
+def test_the_heatmap_circles_a_unit_at_the_step_it_ran_recovery(tmp_path):
+    """Issue 33, item 6: the circle was drawn at the step a unit was chosen, one step before it
+    ran the recovery path; decision A_t is the plan of step t + 1."""
+    from gnmr_dist.telemetry import read_trace
+    from gnmr_dist.telemetry.replay import decisions
+    from gnmr_dist.telemetry.report import summarise
+
+    trace = tmp_path / "trace.jsonl"
+    chosen = record(trace)
+    header, norms, records = read_trace(trace)
+    risk = torch.stack([d.risk for d in decisions(norms, header.config, header.eligible)])
+    s = summarise(header, norms, records, risk)
+    first = next(t for t, d in enumerate(chosen) if d.active)  # 0-based row of the decision
+    assert s["_active"][first].any() and not s["_ran"][first].any()
+    for t, d in enumerate(chosen[:-1]):
+        assert s["_ran"][t + 1].nonzero().flatten().tolist() == list(d.active)
+    assert not s["_ran"][0].any()  # the first step ran the empty initial plan
