@@ -191,6 +191,8 @@ def _validate(
     refuse_auto(config, args.config)
     check_batch(config, world)
     check_monitors(config)
+    if check_host:
+        note_cpu_optimizer_build(config)
     return gnmr
 
 
@@ -232,6 +234,23 @@ def check_monitors(config: Mapping[str, Any]) -> None:
                 f"the config enables DeepSpeed's {block} monitor but {package} is not installed: "
                 f"pip install {package}, or use csv_monitor, or set {block}.enabled to false"
             )
+
+
+def note_cpu_optimizer_build(config: Mapping[str, Any]) -> None:
+    """On a host without CUDA, say that DeepSpeed compiles its fused Adam for ``"type":
+    "Adam"/"AdamW"`` before the first step (1-2 minutes, then cached), and how to skip it: the
+    wait was silent (issue 33: the shipped NVFP4 config on a CPU)."""
+    optimizer = config.get("optimizer") or {}
+    kind = str(optimizer.get("type", "")).lower()
+    params = optimizer.get("params") or {}
+    if torch.cuda.is_available() or kind not in ("adam", "adamw") or params.get("torch_adam"):
+        return
+    logger.warning(
+        "optimizer.type %r: on this CPU host DeepSpeed compiles its fused Adam op before the "
+        "first step (1-2 minutes, then cached under TORCH_EXTENSIONS_DIR); set "
+        '"optimizer.params.torch_adam": true to use torch\'s AdamW instead',
+        optimizer.get("type"),
+    )
 
 
 def _check_observe(config: Mapping[str, Any], args: argparse.Namespace) -> None:

@@ -245,3 +245,22 @@ def test_the_summary_does_not_print_rates_for_a_run_inside_its_warm_up():
         "  exceedances 5.000% and recovery 0.000% of the eligible unit-steps after the 20 "
         "warm-up steps; 0 skipped steps"
     )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the note is for hosts without CUDA")
+def test_a_fused_adam_build_on_a_cpu_is_announced_with_the_way_around_it(tmp_path, caplog):
+    """Issue 33, item 6: the shipped NVFP4 config spent 2 minutes building FusedAdam, silently."""
+    from gnmr_dist.train.ds_pretrain import parse_args
+
+    config = load_ds_config(ROOT / "configs" / "deepspeed" / "llama2_130m_nvfp4.hjson")
+    assert config["optimizer"]["type"] == "AdamW"
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    parse_args(["--config", str(path), "--run-dir", str(tmp_path / "run")], world_size=1)
+    assert "on this CPU host DeepSpeed compiles its fused Adam op" in caplog.text
+    assert '"optimizer.params.torch_adam": true' in caplog.text
+    caplog.clear()
+    config["optimizer"]["params"]["torch_adam"] = True
+    path.write_text(json.dumps(config))
+    parse_args(["--config", str(path), "--run-dir", str(tmp_path / "run")], world_size=1)
+    assert "fused Adam" not in caplog.text
