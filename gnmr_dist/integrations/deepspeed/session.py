@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gnmr_dist.backends import PrecisionBackend
+from gnmr_dist.backends import PrecisionBackend, StepReport
 from gnmr_dist.core import Decision
 from gnmr_dist.distributed import GNMRRuntime, UnitNorms, UnitRegistry
 from gnmr_dist.distributed.probe import ProbeResult, RecoveryProbe
@@ -123,6 +123,10 @@ class DeepSpeedGNMR(IntegrationSession):
         """The recovery-gap probe (``gnmr.probe``; ``None``: off)."""
         self.last_probe: ProbeRecord | None = None
         """The last probe step's measurements and graded sets (identical on every rank)."""
+        self.last_report: StepReport | None = None
+        """Which path each unit ran in the last optimizer step, read before the next plan is
+        applied (``backend.report()`` itself restarts with every plan, so after
+        ``engine.step()`` it is the new step's, still empty); ``None`` before the first step."""
         self._dp = dp
         self._probe_due = False  # the next training forward opens a cycle whose plan is fresh
         self._measured: tuple[ProbeResult, float] | None = None
@@ -234,6 +238,8 @@ class DeepSpeedGNMR(IntegrationSession):
         return float(getattr(self.engine.optimizer, "loss_scale", 1.0) or 1.0)
 
     def _after_step(self, norms: UnitNorms) -> None:
+        if self.backend is not None:  # read before apply() starts the next step's report
+            self.last_report = self.backend.report()
         if not self.engine.was_step_applied():
             self.skipped += 1
             logger.warning(

@@ -211,7 +211,7 @@ def _spike_worker(rank, world, spike_step, steps):
     dsc.no_shm_build()
     engine, *_ = gds.initialize(model=dsc.llama(), config=dsc.ds_config(2, "fp32", GNMR))
     target = engine.module.model.layers[1].mlp.up_proj.weight
-    reports, decisions = [], []
+    reports, decisions, after = [], [], []
     for step in range(1, steps + 1):
         handle = target.register_hook(lambda g: g * 50) if step == spike_step else None
         loss = engine(input_ids=dsc.batch(step, rank), labels=dsc.batch(step, rank)).loss
@@ -221,19 +221,23 @@ def _spike_worker(rank, world, spike_step, steps):
         if handle is not None:
             handle.remove()
         decisions.append(engine.gnmr.last_decision.active)
-    return engine.gnmr.registry.names, decisions, reports
+        after.append((engine.gnmr.last_report, dict(engine.gnmr.backend.report().ran)))
+    return engine.gnmr.registry.names, decisions, reports, after
 
 
 def test_spike_selected_at_k_and_recovered_at_k_plus_one():
     k = 8
     results = multiproc.run(_spike_worker, 2, k, k + 2)
-    names, decisions, reports = results[0]
+    names, decisions, reports, after = results[0]
     assert results[1][1] == decisions
     unit = names.index("model.layers.1.mlp.up_proj")
     assert unit in decisions[k - 1] and all(unit not in d for d in decisions[: k - 1])
     assert unit in reports[k].recovered  # step k + 1 ran it on the recovery path
     assert unit not in reports[k - 1].recovered  # step k itself still ran low-cost
     assert reports[k].step == k + 1
+    # read after engine.step(): last_report is the step just taken, backend.report() the next
+    # step's, empty until its forward (issue 33, item 6)
+    assert [a[0] for a in after] == reports and all(a[1] == {} for a in after)
 
 
 def _train(engine, rank, first, last, spike_at=25):
