@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -156,6 +157,25 @@ def cpu_argv(argv: Sequence[str]) -> list[str]:
     return out
 
 
+def one_connection_env(argv: Sequence[str]) -> bool:
+    """Set ``CUDA_DEVICE_MAX_CONNECTIONS=1`` when ``argv`` asks for tensor or context
+    parallelism and the variable is unset: Megatron-LM's ``validate_args`` requires it there
+    (the kernel ordering its overlapped communication relies on), and on a CPU host nothing else
+    sets it, so the run stopped on megatron's assertion. Returns whether it set it."""
+
+    def size(flag: str) -> int:
+        return int(argv[argv.index(flag) + 1]) if flag in argv[:-1] else 1
+
+    parallel = size("--tensor-model-parallel-size") > 1 or size("--context-parallel-size") > 1
+    if not parallel or "CUDA_DEVICE_MAX_CONNECTIONS" in os.environ:
+        return False
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    logger.info(
+        "no CUDA: set CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron-LM requires it with TP/CP > 1)"
+    )
+    return True
+
+
 def gnmr_block(args: argparse.Namespace, check_host: bool = True) -> GNMRBlock | None:
     """The effective ``"gnmr"`` block (file, then the overrides), or ``None`` without a file.
 
@@ -253,6 +273,7 @@ def attach_from_argv(
         from gnmr_dist.integrations.megatron.cpu import enable_cpu_compat
 
         words = cpu_argv(words)
+        one_connection_env(words)
         enable_cpu_compat(training=True)
     given = gnmr_namespace(words)
     drills = drills_of(given)

@@ -2,8 +2,9 @@
 
 Its providers are not ``gnmr-megatron-pretrain``'s: a GPT from megatron-core's local layer spec
 with LayerNorm and a GELU MLP, a synthetic token data set (deterministic per index), and a
-forward step that reads its batch straight from the iterator. Run under torchrun with
-Megatron-LM's flags plus ``--gnmr-config`` (``tests/integrations/megatron/test_megatron_lm.py``).
+forward step that reads its batch on tensor-parallel rank 0 and broadcasts it. Run under
+torchrun with Megatron-LM's flags plus ``--gnmr-config``
+(``tests/integrations/megatron/test_megatron_lm.py``).
 """
 
 from __future__ import annotations
@@ -66,8 +67,28 @@ def _loss(mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, torch
     return loss, tokens, {"lm loss": torch.cat([loss.detach().view(1), tokens.view(1)])}
 
 
+def _batch(data_iterator: Any) -> dict[str, torch.Tensor]:
+    """Megatron builds the iterator on tensor-parallel rank 0 only: that rank reads the batch
+    and broadcasts it over its tensor-parallel group (as ``get_batch_on_this_tp_rank`` does)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.training import get_args
+
+    args = get_args()
+    shape = (args.micro_batch_size, args.seq_length)
+    dtypes = {"tokens": torch.int64, "labels": torch.int64, "position_ids": torch.int64}
+    dtypes["loss_mask"] = torch.float32
+    data = next(data_iterator) if data_iterator is not None else None
+    batch = {k: torch.empty(shape, dtype=d) if data is None else data[k] for k, d in dtypes.items()}
+    group = parallel_state.get_tensor_model_parallel_group()
+    source = parallel_state.get_tensor_model_parallel_src_rank()
+    for value in batch.values():
+        dist.broadcast(value, source, group=group)
+    return batch
+
+
 def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
-    batch = next(data_iterator)
+    batch = _batch(data_iterator)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, partial(_loss, batch["loss_mask"].float())
 

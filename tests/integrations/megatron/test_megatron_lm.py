@@ -284,6 +284,29 @@ def test_a_pretrain_script_of_its_own_gets_gnmr_from_two_lines(work):
         assert a["active"] == b["active"] and a["norms"] == pytest.approx(b["norms"], rel=1e-5)
 
 
+def test_an_own_script_at_tp2_on_cpu_needs_no_cuda_device_max_connections(work):
+    """Issue 33, item 5: at TP 2 Megatron-LM asserts CUDA_DEVICE_MAX_CONNECTIONS=1, which
+    nothing set on a CPU host; ``attach_from_argv`` sets it (and says so) when it is unset."""
+    script = Path(__file__).with_name("own_pretrain.py")
+    iters = OWN.index("--train-iters") + 1
+    args = [*OWN[:iters], "4", *OWN[iters + 1 :], "--tensor-model-parallel-size", "2"]
+    args += ["--gnmr-config", str(work / "gnmr.json"), "--gnmr-trace", str(work / "tp2.jsonl")]
+    env = {k: v for k, v in _env().items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [*torchrun(2), str(script), *args],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-6000:]
+    assert "no CUDA: set CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron-LM requires it" in out
+    assert [r["step"] for r in _trace(work / "tp2.jsonl")] == [1, 2, 3, 4]
+
+
 def test_help_lists_the_gnmr_flags_from_the_venv_as_it_is():
     """``gnmr-megatron-pretrain --help`` in ``make``'s venv, no extra environment: megatron's
     own flags and GNMR's (megatron's first parse, ``ft_integration.setup``, has no
