@@ -249,6 +249,18 @@ def print_help(extra_args_provider: ArgsProvider | None = None) -> None:
     add_gnmr_args(parser).print_help()
 
 
+def _in_spawned_helper() -> bool:
+    """Whether this is a ``multiprocessing`` child re-importing the script as ``__mp_main__``
+    (megatron's checkpoint writer, a data-loader worker under spawn): a script that calls
+    :func:`attach_from_argv` at module level runs it again there, where there is no training
+    to attach to, and its failure surfaced only as an ``EOFError`` at the first save."""
+    import multiprocessing
+
+    # the flag multiprocessing itself reads to refuse starting processes from that import
+    # (``multiprocessing.spawn._check_not_importing_main``)
+    return bool(getattr(multiprocessing.current_process(), "_inheriting", False))
+
+
 def attach_from_argv(
     extra_args_provider: ArgsProvider | None = None, *, argv: Sequence[str] | None = None
 ) -> ArgsProvider:
@@ -261,6 +273,9 @@ def attach_from_argv(
     sets ``sys.argv`` to the arguments megatron will parse. Raises ``ValueError`` naming what is
     wrong (the block, a flag, the megatron-core), ``RuntimeError`` when called twice.
     """
+    if _in_spawned_helper():
+        logger.debug("attach_from_argv: a spawned helper process re-imports the script; no GNMR")
+        return extra_args_provider or (lambda parser: parser)
     if attached() is not None:
         raise RuntimeError("attach_from_argv: GNMR is already attached in this process")
     require_training()

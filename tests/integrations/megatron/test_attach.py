@@ -95,3 +95,41 @@ def test_detach_puts_every_patched_attribute_back(monkeypatch):
     assert "step" not in vars(optimizer) and optimizer.step() == "stepped"
     assert attached() is None
     megatron_patches.detach()  # a second detach is a no-op
+
+
+SPAWNING_SCRIPT = """
+import multiprocessing
+from gnmr_dist.integrations.megatron.loop import attached
+from gnmr_dist.train.megatron_flags import attach_from_argv
+
+provider = attach_from_argv(argv=[])  # at module level, as a user's script may call it
+
+
+def helper(queue):
+    queue.put(attached() is None and callable(provider))
+
+
+if __name__ == "__main__":
+    spawn = multiprocessing.get_context("spawn")  # how megatron's checkpoint writer starts
+    queue = spawn.Queue()
+    child = spawn.Process(target=helper, args=(queue,))
+    child.start()
+    nothing = queue.get(timeout=120)
+    child.join()
+    print("helper attached nothing:", nothing, "exit", child.exitcode)
+    print("script attached:", attached() is not None)
+"""
+
+
+def test_a_spawned_helper_re_importing_the_script_attaches_nothing(tmp_path):
+    """Issue 33, item 5: ``attach_from_argv()`` at module level ran again in every spawned
+    helper (megatron's checkpoint writer re-imports the script as ``__mp_main__``); there it
+    is now a no-op that returns the provider, while the script itself is attached."""
+    script = tmp_path / "pretrain_mine.py"
+    script.write_text(SPAWNING_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "helper attached nothing: True exit 0" in done.stdout
+    assert "script attached: True" in done.stdout
