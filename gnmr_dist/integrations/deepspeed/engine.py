@@ -63,6 +63,7 @@ __all__ = [
     "initialize",
     "is_enabled",
     "load_ds_config",
+    "no_block_warned",
     "probe_loss",
 ]
 
@@ -94,6 +95,13 @@ _BUILT = [0]
 """How many engines :func:`initialize` has given GNMR in this process (read by
 :class:`~gnmr_dist.integrations.deepspeed.trainer.GNMRCallback`: an engine built without it is
 warned of)."""
+
+
+def no_block_warned() -> None:
+    """The caller (the Trainer callback) has warned that the config has no ``"gnmr"`` block:
+    an engine built from it while enabled does not warn a second time."""
+    if not _WARNED_NO_BLOCK:
+        _WARNED_NO_BLOCK.append(True)
 
 
 def engines_with_gnmr() -> int:

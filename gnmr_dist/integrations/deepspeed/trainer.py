@@ -20,13 +20,14 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from gnmr_dist.integrations.config import check_block_name
+from gnmr_dist.integrations.config import check_block_name, read_block
 from gnmr_dist.integrations.deepspeed.engine import (
     disable,
     enable,
     engines_with_gnmr,
     is_enabled,
     load_ds_config,
+    no_block_warned,
 )
 
 __all__ = ["GNMRCallback"]
@@ -55,25 +56,15 @@ class GNMRCallback(TrainerCallback):
         self._built = engines_with_gnmr()
         self._warned = False
 
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Check the run before any model or data work: at the end of ``Trainer.__init__``."""
+        self._check(args, state, control)
+
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Refuse a run without DeepSpeed (GNMR runs inside its engine: the callback would do
-        nothing); warn once when the config has no ``"gnmr"`` block, or enables one that no
-        engine got since the callback was made (Trainer builds its engine just before this)."""
-        if not _is_deepspeed(args):
-            self.on_train_end(args, state, control)
-            raise ValueError(
-                "GNMRCallback: TrainingArguments.deepspeed is not set, so this run has no "
-                "DeepSpeed engine for GNMR to run in. Give Trainer a DeepSpeed config with a "
-                '"gnmr" block (TrainingArguments(deepspeed=...)), or drop the callback'
-            )
-        block = _ds_block(args)
-        if block is None and not self._warned:
-            self._warned = True
-            logger.warning(
-                'gnmr: GNMRCallback is on, but the DeepSpeed config has no "gnmr" block: GNMR '
-                'is off for this run (add one, e.g. {"gnmr": {"backend": "act_quant", '
-                '"max_active": 2}})'
-            )
+        """The checks of :meth:`on_init_end` (for a callback added after the Trainer was made),
+        and a warning when the config enables a block that no engine got since the callback
+        was made (Trainer builds its engine just before this)."""
+        block = self._check(args, state, control)
         built = engines_with_gnmr() > self._built
         if _block_enabled(block) and not built and not self._warned:
             self._warned = True
@@ -83,6 +74,35 @@ class GNMRCallback(TrainerCallback):
                 "enable()) could hook deepspeed.initialize. Make the callback before the "
                 "Trainer, or the block is ignored"
             )
+
+    def _check(self, args: Any, state: Any, control: Any) -> Any:
+        """Refuse a run without DeepSpeed (GNMR runs inside its engine: the callback would do
+        nothing) and a bad ``"gnmr"`` block, each in one line with GNMR turned off again; warn
+        once, for the callback and the engine together, when the config has no block. Returns
+        the block as given (``None``: none)."""
+        try:
+            if not _is_deepspeed(args):
+                raise ValueError(
+                    "TrainingArguments.deepspeed is not set, so this run has no DeepSpeed engine "
+                    'for GNMR to run in. Give Trainer a DeepSpeed config with a "gnmr" block '
+                    "(TrainingArguments(deepspeed=...)), or drop the callback"
+                )
+            block = _ds_block(args)
+            if block is not None:
+                read_block(block, "gnmr")  # every key, value and backend option, now
+        except ValueError as err:
+            self.on_train_end(args, state, control)
+            message = str(err).removeprefix("GNMRCallback: ")
+            raise ValueError(f"GNMRCallback: {message}") from None
+        if block is None and not self._warned:
+            self._warned = True
+            no_block_warned()  # the engine, built later in train(), says nothing more
+            logger.warning(
+                'gnmr: GNMRCallback is on, but the DeepSpeed config has no "gnmr" block: GNMR '
+                'is off for this run (add one, e.g. {"gnmr": {"backend": "act_quant", '
+                '"max_active": 2}})'
+            )
+        return block
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Disable GNMR again if this callback enabled it."""

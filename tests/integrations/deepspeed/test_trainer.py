@@ -281,8 +281,8 @@ def test_the_lora_example_runs_on_cpu(tmp_path):
 
 
 def test_the_callback_refuses_a_run_without_deepspeed(tmp_path):
-    """A Trainer without a DeepSpeed config has no engine for GNMR: refused when training
-    starts, and GNMR turned off again."""
+    """A Trainer without a DeepSpeed config has no engine for GNMR: refused when the Trainer is
+    made, and GNMR turned off again."""
     from transformers import Trainer, TrainingArguments
 
     from gnmr_dist import GNMRCallback
@@ -293,11 +293,10 @@ def test_the_callback_refuses_a_run_without_deepspeed(tmp_path):
     )
     before = gds.is_enabled()
     callback = GNMRCallback()
-    trainer = Trainer(model=dsc.llama(), args=args, train_dataset=_Batches(2), callbacks=[callback])
     with pytest.raises(
-        ValueError, match=r"TrainingArguments.deepspeed is not set.*drop the callback"
-    ):
-        trainer.train()
+        ValueError, match=r"^GNMRCallback: TrainingArguments.deepspeed is not set.*the callback$"
+    ):  # at the end of Trainer.__init__, before any training set-up
+        Trainer(model=dsc.llama(), args=args, train_dataset=_Batches(2), callbacks=[callback])
     assert gds.is_enabled() == before  # as the callback found it
 
 
@@ -340,3 +339,60 @@ def test_enable_owns_both_patches_and_disable_puts_the_originals_back():
         gds.disable()
     assert not gds.is_enabled()
     assert deepspeed.initialize is initialize and vars(Trainer)["log"] is log
+
+
+def test_a_bad_block_is_refused_in_one_line_when_the_trainer_is_made(tmp_path):
+    """Issue 33, item 4: a bad block surfaced only inside ``trainer.train()`` (accelerate ->
+    ``deepspeed.initialize``), as a 14-frame traceback per rank, after model and data set-up."""
+    from transformers import Trainer, TrainingArguments
+
+    from gnmr_dist import GNMRCallback
+    from gnmr_dist.integrations.deepspeed import engine as gds
+
+    config = dsc.ds_config(0, gnmr={"backend": "act_quant", "max_activ": 2})
+    args = TrainingArguments(output_dir=str(tmp_path), deepspeed=config, report_to=[])
+    before = gds.is_enabled()
+    with pytest.raises(ValueError) as err:
+        Trainer(model=dsc.llama(), args=args, train_dataset=_Batches(2), callbacks=[GNMRCallback()])
+    assert str(err.value).startswith("GNMRCallback: unknown key gnmr.max_activ; ")
+    assert "did you mean 'max_active'?" in str(err.value) and "\n" not in str(err.value)
+    assert err.value.__cause__ is None and err.value.__suppress_context__
+    assert gds.is_enabled() == before
+
+
+def _no_block_worker(rank: int, world: int, out_dir: str) -> list[str]:
+    """A Trainer run with GNMRCallback and a DeepSpeed config without a block: the warnings."""
+    import logging
+
+    from transformers import Trainer, TrainingArguments
+
+    from gnmr_dist import GNMRCallback
+
+    records: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("gnmr_dist").addHandler(handler)
+    config = dsc.ds_config(0)
+    config["train_micro_batch_size_per_gpu"] = config["optimizer"]["params"]["lr"] = "auto"
+    args = TrainingArguments(
+        output_dir=out_dir,
+        deepspeed=config,
+        per_device_train_batch_size=dsc.BATCH,
+        max_steps=1,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_drop_last=True,
+    )
+    trainer = Trainer(
+        model=dsc.llama(), args=args, train_dataset=_Batches(world), callbacks=[GNMRCallback()]
+    )
+    trainer.train()
+    return [m for m in records if '"gnmr" block' in m]
+
+
+def test_a_config_without_a_block_is_warned_of_once_not_twice(tmp_path):
+    """Issue 33, item 4: the callback and the engine each warned; now only the callback does,
+    when the Trainer is made."""
+    said = multiproc.run(_no_block_worker, 1, str(tmp_path))[0]
+    assert len(said) == 1 and said[0].startswith("gnmr: GNMRCallback is on, but the DeepSpeed")
