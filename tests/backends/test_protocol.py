@@ -5,8 +5,10 @@ The contract tests run every registered backend (``tests/backends/registered.py`
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
+import typing
 
 import pytest
 import torch
@@ -161,3 +163,35 @@ def test_the_example_reader_refuses_a_docstring_without_one():
 
     with pytest.raises(AssertionError, match="does not end with its"):
         _gnmr_example(Bare)
+
+
+def test_an_own_backends_options_are_checked_by_their_annotations():
+    """Issue 33, item 3: ``"mantissa_bits": "2"`` crashed an own backend in its first forward
+    (or its ``__post_init__`` with a ``TypeError``); every option is checked against its
+    dataclass annotation when the backend is built, naming key, value and type."""
+    import tests.backends.external  # noqa: F401  (registers test_rounded, a user's package)
+    from gnmr_dist.backends.options import parse_options
+
+    with pytest.raises(ValueError) as err:
+        get_backend("test_rounded", low_cost={"mantissa_bits": "2"})
+    assert str(err.value) == "gnmr.low_cost.mantissa_bits: '2' is str, expected int"
+
+    @dataclasses.dataclass(frozen=True)
+    class Plain:  # no __post_init__ at all
+        bits: int = 4
+        scale: float = 1.0
+        mode: typing.Literal["a", "b"] = "a"
+        seed: int | None = None
+        shape: tuple[int, ...] = (1,)
+
+    assert parse_options(Plain, {"bits": 3, "scale": 2, "seed": None, "shape": [2]}, "p").bits == 3
+    for bad, message in [
+        ({"bits": True}, "p.bits: True is bool, expected int"),
+        ({"scale": "1"}, "p.scale: '1' is str, expected float"),
+        ({"mode": "c"}, "p.mode: 'c' is str, expected one of 'a', 'b'"),
+        ({"seed": 1.5}, "p.seed: 1.5 is float, expected int or None"),
+        ({"shape": 3}, "p.shape: 3 is int, expected tuple"),
+    ]:
+        with pytest.raises(ValueError) as err:
+            parse_options(Plain, bad, "p")
+        assert str(err.value) == message
