@@ -25,6 +25,8 @@ is first used (``from gnmr_dist.backends import get_backend``).
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -73,13 +75,40 @@ def register_backend(name: str) -> Callable[[B], B]:
     return register
 
 
+ENTRY_POINT_GROUP = "gnmr_dist.backends"
+"""The entry-point group an installed package names its backend modules in, e.g. in its
+``pyproject.toml``: ``[project.entry-points."gnmr_dist.backends"] mine = "my_pkg.backend"``."""
+
+
+@functools.cache
+def load_entry_points() -> tuple[str, ...]:
+    """Import, once per process, every module an installed package names in
+    :data:`ENTRY_POINT_GROUP` (importing it registers its backends): an own backend then runs
+    under the shipped programs with no flag and no ``PYTHONPATH``."""
+    loaded = []
+    for point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            point.load()
+        except Exception as err:  # a broken plug-in is named, not skipped
+            raise ImportError(
+                f"entry point {point.name} = {point.value!r} (group {ENTRY_POINT_GROUP!r}) "
+                f"failed to import: {type(err).__name__}: {err}"
+            ) from err
+        loaded.append(point.value)
+    return tuple(loaded)
+
+
 def backend_class(name: str) -> type[PrecisionBackend]:
-    """The class registered as ``name``."""
+    """The class registered as ``name`` (the installed plug-ins loaded first when needed)."""
+    if name not in BACKENDS:
+        load_entry_points()
     if name not in BACKENDS:
         raise ValueError(
             f"unknown backend {name!r}{did_you_mean(name, BACKENDS)} "
             f"(available: {', '.join(sorted(BACKENDS))}; a backend of your own is registered "
-            "with @gnmr_dist.backends.register_backend, in a module imported before the run)"
+            "with @gnmr_dist.backends.register_backend in a module that the programs import "
+            f"with --import MODULE (Megatron: --gnmr-import), or that your package names in "
+            f"the entry-point group {ENTRY_POINT_GROUP!r})"
         )
     return BACKENDS[name]
 
@@ -106,4 +135,5 @@ def registered_operator_types() -> frozenset[str]:
     a run chose (a unit no backend of the run switches is found all the same, and is
     ineligible).
     """
+    load_entry_points()
     return frozenset().union(*(cls.operator_types for cls in BACKENDS.values()))

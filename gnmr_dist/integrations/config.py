@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from gnmr_dist.backends import BACKENDS, TORCH, Operators, PrecisionBackend, get_backend
+from gnmr_dist.backends.registry import ENTRY_POINT_GROUP, load_entry_points
 from gnmr_dist.core import GNMRConfig
 from gnmr_dist.core.validation import check_choice, check_keys, check_positive_int, did_you_mean
 
@@ -185,11 +186,16 @@ def _backend(value: Any, path: str) -> str | None:
             f"{path} must be a backend name ({sorted(BACKENDS)}) or null to observe without "
             f"recovering, got {value!r}"
         )
+    if value not in BACKENDS:
+        load_entry_points()  # an installed package's own backends
     if value in BACKENDS:
         return value
     raise ValueError(
         f"{path}: unknown backend {value!r}{did_you_mean(value, BACKENDS)} (available: "
-        f"{sorted(BACKENDS)}, or null to observe without recovering)"
+        f"{sorted(BACKENDS)}, or null to observe without recovering; a backend of your own "
+        "registers with @register_backend in a module the programs import with --import MODULE "
+        f"(Megatron: --gnmr-import), or that your package names in the entry-point group "
+        f"{ENTRY_POINT_GROUP!r})"
     )
 
 

@@ -5,8 +5,10 @@ loss. Both read their ``"gnmr"`` block through the one reader,
 
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -38,6 +40,19 @@ class _BarAwareHandler(logging.StreamHandler):  # type: ignore[type-arg]
             cls.write(self.format(record), file=self.stream)
         except Exception:  # logging's own contract: a failing handler reports, never raises
             self.handleError(record)
+
+
+def import_modules(names: Sequence[str], flag: str) -> None:
+    """Import each module ``names`` lists (``flag``: the option that named it), so a backend of
+    one's own registers before the block is read; ``ValueError`` naming a module that fails."""
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as err:
+            raise ValueError(
+                f"{flag} {name}: cannot import it ({type(err).__name__}: {err}); give a module "
+                "on this Python's path (an installed package, or PYTHONPATH)"
+            ) from None
 
 
 def setup_logging(rank: int = 0) -> None:

@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from gnmr_dist.core.validation import did_you_mean
 from gnmr_dist.integrations.config import GNMRBlock, check_block_name, read_block
-from gnmr_dist.train.common import next_token_loss, setup_logging
+from gnmr_dist.train.common import import_modules, next_token_loss, setup_logging
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--no-resume", action="store_true", help="ignore RUN_DIR/checkpoint")
     g.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE before reading the config (it registers a backend of your own); "
+        "repeatable",
+    )
+    g.add_argument(
         "--observe",
         action="store_true",
         help='a config without a "gnmr" block: record the norms with the default policy and '
@@ -123,6 +132,7 @@ def parse_args(
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        import_modules(args.imports, "--import")
         config = _read_config(args.config)
         parser.set_defaults(**pretrain_defaults(config, parser, args.config))
         args = parser.parse_args(argv)

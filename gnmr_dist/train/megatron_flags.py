@@ -31,6 +31,7 @@ import torch
 from gnmr_dist.integrations.config import GNMRBlock, check_block_name, read_block
 from gnmr_dist.integrations.megatron.loop import attach, attached, require_training
 from gnmr_dist.integrations.session import refuse_probe
+from gnmr_dist.train.common import import_modules
 
 if TYPE_CHECKING:
     from gnmr_dist.train.drills import Drills
@@ -86,6 +87,13 @@ def add_gnmr_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         metavar="FILE",
         help='JSON "gnmr" block (or a DeepSpeed config with one); unset: GNMR off',
+    )
+    group.add_argument(
+        "--gnmr-import",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE before reading the block (it registers a backend of your own)",
     )
     group.add_argument(
         "--gnmr-backend",
@@ -183,6 +191,7 @@ def gnmr_block(args: argparse.Namespace, check_host: bool = True) -> GNMRBlock |
     (``megatron_patches.apply`` builds the run's own, with megatron's operators); a backend this
     host cannot load (``te_fp8`` without CUDA) is an error only when ``check_host``.
     """
+    import_modules(getattr(args, "gnmr_import", []), "--gnmr-import")
     if args.gnmr_config is None:
         return None
     path = args.gnmr_config
