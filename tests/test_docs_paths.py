@@ -19,8 +19,8 @@ import types
 from functools import cache
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("gnmr_dist", "megatron_patches", "benchmarks")
+from tests.test_layout import PACKAGES, ROOT, _tree
+
 FOLDERS = (*PACKAGES, "tests", "docs", "configs", "launch", "docker", "requirements", ".ci")
 DOCUMENTS = ("README.md", "tests/README.md", "benchmarks/RESULTS.md")
 FILE_SUFFIXES = {"md", "py", "json", "jsonl", "png", "j2", "hjson", "txt", "sh", "toml"}
@@ -32,20 +32,22 @@ _PATH = re.compile(rf"(?<![\w/.-])((?:{_ROOTS})/[\w./#*<>{{}}-]*[\w*>}}])")
 _MODULE = re.compile(rf"(?<![\w./-])((?:{'|'.join(PACKAGES)})(?:\.\w+)+)")
 
 
+@cache
+def _trees() -> dict[str, ast.Module]:
+    """Every source file of :data:`PACKAGES` (``test_layout``'s tree), parsed once."""
+    return {path: ast.parse(text, filename=path) for path, text in _tree().items()}
+
+
 def _texts() -> dict[str, str]:
     """Relative path -> text of every document and every docstring (one entry per docstring)."""
     out = {d: (ROOT / d).read_text(encoding="utf-8") for d in DOCUMENTS}
     out |= {str(p.relative_to(ROOT)): p.read_text(encoding="utf-8") for p in ROOT.glob("docs/*.md")}
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-            for node in ast.walk(tree):
-                if isinstance(
-                    node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef
-                ):
-                    doc = ast.get_docstring(node, clean=False)
-                    if doc:
-                        out[f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 1)}"] = doc
+    for path, tree in _trees().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                doc = ast.get_docstring(node, clean=False)
+                if doc:
+                    out[f"{path}:{getattr(node, 'lineno', 1)}"] = doc
     return out
 
 
@@ -138,11 +140,10 @@ def dangling_names(texts: dict[str, str]) -> list[str]:
 def long_module_docstrings() -> list[str]:
     """``path: N lines`` for every module docstring over :data:`MODULE_DOCSTRING_LINES`."""
     out = []
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")), clean=False)
-            if doc and len(doc.splitlines()) > MODULE_DOCSTRING_LINES:
-                out.append(f"{path.relative_to(ROOT)}: {len(doc.splitlines())} lines")
+    for path, tree in _trees().items():
+        doc = ast.get_docstring(tree, clean=False)
+        if doc and len(doc.splitlines()) > MODULE_DOCSTRING_LINES:
+            out.append(f"{path}: {len(doc.splitlines())} lines")
     return out
 
 

@@ -80,6 +80,14 @@ ENTRY_POINT_GROUP = "gnmr_dist.backends"
 ``pyproject.toml``: ``[project.entry-points."gnmr_dist.backends"] mine = "my_pkg.backend"``."""
 
 
+OWN_BACKEND_HINT = (
+    "a backend of your own registers with @gnmr_dist.backends.register_backend in a module that "
+    "the programs import with --import MODULE (Megatron: --gnmr-import), or that your package "
+    f"names in the entry-point group {ENTRY_POINT_GROUP!r}"
+)
+"""How an unknown backend name is fixed: the end of every "unknown backend" message."""
+
+
 @functools.cache
 def load_entry_points() -> tuple[str, ...]:
     """Import, once per process, every module an installed package names in
@@ -105,10 +113,7 @@ def backend_class(name: str) -> type[PrecisionBackend]:
     if name not in BACKENDS:
         raise ValueError(
             f"unknown backend {name!r}{did_you_mean(name, BACKENDS)} "
-            f"(available: {', '.join(sorted(BACKENDS))}; a backend of your own is registered "
-            "with @gnmr_dist.backends.register_backend in a module that the programs import "
-            f"with --import MODULE (Megatron: --gnmr-import), or that your package names in "
-            f"the entry-point group {ENTRY_POINT_GROUP!r})"
+            f"(available: {', '.join(sorted(BACKENDS))}; {OWN_BACKEND_HINT})"
         )
     return BACKENDS[name]
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from gnmr_dist.backends import BACKENDS, TORCH, Operators, PrecisionBackend, get_backend
-from gnmr_dist.backends.registry import ENTRY_POINT_GROUP, load_entry_points
+from gnmr_dist.backends.registry import OWN_BACKEND_HINT, load_entry_points
 from gnmr_dist.core import GNMRConfig
 from gnmr_dist.core.validation import check_choice, check_keys, check_positive_int, did_you_mean
 
@@ -192,10 +192,7 @@ def _backend(value: Any, path: str) -> str | None:
         return value
     raise ValueError(
         f"{path}: unknown backend {value!r}{did_you_mean(value, BACKENDS)} (available: "
-        f"{sorted(BACKENDS)}, or null to observe without recovering; a backend of your own "
-        "registers with @register_backend in a module the programs import with --import MODULE "
-        f"(Megatron: --gnmr-import), or that your package names in the entry-point group "
-        f"{ENTRY_POINT_GROUP!r})"
+        f"{sorted(BACKENDS)}, or null to observe without recovering; {OWN_BACKEND_HINT})"
     )
 
 
@@ -350,8 +347,7 @@ def looks_like_block(key: object) -> bool:
         return False
     letters = "".join(c for c in key.lower() if c.isalnum())
     return (
-        BLOCK in letters
-        or _edit_distance(key.strip().lower(), BLOCK) <= 1
+        BLOCK in letters  # one edit that adds a separator or a case change leaves the name
         or _edit_distance(letters, BLOCK) <= 1
         or sorted(letters) == sorted(BLOCK)
     )

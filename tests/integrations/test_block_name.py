@@ -98,13 +98,8 @@ def test_every_near_miss_is_named_with_the_fix_and_no_other_key_is():
 
 
 def _ds_config(block_key: str, **extra: object) -> dict[str, object]:
-    optimizer = {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}
-    return {
-        "train_micro_batch_size_per_gpu": 2,
-        "optimizer": optimizer,
-        block_key: {"backend": "act_quant", "max_active": 2},
-        **extra,
-    }
+    """The DeepSpeed tests' config with the block under ``block_key``."""
+    return dsc.ds_config(0, **{block_key: {"backend": "act_quant", "max_active": 2}}, **extra)
 
 
 def test_gnmr_launch_check_refuses_each_near_miss_and_no_unrelated_key(tmp_path, capsys):
@@ -170,6 +165,6 @@ def _trainer_worker(rank: int, world: int, path: str) -> str:
 
 def test_trainer_callback_refuses_a_misspelt_block(tmp_path):
     path = Path(tmp_path, "ds.json")
-    path.write_text(json.dumps(_ds_config("Gnmr", zero_optimization={"stage": 0})))
+    path.write_text(json.dumps(_ds_config("Gnmr")))
     message = multiproc.run(_trainer_worker, 1, str(path))[0]
     assert message.startswith("GNMRCallback: the DeepSpeed config: unknown top-level key 'Gnmr'")

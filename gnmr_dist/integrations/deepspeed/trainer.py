@@ -55,16 +55,19 @@ class GNMRCallback(TrainerCallback):
         enable()
         self._built = engines_with_gnmr()
         self._warned = False
+        self._checked = False  # on_init_end ran: its block is kept, not read and built again
+        self._block: Any = None
 
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Check the run before any model or data work: at the end of ``Trainer.__init__``."""
-        self._check(args, state, control)
+        self._block = self._check(args, state, control)
+        self._checked = True
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """The checks of :meth:`on_init_end` (for a callback added after the Trainer was made),
         and a warning when the config enables a block that no engine got since the callback
         was made (Trainer builds its engine just before this)."""
-        block = self._check(args, state, control)
+        block = self._block if self._checked else self._check(args, state, control)
         built = engines_with_gnmr() > self._built
         if _block_enabled(block) and not built and not self._warned:
             self._warned = True
