@@ -10,6 +10,9 @@ imports transformers when it is first named.
 from typing import Any
 
 from gnmr_dist.core import Decision, GNMRConfig, GNMRController, Schedule, Telemetry
+from gnmr_dist.integrations import ds_watch
+
+ds_watch.arm()  # an enabled "gnmr" block handed to plain deepspeed.initialize is said once
 
 __version__ = "0.1.0"
 

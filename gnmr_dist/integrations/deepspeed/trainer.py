@@ -10,7 +10,8 @@ scripts.
 
 **Nothing is silent.** A run whose DeepSpeed config has an enabled ``"gnmr"`` block but whose
 engine carries no GNMR (built before the callback or ``enable()`` could hook it) is warned about
-once, when training begins.
+once: by :mod:`~gnmr_dist.integrations.ds_watch` as the engine is built, or else when training
+begins.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from gnmr_dist.integrations import ds_watch
 from gnmr_dist.integrations.config import check_block_name, read_block
 from gnmr_dist.integrations.deepspeed.engine import (
     disable,
@@ -69,7 +71,7 @@ class GNMRCallback(TrainerCallback):
         was made (Trainer builds its engine just before this)."""
         block = self._block if self._checked else self._check(args, state, control)
         built = engines_with_gnmr() > self._built
-        if _block_enabled(block) and not built and not self._warned:
+        if _block_enabled(block) and not built and not self._warned and not ds_watch.warned():
             self._warned = True
             logger.warning(
                 'gnmr: the DeepSpeed config has an enabled "gnmr" block but this run\'s engine '
