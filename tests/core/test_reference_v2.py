@@ -1,0 +1,691 @@
+"""The controller against an independent brute force of policy v2 (tests/core/brute_v2.py).
+
+``brute_v2.py`` was written from docs/algorithm.md alone. This file checks it on the doc's own
+examples (hand-computed), then drives the real controller through its public API on seeded
+random traces over every policy key (budgets as numbers or schedules on either clock, the
+compute share with integer costs, the latch, pinned units, the damage term, warm-up, locks,
+windows, threshold schedules, a learning rate with warm-up, plateau, decay and restarts) and
+asserts the same decisions at every step (``R_t``, ``A_t``, ``P_t``, ``C``, exceedances, locks,
+latches, telemetry counts), scores to a tight tolerance, the same accounting at the end, and the
+same decisions after a ``state_dict`` round trip at a random step.
+"""
+
+from __future__ import annotations
+
+import inspect
+import io
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from gnmr_dist import GNMRConfig, GNMRController
+from tests.core.brute_v2 import (
+    BruteDecision,
+    BruteV2,
+    condition_holds,
+    lr_decay,
+    ratio,
+    schedule_value,
+    uses_lr_clock,
+)
+
+INF = math.inf
+NAN = math.nan
+
+
+def _has_v2() -> bool:
+    init = inspect.signature(GNMRController.__init__).parameters
+    step = inspect.signature(GNMRController.step).parameters
+    return {"costs", "pinned"} <= set(init) and "lr" in step
+
+
+HAS_V2 = _has_v2()
+needs_v2 = pytest.mark.skipif(
+    not HAS_V2,
+    reason="policy v2 API absent: GNMRController(..., costs=, pinned=) and step(..., lr=) "
+    "(docs/algorithm.md#using-the-controller) not implemented yet",
+)
+
+
+def run_brute(
+    u: int,
+    config: dict[str, Any],
+    norms: list[list[float]],
+    errors: list[list[float]] | None = None,
+    lrs: list[float] | None = None,
+    **kwargs: Any,
+) -> list[BruteDecision]:
+    brute = BruteV2(u, config, **kwargs)
+    out = []
+    for t in range(len(norms)):
+        out.append(
+            brute.step(
+                norms[t],
+                None if errors is None else errors[t],
+                None if lrs is None else lrs[t],
+            )
+        )
+    return out
+
+
+# -- the brute force on the doc's own examples ------------------------------------------------
+
+
+def test_ratio_conventions() -> None:
+    assert ratio(3.0, 2.0) == 1.5
+    assert ratio(0.0, 0.0) == 1.0
+    assert ratio(2.0, 0.0) == INF
+    assert ratio(0.0, 2.0) == 0.0
+    assert ratio(INF, 0.0) == INF
+
+
+def test_scores_by_hand() -> None:
+    # unit 0: 2, 2, 6 -> GNMR 1, 1, 6 / (4 / 2) = 3; dGNMR 1, 1 / 1, 3 / mean(1, 1) = 3
+    # unit 1: a zero history scores 1 while it stays at zero, +inf once it moves
+    # unit 2: a NaN scores +inf and leaves the history untouched
+    norms = [[2.0, 0.0, 1.0], [2.0, 0.0, NAN], [6.0, 1.0, 4.0]]
+    ds = run_brute(3, {"warmup_steps": 0}, norms)
+    assert [d.gnmr[0] for d in ds] == [1.0, 1.0, 3.0]
+    assert [d.delta_gnmr[0] for d in ds] == [1.0, 1.0, 3.0]
+    assert [d.gnmr[1] for d in ds] == [1.0, 1.0, INF]
+    assert [d.delta_gnmr[1] for d in ds] == [1.0, 1.0, INF]
+    assert [d.gnmr[2] for d in ds] == [1.0, INF, 4.0]
+    assert [d.delta_gnmr[2] for d in ds] == [1.0, INF, 4.0]
+    # risk = max(GNMR / 1.5, dGNMR / 2)
+    assert ds[2].risk[0] == 2.0 and ds[2].exceed[0]
+    assert ds[0].risk[0] == 1 / 1.5 and not ds[0].exceed[0]
+
+
+def test_scores_are_dimensionless() -> None:
+    rng = np.random.default_rng(0)
+    base = (rng.lognormal(0, 1, (30, 1)) * np.ones((1, 2))).tolist()
+    scaled = [[row[0], row[1] * 2.0**7] for row in base]
+    for a, b in zip(run_brute(2, {}, base), run_brute(2, {}, scaled), strict=True):
+        assert a.gnmr[0] == a.gnmr[1] == b.gnmr[1]
+        assert a.delta_gnmr[0] == b.delta_gnmr[1]
+
+
+def test_window_drops_oldest() -> None:
+    # window 2: W holds the last two finite GNMR values
+    norms = [[1.0], [1.0], [4.0], [1.0]]
+    ds = run_brute(1, {"window": 2, "warmup_steps": 0}, norms)
+    # step 3: GNMR 4, W = [1, 1]; step 4: mean = 6 / 3 = 2, GNMR 0.5, W = [1, 4]
+    assert ds[2].gnmr[0] == 4.0
+    assert ds[3].gnmr[0] == 0.5
+    assert ds[3].delta_gnmr[0] == 0.5 / 2.5
+
+
+def test_schedules_by_hand() -> None:
+    demo = {"schedule": "cosine", "start": 4.0, "end": 2.0, "steps": 200}
+    assert schedule_value(demo, 1, 0.0) == 4.0
+    assert schedule_value(demo, 101, 0.0) == 3.0
+    assert schedule_value(demo, 201, 0.0) == 2.0
+    assert schedule_value(demo, 10_000, 0.0) == 2.0
+    lin = {"schedule": "linear", "start": 1.0, "end": 3.0, "steps": 10, "from": 5}
+    assert [schedule_value(lin, t, 0.0) for t in (1, 5, 10, 15, 16)] == [1, 1, 2, 3, 3]
+    step = {"schedule": "step", "start": 4.0, "end": 2.0, "steps": 2, "from": 3}
+    assert [schedule_value(step, t, 0.0) for t in (1, 3, 4, 5, 6)] == [4, 4, 4, 2, 2]
+    assert schedule_value({"schedule": "constant", "start": 7, "end": 1, "steps": 1}, 9, 0) == 7
+    assert schedule_value(2.5, 3, 0.5) == 2.5
+
+
+def test_lr_clock_by_hand() -> None:
+    lrs = [0.0, 0.5, 1.0, 1.0, 0.75, 0.5, 0.0, 0.5]
+    peak, ds = 0.0, []
+    for lr in lrs:
+        peak = max(peak, lr)
+        ds.append(lr_decay(lr, peak))
+    assert ds == [0.0, 0.0, 0.0, 0.0, 0.25, 0.5, 1.0, 0.5]
+    late = {"schedule": "step", "start": 0, "end": 8, "clock": "lr_decay", "to": 0.5}
+    assert [schedule_value(late, 1, d) for d in ds] == [0, 0, 0, 0, 0, 8, 8, 8]
+    mid = {"schedule": "linear", "start": 0, "end": 8, "clock": "lr_decay", "from": 0.25}
+    mid["to"] = 0.75
+    assert [schedule_value(mid, 1, d) for d in (0.0, 0.25, 0.5, 0.75, 1.0)] == [0, 0, 4, 8, 8]
+    assert condition_holds({"lr_decay": 0.5}, 1, 0.5)
+    assert not condition_holds({"lr_decay": 0.5}, 1, 0.49)
+    assert condition_holds({"step": 3}, 3, 0.0) and not condition_holds({"step": 3}, 2, 0.0)
+    assert not condition_holds(None, 100, 1.0)
+
+
+def test_recipe_last_layers() -> None:
+    # NVIDIA's last-layers rule: "max_active": 0, pinned = the last layers' units, from step 1
+    cfg = {"max_active": 0, "pinned": {"units": {"last_layers": 2}}}
+    norms = [[1.0, 50.0, 1.0, 1.0] if t == 12 else [1.0] * 4 for t in range(20)]
+    ds = run_brute(4, cfg, norms, pinned=[False, False, True, True])
+    assert all(d.active == [2, 3] and d.chosen == [] and d.pinned == [2, 3] for d in ds)
+    assert ds[12].exceed[1]
+
+
+def test_recipe_late_switch() -> None:
+    # NVIDIA's late switch: everything (eligible) pinned once the lr has decayed by 90%
+    cfg = {"max_active": 0, "pinned": {"units": "all", "from": {"lr_decay": 0.9}}}
+    lrs = [0.1 * (t + 1) for t in range(10)] + [1.0] * 5 + [1.0 - 0.1 * t for t in range(11)]
+    norms = [[1.0, 2.0, 3.0]] * len(lrs)
+    ds = run_brute(3, cfg, norms, lrs=lrs, eligible=[True, False, True], pinned=[True] * 3)
+    first = next(i for i, d in enumerate(ds) if d.active)
+    assert ds[first].decay >= 0.9 and ds[first - 1].decay < 0.9
+    assert all(d.active == [0, 2] for d in ds[first:])
+    assert all(d.active == [] for d in ds[:first])
+    # the same at a fixed step
+    cfg = {"pinned": {"units": "all", "from": {"step": 7}}, "max_active": 0}
+    ds = run_brute(3, cfg, norms, pinned=[True] * 3)
+    assert [bool(d.active) for d in ds] == [t + 1 >= 7 for t in range(len(norms))]
+
+
+def test_recipe_late_latch() -> None:
+    # GNMR with a late latch: a max_active schedule on the lr_decay clock, and "latch"
+    cfg = {
+        "max_active": {"schedule": "step", "start": 0, "end": 2, "clock": "lr_decay", "to": 0.5},
+        "latch": {"lr_decay": 0.5},
+        "warmup_steps": 2,
+        "lock_steps": 1,
+    }
+    lrs = [1.0] * 6 + [0.5, 0.5, 0.25, 0.25, 0.25, 0.25]
+    norms = [[1.0, 1.0, 1.0, 1.0] for _ in lrs]
+    norms[3] = [9.0, 1.0, 1.0, 1.0]  # before the switch: nothing may be chosen
+    norms[6] = [1.0, 9.0, 1.0, 9.5]  # at the switch: 3 then 1 by risk, both latched
+    norms[8] = [1.0, 1.0, 99.0, 1.0]  # later spike: latched units keep their places
+    ds = run_brute(4, cfg, norms, lrs=lrs)
+    assert all(d.active == [] for d in ds[:6])
+    assert ds[3].exceed[0]
+    assert ds[6].order[:2] == [3, 1] and ds[6].active == [1, 3]
+    assert ds[6].latched == [0, 7, 0, 7]
+    assert all(d.active == [1, 3] for d in ds[6:])
+    assert ds[8].exceed[2] and 2 in ds[8].candidates and ds[8].order[:2] == [1, 3]
+
+
+def test_lock_duration() -> None:
+    # a unit selected while exceeding stays max(lock_steps, 1) decisions from its exceedance
+    for lock_steps in (0, 1, 3):
+        norms = [[1.0, 1.0, 1.0] for _ in range(12)]
+        norms[4] = [10.0, 1.0, 1.0]
+        cfg = {"warmup_steps": 2, "lock_steps": lock_steps, "max_active": 1}
+        ds = run_brute(3, cfg, norms)
+        on = [d.step for d in ds if d.active]
+        assert on == list(range(5, 5 + max(lock_steps, 1)))
+
+
+def _risk_by_errors(errors: list[list[float]]) -> tuple[list[list[float]], dict[str, Any]]:
+    # flat norms (GNMR = dGNMR = 1, below alpha and beta): risk = e / gamma with gamma = 1
+    norms = [[1.0] * len(errors[0]) for _ in errors]
+    return norms, {"gamma": 1.0, "warmup_steps": 0, "lock_steps": 0}
+
+
+def test_share_walk_skips_what_does_not_fit() -> None:
+    norms, cfg = _risk_by_errors([[3.0, 5.0, 4.0]])
+    # order 1 (5), 2 (4), 0 (3); W = 10, s = 0.5: 1 costs 6 > 5 skipped, 2 (3) and 0 (3+1) fit
+    ds = run_brute(3, cfg | {"max_share": 0.5}, norms, [[3.0, 5.0, 4.0]], costs=[1, 6, 3])
+    assert ds[0].order == [1, 2, 0] and ds[0].chosen == [0, 2]
+    ds = run_brute(
+        3, cfg | {"max_share": 0.5, "max_active": 1}, norms, [[3.0, 5.0, 4.0]], costs=[1, 6, 3]
+    )
+    assert ds[0].chosen == [2]
+    ds = run_brute(3, cfg | {"max_share": 0.6}, norms, [[3.0, 5.0, 4.0]], costs=[1, 6, 3])
+    assert ds[0].chosen == [1]  # 6 <= 6 exactly; then 6 + 3 and 6 + 1 do not fit
+    ds = run_brute(3, cfg | {"max_share": 0.0}, norms, [[3.0, 5.0, 4.0]], costs=[1, 6, 3])
+    assert ds[0].chosen == [] and ds[0].candidates == [0, 1, 2]
+    # ties by id
+    ds = run_brute(3, cfg | {"max_active": 2}, norms, [[4.0, 4.0, 4.0]])
+    assert ds[0].chosen == [0, 1]
+
+
+def test_latch_order_and_shrinking_budget() -> None:
+    errors = [
+        [0.0, 0.0, 0.0, 2.0],  # t=1: 3 latched at 1
+        [0.0, 2.0, 0.0, 0.0],  # t=2: 1 latched at 2
+        [9.0, 0.0, 0.0, 0.0],  # t=3: k=2 holds 3 and 1; 0 exceeds but does not fit
+        [9.0, 0.0, 0.0, 0.0],  # t=4: k=1: 1 (latched later) leaves for good
+        [0.0, 0.0, 0.0, 0.0],  # t=5
+    ]
+    norms, cfg = _risk_by_errors(errors)
+    cfg |= {
+        "latch": {"step": 1},
+        "max_active": {"schedule": "step", "start": 2, "end": 1, "steps": 3},
+    }
+    ds = run_brute(4, cfg, norms, errors)
+    assert [d.k for d in ds] == [2, 2, 2, 1, 1]
+    assert [d.active for d in ds] == [[3], [1, 3], [1, 3], [3], [3]]
+    assert ds[2].order == [3, 1, 0] and ds[2].exceed[0]
+    assert ds[3].latched == [0, 0, 0, 1]
+    assert ds[4].candidates == [3]
+
+
+def test_pinned_units_are_outside_the_budget() -> None:
+    errors = [[0.0, 0.0, 0.0], [5.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 3.0, 2.0]]
+    norms, cfg = _risk_by_errors(errors)
+    cfg |= {"lock_steps": 5, "max_active": 1, "pinned": {"units": ["x"], "from": {"step": 3}}}
+    ds = run_brute(3, cfg, norms, errors, pinned=[True, False, False])
+    assert ds[1].chosen == [0] and ds[1].lock == [5, 0, 0]
+    # from step 3 unit 0 is pinned: not a candidate, its lock is cleared, R = A + P
+    assert ds[2].pinned == [0] and ds[2].candidates == [] and ds[2].lock == [0, 0, 0]
+    assert ds[3].active == [0, 1] and ds[3].chosen == [1]
+
+
+def test_accounting() -> None:
+    norms = [[1.0, 1.0]] * 2 + [[1.0, NAN], [INF, -INF], [1.0, 1.0]]
+    brute = BruteV2(2, {"max_active": 0, "pinned": {"units": "all"}}, pinned=[True, True])
+    for row in norms:
+        brute.step(row)
+    assert brute.recovered == [4, 4]
+    assert brute.nonfinite == [1, 2]
+    assert brute.first_nonfinite == (3, 1)
+    assert brute.plan == [0, 1]
+
+
+def test_brute_invariants_on_random_traces() -> None:
+    for seed in range(200):
+        case = random_case(np.random.default_rng(10_000 + seed))
+        brute = case.brute()
+        for t in range(case.steps):
+            d = brute.step(*case.inputs(t))
+            assert len(d.chosen) <= d.k
+            assert set(d.chosen) <= set(d.candidates)
+            assert all(case.eligible[u] for u in d.active)
+            assert not set(d.chosen) & set(d.pinned)
+            assert d.active == sorted(set(d.chosen) | set(d.pinned))
+            assert sum(1 for x in d.lock if x > 0) <= max(d.k, 0)
+            assert {u for u in range(case.units) if d.latched[u]} <= set(d.chosen)
+            if d.share is not None:
+                assert sum(brute.w[u] for u in d.chosen) <= d.share * brute.W
+
+
+# -- random cases ------------------------------------------------------------------------------
+
+
+@dataclass
+class Case:
+    """One random scenario: a policy, the controller's arguments and a trace."""
+
+    units: int
+    config: dict[str, Any]
+    eligible: list[bool]
+    costs: list[int] | None
+    pinned: list[bool] | None
+    norms: list[list[float]]
+    errors: list[list[float]] | None
+    lrs: list[float] | None
+    resume_at: int
+
+    @property
+    def steps(self) -> int:
+        return len(self.norms)
+
+    def brute(self) -> BruteV2:
+        return BruteV2(
+            self.units, self.config, eligible=self.eligible, costs=self.costs, pinned=self.pinned
+        )
+
+    def inputs(self, t: int) -> tuple[list[float], list[float] | None, float | None]:
+        return (
+            self.norms[t],
+            None if self.errors is None else self.errors[t],
+            None if self.lrs is None else self.lrs[t],
+        )
+
+
+SHAPES = ["constant", "linear", "cosine", "step"]
+NICE_DECAY = [0.0, 0.25, 0.5, 0.75, 0.9, 1.0]
+
+
+def _decay_point(rng: np.random.Generator) -> float:
+    if rng.random() < 0.6:
+        return float(rng.choice(NICE_DECAY))
+    return float(rng.uniform(0, 1))
+
+
+def random_schedule(
+    rng: np.random.Generator, lo: float, hi: float, steps: int, v2: bool, integers: bool = False
+) -> dict[str, Any]:
+    shapes = SHAPES if v2 else SHAPES[:3]
+    if integers:
+        start, end = int(rng.integers(lo, hi + 1)), int(rng.integers(lo, hi + 1))
+    else:
+        start, end = float(rng.uniform(lo, hi)), float(rng.uniform(lo, hi))
+    spec: dict[str, Any] = {"schedule": str(rng.choice(shapes)), "start": start, "end": end}
+    if v2 and rng.random() < 0.4:
+        spec["clock"] = "lr_decay"
+        if rng.random() < 0.5:
+            p, q = sorted(rng.choice(NICE_DECAY, 2, replace=False))
+            if rng.random() < 0.5:
+                spec["from"] = float(p)
+            if rng.random() < 0.7 or "from" not in spec:
+                spec["to"] = float(q)
+            if spec.get("from", 0.0) >= spec.get("to", 1.0):
+                spec.pop("from")
+        return spec
+    if v2 and rng.random() < 0.2:
+        spec["clock"] = "step"
+    spec["steps"] = int(rng.integers(1, steps + 2))
+    if v2 and rng.random() < 0.4:
+        spec["from"] = int(rng.integers(1, steps + 1))
+    return spec
+
+
+def random_condition(rng: np.random.Generator, steps: int) -> dict[str, Any]:
+    if rng.random() < 0.5:
+        return {"step": int(rng.integers(1, steps + 2))}
+    return {"lr_decay": _decay_point(rng)}
+
+
+def random_lrs(rng: np.random.Generator, steps: int) -> list[float]:
+    peak = float(rng.choice([1.0, 3e-4, rng.uniform(0.1, 2.0)]))
+    warm = int(rng.integers(0, steps // 3 + 1))
+    plateau = int(rng.integers(0, steps // 2 + 1))
+    floor = float(rng.choice([0.0, 0.1 * peak, 0.0]))
+    kind = rng.choice(["linear", "cosine", "halving"])
+    decay_len = max(steps - warm - plateau, 1)
+    out = []
+    for t in range(steps):
+        if t < warm:
+            lr = 0.0 if (t == 0 and rng.random() < 0.3) else peak * (t + 1) / (warm + 1)
+        elif t < warm + plateau:
+            lr = peak
+        else:
+            x = (t - warm - plateau + 1) / decay_len
+            if kind == "linear":
+                lr = floor + (peak - floor) * (1 - x)
+            elif kind == "cosine":
+                lr = floor + (peak - floor) * (1 + math.cos(math.pi * x)) / 2
+            else:
+                lr = peak / 2 ** int(4 * x)
+        out.append(float(lr))
+    if rng.random() < 0.25:  # a restart: the lr rises again (maybe above the old peak)
+        at = int(rng.integers(steps // 2, steps))
+        bump = float(rng.choice([0.5, 1.0, 1.5])) * peak
+        for t in range(at, steps):
+            out[t] = bump * (1 - (t - at) / (steps - at + 1))
+    return out
+
+
+def random_norms(rng: np.random.Generator, steps: int, units: int) -> list[list[float]]:
+    p_spike = float(rng.uniform(0, 0.12))
+    p_zero = float(rng.uniform(0, 0.05))
+    p_bad = float(rng.uniform(0, 0.03)) if rng.random() < 0.6 else 0.0
+    base = 10 ** rng.uniform(-3, 3, units)
+    drift = rng.uniform(-0.05, 0.02, units)
+    zero_until = [int(rng.integers(1, 6)) if rng.random() < 0.1 else 0 for _ in range(units)]
+    out = []
+    for t in range(steps):
+        row = []
+        for u in range(units):
+            v = float(base[u] * math.exp(drift[u] * t) * rng.lognormal(0, 0.3))
+            r = rng.random()
+            if t < zero_until[u] or r < p_zero:
+                v = 0.0
+            elif r < p_zero + p_spike:
+                v *= float(rng.uniform(3, 60))
+            elif r < p_zero + p_spike + p_bad:
+                v = float(rng.choice([NAN, INF, -INF]))
+            row.append(v)
+        out.append(row)
+    if units >= 2 and rng.random() < 0.3:  # equal units: ties in risk, broken by id
+        a, b = rng.choice(units, 2, replace=False)
+        for row in out:
+            row[b] = row[a]
+    return out
+
+
+def random_errors(rng: np.random.Generator, steps: int, units: int) -> list[list[float]]:
+    level = rng.uniform(0, 1.5, units)
+    out = []
+    for _ in range(steps):
+        row = []
+        for u in range(units):
+            r = rng.random()
+            if r < 0.02:
+                row.append(float(rng.choice([NAN, INF, -INF])))
+            elif r < 0.08:
+                row.append(0.0)
+            else:
+                row.append(float(level[u] * rng.lognormal(0, 0.5)))
+        out.append(row)
+    return out
+
+
+def _threshold(rng: np.random.Generator, lo: float, hi: float, steps: int, v2: bool) -> Any:
+    if rng.random() < 0.6:
+        return float(rng.uniform(lo, hi))
+    return random_schedule(rng, lo, hi, steps, v2)
+
+
+def random_case(rng: np.random.Generator, v2: bool = True) -> Case:
+    units = int(rng.integers(1, 13))
+    steps = int(rng.integers(1, 61))
+    config: dict[str, Any] = {
+        "warmup_steps": int(rng.integers(0, 11)),
+        "lock_steps": int(rng.integers(0, 11)),
+        "window": int(rng.integers(1, 11)),
+        "alpha": _threshold(rng, 0.8, 4.0, steps, v2),
+        "beta": _threshold(rng, 1.0, 4.0, steps, v2),
+    }
+    if rng.random() < 0.5:
+        config["gamma"] = _threshold(rng, 0.2, 2.0, steps, v2)
+    if v2 and rng.random() < 0.4:
+        config["max_active"] = random_schedule(
+            rng, 0, units + 1, steps, v2, integers=bool(rng.random() < 0.5)
+        )
+    else:
+        config["max_active"] = int(rng.integers(0, units + 2))
+    costs = None
+    if v2 and rng.random() < 0.6:
+        r = rng.random()
+        if r < 0.5:
+            config["max_share"] = float(rng.choice([0.0, 0.1, 0.25, 0.3, 0.5, 0.7, 1.0]))
+        elif r < 0.75:
+            config["max_share"] = float(rng.uniform(0, 1))
+        else:
+            config["max_share"] = random_schedule(rng, 0.0, 1.0, steps, v2)
+        costs = [int(c) for c in rng.integers(1, 11, units)]
+    if v2 and rng.random() < 0.6:
+        config["latch"] = random_condition(rng, steps)
+    pinned = None
+    if v2 and rng.random() < 0.4:
+        config["pinned"] = {"units": "all"}
+        if rng.random() < 0.8:
+            config["pinned"]["from"] = random_condition(rng, steps)
+        pinned = [bool(x) for x in rng.random(units) < 0.3]
+    for key in [k for k in config if rng.random() < 0.1 and k != "max_share"]:
+        del config[key]  # the defaults
+    eligible = [True] * units
+    if rng.random() < 0.4:
+        eligible = [bool(x) for x in rng.random(units) < 0.8]
+    norms = random_norms(rng, steps, units)
+    errors = random_errors(rng, steps, units) if "gamma" in config else None
+    lrs = random_lrs(rng, steps) if uses_lr_clock(config) else None
+    return Case(
+        units, config, eligible, costs, pinned, norms, errors, lrs, int(rng.integers(1, steps + 1))
+    )
+
+
+# -- the real controller, through its public API -----------------------------------------------
+
+
+def make_controller(case: Case) -> GNMRController:
+    kwargs: dict[str, Any] = {"eligible": torch.tensor(case.eligible)}
+    if case.costs is not None:
+        kwargs["costs"] = list(case.costs)
+    if case.pinned is not None:
+        kwargs["pinned"] = torch.tensor(case.pinned)
+    return GNMRController(case.units, GNMRConfig.from_dict(case.config), **kwargs)
+
+
+def real_step(ctrl: GNMRController, case: Case, t: int) -> Any:
+    norms, errors, lr = case.inputs(t)
+    kwargs: dict[str, Any] = {}
+    if errors is not None:
+        kwargs["errors"] = torch.tensor(errors, dtype=torch.float64)
+    if lr is not None:
+        kwargs["lr"] = lr
+    return ctrl.step(torch.tensor(norms, dtype=torch.float64), **kwargs)
+
+
+def _ints(x: Any) -> list[int]:
+    return [int(v) for v in x]
+
+
+def observe(ctrl: GNMRController, d: Any) -> dict[str, Any]:
+    """What the real controller decided at one step, in the brute force's terms."""
+    state = ctrl.state_dict()
+    tel = d.telemetry
+    out = {
+        "step": int(d.step),
+        "active": _ints(d.active),
+        "chosen": _ints(getattr(d, "chosen", d.active)),
+        "pinned": _ints(getattr(d, "pinned", ())),
+        "candidates": _ints(d.candidates),
+        "exceed": [bool(x) for x in d.exceed],
+        "lock": _ints(ctrl.locks),
+        "gnmr": d.gnmr.tolist(),
+        "delta_gnmr": d.delta_gnmr.tolist(),
+        "risk": d.risk.tolist(),
+        "alpha": float(d.alpha),
+        "beta": float(d.beta),
+        "gamma": None if d.gamma is None else float(d.gamma),
+        "num_exceed": int(tel.num_exceed),
+        "num_exceed_eligible": int(tel.num_exceed_eligible),
+        "num_candidates": int(tel.num_candidates),
+        "num_nonfinite": int(tel.num_nonfinite),
+        "num_error_exceed": int(tel.num_error_exceed),
+        "num_locked": int(tel.num_locked),
+        "num_active": int(tel.num_active),
+        "max_risk": float(tel.max_risk),
+    }
+    if "latched" in state:
+        out["latched"] = _ints(state["latched"])
+    return out
+
+
+def expected(case: Case, b: BruteDecision) -> dict[str, Any]:
+    elig = case.eligible
+    return {
+        "step": b.step,
+        "active": b.active,
+        "chosen": b.chosen,
+        "pinned": b.pinned,
+        "candidates": b.candidates,
+        "exceed": b.exceed,
+        "lock": b.lock,
+        "latched": b.latched,
+        "gnmr": b.gnmr,
+        "delta_gnmr": b.delta_gnmr,
+        "risk": b.risk,
+        "alpha": b.alpha,
+        "beta": b.beta,
+        "gamma": b.gamma,
+        "num_exceed": b.num_exceed,
+        "num_exceed_eligible": sum(1 for u, x in enumerate(b.exceed) if x and elig[u]),
+        "num_candidates": len(b.candidates),
+        "num_nonfinite": b.num_nonfinite,
+        "num_error_exceed": sum(1 for x in b.error_exceed if x),
+        "num_locked": sum(1 for x in b.lock if x > 0),
+        "num_active": len(b.active),
+        "max_risk": max(b.risk),
+    }
+
+
+FLOATS = {"gnmr", "delta_gnmr", "risk", "alpha", "beta", "gamma", "max_risk"}
+
+
+def _close(a: Any, b: Any) -> bool:
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b, strict=True))
+    if a is None or b is None:
+        return a is b
+    if math.isinf(a) or math.isinf(b):
+        return a == b
+    return math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-300)
+
+
+def compare(case: Case, t: int, want: dict[str, Any], got: dict[str, Any]) -> list[str]:
+    bad = []
+    for key, value in want.items():
+        if key not in got:
+            continue
+        ok = _close(value, got[key]) if key in FLOATS else value == got[key]
+        if not ok:
+            bad.append(f"step {t + 1} {key}: brute {value!r} real {got[key]!r}")
+    return bad
+
+
+def describe(case: Case) -> str:
+    return (
+        f"U={case.units} T={case.steps} config={case.config} eligible={case.eligible} "
+        f"costs={case.costs} pinned={case.pinned} resume_at={case.resume_at}"
+    )
+
+
+def check_case(case: Case, resume: bool = False) -> None:
+    brute = case.brute()
+    ctrl = make_controller(case)
+    for t in range(case.steps):
+        if resume and t == case.resume_at:
+            buf = io.BytesIO()
+            torch.save(ctrl.state_dict(), buf)
+            buf.seek(0)
+            ctrl = make_controller(case)
+            ctrl.load_state_dict(torch.load(buf, weights_only=True))
+        b = brute.step(*case.inputs(t))
+        d = real_step(ctrl, case, t)
+        bad = compare(case, t, expected(case, b), observe(ctrl, d))
+        assert not bad, describe(case) + "\n" + "\n".join(bad[:8])
+    state = ctrl.state_dict()
+    if "recovered" in state:
+        assert _ints(state["recovered"]) == brute.recovered, describe(case)
+        assert _ints(state["nonfinite"]) == brute.nonfinite, describe(case)
+        assert tuple(_ints(state["first_nonfinite"])) == brute.first_nonfinite, describe(case)
+        plan = [u for u, x in enumerate(state["plan"].tolist()) if x]
+        assert plan == brute.plan, describe(case)
+    assert _ints(state["norm_count"]) == brute.c, describe(case)
+    assert state["norm_sum"].tolist() == brute.S, describe(case)
+
+
+CHUNKS = 20
+PER_CHUNK = 25  # 500 random v2 cases, 500 resumed, 250 of the v1 subset
+
+
+@pytest.mark.parametrize("chunk", range(CHUNKS // 2))
+def test_v1_subset_matches_brute(chunk: int) -> None:
+    # the keys and schedules that existed before v2: must hold on either API
+    for i in range(PER_CHUNK):
+        check_case(random_case(np.random.default_rng([1, chunk, i]), v2=False))
+
+
+@needs_v2
+@pytest.mark.parametrize("chunk", range(CHUNKS))
+def test_v2_matches_brute(chunk: int) -> None:
+    for i in range(PER_CHUNK):
+        check_case(random_case(np.random.default_rng([2, chunk, i])))
+
+
+@needs_v2
+@pytest.mark.parametrize("chunk", range(CHUNKS))
+def test_v2_resume_matches_brute(chunk: int) -> None:
+    for i in range(PER_CHUNK):
+        check_case(random_case(np.random.default_rng([3, chunk, i])), resume=True)
+
+
+@needs_v2
+def test_doc_examples_on_the_controller() -> None:
+    # the hand-checked scenarios above, on the real controller
+    errors = [
+        [0.0, 0.0, 0.0, 2.0],
+        [0.0, 2.0, 0.0, 0.0],
+        [9.0, 0.0, 0.0, 0.0],
+        [9.0, 0.0, 0.0, 0.0],
+        [0.0, 0.0, 0.0, 0.0],
+    ]
+    norms, cfg = _risk_by_errors(errors)
+    cfg |= {
+        "latch": {"step": 1},
+        "max_active": {"schedule": "step", "start": 2, "end": 1, "steps": 3},
+    }
+    check_case(Case(4, cfg, [True] * 4, None, None, norms, errors, None, 1))
+    norms, cfg = _risk_by_errors([[3.0, 5.0, 4.0]])
+    for share in (0.0, 0.5, 0.6, 1.0):
+        case = Case(3, cfg | {"max_share": share}, [True] * 3, [1, 6, 3], None, norms, [], None, 1)
+        case.errors = [[3.0, 5.0, 4.0]]
+        check_case(case)
