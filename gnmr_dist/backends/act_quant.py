@@ -41,6 +41,7 @@ from torch import nn
 
 from gnmr_dist.backends.base import LOW_COST, PrecisionBackend
 from gnmr_dist.backends.error_sums import GemmProbe, frobenius
+from gnmr_dist.backends.gemms import subset_error
 from gnmr_dist.backends.operators import operators_of
 from gnmr_dist.backends.registry import register_backend
 
@@ -303,6 +304,20 @@ class ActQuantBackend(PrecisionBackend):
         super().__init__(**blocks)
         self._last_pack: tuple[Any, int, Any, Any] = (None, 0, None, None)
         self._last_shadow: tuple[Any, int, Any] = (None, 0, None)
+
+    def check_gemms(self, gemms: frozenset[str]) -> None:
+        """A subset holding ``wgrad`` runs exactly what all three do: the paths differ only in
+        the saved ``x``, which only wgrad reads (``dW = dy^T x_hat``; fprop and dgrad are exact
+        on both). A subset without it would leave the recovered unit on the low-cost path."""
+        if "wgrad" not in gemms:
+            raise subset_error(
+                self.name,
+                gemms,
+                "its two paths differ only in the x saved for backward, which only the wgrad "
+                "GEMM reads (fprop and dgrad are exact on both), so without 'wgrad' a recovered "
+                "unit would run exactly the low-cost path",
+                "add 'wgrad' (every subset with it recovers what all three do)",
+            )
 
     def wrap(self, units: Mapping[int, nn.Module]) -> None:
         """:meth:`PrecisionBackend.wrap`, after refusing a layout whose groups would depend on

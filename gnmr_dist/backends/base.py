@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from gnmr_dist.backends.error_sums import ErrorSums, GemmProbe
+from gnmr_dist.backends.gemms import ALL_GEMMS, parse_gemms, subset_error
 from gnmr_dist.backends.operators import Gemm, GemmAdapter, ModuleSwitch, operators_of
 from gnmr_dist.backends.options import parse_options
 
@@ -177,6 +178,10 @@ class PrecisionBackend:
         self._errors: ErrorSums | None = None
         self._error_every = 1
         self._unit: int | None = None  # the unit whose switched forward is running
+        self.gemms: frozenset[str] = ALL_GEMMS
+        """The GEMMs (``"fprop"``, ``"dgrad"``, ``"wgrad"``) a unit on the recovery path runs on
+        the recovery path's numerics; the others keep the low-cost path's (``gnmr.gemms``;
+        :meth:`set_gemms`, default all three)."""
         self.before_forward: Callable[[], None] | None = None
         """Called by the next switched forward, then cleared by its owner: an integration that
         takes its decision lazily (megatron-core, no host sync after the step) sets it."""
@@ -209,6 +214,31 @@ class PrecisionBackend:
         LoRA layer) returns that part.
         """
         return [op]
+
+    def set_gemms(self, gemms: Iterable[str]) -> None:
+        """Recover only ``gemms`` of each recovered unit (``gnmr.gemms``; default all three).
+
+        Checked (:func:`~gnmr_dist.backends.gemms.parse_gemms`, then :meth:`check_gemms`, which
+        refuses a subset this backend cannot run) and set before :meth:`wrap`; a
+        ``RuntimeError`` after it, since the wrapped forwards are built for one subset.
+        """
+        if self._wrapped:
+            raise RuntimeError(f"{self.name}: set_gemms must be called before wrap")
+        parsed = frozenset(parse_gemms(gemms))
+        self.check_gemms(parsed)
+        self.gemms = parsed
+
+    def check_gemms(self, gemms: frozenset[str]) -> None:
+        """Raise a ``ValueError`` (:func:`~gnmr_dist.backends.gemms.subset_error`) when this
+        backend cannot run ``gemms`` on the recovery path and the other GEMMs on the low-cost
+        path. Default: all three only, so a backend that knows nothing of subsets refuses one."""
+        if gemms != ALL_GEMMS:
+            raise subset_error(
+                self.name or type(self).__name__,
+                gemms,
+                "it runs the three GEMMs of a recovered unit together (its check_gemms "
+                "accepts no subset)",
+            )
 
     def wrap(self, units: Mapping[int, nn.Module]) -> None:
         """Install the switchable forward on every supported operator of every unit, once."""

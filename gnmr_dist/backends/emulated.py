@@ -17,6 +17,9 @@ What the backend adds to the linear:
   wgrad GEMM reports it; a unit on the recovery path is measured in shadow, ``Q_M(x)`` at the
   low-cost format once in the forward and ``Q_M(dy)`` in a hook on the output gradient, only to
   take the norms (with the seed the low-cost path would have drawn with).
+* ``gnmr.gemms``: a recovered unit runs the GEMMs listed on the recovery spec and the others
+  on the low-cost spec, each with its own path's seed (:meth:`EmulatedBackend._subset_call`);
+  ``B(u)`` is then measured by the real wgrad GEMM when wgrad stays low-cost (``docs/gemms.md``).
 * Delayed scaling (``"scaling": "delayed"``, :mod:`~gnmr_dist.backends.emulated_scaling`): one
   history entry per optimizer step, committed by :meth:`EmulatedBackend.apply`; a unit entering
   a path starts that path's histories afresh; :meth:`EmulatedBackend.measuring` reads them and
@@ -40,6 +43,8 @@ from gnmr_dist.backends.base import LOW_COST, RECOVERY, PrecisionBackend
 from gnmr_dist.backends.emulated_linear import EmulatedCall, EmulatedProbe, InputNorms
 from gnmr_dist.backends.emulated_options import EmulatedOptions, LinearQuantSpec
 from gnmr_dist.backends.emulated_scaling import DelayedScales, amax_of, commit_all, scale_of
+from gnmr_dist.backends.error_sums import GemmProbe
+from gnmr_dist.backends.gemms import ALL_GEMMS, subset_error
 from gnmr_dist.backends.numerics.rounding import sr_seed
 from gnmr_dist.backends.numerics.scaled import quantize_dequantize_scaled
 from gnmr_dist.backends.registry import register_backend
@@ -84,6 +89,24 @@ class EmulatedBackend(PrecisionBackend):
         self._stand_ins: dict[tuple[int, str], DelayedScales] = {}  # (id(op), path), measuring
         self._calls: dict[int, int] = {}  # id(op) -> calls this step (stochastic rounding)
         self._probe_calls: dict[int, int] = {}  # the same inside measuring()
+
+    def check_gemms(self, gemms: frozenset[str]) -> None:
+        """Any subset, on current scaling: each GEMM's inputs are quantized inside that GEMM.
+        Delayed scaling is refused with a subset: one amax history per tensor serves two GEMMs
+        (x: fprop and wgrad, W: fprop and dgrad, dy: dgrad and wgrad), and would have to run on
+        both paths at once."""
+        if gemms == ALL_GEMMS:
+            return
+        for path, options in (("gnmr.low_cost", self.low_cost), ("gnmr.recovery", self.recovery)):
+            if options.scaling == "delayed":
+                raise subset_error(
+                    self.name,
+                    gemms,
+                    f"{path} uses delayed scaling, whose amax history per tensor serves two "
+                    "GEMMs (x: fprop and wgrad, W: fprop and dgrad, dy: dgrad and wgrad), so one "
+                    "history would run on both paths at once",
+                    'use "scaling": "current" on both paths, or recover all three GEMMs',
+                )
 
     # ------------------------------------------------------------------ delayed scaling
 
@@ -188,6 +211,7 @@ class EmulatedBackend(PrecisionBackend):
     def make_gemm(self, op: nn.Module, path: str) -> Callable[..., torch.Tensor]:
         spec, low = self.specs[path], self.specs[LOW_COST]
         path_scales, low_scales = self.delayed_scales(op, path), self.delayed_scales(op, LOW_COST)
+        subset = path == RECOVERY and self.gemms != ALL_GEMMS
 
         def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
             probe, record = None, not self._measuring
@@ -198,6 +222,12 @@ class EmulatedBackend(PrecisionBackend):
                 probe = self._probe(x)
             if path == LOW_COST and probe is not None:
                 return EmulatedCall(spec, probe, scales, record, seed)(x, weight, bias)
+            if subset:
+                call = self._subset_call(key, probe)
+                y = call(x, weight, bias)
+                if probe is not None and call.probe is None and y.requires_grad:
+                    self._shadow(probe, x, y, low_scales, sr_seed(low.seed, *key))
+                return y
             if spec.is_identity:
                 y = F.linear(x, weight, bias)
             else:
@@ -207,6 +237,26 @@ class EmulatedBackend(PrecisionBackend):
             return y
 
         return gemm
+
+    def _subset_call(self, key: tuple[int, ...], probe: GemmProbe | None) -> EmulatedCall:
+        """The call of a recovered GEMM under ``gnmr.gemms``: each GEMM on its path's spec with
+        the seed that path draws with for this call (``key``), so it computes bit for bit what
+        that path computes. ``probe`` goes to the real wgrad GEMM when wgrad stays low-cost;
+        else the caller measures in shadow, as for a fully recovered unit."""
+        calls = {
+            path: EmulatedCall(self.specs[path], seed=sr_seed(self.specs[path].seed, *key))
+            for path in (LOW_COST, RECOVERY)
+        }
+        fprop, dgrad, wgrad = (
+            RECOVERY if g in self.gemms else LOW_COST for g in ("fprop", "dgrad", "wgrad")
+        )
+        return EmulatedCall(
+            self.specs[fprop],
+            probe=probe if wgrad == LOW_COST else None,
+            seed=calls[fprop].seed,
+            dgrad=None if dgrad == fprop else calls[dgrad],
+            wgrad=None if wgrad == fprop else calls[wgrad],
+        )
 
     def _call_key(self, op: nn.Module) -> tuple[int, ...]:
         """What the stochastic-rounding seed of this call of ``op`` is mixed from, besides the

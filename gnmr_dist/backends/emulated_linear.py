@@ -23,7 +23,9 @@ Error score (``B(u)``, ``docs/backends.md#error-scores``): per wgrad GEMM
 
 with the GEMM's own operands (rotated ones under the Hadamard transform: same norms, same
 product); a term whose format is ``fp32`` is dropped. Projections of one input share its
-``x`` norms (:class:`InputNorms`). Two subtractions and four norms per GEMM, no host sync.
+``x`` norms (:class:`InputNorms`). Two subtractions and four norms per GEMM, no host sync. A call
+may run its dgrad and wgrad on other specs than its fprop (:attr:`EmulatedCall.dgrad`,
+``gnmr.gemms``: ``docs/gemms.md``).
 """
 
 from __future__ import annotations
@@ -64,6 +66,15 @@ class EmulatedCall:
     seed: int = 0
     """Stochastic rounding's seed for this call (the backend mixes step, unit, operator and
     call in); its dgrad and wgrad quantizations of ``dy`` draw from two seeds derived here."""
+    dgrad: EmulatedCall | None = None
+    """The call whose spec and seed the dgrad GEMM runs with (``None``: this one). A recovered
+    unit that recovers only some GEMMs (``gnmr.gemms``) runs each on its own path's call."""
+    wgrad: EmulatedCall | None = None
+    """The same for the wgrad GEMM (its error is recorded with that call's spec)."""
+
+    def __post_init__(self) -> None:
+        if (self.dgrad or self.wgrad) is not None and self.scales is not None:
+            raise ValueError("a call with per-GEMM specs takes no delayed scales")
 
     def seed_of(self, gemm: int) -> int | None:
         """The seed of ``dy``'s quantization in GEMM ``gemm`` (0 dgrad, 1 wgrad), or ``None``
@@ -97,7 +108,8 @@ class EmulatedLinearFn(torch.autograd.Function):
         y = xq.to(acc).mm(wq.t())
         if bias is not None:
             y = y + bias.to(acc)
-        w_saved = wq if spec.weight_transposable else weight
+        # dgrad reuses Q_K(W) when it runs this call's spec and Q_K(W) = Q_N(W)
+        w_saved = wq if call.dgrad is None and spec.weight_transposable else weight
         ctx.save_for_backward(x, w_saved)
         ctx.call, ctx.acc, ctx.has_bias = call, acc, bias is not None
         ctx.w_dtype, ctx.b_dtype = weight.dtype, None if bias is None else bias.dtype
@@ -107,23 +119,27 @@ class EmulatedLinearFn(torch.autograd.Function):
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
         x, w_saved = ctx.saved_tensors
         call: EmulatedCall = ctx.call
-        spec, acc = call.spec, ctx.acc
+        acc = ctx.acc
         dy2 = dy.reshape(-1, dy.shape[-1])
         dx = dw = db = None
         delayed = _delayed_dy(ctx, dy2)  # None: current scaling, per GEMM below
         if ctx.needs_input_grad[0]:
-            wq = w_saved if spec.weight_transposable else spec.weight(w_saved, dim=0)
+            dcall = call.dgrad or call
+            spec = dcall.spec
+            wq = _dgrad_weight(call, w_saved)
             dyq = delayed
             if dyq is None:
-                dyq = spec.act(dy2, spec.grad_format, dim=-1, seed=call.seed_of(0))
+                dyq = spec.act(dy2, spec.grad_format, dim=-1, seed=dcall.seed_of(0))
             # dgrad: dx[M,K] = Q_N(dy)[M,N] @ Q_N(W)[N,K]
             dx = dyq.to(acc).mm(wq.to(acc)).to(x.dtype).reshape(x.shape)
         if ctx.needs_input_grad[1]:
+            wcall = call.wgrad or call
+            spec = wcall.spec
             xr, dyr = spec.rotate(x.reshape(-1, x.shape[-1])), spec.rotate(dy2)
             dyq_m = delayed
             if dyq_m is None:
-                dyq_m = spec.act(dyr, spec.grad_format, dim=0, seed=call.seed_of(1))
-            dyq_m, xq_m = dyq_m.to(acc), _wgrad_x(ctx, xr).to(acc)
+                dyq_m = spec.act(dyr, spec.grad_format, dim=0, seed=wcall.seed_of(1))
+            dyq_m, xq_m = dyq_m.to(acc), _wgrad_x(ctx, spec, xr).to(acc)
             # wgrad: dW[N,K] = Q_M(dy)[M,N]^T @ Q_M(x)[M,K]  (M: tokens, rotated and padded
             # to a multiple of 16 under the Hadamard transform)
             dw = dyq_m.t().mm(xq_m).to(ctx.w_dtype)
@@ -143,9 +159,20 @@ def _delayed_dy(ctx: Any, dy2: Tensor) -> Tensor | None:
     return call.scales.dy.quantize(dy2, record=call.record)[0]
 
 
-def _wgrad_x(ctx: Any, x2: Tensor) -> Tensor:
-    """``Q_M(x)`` for wgrad: the spec's tiles along M, or the forward's own delayed scale."""
-    spec: LinearQuantSpec = ctx.call.spec
+def _dgrad_weight(call: EmulatedCall, w_saved: Tensor) -> Tensor:
+    """``Q_N(W)`` for dgrad: the forward's ``Q_K(W)`` when it is the same tensor, else ``W``
+    quantized as the dgrad call's spec quantizes it on its own path (the same tiles its
+    forward would have cut when they are transposable, so a GEMM recovered alone or kept on the
+    low-cost path gets the bits that path gives it)."""
+    if call.dgrad is None:
+        spec = call.spec
+        return w_saved if spec.weight_transposable else spec.weight(w_saved, dim=0)
+    spec = call.dgrad.spec
+    return spec.weight(w_saved, dim=-1 if spec.weight_transposable else 0)
+
+
+def _wgrad_x(ctx: Any, spec: LinearQuantSpec, x2: Tensor) -> Tensor:
+    """``Q_M(x)`` for wgrad: ``spec``'s tiles along M, or the forward's own delayed scale."""
     if ctx.call.scales is None:
         return spec.act(x2, spec.x_format, dim=0)
     return quantize_dequantize_scaled(x2, spec.x_format, ctx.x_scale)

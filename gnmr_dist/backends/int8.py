@@ -43,6 +43,7 @@ from torch import nn
 
 from gnmr_dist.backends.base import RECOVERY, PrecisionBackend
 from gnmr_dist.backends.error_sums import GemmProbe, frobenius
+from gnmr_dist.backends.gemms import ALL_GEMMS, subset_error
 from gnmr_dist.backends.registry import register_backend
 from gnmr_dist.core.validation import check_choice
 
@@ -308,6 +309,18 @@ class Int8Backend(PrecisionBackend):
         super().__init__(**blocks)
         self._caches: list[_WeightCache] = []
         logger.info("int8 backend: low_cost=%s recovery=%s", self.low_cost, self.recovery)
+
+    def check_gemms(self, gemms: frozenset[str]) -> None:
+        """All three GEMMs only: the low-cost path is one W8A8 function whose dgrad reuses its
+        forward's int8 weight, the recovery path the module's own BF16 (or fp32) forward."""
+        if gemms != ALL_GEMMS:
+            raise subset_error(
+                self.name,
+                gemms,
+                "its low-cost path is one W8A8 autograd function (fprop on int8 codes, dgrad on "
+                "the forward's int8 weight, wgrad in high precision) and its recovery path the "
+                "module's own BF16 or fp32 forward, so its GEMMs do not switch one at a time",
+            )
 
     def supports(self, module: nn.Module) -> bool:
         """``nn.Linear`` with a floating weight, or a peft LoRA layer around one."""

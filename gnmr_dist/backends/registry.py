@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 from gnmr_dist.backends.base import TORCH, Operators, PrecisionBackend
@@ -124,10 +124,17 @@ def get_backend(
     low_cost: Mapping[str, Any] | None = None,
     recovery: Mapping[str, Any] | None = None,
     operators: Operators = TORCH,
+    gemms: Iterable[str] | None = None,
 ) -> PrecisionBackend:
-    """The backend called ``name`` with its ``low_cost`` / ``recovery`` option blocks and the
-    integration's ``operators`` (default: plain torch)."""
-    return backend_class(name)(low_cost=low_cost, recovery=recovery, operators=operators)
+    """The backend called ``name`` with its ``low_cost`` / ``recovery`` option blocks, the
+    integration's ``operators`` (default: plain torch) and the GEMMs a recovered unit recovers
+    (``gemms``, ``gnmr.gemms``; ``None``: all three; set through
+    :meth:`~gnmr_dist.backends.base.PrecisionBackend.set_gemms`, which refuses a subset the
+    backend cannot run)."""
+    backend = backend_class(name)(low_cost=low_cost, recovery=recovery, operators=operators)
+    if gemms is not None:
+        backend.set_gemms(gemms)
+    return backend
 
 
 def registered_operator_types() -> frozenset[str]:

@@ -7,6 +7,7 @@
       "include": [], "exclude": [],    # glob patterns on global unit names
       "max_active": 4, "lock_steps": 8, "window": 8, "alpha": 1.5, "beta": 2.0, "warmup_steps": 8,
       "low_cost": {...}, "recovery": {...},        # the backend's option blocks
+      "gemms": ["fprop", "dgrad", "wgrad"],        # what a recovered unit recovers (docs/gemms.md)
       "log": {"trace": "runs/x/trace.jsonl", "monitor": true, "every": 1},
       "check_consistency": false,
       "on_missing_state": "error",     # error | fresh: a checkpoint without GNMR state
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from gnmr_dist.backends import BACKENDS, TORCH, Operators, PrecisionBackend, get_backend
+from gnmr_dist.backends.gemms import GEMMS, parse_gemms
 from gnmr_dist.backends.registry import OWN_BACKEND_HINT, load_entry_points
 from gnmr_dist.core import GNMRConfig
 from gnmr_dist.core.validation import check_choice, check_keys, check_positive_int, did_you_mean
@@ -241,6 +243,10 @@ class GNMRBlock:
     """The backend's ``low_cost`` option block (parsed by the backend)."""
     recovery: Mapping[str, Any] = field(default_factory=dict, metadata=_parser(_mapping))
     """The backend's ``recovery`` option block (parsed by the backend)."""
+    gemms: tuple[str, ...] = field(default=GEMMS, metadata=_parser(parse_gemms))
+    """The GEMMs (``"fprop"``, ``"dgrad"``, ``"wgrad"``) a unit on the recovery path runs with
+    the recovery path's numerics, the others keeping the low-cost path's (default all three: the
+    whole recovery path). A backend that cannot run the subset refuses it when it is built."""
     log: LogOptions = field(
         default_factory=LogOptions,
         metadata=_parser(lambda v, p: LogOptions.from_dict(_mapping(v, p), p)),
@@ -289,7 +295,11 @@ class GNMRBlock:
         if self.backend is None:
             return None
         return get_backend(
-            self.backend, low_cost=self.low_cost, recovery=self.recovery, operators=operators
+            self.backend,
+            low_cost=self.low_cost,
+            recovery=self.recovery,
+            operators=operators,
+            gemms=None if self.gemms == GEMMS else self.gemms,
         )
 
     @classmethod
@@ -309,12 +319,27 @@ class GNMRBlock:
         return parsed
 
     def _check_together(self, path: str) -> None:
-        """The keys that need another: ``probe`` a backend, ``error_every`` a ``gamma``."""
+        """The keys that need another: ``probe`` and ``gemms`` a backend, ``error_every`` a
+        ``gamma``, ``gamma`` a ``gemms`` with wgrad."""
         if self.probe is not None and self.backend is None:
             raise ValueError(
                 f"{path}.probe needs a precision backend: with {path}.backend=null (observe "
                 "only) every unit runs one path and there is nothing to compare; set "
                 f"{path}.backend or drop {path}.probe"
+            )
+        if self.gemms != GEMMS and self.backend is None:
+            raise ValueError(
+                f"{path}.gemms={list(self.gemms)} needs a precision backend: with "
+                f"{path}.backend=null (observe only) nothing is recovered; set {path}.backend "
+                f"or drop {path}.gemms"
+            )
+        if self.policy.gamma is not None and "wgrad" not in self.gemms:
+            raise ValueError(
+                f"{path}.gamma scores the damage term e, a bound on what the low-cost numerics "
+                f"do to the weight gradient (the wgrad GEMM); with {path}.gemms="
+                f"{list(self.gemms)} a recovered unit keeps wgrad on the low-cost path, so its "
+                "recovery cannot remove what e measures and a unit selected for e would stay "
+                f"selected unrepaired; add 'wgrad' to {path}.gemms or drop {path}.gamma"
             )
         if self.error_every != 1 and self.policy.gamma is None:
             raise ValueError(
