@@ -1,16 +1,22 @@
-"""The GNMR controller: per-unit gradient norms in, a budgeted recovery set out.
+"""The GNMR controller: per-unit gradient norms in, a budgeted recovery plan out.
 
 Each optimizer step ``t`` :meth:`GNMRController.step` receives one vector of U global per-unit
-gradient norms (and, with ``GNMRConfig(gamma=...)``, one vector of U error scores ``e_t``) and
-returns a :class:`~gnmr_dist.core.decision.Decision`: the set ``A`` of at most ``max_active``
-units that run the recovery path on the *next* step. The decision itself is
-:mod:`gnmr_dist.core.policy` (docs/algorithm.md: Scores, Risk, Selection steps 1-4); this class
-holds what the policy reads and what outlives a step:
+gradient norms (with ``GNMRConfig(gamma=...)`` one vector of U error scores ``e_t``, and on the
+lr_decay clock the learning rate ``lr_t``) and returns a
+:class:`~gnmr_dist.core.decision.Decision`: the plan ``R_t = A_t + P_t`` of units that run the
+recovery path on the *next* step, ``A_t`` the budgeted choice and ``P_t`` the pinned units. The
+decision itself is :mod:`gnmr_dist.core.policy` (docs/algorithm.md: Scores, Risk, Selection steps
+1-4); this class holds what the policy reads and what outlives a step:
 
-* the history (``S``, ``c``, the window ``W`` of past GNMR values) and the locks. After each
-  decision the history absorbs the step (docs/algorithm.md#history-update): finite norms enter
-  the running sum, finite GNMR values enter the window; a non-finite norm is not recorded, so
-  one overflow does not poison a unit's mean for the rest of training;
+* the history (``S``, ``c``, the window ``W`` of past GNMR values), the locks and the latches.
+  After each decision the history absorbs the step (docs/algorithm.md#history-update): finite
+  norms enter the running sum, finite GNMR values enter the window; a non-finite norm is not
+  recorded, so one overflow does not poison a unit's mean for the rest of training;
+* the learning-rate peak ``max(lr_1..lr_t)`` of the lr_decay clock, and the accounting
+  (docs/algorithm.md#accounting): per unit the steps it ran recovered and the steps its norm
+  was non-finite, and the first non-finite event;
+* the units' fixed inputs: eligibility, the pinned mask, the costs ``w(u)`` and ``W`` of the
+  compute-share budget;
 * the checkpoint. The state is a handful of float64/int64 vectors of length U plus the
   ``U x window`` window, so :meth:`~GNMRController.state_dict` is plain tensors and ints that
   load under ``torch.load(weights_only=True)``, and a restored controller makes bit-identical
@@ -18,7 +24,8 @@ holds what the policy reads and what outlives a step:
 
 The damage term keeps no state here: the caller carries ``e_t`` between probe steps and passes a
 full vector at every step while ``gamma`` is set (:mod:`gnmr_dist.core.inputs` refuses a missing
-one, and errors without ``gamma``). With ``gamma`` unset no extra operation touches the risk.
+one, and errors without ``gamma``). With ``gamma``, ``max_share``, ``latch`` and ``pinned`` unset
+and a number for ``max_active`` no extra operation touches the decision.
 """
 
 from __future__ import annotations
@@ -32,26 +39,22 @@ import torch
 
 from gnmr_dist.core import policy
 from gnmr_dist.core.config import GNMRConfig
-from gnmr_dist.core.decision import Decision
-from gnmr_dist.core.inputs import NormsLike, eligible_mask, error_vector, unit_vector
+from gnmr_dist.core.decision import Decision, Report
+from gnmr_dist.core.inputs import (
+    NormsLike,
+    eligible_mask,
+    error_vector,
+    learning_rate,
+    pinned_mask,
+    unit_costs,
+    unit_vector,
+)
 from gnmr_dist.core.integrity import open_state, seal
-from gnmr_dist.core.state import check_state
+from gnmr_dist.core.state import STATE_VERSION, check_state
 
-__all__ = ["GNMRController"]
+__all__ = ["STATE_VERSION", "GNMRController"]
 
 logger = logging.getLogger(__name__)
-
-STATE_VERSION = 1
-"""Format version of :meth:`GNMRController.state_dict`.
-
-Still 1 with section 2.1: the error term keeps no state (the caller supplies ``e_t`` at every
-step), so the state's keys, shapes and dtypes are unchanged and states written before ``gamma``
-existed load as they are. ``gamma`` only shows up inside the saved ``"config"`` dict, which is
-compared with the current policy and never shapes the state. The ``"checksum"`` entry
-(:mod:`gnmr_dist.core.integrity`) is one more key, which earlier releases ignore; states without
-it load with a warning. Bump this only when the tensors
-change, and keep reading version 1 then.
-"""
 
 
 def _array(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
@@ -67,6 +70,14 @@ class GNMRController:
         config: the policy; defaults to ``GNMRConfig()``.
         eligible: optional bool mask of length U; units without a recovery path are scored but
             never selected. ``None`` means every unit is eligible.
+        costs: ``w(u)``, one integer >= 1 per unit: the multiply-accumulates per token of the
+            GEMMs its recovery covers (docs/algorithm.md#compute-share). With ``total_cost``;
+            needed by ``max_share``, and without it only reported (``Telemetry.plan_share``).
+        total_cost: ``W``, an integer >= ``sum(costs)``: three times the units' summed
+            ``in x out`` (every GEMM of every unit), the denominator of every share.
+        pinned: bool mask of length U of the units ``config.pinned`` names (resolve it with
+            ``config.pinned.mask(unit_names)``); may be left out for ``"units": "all"`` and
+            is refused without ``config.pinned``.
     """
 
     def __init__(
@@ -74,11 +85,24 @@ class GNMRController:
         num_units: int,
         config: GNMRConfig | None = None,
         eligible: NormsLike | None = None,
+        *,
+        costs: NormsLike | None = None,
+        total_cost: int | None = None,
+        pinned: NormsLike | None = None,
     ) -> None:
         if isinstance(num_units, bool) or not isinstance(num_units, int) or num_units < 1:
             raise ValueError(f"num_units must be an integer >= 1, got {num_units!r}")
         self.num_units = num_units
-        self.config = config if config is not None else GNMRConfig()
+        self.config = cfg = config if config is not None else GNMRConfig()
+        self._costs = unit_costs(costs, total_cost, num_units)
+        if cfg.max_share is not None and self._costs is None:
+            raise ValueError(
+                "gnmr.max_share needs the units' costs: GNMRController(..., costs=w, "
+                "total_cost=W) (docs/algorithm.md#compute-share), or set max_share to null"
+            )
+        units = None if cfg.pinned is None else cfg.pinned.units
+        self._pinned_mask = pinned_mask(pinned, units, num_units)
+        self._lr_keys = cfg.lr_keys()
         self.eligible = eligible_mask(eligible, num_units)
         self.reset()
 
@@ -91,9 +115,22 @@ class GNMRController:
     def eligible(self, mask: torch.Tensor) -> None:
         self._eligible_t = mask
         self._eligible = mask.numpy()  # a view: the policy reads it every step
+        pins = self._pinned_mask
+        cost, total = self._costs if self._costs is not None else (None, 0)
+        ids = np.flatnonzero(pins & self._eligible) if pins is not None else np.zeros(0, np.int64)
+        self._units = policy.Units(self._eligible, ids, cost, total)
+        self._report = self._base_report()
+
+    def _base_report(self) -> Report | None:
+        """Which second-policy counts the telemetry reports (``None``: none, as before them)."""
+        cfg, (cost, total) = self.config, self._units[2:]
+        plain = cost is None and cfg.pinned is None and cfg.latch is None
+        if plain and isinstance(cfg.max_active, int):
+            return None
+        return Report(None, cost, total, cfg.pinned is not None, cfg.latch is not None)
 
     def reset(self) -> None:
-        """Forget all history, locks and the step counter."""
+        """Forget all history, locks, latches, the accounting and the step counter."""
         u, w = self.num_units, self.config.window
         self._step = 0
         self._sum = np.zeros(u, dtype=np.float64)
@@ -101,6 +138,12 @@ class GNMRController:
         self._wbuf = np.zeros((u, w), dtype=np.float64)
         self._wlen = np.zeros(u, dtype=np.int64)
         self._lock = np.zeros(u, dtype=np.int64)
+        self._latched = np.zeros(u, dtype=np.int64)
+        self._lr_peak = 0.0
+        self._recovered = np.zeros(u, dtype=np.int64)
+        self._nonfinite = np.zeros(u, dtype=np.int64)
+        self._first_nonfinite = (0, -1)
+        self._plan = np.zeros(0, dtype=np.int64)
 
     @property
     def step_count(self) -> int:
@@ -112,8 +155,35 @@ class GNMRController:
         """int64 [U]: a copy of the lock counters."""
         return torch.from_numpy(self._lock.copy())
 
-    def step(self, norms: NormsLike, *, errors: NormsLike | None = None) -> Decision:
-        """Score one step's per-unit global gradient norms and choose the next active set.
+    @property
+    def latches(self) -> torch.Tensor:
+        """int64 [U]: a copy of the step each unit was latched at (0: not latched)."""
+        return torch.from_numpy(self._latched.copy())
+
+    @property
+    def plan(self) -> tuple[int, ...]:
+        """``R_t`` of the last decision: the ids on the recovery path for the next step."""
+        return tuple(self._plan.tolist())
+
+    @property
+    def recovered(self) -> torch.Tensor:
+        """int64 [U]: steps each unit ran on the recovery path (docs/algorithm.md#accounting)."""
+        return torch.from_numpy(self._recovered.copy())
+
+    @property
+    def nonfinite(self) -> torch.Tensor:
+        """int64 [U]: steps whose norm of each unit was NaN or +-inf."""
+        return torch.from_numpy(self._nonfinite.copy())
+
+    @property
+    def first_nonfinite(self) -> tuple[int, int] | None:
+        """``(step, lowest unit id)`` of the run's first non-finite norm; ``None``: none yet."""
+        return None if self._first_nonfinite[0] == 0 else self._first_nonfinite
+
+    def step(
+        self, norms: NormsLike, *, errors: NormsLike | None = None, lr: float | None = None
+    ) -> Decision:
+        """Score one step's per-unit global gradient norms and choose the next plan.
 
         ``norms`` is a 1-D tensor/array/sequence of U values >= 0 (NaN and +-inf allowed: such
         units score +inf and their history is left untouched). A tensor on an accelerator is
@@ -123,19 +193,42 @@ class GNMRController:
         ``norms`` (>= 0; a non-finite value gives risk +inf). They are required while
         ``config.gamma`` is set (carry the last measured values forward between probe steps) and
         refused while it is not; they never enter the norm history.
+
+        ``lr`` is the learning rate the optimizer applied at this step (its first parameter
+        group), required while a schedule or condition runs on the lr_decay clock. Given
+        without one it is accepted and only its peak is kept (in the state), so an integration
+        may pass it at every step and a resume may turn such a schedule on.
         """
         n = unit_vector(norms, self.num_units, "norms")
         t = self._step + 1
-        alpha, beta = self.config.thresholds_at(t)
-        gamma = self.config.gamma_at(t)
-        e = error_vector(errors, gamma, self.num_units)
+        rate = learning_rate(lr, self._lr_keys)
+        peak = self._lr_peak if rate is None else max(self._lr_peak, rate)
+        decay = None if rate is None else (0.0 if peak == 0 else 1.0 - rate / peak)
+        at = self.config.at(t, decay)
+        e = error_vector(errors, at.gamma, self.num_units)
         history = (self._sum, self._count, self._wbuf, self._wlen)
-        scores = policy.score(n, history, (alpha, beta, gamma), e)
-        plan = policy.select(t, scores, self._lock, self._eligible, self.config)
-        self._lock = plan.lock
+        scores = policy.score(n, history, (at.alpha, at.beta, at.gamma), e)
+        latched = self._latched if self.config.latch is not None else None
+        plan = policy.select(t, at, scores, (self._lock, latched), self._units, self.config)
+        self._account(t, scores.finite)
+        self._lock, self._plan, self._lr_peak = plan.lock, plan.active, peak
+        if plan.latched is not None:
+            self._latched = plan.latched
         self._record(n, scores.gnmr, scores.finite)
         self._step = t
-        return Decision(t, (alpha, beta, gamma), scores, plan, self._eligible)
+        report = self._report
+        if report is not None and not isinstance(self.config.max_active, int):
+            report = report._replace(budget=at.k)
+        return Decision(t, (at.alpha, at.beta, at.gamma), scores, plan, self._eligible, report)
+
+    def _account(self, t: int, finite: np.ndarray) -> None:
+        """docs/algorithm.md#accounting: +1 for every unit of ``R_{t-1}``, +1 for every
+        non-finite norm, and the first non-finite event."""
+        self._recovered[self._plan] += 1
+        if not finite.all():
+            self._nonfinite += ~finite
+            if self._first_nonfinite[0] == 0:
+                self._first_nonfinite = (t, int(np.argmin(finite)))
 
     def _record(self, n: np.ndarray, gnmr: np.ndarray, finite: np.ndarray) -> None:
         """The history absorbs the step (docs/algorithm.md#history-update): finite norms into
@@ -157,10 +250,24 @@ class GNMRController:
     def state_dict(self) -> dict[str, Any]:
         """Plain tensors, ints and a JSON-like config: safe for ``weights_only=True`` loads.
 
-        Format :data:`STATE_VERSION` (1). The section 2.1 error term stores nothing here: its
-        scores come with every :meth:`step` call, so only ``config`` shows ``gamma`` (when set).
-        Sealed with a per-field checksum (:mod:`gnmr_dist.core.integrity`).
+        Format :data:`~gnmr_dist.core.state.STATE_VERSION` (2, docs/algorithm.md#state-and-resume):
+        the history and locks of format 1, then the latches, the learning-rate peak, the
+        accounting and the plan that runs next. Sealed with a per-field checksum
+        (:mod:`gnmr_dist.core.integrity`).
         """
+        plan = np.zeros(self.num_units, dtype=bool)
+        plan[self._plan] = True
+        arrays = {
+            "norm_sum": self._sum,
+            "norm_count": self._count,
+            "window_buffer": self._wbuf,
+            "window_len": self._wlen,
+            "lock": self._lock,
+            "latched": self._latched,
+            "recovered": self._recovered,
+            "nonfinite": self._nonfinite,
+            "plan": plan,
+        }
         return seal(
             {
                 "version": STATE_VERSION,
@@ -168,30 +275,29 @@ class GNMRController:
                 "step": self._step,
                 "config": self.config.to_dict(),
                 "eligible": self.eligible.clone(),
-                "norm_sum": torch.from_numpy(self._sum.copy()),
-                "norm_count": torch.from_numpy(self._count.copy()),
-                "window_buffer": torch.from_numpy(self._wbuf.copy()),
-                "window_len": torch.from_numpy(self._wlen.copy()),
-                "lock": torch.from_numpy(self._lock.copy()),
+                **{k: torch.from_numpy(v.copy()) for k, v in arrays.items()},
+                "lr_peak": torch.tensor(self._lr_peak, dtype=torch.float64),
+                "first_nonfinite": torch.tensor(self._first_nonfinite, dtype=torch.int64),
             }
         )
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore a :meth:`state_dict`; raises ``ValueError`` naming what does not fit.
+        """Restore a :meth:`state_dict` (format 2, or 1: no latches, a zero learning-rate peak,
+        zero counts, an empty plan); raises ``ValueError`` naming what does not fit.
 
         ``num_units`` and ``window`` must match this controller (they fix the state's shapes).
-        Other policy fields (budget, thresholds, lock, warm-up, ``gamma``) may differ: the
-        current config wins and the difference is logged, so a run can be resumed with a retuned
-        policy, with the error term turned on or off. States saved before ``gamma`` existed are
-        version 1 too and load unchanged (the error term keeps no state).
+        Other policy fields may differ: the current config wins and the difference is logged,
+        so a run can be resumed with a retuned policy (:meth:`_conformed` fits the saved locks
+        and latches to it).
 
         The state must match its checksum (``StateIntegrityError``, a ``ValueError``, names
         each altered field) and satisfy the algorithm's invariants (``ValueError`` naming the
         entry, :mod:`gnmr_dist.core.state`); a state written before checksums existed loads
         with a warning.
         """
-        state = open_state(state, "GNMR controller state")
-        check_state(state, self.num_units, self.config.window, STATE_VERSION)
+        state = check_state(
+            open_state(state, "GNMR controller state"), self.num_units, self.config.window
+        )
         saved_cfg = dict(state["config"])
         if saved_cfg != self.config.to_dict():
             logger.warning(
@@ -203,22 +309,38 @@ class GNMRController:
             logger.warning(
                 "GNMR state was saved with a different eligibility mask; using the current one"
             )
+        self._restore(state)
+
+    def _restore(self, state: Mapping[str, Any]) -> None:
+        """Take over a checked format-2 state's step, history, locks, latches and accounting."""
         self._step = int(state["step"])
         self._sum = _array(state["norm_sum"], torch.float64)
         self._count = _array(state["norm_count"], torch.int64)
         self._wbuf = _array(state["window_buffer"], torch.float64)
         self._wlen = _array(state["window_len"], torch.int64)
-        self._lock = _array(self._conformed_locks(state["lock"]), torch.int64)
+        lock, latched = _array(state["lock"], torch.int64), _array(state["latched"], torch.int64)
+        self._lock, self._latched = self._conformed(lock, latched)
+        self._lr_peak = float(state["lr_peak"])
+        self._recovered = _array(state["recovered"], torch.int64)
+        self._nonfinite = _array(state["nonfinite"], torch.int64)
+        at, unit = state["first_nonfinite"].tolist()
+        self._first_nonfinite = (int(at), int(unit))
+        self._plan = np.flatnonzero(_array(state["plan"], torch.bool))
 
-    def _conformed_locks(self, saved: torch.Tensor) -> torch.Tensor:
-        """Saved locks under the current policy: at most ``lock_steps``, only on eligible units,
-        held by at most ``max_active`` units (the largest kept, ties to the lower id). What the
-        next decision would enforce anyway, applied now so that a state saved before it
-        satisfies the invariants of its own config; unchanged when the policy is."""
+    def _conformed(self, lock: np.ndarray, latched: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Saved locks and latches under the current policy: locks at most ``lock_steps``, both
+        only on eligible units, latches only with a ``latch``, and held by at most ``k_t`` units
+        (the latched first by latch step, then the locks largest first, ties to the lower id).
+        What the next decision would enforce anyway, applied now so that a state saved before
+        it satisfies the invariants of its own config; unchanged when the policy is."""
         cfg = self.config
-        lock = torch.where(self.eligible, torch.clamp(saved, max=cfg.lock_steps), 0)
-        held = lock.nonzero().flatten()
-        if held.numel() > cfg.max_active:
-            order = torch.sort(lock[held], descending=True, stable=True).indices
-            lock[held[order[cfg.max_active :]]] = 0
-        return lock.clone()
+        lock = np.where(self._eligible, np.minimum(lock, cfg.lock_steps), 0)
+        keep = self._eligible if cfg.latch is not None else False
+        latched = np.where(keep, latched, 0)
+        held = np.flatnonzero((lock > 0) | (latched > 0))
+        budget = cfg.budget_bound(self._step)
+        if held.size > budget:
+            late = np.where(latched[held] > 0, latched[held], np.iinfo(np.int64).max)
+            drop = held[np.lexsort((held, -lock[held], late))[budget:]]
+            lock[drop], latched[drop] = 0, 0
+        return lock, latched

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["Decision", "Plan", "Scores", "Telemetry"]
+__all__ = ["Decision", "Plan", "Report", "Scores", "Telemetry"]
 
 
 class Scores(NamedTuple):
@@ -42,9 +42,32 @@ class Plan(NamedTuple):
     candidates: np.ndarray
     """bool [U]: the candidate pool ``C``."""
     active: np.ndarray
-    """int64, ascending: the ids of ``A_t``, the recovery path's units for the next step."""
+    """int64, ascending: the ids of ``R_t = A_t + P_t``, the recovery path's units for the next
+    step."""
     lock: np.ndarray
     """int64 [U]: every unit's lock after the decision."""
+    chosen: np.ndarray
+    """int64, ascending: ``A_t``, the budgeted choice (``active`` itself without pinned units)."""
+    pinned: np.ndarray
+    """int64, ascending: ``P_t``, the pinned units on the recovery path (often empty)."""
+    latched: np.ndarray | None
+    """int64 [U]: every unit's latch step after the decision; ``None`` without ``latch``."""
+
+
+class Report(NamedTuple):
+    """Which of the second policy's counts a decision's :class:`Telemetry` carries (``None`` or
+    ``False``: left out, so a trace without them reads as before they existed)."""
+
+    budget: int | None
+    """``k_t``, reported while ``max_active`` is a schedule."""
+    costs: np.ndarray | None
+    """int64 [U] ``w(u)`` and ``W``: with them, the plan's share of the units' linear work."""
+    total_cost: int
+    """``W`` (0 without costs)."""
+    pinned: bool
+    """Report ``num_pinned`` (``pinned`` is set)."""
+    latched: bool
+    """Report ``num_latched`` (``latch`` is set)."""
 
 
 @dataclass(frozen=True)
@@ -58,9 +81,9 @@ class Telemetry:
     num_candidates: int
     """Size of the candidate pool ``C``."""
     num_active: int
-    """Size of the active set ``A`` (units on the recovery path next step)."""
+    """Size of the plan ``R_t`` (units on the recovery path next step, pinned ones included)."""
     num_locked: int
-    """Units holding a lock after the decision (always <= ``max_active``)."""
+    """Units holding a lock after the decision (always <= ``k_t``)."""
     num_nonfinite: int
     """Units whose norm was NaN or +-inf at this step."""
     max_risk: float
@@ -68,10 +91,21 @@ class Telemetry:
     num_error_exceed: int = 0
     """Units whose error term alone exceeds, ``e_t / gamma_t > 1`` (all units, eligible or not;
     non-finite ``e`` included). Always 0 without ``gamma`` (docs/algorithm.md#damage-term)."""
+    num_pinned: int | None = None
+    """``|P_t|``: pinned units in the plan (``num_active`` counts them too); ``None`` (left out
+    of :meth:`as_dict`) without ``pinned``."""
+    num_latched: int | None = None
+    """Units holding a latch after the decision; ``None`` without ``latch``."""
+    budget: int | None = None
+    """``k_t``; ``None`` unless ``max_active`` is a schedule."""
+    plan_share: float | None = None
+    """``cost(R_t) / W``: the plan's share of the units' linear-layer work; ``None`` unless the
+    controller was given the costs."""
 
     def as_dict(self) -> dict[str, float]:
-        """Flat ``{name: value}`` for loggers and JSON traces."""
-        return {k: float(v) for k, v in self.__dict__.items()}
+        """Flat ``{name: value}`` for loggers and JSON traces; the second policy's counts only
+        where they are reported, so a trace without them is byte for byte what it was."""
+        return {k: float(v) for k, v in self.__dict__.items() if v is not None}
 
 
 class Decision:
@@ -92,6 +126,8 @@ class Decision:
         "_eligible",
         "_gamma",
         "_num_locked",
+        "_plan",
+        "_report",
         "_scores",
         "_step",
     )
@@ -103,9 +139,11 @@ class Decision:
         scores: Scores,
         plan: Plan,
         eligible: np.ndarray,
+        report: Report | None = None,
     ) -> None:
         self._step, (self._alpha, self._beta, self._gamma) = step, thresholds
         self._scores, self._candidates, self._eligible = scores, plan.candidates, eligible
+        self._plan, self._report = plan, report
         self._active = tuple(plan.active.tolist())
         self._num_locked = int(np.count_nonzero(plan.lock[plan.active]))
         self._cache: dict[str, Any] = {}
@@ -117,8 +155,27 @@ class Decision:
 
     @property
     def active(self) -> tuple[int, ...]:
-        """Ascending ids of the units on the recovery path for the next step."""
+        """``R_t = A_t + P_t``: ascending ids of the units on the recovery path for the next
+        step."""
         return self._active
+
+    @property
+    def chosen(self) -> tuple[int, ...]:
+        """``A_t``: the budgeted choice (ascending); :attr:`active` without the pinned units."""
+        if self._plan.chosen is self._plan.active:
+            return self._active
+        return self._ids("chosen", self._plan.chosen)
+
+    @property
+    def pinned(self) -> tuple[int, ...]:
+        """``P_t``: the pinned units on the recovery path (ascending; empty without ``pinned``
+        or while its condition does not hold)."""
+        return self._ids("pinned", self._plan.pinned)
+
+    def _ids(self, key: str, ids: np.ndarray) -> tuple[int, ...]:
+        if key not in self._cache:
+            self._cache[key] = tuple(ids.tolist())
+        return self._cache[key]  # type: ignore[no-any-return]
 
     @property
     def alpha(self) -> float:
@@ -197,7 +254,22 @@ class Decision:
             num_nonfinite=int(s.finite.size - np.count_nonzero(s.finite)),
             max_risk=float(s.risk.max()),
             num_error_exceed=error_exceed,
+            **self._second_policy(),
         )
+
+    def _second_policy(self) -> dict[str, Any]:
+        """The counts of :class:`Report` that are reported (docs/algorithm.md#selection)."""
+        r, plan = self._report, self._plan
+        if r is None:
+            return {}
+        out: dict[str, Any] = {"budget": r.budget}
+        if r.pinned:
+            out["num_pinned"] = int(plan.pinned.size)
+        if r.latched and plan.latched is not None:
+            out["num_latched"] = int(np.count_nonzero(plan.latched))
+        if r.costs is not None:
+            out["plan_share"] = int(r.costs[plan.active].sum()) / r.total_cost
+        return out
 
     @property
     def active_mask(self) -> torch.Tensor:

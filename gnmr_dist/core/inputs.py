@@ -6,17 +6,31 @@ anything that is not U real values >= 0 (NaN and +-inf pass: the policy scores t
 runtime's own float64 CPU tensor is read as a view, with no copy and no conversion, since this
 runs at every optimizer step. :func:`error_vector` adds the rule that the damage term's error
 scores come exactly when ``gamma`` is set (docs/algorithm.md#damage-term).
+
+The constructor's optional inputs are checked here too: the units' costs and total cost of the
+compute-share budget (:func:`unit_costs`) and the pinned mask (:func:`pinned_mask`), and
+``step``'s learning rate (:func:`learning_rate`).
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["NormsLike", "eligible_mask", "error_vector", "unit_vector"]
+__all__ = [
+    "NormsLike",
+    "eligible_mask",
+    "error_vector",
+    "learning_rate",
+    "pinned_mask",
+    "unit_costs",
+    "unit_vector",
+]
 
 NormsLike = torch.Tensor | Sequence[float] | Any
 
@@ -129,3 +143,87 @@ def _as_tensor(values: NormsLike, name: str) -> torch.Tensor:
         return torch.as_tensor(values, dtype=torch.float64)
     except (TypeError, ValueError, RuntimeError) as err:
         raise ValueError(f"{name} must be a 1-D vector of real numbers: {err}") from None
+
+
+def learning_rate(lr: Any, lr_keys: tuple[str, ...]) -> float | None:
+    """``lr`` as a finite float >= 0, ``None`` when not given.
+
+    Required while a key runs on the lr_decay clock (``lr_keys``, named in the error); accepted
+    and only tracked (its peak) otherwise, so an integration may pass it at every step.
+    """
+    if lr is None:
+        if lr_keys:
+            raise ValueError(
+                f"gnmr.{lr_keys[0]} runs on the lr_decay clock, so step() needs lr=: the "
+                "learning rate the optimizer applied at this step (its first parameter group), "
+                "docs/algorithm.md#thresholds-and-schedules"
+            )
+        return None
+    if isinstance(lr, torch.Tensor) and lr.numel() == 1:
+        lr = lr.item()
+    ok = isinstance(lr, numbers.Real) and not isinstance(lr, bool)
+    if not ok or not math.isfinite(float(lr)) or float(lr) < 0:
+        raise ValueError(
+            f"lr must be a finite number >= 0 (the learning rate the optimizer applied at this "
+            f"step), got {lr!r}"
+        )
+    return float(lr)
+
+
+def unit_costs(costs: Any, total_cost: Any, num_units: int) -> tuple[np.ndarray, int] | None:
+    """``(w, W)`` checked: ``w`` int64 [U] of integers >= 1, ``W`` an integer >= ``sum(w)``
+    (docs/algorithm.md#compute-share); ``None`` when neither is given."""
+    if costs is None and total_cost is None:
+        return None
+    if costs is None or total_cost is None:
+        raise ValueError(
+            "costs= and total_cost= come together: costs w(u) (the multiply-accumulates per "
+            "token of each unit's recovered GEMMs) and total_cost W (3 x the units' "
+            "sum of in x out), docs/algorithm.md#compute-share"
+        )
+    w = torch.as_tensor(costs).detach().cpu()
+    if w.dtype.is_floating_point or w.dtype.is_complex or w.dtype == torch.bool:
+        raise ValueError(f"costs must hold integers (w(u) in multiply-accumulates), got {w.dtype}")
+    if w.dim() != 1 or w.numel() != num_units:
+        raise ValueError(
+            f"costs must be a 1-D vector of num_units={num_units} integers, "
+            f"got shape {list(w.shape)}"
+        )
+    if num_units and int(w.min()) < 1:
+        unit = int((w < 1).nonzero()[0])
+        raise ValueError(f"costs must be integers >= 1, got {int(w[unit])} for unit {unit}")
+    out = w.to(torch.int64).numpy().copy()
+    total = int(out.sum())
+    if isinstance(total_cost, bool) or not isinstance(total_cost, numbers.Integral):
+        raise ValueError(f"total_cost must be an integer (W), got {total_cost!r}")
+    if int(total_cost) < total:
+        raise ValueError(
+            f"total_cost ({total_cost}) must be >= sum(costs) ({total}): W counts all three "
+            "GEMMs of every unit, w(u) only the recovered ones"
+        )
+    return out, int(total_cost)
+
+
+def pinned_mask(pinned: Any, spec_units: Any, num_units: int) -> np.ndarray | None:
+    """The bool [U] mask of the pinned units: ``pinned`` as given, all True for
+    ``"units": "all"`` when none is given, ``None`` without ``gnmr.pinned`` (``spec_units``
+    is the config's ``pinned.units``, or ``None`` when ``pinned`` is unset)."""
+    if spec_units is None:
+        if pinned is not None:
+            raise ValueError(
+                "pinned= was given but gnmr.pinned is not set: set gnmr.pinned "
+                '({"units": ..., "from": ...}) or stop passing pinned'
+            )
+        return None
+    if pinned is None:
+        if spec_units != "all":
+            raise ValueError(
+                f"gnmr.pinned.units is {spec_units!r}: pass the resolved mask, "
+                "GNMRController(..., pinned=config.pinned.mask(unit_names))"
+            )
+        return np.ones(num_units, dtype=bool)
+    try:
+        mask = eligible_mask(pinned, num_units)
+    except ValueError as err:
+        raise ValueError(str(err).replace("eligible", "pinned")) from None
+    return mask.numpy()

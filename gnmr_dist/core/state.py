@@ -4,6 +4,13 @@ A checkpoint can be truncated, come from another model (different U), another wi
 future format. Each of those must fail loudly with what is wrong and what to do, never load into
 a controller that then makes silently different decisions.
 
+Two formats are read (:data:`STATE_VERSION` is written). Format 1 is the first policy's: the
+history and the locks. Format 2 adds the latches (``latched``, the step each unit was latched at
+or 0), the learning-rate peak (``lr_peak``), the accounting (``recovered``, ``nonfinite``,
+``first_nonfinite`` as ``[step, unit]`` or ``[0, -1]``) and the plan that runs next (``plan``,
+bool [U]). :func:`check_state` returns a format-1 state upgraded: no latches, a zero peak, zero
+counts and an empty plan.
+
 Beyond keys, shapes and dtypes, a state must satisfy what the algorithm (docs/algorithm.md)
 implies of any state it can reach after ``step`` decisions with its saved policy, so that a
 hand-edited or otherwise impossible state is refused even where no checksum covers it:
@@ -14,17 +21,31 @@ hand-edited or otherwise impossible state is refused even where no checksum cove
 * the window holds finite scores ``>= 0``, right-aligned: the ``window - window_len(u)`` slots in
   front are 0;
 * ``0 <= lock(u) <= lock_steps`` of the saved policy, locks held only by eligible units and by
-  at most its ``max_active`` units (step 5 of the policy clears every lock outside ``A``).
+  at most its ``k_t`` units (step 4 of the policy clears every lock outside ``A_t``; on the
+  lr_decay clock, where ``k_t`` needs the learning rate, by at most ``max(start, end)``);
+* ``0 <= latched(u) <= step``, only on eligible units and with a saved ``latch``, lock and latch
+  holders together at most ``k_t`` units, and (format 2) all of them in the plan;
+* the plan on eligible units only; ``0 <= recovered(u) <= max(step - 1, 0)`` (decision ``t``
+  counts the plan of ``t - 1``); ``nonfinite(u) >= 0`` with ``norm_count(u) + nonfinite(u) <=
+  step``; ``first_nonfinite`` ``[0, -1]`` exactly while every ``nonfinite`` is 0, else a step
+  in ``[1, step]`` and a unit with ``nonfinite >= 1``; ``lr_peak`` finite and ``>= 0``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["StateMismatchError", "check_invariants", "check_state"]
+from gnmr_dist.core.config import GNMRConfig
+
+__all__ = ["STATE_VERSION", "StateMismatchError", "check_invariants", "check_state"]
+
+STATE_VERSION = 2
+"""The format :meth:`GNMRController.state_dict <gnmr_dist.core.controller.GNMRController.
+state_dict>` writes; 1 is read too (module docstring)."""
 
 _TENSORS: dict[str, torch.dtype] = {
     "eligible": torch.bool,
@@ -34,11 +55,25 @@ _TENSORS: dict[str, torch.dtype] = {
     "window_len": torch.int64,
     "lock": torch.int64,
 }
-"""The state's tensors and their dtypes; each of shape ``[num_units]`` but ``window_buffer``,
-``[num_units, window]``."""
+"""The tensors of format 1 and their dtypes; each of shape ``[num_units]`` but
+``window_buffer``, ``[num_units, window]``."""
+
+_TENSORS_2: dict[str, torch.dtype] = {
+    "latched": torch.int64,
+    "recovered": torch.int64,
+    "nonfinite": torch.int64,
+    "plan": torch.bool,
+    "lr_peak": torch.float64,
+    "first_nonfinite": torch.int64,
+}
+"""The tensors format 2 adds, each ``[num_units]`` but ``lr_peak`` (a 0-dim tensor) and
+``first_nonfinite`` (``[2]``: ``[step, unit]``)."""
+
+_SHAPES = {"lr_peak": (), "first_nonfinite": (2,)}
+"""The tensors not shaped ``[num_units]`` (besides ``window_buffer``)."""
 
 _KEYS = ("version", "num_units", "step", "config", *_TENSORS)
-"""Every key a state must have."""
+"""Every key a state of either format must have."""
 
 _FIX = "(is this checkpoint from another model or run? start fresh with a new controller instead)"
 
@@ -109,11 +144,16 @@ def _check_history(state: Mapping[str, Any], window: int) -> None:
         )
 
 
-def _check_locks(state: Mapping[str, Any], policy: Mapping[str, Any]) -> None:
+def _saved_policy(config: Mapping[str, Any]) -> GNMRConfig:
+    try:
+        return GNMRConfig.from_dict(config)
+    except (TypeError, ValueError) as err:
+        raise _corrupted("config", f"is not a policy ({err})") from None
+
+
+def _check_locks(state: Mapping[str, Any], policy: GNMRConfig, step: int) -> None:
     lock, eligible = state["lock"], state["eligible"]
-    lock_steps, max_active = policy.get("lock_steps"), policy.get("max_active")
-    if not isinstance(lock_steps, int) or not isinstance(max_active, int):
-        raise _corrupted("config", f"has lock_steps={lock_steps!r}, max_active={max_active!r}")
+    lock_steps, budget = policy.lock_steps, policy.budget_bound(step)
     bad = (lock < 0) | (lock > lock_steps) | ((lock > 0) & ~eligible)
     if bool(bad.any()):
         u = _first(bad)
@@ -123,33 +163,127 @@ def _check_locks(state: Mapping[str, Any], policy: Mapping[str, Any]) -> None:
             f"units hold one; unit {u} eligible: {bool(eligible[u])})",
         )
     held = int((lock > 0).sum())
-    if held > max_active:
-        raise _corrupted("lock", f"is held by {held} units, more than max_active={max_active}")
+    if held > budget:
+        raise _corrupted("lock", f"is held by {held} units, more than max_active={budget}")
+
+
+def _check_latches(state: Mapping[str, Any], policy: GNMRConfig, step: int) -> None:
+    latched, eligible = state["latched"], state["eligible"]
+    bad = (latched < 0) | (latched > step) | ((latched > 0) & ~eligible)
+    if policy.latch is None:
+        bad |= latched != 0
+    if bool(bad.any()):
+        u = _first(bad)
+        raise _corrupted(
+            f"latched[{u}]",
+            f"= {int(latched[u])} (a latch is a step in [0, step={step}], held only by eligible "
+            f"units and only with a latch in the policy; unit {u} eligible: "
+            f"{bool(eligible[u])}, latch: {policy.latch})",
+        )
+    held = (state["lock"] > 0) | (latched > 0)
+    if int(held.sum()) > policy.budget_bound(step):
+        raise _corrupted(
+            "latched",
+            f"with the locks is held by {int(held.sum())} units, more than "
+            f"max_active={policy.budget_bound(step)}",
+        )
+    plan = state["plan"]
+    if state["version"] >= 2 and bool((held & ~plan).any()):
+        raise _corrupted(f"plan[{_first(held & ~plan)}]", "is False for a lock or latch holder")
+    if bool((plan & ~eligible).any()):
+        raise _corrupted(f"plan[{_first(plan & ~eligible)}]", "is True for an ineligible unit")
+
+
+def _check_accounting(state: Mapping[str, Any], step: int) -> None:
+    rec, bad_n, count = state["recovered"], state["nonfinite"], state["norm_count"]
+    bad = (rec < 0) | (rec > max(step - 1, 0))
+    if bool(bad.any()):
+        u = _first(bad)
+        raise _corrupted(f"recovered[{u}]", f"= {int(rec[u])} is outside [0, step - 1]")
+    bad = (bad_n < 0) | (count + bad_n > step)
+    if bool(bad.any()):
+        u = _first(bad)
+        raise _corrupted(
+            f"nonfinite[{u}]",
+            f"= {int(bad_n[u])} with norm_count {int(count[u])} (every step's norm is finite "
+            f"or not: the two add up to at most step={step})",
+        )
+    _check_first_nonfinite(state, step)
+    peak = float(state["lr_peak"])
+    if not math.isfinite(peak) or peak < 0:
+        raise _corrupted("lr_peak", f"= {peak!r} is not a finite number >= 0")
+
+
+def _check_first_nonfinite(state: Mapping[str, Any], step: int) -> None:
+    (at, unit), counts = state["first_nonfinite"].tolist(), state["nonfinite"]
+    if not bool((counts > 0).any()):
+        ok = (at, unit) == (0, -1)
+    else:
+        ok = 1 <= at <= step and 0 <= unit < counts.numel() and int(counts[unit]) >= 1
+    if not ok:
+        raise _corrupted(
+            "first_nonfinite",
+            f"= [{at}, {unit}] (it is [0, -1] while no norm was non-finite, else [step, unit] "
+            "of the first: a step in [1, step] and a unit whose nonfinite count is >= 1)",
+        )
 
 
 def check_invariants(state: Mapping[str, Any], window: int) -> None:
-    """Raise ``ValueError`` naming the first entry of a (well-shaped) state that no run of the
-    algorithm can reach (module docstring)."""
+    """Raise ``ValueError`` naming the first entry of a (well-shaped, format-2 or upgraded)
+    state that no run of the algorithm can reach (module docstring)."""
     step = state["step"]
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise _corrupted("step", f"= {step!r} is not an integer >= 0")
     _check_counts(state, window, step)
     _check_history(state, window)
-    _check_locks(state, state["config"])
+    policy = _saved_policy(state["config"])
+    _check_locks(state, policy, step)
+    _check_latches(state, policy, step)
+    _check_accounting(state, step)
 
 
-def check_state(state: Mapping[str, Any], num_units: int, window: int, version: int) -> None:
-    """Raise ``ValueError`` unless ``state`` is a valid state for (``num_units``, ``window``)."""
+def _upgraded(state: Mapping[str, Any], num_units: int) -> dict[str, Any]:
+    """A format-1 state in format 2: no latches, a zero peak, zero counts, an empty plan."""
+    zeros = torch.zeros(num_units, dtype=torch.int64)
+    return {
+        **state,
+        "latched": zeros,
+        "recovered": zeros.clone(),
+        "nonfinite": zeros.clone(),
+        "plan": torch.zeros(num_units, dtype=torch.bool),
+        "lr_peak": torch.tensor(0.0, dtype=torch.float64),
+        "first_nonfinite": torch.tensor([0, -1]),
+    }
+
+
+def check_state(state: Mapping[str, Any], num_units: int, window: int) -> dict[str, Any]:
+    """``state`` in format 2 (upgraded from 1) after checking it fits (``num_units``,
+    ``window``) and every invariant; ``ValueError`` (:class:`StateMismatchError` for an intact
+    state saved under other settings) naming the entry otherwise."""
     if not isinstance(state, Mapping):
         raise ValueError(f"GNMR state must be a dict, got {type(state).__name__}")
     missing = [k for k in _KEYS if k not in state]
     if missing:
         raise ValueError(f"GNMR state is corrupted or not a GNMR state: missing {missing}")
-    if state["version"] != version:
+    version = state["version"]
+    if version not in (1, STATE_VERSION) or isinstance(version, bool):
         raise StateMismatchError(
-            f"GNMR state has format version {state['version']!r}; this gnmr-dist reads version "
-            f"{version}. Use the gnmr-dist release that wrote it, or start fresh."
+            f"GNMR state has format version {version!r}; this gnmr-dist reads versions 1 and "
+            f"{STATE_VERSION}. Use the gnmr-dist release that wrote it, or start fresh."
         )
+    missing = [k for k in _TENSORS_2 if k not in state] if version == 2 else []
+    if missing:
+        raise ValueError(f"GNMR state is corrupted: format 2 without {missing}")
+    _check_fit(state, num_units, window)
+    full = dict(state) if version == 2 else _upgraded(state, num_units)
+    for key, dtype in {**_TENSORS, **_TENSORS_2}.items():
+        shape = (num_units, window) if key == "window_buffer" else (num_units,)
+        _expect_tensor(full, key, _SHAPES.get(key, shape), dtype)
+    check_invariants(full, window)
+    return full
+
+
+def _check_fit(state: Mapping[str, Any], num_units: int, window: int) -> None:
     if state["num_units"] != num_units:
         raise StateMismatchError(
             f"GNMR state has num_units={state['num_units']}, this controller has {num_units} {_FIX}"
@@ -162,7 +296,3 @@ def check_state(state: Mapping[str, Any], num_units: int, window: int, version: 
             f"GNMR state was saved with window={saved_window}, the config has window={window}; "
             "the window length cannot change on resume: set window back to it"
         )
-    for key, dtype in _TENSORS.items():
-        shape = (num_units, window) if key == "window_buffer" else (num_units,)
-        _expect_tensor(state, key, shape, dtype)
-    check_invariants(state, window)

@@ -80,7 +80,7 @@ def test_bad_values_name_field_and_range(field, value, msg):
     [
         (
             {"schedule": "exp", "start": 1, "end": 2, "steps": 3},
-            r"gnmr\.alpha\.schedule must be one of \['constant', 'linear', 'cosine'\]",
+            r"gnmr\.alpha\.schedule must be one of \['constant', 'linear', 'cosine', 'step'\]",
         ),
         ({"schedule": "linear", "start": 1, "end": 2}, r"gnmr\.alpha is missing required key"),
         (
@@ -118,7 +118,7 @@ def test_from_dict_rejects_non_mapping_and_uses_given_path():
 
 def test_schedule_object_validates_itself():
     with pytest.raises(ValueError, match="schedule must be one of"):
-        Schedule("step", 1.0, 2.0, 3)
+        Schedule("exp", 1.0, 2.0, 3)
     with pytest.raises(ValueError, match="schedule steps must be an integer >= 1"):
         Schedule("linear", 1.0, 2.0, 0)
     cfg = GNMRConfig(alpha=Schedule("linear", 2.0, 1.0, 4))
@@ -179,7 +179,7 @@ def test_gamma_number_and_schedule_round_trip():
         ("0.5", r"gnmr\.gamma must be a finite number > 0"),
         (True, r"gnmr\.gamma must be a finite number > 0"),
         ({"schedule": "linear", "start": 1, "end": 0, "steps": 5}, r"gnmr\.gamma\.end must be"),
-        ({"schedule": "step", "start": 1, "end": 2, "steps": 5}, r"gnmr\.gamma\.schedule must"),
+        ({"schedule": "exp", "start": 1, "end": 2, "steps": 5}, r"gnmr\.gamma\.schedule must"),
         ({"schedule": "linear", "start": 1, "end": 2}, r"gnmr\.gamma is missing required key"),
     ],
 )

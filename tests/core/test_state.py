@@ -198,14 +198,15 @@ V1_KEYS = {
 }
 
 
-def test_format_is_still_version_1_with_the_same_shape():
+def test_format_2_adds_its_keys_and_the_error_term_none():
     from gnmr_dist.core.controller import STATE_VERSION
 
-    assert STATE_VERSION == 1
+    assert STATE_VERSION == 2
+    v2 = {"latched", "lr_peak", "recovered", "nonfinite", "first_nonfinite", "plan"}
     for cfg in (GNMRConfig(warmup_steps=0), GNMRConfig(warmup_steps=0, gamma=0.5)):
         state = GNMRController(3, cfg).state_dict()
         # the checksum is one more key: releases that predate it read the state as before
-        assert set(state) == V1_KEYS | {"checksum"} and state["version"] == 1
+        assert set(state) == V1_KEYS | v2 | {"checksum"} and state["version"] == 2
     assert "gamma" not in GNMRController(3).state_dict()["config"]
 
 
