@@ -4,12 +4,18 @@ Plain Python floats and lists, one unit at a time, written from the spec text an
 with ``gnmr_dist.core``: the vectorised controller must agree with it decision for decision.
 With ``gamma`` (section 2.1) each step also takes one error score per unit, and the risk gains
 the term ``e / gamma_t`` (+inf for a non-finite ``e``); the errors touch nothing else.
+
+The second policy is here too, as the doc words it: schedules with ``from`` and the ``step``
+shape on both clocks (``d_t = 1 - lr_t / max(lr_1..lr_t)``), ``k_t = floor(max_active_t)``, the
+walk that takes a unit when ``|A| < k_t`` and ``cost(A) + w(u) <= s_t W`` (compared exactly, as
+fractions), latches, pinned units and the accounting.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from fractions import Fraction
 
 
 def ref_ratio(a: float, b: float) -> float:
@@ -20,16 +26,30 @@ def ref_ratio(a: float, b: float) -> float:
     return math.inf
 
 
-def ref_threshold(spec, t: int) -> float:
+def ref_threshold(spec, t: int, d: float | None = None) -> float:
     if not isinstance(spec, dict):
         return float(spec)
-    a, b, n = spec["start"], spec["end"], spec["steps"]
-    f = min((t - 1) / n, 1.0)
+    a, b = float(spec["start"]), float(spec["end"])
+    if spec.get("clock", "step") == "step":
+        f = min(max(t - spec.get("from", 1), 0) / spec["steps"], 1.0)
+    else:
+        p, q = spec.get("from", 0), spec.get("to", 1)
+        f = min(max(d - p, 0.0) / (q - p), 1.0)
     if spec["schedule"] == "constant":
         return a
     if spec["schedule"] == "linear":
         return a + (b - a) * f
+    if spec["schedule"] == "step":
+        return a if f < 1 else b
     return b + (a - b) * (1 + math.cos(math.pi * f)) / 2
+
+
+def ref_holds(cond, t: int, d: float | None) -> bool:
+    if cond is None:
+        return False
+    if "step" in cond:
+        return t >= cond["step"]
+    return d >= cond["lr_decay"]
 
 
 class RefController:
@@ -44,23 +64,50 @@ class RefController:
         warmup_steps,
         eligible=None,
         gamma=None,
+        max_share=None,
+        latch=None,
+        pinned=None,
+        pinned_mask=None,
+        costs=None,
+        total_cost=None,
     ):
         self.u = num_units
         self.max_active, self.lock_steps, self.warmup = max_active, lock_steps, warmup_steps
         self.alpha, self.beta, self.gamma = alpha, beta, gamma
+        self.max_share, self.latch = max_share, latch
         self.eligible = list(eligible) if eligible is not None else [True] * num_units
+        self.pinned_from = None
+        if pinned is not None:
+            self.pinned_from = pinned.get("from", {"step": 1})
+            if pinned_mask is None:
+                assert pinned["units"] == "all"
+                pinned_mask = [True] * num_units
+        self.pinned = list(pinned_mask) if pinned_mask is not None else [False] * num_units
+        self.costs, self.total = costs, total_cost
         self.S = [0.0] * num_units
         self.c = [0] * num_units
         self.W = [deque(maxlen=window) for _ in range(num_units)]
         self.lock = [0] * num_units
+        self.latched = [0] * num_units
+        self.peak = 0.0
+        self.plan = []
+        self.recovered = [0] * num_units
+        self.nonfinite = [0] * num_units
+        self.first_nonfinite = None
         self.t = 0
 
-    def step(self, norms, errors=None):
+    def step(self, norms, errors=None, lr=None):
         assert (errors is None) == (self.gamma is None)
         self.t += 1
         t = self.t
-        alpha, beta = ref_threshold(self.alpha, t), ref_threshold(self.beta, t)
-        gamma = None if self.gamma is None else ref_threshold(self.gamma, t)
+        decay = None
+        if lr is not None:
+            self.peak = max(self.peak, float(lr))
+            decay = 1.0 - float(lr) / self.peak if self.peak > 0 else 0.0
+        alpha, beta = ref_threshold(self.alpha, t, decay), ref_threshold(self.beta, t, decay)
+        gamma = None if self.gamma is None else ref_threshold(self.gamma, t, decay)
+        k = math.floor(ref_threshold(self.max_active, t, decay))
+        share = None if self.max_share is None else ref_threshold(self.max_share, t, decay)
         gnmr, dgnmr, risk, error = [], [], [], []
         for u in range(self.u):
             n = float(norms[u])
@@ -83,17 +130,47 @@ class RefController:
         for u in range(self.u):
             if not exceed[u]:
                 self.lock[u] = max(self.lock[u] - 1, 0)
-        cands = [u for u in range(self.u) if self.eligible[u] and (exceed[u] or self.lock[u] > 0)]
+        pin_now = ref_holds(self.pinned_from, t, decay)
+        pinned = [u for u in range(self.u) if pin_now and self.pinned[u] and self.eligible[u]]
+        cands = [
+            u
+            for u in range(self.u)
+            if self.eligible[u]
+            and u not in pinned
+            and (exceed[u] or self.lock[u] > 0 or self.latched[u] > 0)
+        ]
         if t <= self.warmup:
             cands = []
-        ranked = sorted(cands, key=lambda u: (-risk[u], u))
-        active = sorted(ranked[: self.max_active])
+        first = sorted(
+            (u for u in cands if self.latched[u] > 0), key=lambda u: (self.latched[u], u)
+        )
+        rest = sorted((u for u in cands if self.latched[u] == 0), key=lambda u: (-risk[u], u))
+        chosen, spent = [], 0
+        for u in first + rest:
+            fits = share is None or Fraction(spent + self.costs[u]) <= Fraction(share) * self.total
+            if len(chosen) < k and fits:
+                chosen.append(u)
+                spent += self.costs[u] if share is not None else 0
+        chosen = sorted(chosen)
+        latch_now = ref_holds(self.latch, t, decay)
         for u in range(self.u):
-            if u in active:
+            if u in chosen:
                 if exceed[u]:
                     self.lock[u] = self.lock_steps
+                    if latch_now and self.latched[u] == 0:
+                        self.latched[u] = t
             else:
                 self.lock[u] = 0
+                self.latched[u] = 0
+        for u in self.plan:
+            self.recovered[u] += 1
+        active = sorted(chosen + pinned)
+        self.plan = active
+        for u in range(self.u):
+            if not math.isfinite(float(norms[u])):
+                self.nonfinite[u] += 1
+                if self.first_nonfinite is None:
+                    self.first_nonfinite = (t, u)
         for u in range(self.u):
             n = float(norms[u])
             if math.isfinite(n):
@@ -111,4 +188,11 @@ class RefController:
             "error": error if gamma is not None else None,
             "gamma": gamma,
             "lock": list(self.lock),
+            "chosen": tuple(chosen),
+            "pinned": tuple(pinned),
+            "latched": list(self.latched),
+            "k": k,
+            "recovered": list(self.recovered),
+            "nonfinite": list(self.nonfinite),
+            "first_nonfinite": self.first_nonfinite,
         }
