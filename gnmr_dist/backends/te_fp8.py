@@ -25,8 +25,9 @@ and NVFP4: ``docs/backends.md#inside-te_fp8``.
 
 Layout: the option blocks and the recipe policy live in :mod:`gnmr_dist.backends.te_recipes`,
 loading TE (version differences resolved by feature, not by number) and the modules'
-delayed-scaling state in :mod:`gnmr_dist.backends.te_runtime`, the ``te_quant_params`` mechanism
-in :mod:`gnmr_dist.integrations.megatron.te` (megatron owns it).
+delayed-scaling state in :mod:`gnmr_dist.backends.te_runtime`, the routes of ``gnmr.gemms`` in
+:mod:`gnmr_dist.backends.te_gemms`, the ``te_quant_params`` mechanism in
+:mod:`gnmr_dist.integrations.megatron.te` (megatron owns it).
 """
 
 from __future__ import annotations
@@ -40,9 +41,18 @@ from typing import Any
 from torch import nn
 
 from gnmr_dist.backends.base import LOW_COST, RECOVERY, PrecisionBackend
+from gnmr_dist.backends.gemms import ALL_GEMMS, subset_error
 from gnmr_dist.backends.operators import GemmAdapter, ModuleSwitch
 from gnmr_dist.backends.registry import register_backend
-from gnmr_dist.backends.te_recipes import TELowCostOptions, TERecoveryOptions, check_pair
+from gnmr_dist.backends.te_gemms import (
+    CUSTOM,
+    OVERRIDE,
+    REGIONS,
+    choose_route,
+    custom_recipe,
+    te_features,
+)
+from gnmr_dist.backends.te_recipes import FORMATS, TELowCostOptions, TERecoveryOptions, check_pair
 from gnmr_dist.backends.te_runtime import (
     TE_MODULE_TYPES,
     build_recipe,
@@ -101,6 +111,11 @@ class TEFp8Backend(PrecisionBackend):
             None if self.recovery.recipe == "bf16" else self._recipe(self.recovery.recipe)
         )
         """The TE recipe object of the inner region, or None for BF16."""
+        self.route = REGIONS
+        """How a recovered unit runs ``gnmr.gemms`` (:mod:`~gnmr_dist.backends.te_gemms`):
+        ``"regions"`` (all three), ``"backward_override"`` or ``"custom_recipe"``."""
+        self.subset_recipe: Any = None
+        """The inner region's recipe of the two subset routes (None: :attr:`recovery_recipe`)."""
         self._warned_no_fp8 = False
         self._warned_fp8_weights = False
         self._switches: dict[int, ModuleSwitch] = {}
@@ -118,6 +133,38 @@ class TEFp8Backend(PrecisionBackend):
         return build_recipe(
             self._te, name, low.fp8_format, low.delayed_kwargs(), low.nvfp4_kwargs()
         )
+
+    def _route_of(self, gemms: frozenset[str]) -> str:
+        features = te_features(self._te.recipe, self.low_cost.recipe)
+        return choose_route(self.low_cost.recipe, self.recovery.recipe, gemms, features)
+
+    def check_gemms(self, gemms: frozenset[str]) -> None:
+        """Refuse a subset no Transformer Engine route runs here (:func:`~gnmr_dist.backends.
+        te_gemms.choose_route`: the routes, their TE versions and costs)."""
+        self._route_of(gemms)
+
+    def set_gemms(self, gemms: Iterable[str]) -> None:
+        """:meth:`PrecisionBackend.set_gemms`, then the recipe of the subset's inner region:
+        the low-cost recipe with ``backward_override="high_precision"``, or a ``CustomRecipe``
+        of per-layout quantizers."""
+        super().set_gemms(gemms)
+        self.route, self.subset_recipe = self._route_of(self.gemms), None
+        low = self.low_cost
+        if self.route == OVERRIDE:
+            self.subset_recipe = build_recipe(
+                self._te,
+                low.recipe,
+                low.fp8_format,
+                low.delayed_kwargs(),
+                low.nvfp4_kwargs(),
+                backward_override="high_precision",
+            )
+        elif self.route == CUSTOM:
+            fmt = getattr(self._te.recipe.Format, FORMATS[low.fp8_format])
+            self.subset_recipe = custom_recipe(
+                self._te.recipe, self.gemms, self.low_cost_recipe, self.recovery_recipe, fmt
+            )
+        logger.info("te_fp8: gnmr.gemms %s by route %s", sorted(self.gemms), self.route)
 
     @property
     def te_version(self) -> str:
@@ -154,8 +201,11 @@ class TEFp8Backend(PrecisionBackend):
 
         BF16 passes the low-cost recipe along with ``enabled=False``: TE ignores it when disabled,
         and the process-global recipe stays the outer one (TE would otherwise build a default
-        recipe object on every call).
+        recipe object on every call). Under ``gnmr.gemms`` a subset: an enabled region of
+        :attr:`subset_recipe`.
         """
+        if self.subset_recipe is not None:
+            return self._region(True, self.subset_recipe)
         if self.recovery_recipe is None:
             return self._region(False, self.low_cost_recipe)
         return self._region(True, self.recovery_recipe)
@@ -195,6 +245,7 @@ class TEFp8Backend(PrecisionBackend):
             if switcher is not None and self.supports(mod)
             if (switch := switcher(mod, labels.get(uid, f"unit {uid}"), self)) is not None
         }
+        self._check_subset(units, switches, labels)
         self._switches.update(switches)
         try:
             super().wrap(units)
@@ -202,6 +253,42 @@ class TEFp8Backend(PrecisionBackend):
             for uid in switches:
                 del self._switches[uid]
             raise
+
+    def _check_subset(
+        self,
+        units: Mapping[int, nn.Module],
+        switches: Mapping[int, ModuleSwitch],
+        labels: Mapping[int, str],
+    ) -> None:
+        """Refuse, under a subset of GEMMs, a module switched through its own framework setting
+        (it names a recipe, not a region of ours) and, on the ``backward_override`` route, a
+        ``LayerNormMLP`` (TE asserts it has no such backward)."""
+        if self.gemms == ALL_GEMMS:
+            return
+        if switches:
+            uid = min(switches)
+            raise subset_error(
+                self.name,
+                self.gemms,
+                f"{labels.get(uid, f'unit {uid}')} switches its precision through its own "
+                "te_quant_params, which name a whole recipe (FP8 off or a recipe class), not "
+                f"the inner region route {self.route!r} needs",
+                "use layer units (gnmr.units: layer), or recover all three GEMMs",
+            )
+        if self.route != OVERRIDE:
+            return
+        for uid, unit in units.items():
+            mlp = next((m for m in unit.modules() if _is_layernorm_mlp(m)), None)
+            if mlp is not None:
+                raise subset_error(
+                    self.name,
+                    self.gemms,
+                    f"unit {labels.get(uid, uid)} holds a LayerNormMLP, which TE runs with no "
+                    "backward_override (transformer_engine/pytorch/module/layernorm_mlp.py: "
+                    "'not implemented in LayerNormMLP')",
+                    "replace LayerNormMLP with LayerNormLinear + Linear, exclude the unit, or "
+                    "recover all three GEMMs",
+                )
 
     def unwrap(self) -> None:
         """Original ``te_quant_params`` objects back, then every installed forward removed."""
@@ -289,6 +376,14 @@ class TEFp8Backend(PrecisionBackend):
                 reset_delayed_scaling(module)
         if returning:
             logger.debug("te_fp8: reset delayed scaling of units %s", returning)
+
+
+def _is_layernorm_mlp(module: nn.Module) -> bool:
+    """TE's ``LayerNormMLP`` or a subclass (matched by name and package, nothing imported)."""
+    return any(
+        cls.__name__ == "LayerNormMLP" and cls.__module__.startswith("transformer_engine.")
+        for cls in type(module).__mro__
+    )
 
 
 def _set_quant_params(

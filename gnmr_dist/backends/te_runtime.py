@@ -180,9 +180,12 @@ def build_recipe(
     fp8_format: str,
     delayed: Mapping[str, Any],
     nvfp4: Mapping[str, Any] | None = None,
+    backward_override: str | None = None,
 ) -> Any:
     """The TE recipe object for Megatron's recipe ``name`` (``nvfp4``: ``NVFP4BlockScaling``
-    with the ``disable_*`` fields given, TE's defaults for the others)."""
+    with the ``disable_*`` fields given, TE's defaults for the others); ``backward_override``
+    (TE >= 2.15, not ``delayed``) is passed on when given (``gnmr.gemms``:
+    :mod:`~gnmr_dist.backends.te_gemms`)."""
     cls_name, since = RECIPES[name]
     cls = getattr(te.recipe, cls_name, None)
     if cls is None:
@@ -190,12 +193,13 @@ def build_recipe(
             f"recipe {name!r} ({cls_name}) needs transformer_engine >= {since}; "
             f"installed: {te.version}. Upgrade Transformer Engine or choose another recipe."
         )
+    extra = {} if backward_override is None else {"backward_override": backward_override}
     if name == "nvfp4":
-        return cls(**(nvfp4 or {}))
+        return cls(**(nvfp4 or {}), **extra)
     fmt = getattr(te.recipe.Format, FORMATS[fp8_format])
     if name == "delayed":
         return cls(fp8_format=fmt, **delayed)
-    return cls(fp8_format=fmt)
+    return cls(fp8_format=fmt, **extra)
 
 
 def is_te_module(module: nn.Module) -> bool:
