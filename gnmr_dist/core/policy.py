@@ -25,6 +25,7 @@ sorted only when they do not all fit. Under ``max_share`` the greedy walk with s
 
 from __future__ import annotations
 
+import functools
 import math
 from fractions import Fraction
 from typing import NamedTuple
@@ -87,10 +88,16 @@ class Units(NamedTuple):
     """``W``: the units' linear-layer work (docs/algorithm.md#compute-share); 0 without costs."""
 
 
+@functools.lru_cache(maxsize=64)
 def share_cap(share: float, total_cost: int) -> int:
-    """``floor(s_t W)``, exactly: ``cost(A) <= s_t W`` for an integer cost iff it is ``<=``
-    this (the float ``s_t`` taken at its exact binary value, no rounding of the product)."""
-    return math.floor(Fraction(share) * total_cost)
+    """``floor(s_t W)``, exactly: an integer cost is ``<= s_t W`` iff it is ``<=`` this.
+
+    ``s_t`` is taken as the decimal it prints as (``repr``, the shortest that reads back as the
+    same float), so ``"max_share": 0.3`` is 3/10 and 3 units of cost 1 fit in ``W = 10``; the
+    double nearest 0.3 lies just below it and would leave them out. Cached: a constant share
+    costs one look-up a step.
+    """
+    return math.floor(Fraction(repr(float(share))) * total_cost)
 
 
 def select(

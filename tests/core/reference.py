@@ -8,7 +8,7 @@ the term ``e / gamma_t`` (+inf for a non-finite ``e``); the errors touch nothing
 The second policy is here too, as the doc words it: schedules with ``from`` and the ``step``
 shape on both clocks (``d_t = 1 - lr_t / max(lr_1..lr_t)``), ``k_t = floor(max_active_t)``, the
 walk that takes a unit when ``|A| < k_t`` and ``cost(A) + w(u) <= s_t W`` (compared exactly, as
-fractions), latches, pinned units and the accounting.
+fractions, ``s_t`` the decimal it prints as), latches, pinned units and the accounting.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ class RefController:
         rest = sorted((u for u in cands if self.latched[u] == 0), key=lambda u: (-risk[u], u))
         chosen, spent = [], 0
         for u in first + rest:
-            fits = share is None or Fraction(spent + self.costs[u]) <= Fraction(share) * self.total
+            fits = share is None or spent + self.costs[u] <= Fraction(repr(share)) * self.total
             if len(chosen) < k and fits:
                 chosen.append(u)
                 spent += self.costs[u] if share is not None else 0

@@ -195,3 +195,145 @@ def test_gamma_errors_follow_the_given_path_and_typos_are_caught():
         GNMRConfig.from_dict({"gamma": 0}, path="policy")
     with pytest.raises(ValueError, match=r"unknown key gnmr\.gama; did you mean 'gamma'"):
         GNMRConfig.from_dict({"gama": 1.0})
+
+
+# ------------------------------------------------ policy v2 (docs/algorithm.md#policy)
+
+V2 = {
+    "max_active": {"schedule": "step", "start": 0, "end": 8, "clock": "lr_decay", "to": 0.5},
+    "max_share": {"schedule": "linear", "start": 0.1, "end": 0.25, "steps": 100, "from": 50},
+    "latch": {"lr_decay": 0.5},
+    "pinned": {"units": {"last_layers": 2}, "from": {"step": 8600}},
+    "alpha": {"schedule": "cosine", "start": 4.0, "end": 2.0, "clock": "lr_decay", "from": 0.2},
+}
+
+
+def test_new_keys_default_to_absent_and_stay_out_of_the_json_form():
+    cfg = GNMRConfig()
+    assert (cfg.max_share, cfg.latch, cfg.pinned) == (None, None, None)
+    assert cfg.to_dict() == OLD_DEFAULT_DICT and cfg.lr_keys() == ()
+    nulls = {"max_share": None, "latch": None, "pinned": None}
+    assert GNMRConfig.from_dict(nulls) == cfg
+    assert {"max_share", "latch", "pinned"} <= set(GNMRConfig.field_names())
+
+
+def test_v2_config_round_trips_and_evaluates():
+    cfg = GNMRConfig.from_dict(V2)
+    assert GNMRConfig.from_dict(cfg.to_dict()) == cfg
+    assert cfg.to_dict()["max_active"] == {
+        "schedule": "step",
+        "start": 0.0,
+        "end": 8.0,
+        "clock": "lr_decay",
+        "to": 0.5,
+    }
+    assert cfg.to_dict()["pinned"] == V2["pinned"] and cfg.to_dict()["latch"] == V2["latch"]
+    assert cfg.lr_keys() == ("max_active", "alpha", "latch")
+    early, late = cfg.at(1, 0.0), cfg.at(9000, 0.6)
+    assert (early.k, early.latch, early.pin, early.alpha) == (0, False, False, 4.0)
+    # cosine at f = (0.6 - 0.2) / 0.8 = 1/2: halfway, 3
+    assert (late.k, late.latch, late.pin) == (8, True, True)
+    assert late.alpha == pytest.approx(3.0)
+    assert early.share == 0.1 and cfg.at(100, 0.0).share == pytest.approx(0.175)
+    with pytest.raises(ValueError, match="lr_decay clock needs the decay"):
+        cfg.budget_at(1)
+    assert cfg.budget_bound(1) == 8  # k_t without the learning rate: at most max(start, end)
+
+
+@pytest.mark.parametrize(
+    "key, value, msg",
+    [
+        ("max_active", 2.5, r"gnmr\.max_active must be an integer >= 0, got 2.5 \(or a budget"),
+        (
+            "max_active",
+            {"schedule": "linear", "start": -1, "end": 2, "steps": 3},
+            r"gnmr\.max_active\.start must be a finite number >= 0, got -1",
+        ),
+        ("max_share", 1.5, r"gnmr\.max_share must be a number >= 0 and <= 1, got 1\.5 \(the"),
+        ("max_share", True, r"gnmr\.max_share must be a number >= 0 and <= 1, got True"),
+        ("max_share", "0.1", r"gnmr\.max_share must be a number >= 0 and <= 1.*or null"),
+        (
+            "max_share",
+            {"schedule": "linear", "start": 0.1, "end": 2, "steps": 3},
+            r"gnmr\.max_share\.end must be a number >= 0 and <= 1, got 2",
+        ),
+        ("latch", {"setp": 3}, r"unknown key gnmr\.latch\.setp; did you mean 'step'"),
+        ("latch", {"step": 0}, r"gnmr\.latch\.step must be an integer >= 1, got 0"),
+        ("latch", {"lr_decay": 1.5}, r"gnmr\.latch\.lr_decay must be a number >= 0 and <= 1"),
+        ("latch", 5, r'gnmr\.latch must be a condition, \{"step": m\}.*\(or null: no latch\)'),
+        ("latch", {"step": 1, "lr_decay": 0.5}, r"gnmr\.latch must be a condition"),
+        ("pinned", "all", r'gnmr\.pinned must be null or \{"units": "all", a list'),
+        ("pinned", {}, r"gnmr\.pinned is missing required key\(s\) \['units'\]"),
+        ("pinned", {"units": "al"}, r'gnmr\.pinned\.units must be "all", a list of unit-name'),
+        ("pinned", {"units": []}, r"gnmr\.pinned\.units must be"),
+        ("pinned", {"units": [3]}, r"gnmr\.pinned\.units must be"),
+        (
+            "pinned",
+            {"units": {"last_layers": 0}},
+            r"gnmr\.pinned\.units\.last_layers must be an integer >= 1, got 0",
+        ),
+        (
+            "pinned",
+            {"units": {"last_layer": 2}},
+            r"unknown key gnmr\.pinned\.units\.last_layer; did you mean 'last_layers'",
+        ),
+        ("pinned", {"units": "all", "form": {}}, r"unknown key gnmr\.pinned\.form; did you mean"),
+        (
+            "pinned",
+            {"units": "all", "from": {"step": 0}},
+            r"gnmr\.pinned\.from\.step must be an integer >= 1",
+        ),
+    ],
+)
+def test_bad_v2_values_name_the_key_the_value_and_the_fix(key, value, msg):
+    with pytest.raises(ValueError, match=msg):
+        GNMRConfig.from_dict({key: value})
+    with pytest.raises(ValueError, match=msg):
+        GNMRConfig(**{key: value})
+
+
+LR = {"schedule": "linear", "start": 1, "end": 2, "clock": "lr_decay"}
+
+
+@pytest.mark.parametrize(
+    "schedule, msg",
+    [
+        ({**LR, "steps": 3}, r'gnmr\.alpha\.steps is not allowed with "clock": "lr_decay"'),
+        ({**LR, "from": 0.6, "to": 0.5}, r'gnmr\.alpha: "from" \(0\.6\) must be below "to"'),
+        ({**LR, "to": 1.5}, r"gnmr\.alpha\.to must be a number >= 0 and <= 1, got 1\.5"),
+        ({**LR, "from": -0.1}, r"gnmr\.alpha\.from must be a number >= 0"),
+        ({**LR, "clock": "time"}, r"gnmr\.alpha\.clock must be one of \['step', 'lr_decay'\]"),
+        ({**LR, "clock": "step"}, r"gnmr\.alpha is missing required key\(s\) \['steps'\]"),
+        (
+            {"schedule": "step", "start": 1, "end": 2, "steps": 3, "to": 0.5},
+            r'gnmr\.alpha\.to is only allowed with "clock": "lr_decay"',
+        ),
+        (
+            {"schedule": "step", "start": 1, "end": 2, "steps": 3, "from": 0},
+            r"gnmr\.alpha\.from must be an integer >= 1, got 0",
+        ),
+        (
+            {"schedule": "step", "start": 1, "end": 2, "steps": 3, "from": 1.5},
+            r"gnmr\.alpha\.from must be an integer >= 1",
+        ),
+        ({**LR, "start": 0}, r"gnmr\.alpha\.start must be a finite number > 0"),
+    ],
+)
+def test_malformed_clocks(schedule, msg):
+    with pytest.raises(ValueError, match=msg):
+        GNMRConfig.from_dict({"alpha": schedule})
+
+
+def test_schedule_json_form_keeps_only_what_was_given():
+    plain = {"schedule": "linear", "start": 3.0, "end": 1.5, "steps": 10}
+    assert GNMRConfig.from_dict({"alpha": plain}).to_dict()["alpha"] == plain
+    lr = {"schedule": "step", "start": 3.0, "end": 1.5, "clock": "lr_decay"}
+    assert GNMRConfig.from_dict({"alpha": lr}).to_dict()["alpha"] == lr
+    assert Schedule("linear", 1.0, 2.0, 4).to_dict() == {
+        **plain,
+        "start": 1.0,
+        "end": 2.0,
+        "steps": 4,
+    }
+    with pytest.raises(ValueError, match=r"policy\.latch\.step must be an integer >= 1"):
+        GNMRConfig.from_dict({"latch": {"step": 0}}, path="policy")

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gnmr_dist import GNMRConfig, GNMRController
-from tests.core.reference import RefController
+from tests.core.reference import RefController, ref_threshold
 from tests.core.test_properties import norm_value, same_floats
 
 SETTINGS = settings(
@@ -149,11 +149,8 @@ def test_matches_independent_reference_exactly(case):
 
 def share_cap(cfg, t, d):
     spec = cfg["max_share"]
-    if not isinstance(spec, dict):
-        return Fraction(spec)
-    from tests.core.reference import ref_threshold
-
-    return Fraction(ref_threshold(spec, t, d))
+    value = spec if not isinstance(spec, dict) else ref_threshold(spec, t, d)
+    return Fraction(repr(float(value)))
 
 
 @SETTINGS

@@ -253,3 +253,163 @@ def test_state_saved_with_gamma_resumes_exactly():
         a, b = ctrl.step(rows[t], errors=errs[t]), resumed.step(rows[t], errors=errs[t])
         assert (a.active, a.candidates) == (b.active, b.candidates)
         assert torch.equal(a.risk, b.risk) and torch.equal(a.error, b.error)
+
+
+# ---------------------------------------------------------------- format 2 (policy v2)
+
+V2_CFG = {
+    "warmup_steps": 0,
+    "max_active": {"schedule": "linear", "start": 1, "end": 3, "clock": "lr_decay"},
+    "lock_steps": 2,
+    "latch": {"lr_decay": 0.1},
+    "max_share": 0.8,
+    "pinned": {"units": "all", "from": {"step": 30}},
+}
+V2_KW = {"costs": [3, 2, 2, 1], "total_cost": 24}
+
+
+def v2_trace(steps=40, u=4, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.rand(steps, u, generator=g, dtype=torch.float64) * 3
+    rows[6, 2] = float("nan")
+    rows[9, 0] = float("inf")
+    lrs = [min(1.0, (t + 1) / 3) * (1 - t / steps) for t in range(steps)]  # d = 0.1 at t ~ 6
+    return rows, lrs
+
+
+def v2_controller(cfg=None, **kw):
+    return GNMRController(4, GNMRConfig.from_dict(cfg or V2_CFG), **{**V2_KW, **kw})
+
+
+def test_format_2_round_trip_and_resume_equal_the_uninterrupted_run():
+    rows, lrs = v2_trace()
+    whole = v2_controller()
+    full = [whole.step(r, lr=lr) for r, lr in zip(rows, lrs, strict=True)]
+    assert any(d.pinned for d in full) and any(d.telemetry.num_latched for d in full[:12])
+    for cut in (5, 17, 33):
+        first = v2_controller()
+        for t in range(cut):
+            first.step(rows[t], lr=lrs[t])
+        state = roundtrip(first.state_dict())
+        assert state["version"] == 2 and float(state["lr_peak"]) == max(lrs[:cut])
+        resumed = v2_controller()
+        resumed.load_state_dict(state)
+        again = resumed.state_dict()
+        assert all(
+            torch.equal(state[k], again[k]) for k in state if isinstance(state[k], torch.Tensor)
+        )
+        for t in range(cut, len(rows)):
+            got, want = resumed.step(rows[t], lr=lrs[t]), full[t]
+            assert (got.active, got.chosen, got.pinned) == (want.active, want.chosen, want.pinned)
+            assert got.telemetry == want.telemetry
+        for name in ("recovered", "nonfinite", "latches", "locks"):
+            assert torch.equal(getattr(resumed, name), getattr(whole, name)), name
+        assert resumed.first_nonfinite == whole.first_nonfinite == (7, 2)
+
+
+def as_version_1(state):
+    """What a format-1 controller saved: the same history and locks, none of format 2's keys."""
+    body, _ = unseal(state, "state")
+    for key in ("latched", "lr_peak", "recovered", "nonfinite", "first_nonfinite", "plan"):
+        del body[key]
+    return seal({**body, "version": 1})
+
+
+def test_a_format_1_state_loads_with_no_latches_no_peak_zero_counts_and_no_plan():
+    ctrl = trained(max_active=2, lock_steps=3)
+    old = roundtrip(as_version_1(ctrl.state_dict()))
+    assert set(old) == V1_KEYS | {"checksum"} and int((old["lock"] > 0).sum()) > 0
+    resumed = GNMRController(3, GNMRConfig(warmup_steps=0, max_active=2, lock_steps=3))
+    resumed.load_state_dict(old)
+    state = resumed.state_dict()
+    assert state["version"] == 2 and float(state["lr_peak"]) == 0.0
+    assert not state["latched"].any() and not state["plan"].any()
+    assert not state["recovered"].any() and state["first_nonfinite"].tolist() == [0, -1]
+    assert torch.equal(state["lock"], old["lock"]) and state["step"] == 12
+    # the decisions go on as the uninterrupted run's (the plan only feeds the accounting)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(10):
+        row = torch.rand(3, generator=g, dtype=torch.float64) * 3
+        assert resumed.step(row).active == ctrl.step(row).active
+    unsealed, _ = unseal(as_version_1(trained().state_dict()), "state")
+    GNMRController(3, GNMRConfig(warmup_steps=0)).load_state_dict(unsealed)  # with a warning
+
+
+def v2_state(**cfg):
+    rows, lrs = v2_trace()
+    ctrl = v2_controller({**V2_CFG, **cfg})
+    for t in range(12):
+        ctrl.step(rows[t], lr=lrs[t])
+    return ctrl, unseal(ctrl.state_dict(), "state")[0]
+
+
+def edited(state, **changes):
+    out = dict(state)
+    for key, value in changes.items():
+        if isinstance(value, tuple):  # (index, value) into a copy of the tensor
+            tensor = out[key].clone()
+            tensor[value[0]] = value[1]
+            value = tensor
+        out[key] = value
+    return seal(out)
+
+
+def test_format_2_entries_no_run_can_reach_are_refused():
+    _, s = v2_state()
+    held = int(s["latched"].nonzero()[0])
+    free = next(u for u in range(4) if not s["plan"][u] and not s["lock"][u])
+    step = s["step"]
+    cases = [
+        (edited(s, latched=(free, step + 1), plan=(free, True)), rf"latched\[{free}\] = 13 \("),
+        (
+            edited(s, latched=(free, 3), plan=(free, True), eligible=(free, False)),
+            rf"latched\[{free}\] = 3 .*eligible: False",
+        ),
+        (edited(s, plan=(held, False)), rf"plan\[{held}\] is False for a lock or latch holder"),
+        (
+            edited(s, plan=(free, True), eligible=(free, False)),
+            rf"plan\[{free}\] is True for an ineligible unit",
+        ),
+        (edited(s, recovered=(0, step)), r"recovered\[0\] = 12 is outside \[0, step - 1\]"),
+        (edited(s, nonfinite=(0, step)), r"nonfinite\[0\] = 12 with norm_count"),
+        (
+            edited(s, first_nonfinite=torch.tensor([0, -1])),
+            r"first_nonfinite = \[0, -1\] \(it is \[0, -1\] while no norm was non-finite",
+        ),
+        (edited(s, first_nonfinite=torch.tensor([step + 1, 2])), r"first_nonfinite = \[13, 2\]"),
+        (edited(s, first_nonfinite=torch.tensor([7, 1])), r"first_nonfinite = \[7, 1\]"),
+        (edited(s, lr_peak=torch.tensor(-1.0, dtype=torch.float64)), r"lr_peak = -1\.0 is not"),
+        (edited(s, lr_peak=torch.tensor(float("nan"), dtype=torch.float64)), r"lr_peak = nan"),
+        (edited(s, lr_peak=torch.tensor(1.0)), r"'lr_peak' is torch\.float32 \[\], expected"),
+        (edited(s, plan=torch.zeros(3, dtype=torch.bool)), r"'plan' is torch\.bool \[3\]"),
+        (seal({k: v for k, v in s.items() if k != "plan"}), r"format 2 without \['plan'\]"),
+    ]
+    for state, match in cases:
+        fresh = v2_controller()
+        with pytest.raises(ValueError, match=match):
+            fresh.load_state_dict(state)
+        assert fresh.step_count == 0
+    _, plain = v2_state(latch=None)
+    free = next(u for u in range(4) if not plain["plan"][u] and not plain["lock"][u])
+    with pytest.raises(ValueError, match=rf"latched\[{free}\] = 3 .*latch: None"):
+        v2_controller().load_state_dict(edited(plain, latched=(free, 3), plan=(free, True)))
+
+
+def test_latches_beyond_the_budget_are_refused_and_conformed_on_a_policy_change(caplog):
+    _, s = v2_state()
+    fixed = GNMRConfig.from_dict({**V2_CFG, "max_active": 1, "latch": {"step": 1}}).to_dict()
+    latched = torch.tensor([0, 5, 0, 7])
+    state = edited(s, latched=latched, lock=torch.zeros(4, dtype=torch.int64), config=fixed)
+    state = edited(unseal(state, "s")[0], plan=torch.tensor([False, True, False, True]))
+    with pytest.raises(ValueError, match=r"latched with the locks is held by 2 units, more than"):
+        v2_controller(fixed).load_state_dict(state)
+    # the same latches under a budget of 2, resumed with 1: the earliest latched stays
+    two = edited(unseal(state, "s")[0], config={**fixed, "max_active": 2})
+    one = v2_controller(fixed)
+    with caplog.at_level(logging.WARNING, logger="gnmr_dist.core.controller"):
+        one.load_state_dict(two)
+    assert one.latches.tolist() == [0, 5, 0, 0] and "saved with policy" in caplog.text
+    # resumed without a latch: every latch is dropped, the locks stay
+    off = v2_controller({**fixed, "max_active": 2, "latch": None})
+    off.load_state_dict(two)
+    assert off.latches.tolist() == [0, 0, 0, 0]
