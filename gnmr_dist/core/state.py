@@ -1,34 +1,29 @@
 """Validation of a saved controller state before it is loaded.
 
 A checkpoint can be truncated, come from another model (different U), another window length or a
-future format. Each of those must fail loudly with what is wrong and what to do, never load into
-a controller that then makes silently different decisions.
+future format. Each must fail loudly with what is wrong and what to do, never load into a
+controller that then makes silently different decisions.
 
-Two formats are read (:data:`STATE_VERSION` is written). Format 1 is the first policy's: the
-history and the locks. Format 2 adds the latches (``latched``, the step each unit was latched at
-or 0), the learning-rate peak (``lr_peak``), the accounting (``recovered``, ``nonfinite``,
-``first_nonfinite`` as ``[step, unit]`` or ``[0, -1]``) and the plan that runs next (``plan``,
-bool [U]). :func:`check_state` returns a format-1 state upgraded: no latches, a zero peak, zero
-counts and an empty plan.
+Format 1 holds the history and the locks; format 2 (:data:`STATE_VERSION`) adds ``latched``,
+``lr_peak``, the accounting (``recovered``, ``nonfinite``, ``first_nonfinite``) and the ``plan``
+(docs/algorithm.md#state-and-resume). :func:`check_state` returns a format-1 state upgraded: no
+latches, a zero peak, zero counts and an empty plan.
 
-Beyond keys, shapes and dtypes, a state must satisfy what the algorithm (docs/algorithm.md)
-implies of any state it can reach after ``step`` decisions with its saved policy, so that a
-hand-edited or otherwise impossible state is refused even where no checksum covers it:
+Beyond keys, shapes and dtypes, a state must satisfy what the algorithm implies of any state it
+can reach after ``step`` decisions with its saved policy, so that a hand-edited or otherwise
+impossible state is refused even where no checksum covers it:
 
 * ``0 <= norm_count(u) <= step`` and ``0 <= window_len(u) <= min(window, step)``;
-* ``norm_sum(u)`` finite, ``>= 0``, and 0 where ``norm_count(u) = 0`` (norms are >= 0 and only
-  finite ones are recorded);
-* the window holds finite scores ``>= 0``, right-aligned: the ``window - window_len(u)`` slots in
-  front are 0;
-* ``0 <= lock(u) <= lock_steps`` of the saved policy, locks held only by eligible units and by
-  at most its ``k_t`` units (step 4 of the policy clears every lock outside ``A_t``; on the
-  lr_decay clock, where ``k_t`` needs the learning rate, by at most ``max(start, end)``);
-* ``0 <= latched(u) <= step``, only on eligible units and with a saved ``latch``, lock and latch
-  holders together at most ``k_t`` units, and (format 2) all of them in the plan;
-* the plan on eligible units only; ``0 <= recovered(u) <= max(step - 1, 0)`` (decision ``t``
-  counts the plan of ``t - 1``); ``nonfinite(u) >= 0`` with ``norm_count(u) + nonfinite(u) <=
-  step``; ``first_nonfinite`` ``[0, -1]`` exactly while every ``nonfinite`` is 0, else a step
-  in ``[1, step]`` and a unit with ``nonfinite >= 1``; ``lr_peak`` finite and ``>= 0``.
+* ``norm_sum(u)`` finite, ``>= 0``, and 0 where ``norm_count(u) = 0``;
+* the window holds finite scores ``>= 0``, right-aligned after zeros;
+* ``0 <= lock(u) <= lock_steps``, locks held only by eligible units and by at most ``k_t``
+  units (step 4 clears every lock outside ``A_t``; on the lr_decay clock, where ``k_t`` needs
+  the learning rate, at most ``max(start, end)``);
+* ``0 <= latched(u) <= step``, only on eligible units and with a saved ``latch``; lock and latch
+  holders together at most ``k_t`` units and (format 2) all in the plan, itself eligible;
+* ``0 <= recovered(u) <= max(step - 1, 0)``; ``nonfinite(u) >= 0`` with ``norm_count(u) +
+  nonfinite(u) <= step``; ``first_nonfinite`` ``[0, -1]`` exactly while every ``nonfinite`` is
+  0, else a step in ``[1, step]`` and a unit with ``nonfinite >= 1``; ``lr_peak`` finite ``>= 0``.
 """
 
 from __future__ import annotations
