@@ -29,13 +29,18 @@ implementation disagrees):
 - a unit in ``P_t`` is outside ``A_t``, so step 4 clears its lock and latch;
 - the latch condition and the ``lr_decay`` clock read the same ``d_t``;
 - ``W`` defaults to the sum of the costs (every GEMM of every unit recovered, ``g = 3``);
-  a different ``total_cost`` can be given.
+  a different ``total_cost`` can be given;
+- the share test "is exact" (the doc) but ``s_t`` is a float: :func:`share_fits` reads it as
+  the decimal it prints as (``repr``), so ``"max_share": 0.58`` lets 29 of ``W = 50`` in
+  (the float product ``0.58 * 50`` is ``28.999999999999996``). ``share_reading="float"``
+  takes the literal float product instead; the two differ only on such boundaries.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 INF = math.inf
@@ -150,6 +155,13 @@ def budget_k(spec: Any, t: int, d: float) -> int:
     return int(spec)
 
 
+def share_fits(cost: int, share: float, total: int, reading: str = "decimal") -> bool:
+    """``cost <= s W`` for integers ``cost``, ``W``: ``s`` as its decimal, or the float product."""
+    if reading == "float":
+        return cost <= share * total
+    return Fraction(cost) <= Fraction(repr(float(share))) * total
+
+
 @dataclass
 class BruteDecision:
     """Everything the brute force decided and scored at one step."""
@@ -190,6 +202,7 @@ class BruteV2:
     costs: list[int] | None = None
     pinned: list[bool] | None = None
     total_cost: int | None = None
+    share_reading: str = "decimal"
 
     def __post_init__(self) -> None:
         cfg = dict(DEFAULTS)
@@ -200,7 +213,12 @@ class BruteV2:
         self.cfg = cfg
         u = self.num_units
         self.elig = [True] * u if self.eligible is None else [bool(x) for x in self.eligible]
-        self.pin = [False] * u if self.pinned is None else [bool(x) for x in self.pinned]
+        if self.pinned is not None:
+            self.pin = [bool(x) for x in self.pinned]
+        else:  # no mask: "units": "all" needs none, anything else pins nothing here
+            pinned_cfg = cfg["pinned"]
+            every = isinstance(pinned_cfg, dict) and pinned_cfg.get("units") == "all"
+            self.pin = [every] * u
         if cfg["max_share"] is not None:
             if self.costs is None:
                 raise ValueError("max_share needs costs")
@@ -325,7 +343,9 @@ class BruteV2:
         for u in order:
             if len(chosen) >= k:
                 continue
-            if share is not None and not (cost + self.w[u] <= share * self.W):
+            if share is not None and not share_fits(
+                cost + self.w[u], share, self.W, self.share_reading
+            ):
                 continue  # skipped: a cheaper unit further down may fit
             chosen.append(u)
             cost += self.w[u]
