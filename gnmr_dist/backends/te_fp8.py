@@ -356,7 +356,8 @@ class TEFp8Backend(PrecisionBackend):
         """Whether every TE module of ``unit`` ran FP8 in its last forward (``module.fp8``).
 
         ``False`` for a unit recovered in BF16; ``True`` on the low-cost path inside
-        :meth:`autocast` and for a unit recovered with a stronger FP8 recipe.
+        :meth:`autocast`, for a unit recovered with a stronger FP8 recipe, and for one that
+        recovers a subset of its GEMMs (``gnmr.gemms``: its region is enabled).
         """
         if unit not in self._wrapped:
             raise KeyError(f"unit {unit} is not wrapped by the te_fp8 backend")

@@ -407,3 +407,220 @@ def test_te_fp8_other_subsets_run_a_custom_recipe_of_per_layout_quantizers(te_st
         "backward",
         "grad_output",
     )
+
+
+# ---------------------------------------------------------------------- te_fp8 on a GPU
+
+GPU_SIZE = 256
+
+
+def _te_run(te, module, region, x, dy):
+    """``(y, dx, dW)`` of one forward and backward of ``module`` inside ``region()``."""
+    module.zero_grad(set_to_none=True)
+    xi = x.clone().requires_grad_()
+    with region():
+        y = module(xi)
+    y.backward(dy)
+    return y.detach(), xi.grad, module.weight.grad.clone()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gemms", SUBSETS, ids="+".join)
+def test_te_fp8_subset_routes_against_plain_transformer_engine(gemms):
+    """A blockwise low-cost ``te.Linear`` recovered with each subset: the recovered GEMMs give
+    the BF16 module's results, the others plain TE blockwise FP8's, bit for bit (a subset the
+    installed TE has no route for is skipped with the reason)."""
+    import contextlib
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from tests.gpu.te_guard import require_cuda_and_te
+
+    te, te_recipe = require_cuda_and_te()
+    from gnmr_dist.backends.te_fp8 import TEFp8Backend
+
+    try:
+        backend = TEFp8Backend(low_cost={"recipe": "blockwise"})
+        backend.set_gemms(gemms)
+    except (ImportError, RuntimeError, ValueError) as err:
+        pytest.skip(str(err))
+    torch.manual_seed(0)
+    lin = te.Linear(GPU_SIZE, GPU_SIZE, params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(4 * GPU_SIZE, GPU_SIZE, dtype=torch.bfloat16, device="cuda")
+    dy = torch.randn_like(x)
+
+    def fp8_region():
+        recipe = te_recipe.Float8BlockScaling(fp8_format=te_recipe.Format.HYBRID)
+        if hasattr(te, "autocast"):
+            return te.autocast(enabled=True, recipe=recipe)
+        return te.fp8_autocast(enabled=True, fp8_recipe=recipe)
+
+    fp8 = _te_run(te, lin, fp8_region, x, dy)
+    bf16 = _te_run(te, lin, contextlib.nullcontext, x, dy)
+    backend.wrap({0: lin})
+    backend.apply({0}, step=1)
+    got = _te_run(te, lin, backend.autocast, x, dy)
+    backend.unwrap()
+    for i, gemm in enumerate(GEMMS):
+        want = (bf16 if gemm in gemms else fp8)[i]
+        assert torch.equal(got[i], want), (gemms, gemm, backend.route)
+    assert all(not torch.equal(a, b) for a, b in zip(fp8, bf16, strict=True))
+
+
+# ---------------------------------------------------------------------- DeepSpeed and megatron
+
+LOW_E4M3, REC_BF16 = {"format": "e4m3", "granularity": "tensor"}, {"format": "bf16"}
+
+
+def _composition(x, w, dy, *, group=None):
+    """What a unit recovered by ``["fprop"]`` must compute from its GEMM's operands: ``y`` on
+    the recovery spec, ``dx`` and ``dW`` on the low-cost spec (``dx`` summed over ``group``, as
+    a column-parallel linear's all-reduce does), and the other path's for contrast."""
+    import torch.distributed as dist
+
+    specs = get_backend("fp8_emulated", low_cost=LOW_E4M3, recovery=REC_BF16).specs
+    out = {}
+    for path in ("low_cost", "recovery"):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = EmulatedCall(specs[path])(xi, wi, None)
+        y.backward(dy)
+        dx = xi.grad
+        if group is not None:
+            dist.all_reduce(dx, group=group)
+        out[path] = (y.detach(), dx, wi.grad)
+    return out
+
+
+def _check_fprop_only(seen, dx, dw, *, group=None) -> dict:
+    """Per GEMM: equal to the path the subset gives it, and different from the other path."""
+    ref = _composition(seen["x"], seen["w"], seen["dy"], group=group)
+    low, rec = ref["low_cost"], ref["recovery"]
+    return {
+        "y": torch.equal(seen["y"], rec[0]) and not torch.equal(seen["y"], low[0]),
+        "dx": torch.equal(dx, low[1]) and not torch.equal(dx, rec[1]),
+        "dW": torch.equal(dw, low[2]) and not torch.equal(dw, rec[2]),
+    }
+
+
+def _ds_worker(rank, world):
+    import gnmr_dist.deepspeed as gds
+    from tests.integrations.deepspeed import common as dsc
+
+    dsc.no_shm_build()
+    block = {
+        "backend": "fp8_emulated",
+        "low_cost": LOW_E4M3,
+        "recovery": REC_BF16,
+        "gemms": ["fprop"],
+        "include": ["*.mlp.down_proj"],
+        "max_active": 2,
+        "warmup_steps": 0,
+        "alpha": 1e-6,
+        "beta": 1e-6,
+    }
+    engine, *_ = gds.initialize(model=dsc.llama(), config=dsc.ds_config(2, "fp32", block))
+    target = engine.module.model.layers[1].mlp.down_proj
+    seen: dict = {}
+
+    def forward_hook(module, inputs, output):
+        x = inputs[0]
+        seen.update(x=x.detach().clone(), w=module.weight.detach().clone(), y=output.detach())
+        x.register_hook(lambda g: seen.__setitem__("dx", g.clone()))
+        output.register_hook(lambda g: seen.__setitem__("dy", g.clone()))
+
+    target.register_forward_hook(forward_hook)
+    target.weight.register_hook(lambda g: seen.__setitem__("dW", g.clone()))
+    unit = engine.gnmr.registry.names.index("model.layers.1.mlp.down_proj")
+    out = []
+    for step in (1, 2):
+        tokens = dsc.batch(step, rank)
+        engine.backward(engine(input_ids=tokens, labels=tokens).loss)
+        engine.step()
+        ran = engine.gnmr.last_report
+        checks = _check_fprop_only(seen, seen["dx"], seen["dW"])
+        out.append((unit in ran.recovered, unit in ran.low_cost, checks, seen["y"]))
+    return engine.gnmr.backend.gemms, out
+
+
+@pytest.mark.slow
+def test_deepspeed_zero2_fprop_only_recovery_composes_the_two_paths():
+    """ZeRO-2, 2 gloo ranks, the down projections as units, every unit selected after step 1:
+    at step 2 layer 1's down projection runs fprop on BF16 inputs and dgrad, wgrad on e4m3,
+    bit for bit the composition computed from the operands it saw (at step 1 it was low-cost
+    throughout); both ranks ran the same plan."""
+    from tests.requires import require
+
+    require("deepspeed")
+    from tests import multiproc
+
+    results = multiproc.run(_ds_worker, 2)
+    for gemms, (first, second) in results:
+        assert gemms == {"fprop"}
+        assert first[:2] == (False, True)
+        assert not first[2]["y"] and first[2]["dx"] and first[2]["dW"]  # low-cost y at step 1
+        assert second[:2] == (True, False) and second[2] == {"y": True, "dx": True, "dW": True}
+    assert results[0][1][1][:2] == results[1][1][1][:2]
+
+
+def _megatron_worker(rank, world):
+    import torch.distributed as dist
+
+    from gnmr_dist.distributed import UnitRegistry
+    from gnmr_dist.integrations.megatron.operators import MEGATRON_MARKS as MARKS
+    from gnmr_dist.integrations.megatron.operators import MEGATRON_OPERATORS as OPS
+    from megatron_patches import enable_cpu_compat
+    from tests.integrations.megatron import gpt
+
+    enable_cpu_compat()
+    full, _ = gpt.full_reference(1)
+    model = gpt.parallel_model(2, 1, full)
+    reg = UnitRegistry.from_model(
+        model, group=dist.group.WORLD, operator_types=OPS.all_types(), marks=MARKS
+    )
+    block = GNMRBlock.from_dict(
+        {"backend": "fp8_emulated", "low_cost": LOW_E4M3, "recovery": REC_BF16, "gemms": ["fprop"]}
+    )
+    backend = block.build_backend(OPS)
+    backend.wrap(reg.local_modules)
+    uid = next(i for i, n in enumerate(reg.names) if n.endswith("layers.1.mlp.linear_fc1"))
+    target = reg.local_modules[uid]
+    records, dws = [], []
+    installed = target._forward_impl
+
+    def recording(input, weight, bias=None, *args, **kwargs):  # the GEMM's own operands
+        out = installed(input, weight, bias, *args, **kwargs)
+        seen = {"x": input.detach().clone(), "w": weight.detach().clone(), "y": out.detach()}
+        input.register_hook(lambda g: seen.__setitem__("dx", g.clone()))
+        out.register_hook(lambda g: seen.__setitem__("dy", g.clone()))
+        records.append(seen)
+        return out
+
+    target._forward_impl = recording
+    target.weight.register_hook(lambda g: dws.append(g.clone()))
+    backend.apply({uid}, step=1)
+    gpt.train_step(model)
+    report = backend.report()
+    checks = [
+        _check_fprop_only(seen, seen["dx"], dw, group=dist.group.WORLD)
+        for seen, dw in zip(records, dws, strict=True)
+    ]
+    return reg.names[uid], report.recovered, len(records), checks, type(target).__name__
+
+
+@pytest.mark.slow
+def test_megatron_tp2_fprop_only_recovery_composes_the_two_paths():
+    """TP2 (gloo, CPU), megatron's own ColumnParallelLinear as the recovered unit, built from a
+    block with ``"gemms": ["fprop"]``: for each micro-batch its local GEMM's output is the BF16
+    path's on the operands it saw, its weight gradient and its input gradient (all-reduced over
+    the tensor-parallel group, as megatron's copy-to-region does) the e4m3 path's."""
+    from tests.requires import require
+
+    require("megatron.core")
+    from tests import multiproc
+    from tests.integrations.megatron import gpt
+
+    (results,) = multiproc.run_jobs([(_megatron_worker, 2, ())], preload=("megatron_patches",))
+    for name, recovered, calls, checks, kind in results:
+        assert name.endswith("layers.1.mlp.linear_fc1") and kind == "ColumnParallelLinear"
+        assert len(recovered) == 1 and calls == gpt.NUM_MICRO
+        assert checks == [{"y": True, "dx": True, "dW": True}] * gpt.NUM_MICRO
