@@ -50,7 +50,7 @@ from gnmr_dist.core.inputs import (
     unit_vector,
 )
 from gnmr_dist.core.integrity import open_state, seal
-from gnmr_dist.core.state import STATE_VERSION, check_state
+from gnmr_dist.core.state import STATE_VERSION, check_state, conform
 
 __all__ = ["STATE_VERSION", "GNMRController"]
 
@@ -287,8 +287,8 @@ class GNMRController:
 
         ``num_units`` and ``window`` must match this controller (they fix the state's shapes).
         Other policy fields may differ: the current config wins and the difference is logged,
-        so a run can be resumed with a retuned policy (:meth:`_conformed` fits the saved locks
-        and latches to it).
+        so a run can be resumed with a retuned policy (:func:`~gnmr_dist.core.state.conform`
+        fits the saved locks and latches to it).
 
         The state must match its checksum (``StateIntegrityError``, a ``ValueError``, names
         each altered field) and satisfy the algorithm's invariants (``ValueError`` naming the
@@ -319,28 +319,10 @@ class GNMRController:
         self._wbuf = _array(state["window_buffer"], torch.float64)
         self._wlen = _array(state["window_len"], torch.int64)
         lock, latched = _array(state["lock"], torch.int64), _array(state["latched"], torch.int64)
-        self._lock, self._latched = self._conformed(lock, latched)
+        self._lock, self._latched = conform(lock, latched, self._eligible, self.config, self._step)
         self._lr_peak = float(state["lr_peak"])
         self._recovered = _array(state["recovered"], torch.int64)
         self._nonfinite = _array(state["nonfinite"], torch.int64)
         at, unit = state["first_nonfinite"].tolist()
         self._first_nonfinite = (int(at), int(unit))
         self._plan = np.flatnonzero(_array(state["plan"], torch.bool))
-
-    def _conformed(self, lock: np.ndarray, latched: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Saved locks and latches under the current policy: locks at most ``lock_steps``, both
-        only on eligible units, latches only with a ``latch``, and held by at most ``k_t`` units
-        (the latched first by latch step, then the locks largest first, ties to the lower id).
-        What the next decision would enforce anyway, applied now so that a state saved before
-        it satisfies the invariants of its own config; unchanged when the policy is."""
-        cfg = self.config
-        lock = np.where(self._eligible, np.minimum(lock, cfg.lock_steps), 0)
-        keep = self._eligible if cfg.latch is not None else False
-        latched = np.where(keep, latched, 0)
-        held = np.flatnonzero((lock > 0) | (latched > 0))
-        budget = cfg.budget_bound(self._step)
-        if held.size > budget:
-            late = np.where(latched[held] > 0, latched[held], np.iinfo(np.int64).max)
-            drop = held[np.lexsort((held, -lock[held], late))[budget:]]
-            lock[drop], latched[drop] = 0, 0
-        return lock, latched

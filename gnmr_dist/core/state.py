@@ -32,11 +32,18 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from gnmr_dist.core.config import GNMRConfig
 
-__all__ = ["STATE_VERSION", "StateMismatchError", "check_invariants", "check_state"]
+__all__ = [
+    "STATE_VERSION",
+    "StateMismatchError",
+    "check_invariants",
+    "check_state",
+    "conform",
+]
 
 STATE_VERSION = 2
 """The format :meth:`GNMRController.state_dict <gnmr_dist.core.controller.GNMRController.
@@ -291,3 +298,23 @@ def _check_fit(state: Mapping[str, Any], num_units: int, window: int) -> None:
             f"GNMR state was saved with window={saved_window}, the config has window={window}; "
             "the window length cannot change on resume: set window back to it"
         )
+
+
+def conform(
+    lock: np.ndarray, latched: np.ndarray, eligible: np.ndarray, policy: GNMRConfig, step: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Saved locks and latches under the current ``policy``: locks at most ``lock_steps``, both
+    only on ``eligible`` units, latches only with a ``latch``, and held by at most ``k_t`` units
+    at the saved ``step`` (the latched first by latch step, then the locks largest first, ties
+    to the lower id). What the next decision would enforce anyway, applied at load so that a
+    state saved under another policy satisfies this one's invariants; a no-op when the policy
+    is the saved one, so the resumed run is the uninterrupted one."""
+    lock = np.where(eligible, np.minimum(lock, policy.lock_steps), 0)
+    latched = np.where(eligible & (policy.latch is not None), latched, 0)
+    held = np.flatnonzero((lock > 0) | (latched > 0))
+    budget = policy.budget_bound(step)
+    if held.size > budget:
+        late = np.where(latched[held] > 0, latched[held], np.iinfo(np.int64).max)
+        drop = held[np.lexsort((held, -lock[held], late))[budget:]]
+        lock[drop], latched[drop] = 0, 0
+    return lock, latched
