@@ -201,9 +201,7 @@ class GNMRController:
         """
         n = unit_vector(norms, self.num_units, "norms")
         t = self._step + 1
-        rate = learning_rate(lr, self._lr_keys)
-        peak = self._lr_peak if rate is None else max(self._lr_peak, rate)
-        decay = None if rate is None else (0.0 if peak == 0 else 1.0 - rate / peak)
+        decay, peak = self._decay(lr)
         at = self.config.at(t, decay)
         e = error_vector(errors, at.gamma, self.num_units)
         history = (self._sum, self._count, self._wbuf, self._wlen)
@@ -220,6 +218,15 @@ class GNMRController:
         if report is not None and not isinstance(self.config.max_active, int):
             report = report._replace(budget=at.k)
         return Decision(t, (at.alpha, at.beta, at.gamma), scores, plan, self._eligible, report)
+
+    def _decay(self, lr: float | None) -> tuple[float | None, float]:
+        """``(d_t, max(lr_1..lr_t))`` of the lr_decay clock; ``d_t`` is ``None`` without ``lr``
+        (docs/algorithm.md#thresholds-and-schedules)."""
+        rate = learning_rate(lr, self._lr_keys)
+        if rate is None:
+            return None, self._lr_peak
+        peak = max(self._lr_peak, rate)
+        return (0.0 if peak == 0 else 1.0 - rate / peak), peak
 
     def _account(self, t: int, finite: np.ndarray) -> None:
         """docs/algorithm.md#accounting: +1 for every unit of ``R_{t-1}``, +1 for every
