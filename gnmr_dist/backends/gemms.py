@@ -20,7 +20,7 @@ from typing import Any
 
 from gnmr_dist.core.validation import did_you_mean
 
-__all__ = ["ALL_GEMMS", "GEMMS", "parse_gemms", "side_of", "subset_error"]
+__all__ = ["ALL_GEMMS", "GEMMS", "parse_gemms", "subset_error"]
 
 GEMMS = ("fprop", "dgrad", "wgrad")
 """The three GEMMs of a linear layer, in the order every message lists them."""
@@ -58,12 +58,6 @@ def parse_gemms(value: Any, path: str = "gnmr.gemms") -> tuple[str, ...]:
     if twice is not None:
         raise ValueError(f"{path} names {twice!r} twice in {items}; name each GEMM once")
     return tuple(g for g in GEMMS if g in items)
-
-
-def side_of(gemm: str, gemms: Iterable[str], recovery: str, low_cost: str) -> str:
-    """``recovery`` when a recovered unit runs ``gemm`` on the recovery path, else
-    ``low_cost``."""
-    return recovery if gemm in gemms else low_cost
 
 
 def subset_error(backend: str, gemms: Iterable[str], reason: str, fix: str = "") -> ValueError:
