@@ -30,10 +30,11 @@ implementation disagrees):
 - the latch condition and the ``lr_decay`` clock read the same ``d_t``;
 - ``W`` defaults to the sum of the costs (every GEMM of every unit recovered, ``g = 3``);
   a different ``total_cost`` can be given;
-- the share test "is exact" (the doc) but ``s_t`` is a float: :func:`share_fits` reads it as
+- the share test "is exact" (d0aad34) but ``s_t`` is a float: :func:`share_fits` reads it as
   the decimal it prints as (``repr``), so ``"max_share": 0.58`` lets 29 of ``W = 50`` in
-  (the float product ``0.58 * 50`` is ``28.999999999999996``). ``share_reading="float"``
-  takes the literal float product instead; the two differ only on such boundaries.
+  (the float product ``0.58 * 50`` is ``28.999999999999996``), as the doc now says (8cedd9a:
+  "``s_t`` read as the decimal it prints as"). ``share_reading="float"`` takes the literal
+  float product instead; the two differ only on such boundaries.
 """
 
 from __future__ import annotations
@@ -172,6 +173,7 @@ class BruteDecision:
     risk: list[float]
     exceed: list[bool]
     error_exceed: list[bool]
+    error: list[float] | None
     alpha: float
     beta: float
     gamma: float | None
@@ -294,6 +296,7 @@ class BruteV2:
         risk: list[float] = []
         exceed: list[bool] = []
         error_exceed: list[bool] = []
+        error: list[float] | None = None if gamma is None else []
         for u in range(U):
             n = float(norms[u])
             g, dg = self.scores(u, n)
@@ -301,7 +304,10 @@ class BruteV2:
             ee = False
             if gamma is not None:
                 e = float(errors[u])  # type: ignore[index]
-                er = e / gamma if is_finite(e) else INF
+                if not is_finite(e):
+                    e = INF  # a non-finite e_t(u) scores +inf
+                error.append(e)  # type: ignore[union-attr]
+                er = e / gamma
                 ee = er > 1
                 r = max(r, er)
             gnmr.append(g)
@@ -395,6 +401,7 @@ class BruteV2:
             risk=risk,
             exceed=exceed,
             error_exceed=error_exceed,
+            error=error,
             alpha=alpha,
             beta=beta,
             gamma=gamma,

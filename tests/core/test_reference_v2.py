@@ -499,6 +499,9 @@ def random_case(rng: np.random.Generator, v2: bool = True) -> Case:
         total_cost = (
             sum(costs) if rng.random() < 0.5 else int(rng.integers(sum(costs), 3 * sum(costs) + 1))
         )
+    elif v2 and rng.random() < 0.3:  # costs without max_share: reported only, never deciding
+        costs = [int(c) for c in rng.integers(1, 11, units)]
+        total_cost = sum(costs) + int(rng.integers(0, 2 * sum(costs) + 1))
     if v2 and rng.random() < 0.6:
         config["latch"] = random_condition(rng, steps)
     pinned = None
@@ -576,17 +579,22 @@ def observe(ctrl: GNMRController, d: Any) -> dict[str, Any]:
         "num_locked": int(tel.num_locked),
         "num_active": int(tel.num_active),
         "max_risk": float(tel.max_risk),
+        "error": None if d.error is None else d.error.tolist(),
     }
     if hasattr(ctrl, "latches"):
         out["latched"] = _ints(ctrl.latches)
         out["num_pinned"] = tel.num_pinned
         out["num_latched"] = tel.num_latched
         out["budget"] = tel.budget
+        out["plan_share"] = tel.plan_share
     return out
 
 
 def expected(case: Case, b: BruteDecision) -> dict[str, Any]:
     elig = case.eligible
+    plan_cost = 0
+    for u in b.active:
+        plan_cost += case.costs[u] if case.costs is not None else 0
     return {
         "step": b.step,
         "active": b.active,
@@ -610,16 +618,18 @@ def expected(case: Case, b: BruteDecision) -> dict[str, Any]:
         "num_locked": sum(1 for x in b.lock if x > 0),
         "num_active": len(b.active),
         "max_risk": max(b.risk),
+        "error": b.error,
         # None where the feature is off
         "num_pinned": None if case.config.get("pinned") is None else len(b.pinned),
         "num_latched": None if case.config.get("latch") is None else sum(map(bool, b.latched)),
         "budget": b.k if isinstance(case.config.get("max_active"), dict) else None,
+        "plan_share": None if case.costs is None else plan_cost / case.total_cost,
     }
 
 
 # GNMR and delta-GNMR are IEEE divisions and sums in the doc's order: compared bit for bit.
 # The thresholds go through cos (libm or numpy's), so they and the risk get a tight tolerance.
-FLOATS = {"risk", "alpha", "beta", "gamma", "max_risk"}
+FLOATS = {"risk", "alpha", "beta", "gamma", "max_risk", "plan_share"}
 
 
 def _close(a: Any, b: Any) -> bool:
