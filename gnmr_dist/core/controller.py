@@ -39,7 +39,7 @@ import torch
 
 from gnmr_dist.core import policy
 from gnmr_dist.core.config import GNMRConfig
-from gnmr_dist.core.decision import Decision, Report
+from gnmr_dist.core.decision import Decision, Report, Scores
 from gnmr_dist.core.inputs import (
     NormsLike,
     eligible_mask,
@@ -208,7 +208,7 @@ class GNMRController:
         scores = policy.score(n, history, (at.alpha, at.beta, at.gamma), e)
         latched = self._latched if self.config.latch is not None else None
         plan = policy.select(t, at, scores, (self._lock, latched), self._units, self.config)
-        self._account(t, scores.finite)
+        self._account(t, scores)
         self._lock, self._plan, self._lr_peak = plan.lock, plan.active, peak
         if plan.latched is not None:
             self._latched = plan.latched
@@ -228,14 +228,15 @@ class GNMRController:
         peak = max(self._lr_peak, rate)
         return (0.0 if peak == 0 else 1.0 - rate / peak), peak
 
-    def _account(self, t: int, finite: np.ndarray) -> None:
+    def _account(self, t: int, scores: Scores) -> None:
         """docs/algorithm.md#accounting: +1 for every unit of ``R_{t-1}``, +1 for every
         non-finite norm, and the first non-finite event."""
-        self._recovered[self._plan] += 1
-        if not finite.all():
-            self._nonfinite += ~finite
+        if self._plan.size:
+            self._recovered[self._plan] += 1
+        if not scores.all_finite:
+            self._nonfinite += ~scores.finite
             if self._first_nonfinite[0] == 0:
-                self._first_nonfinite = (t, int(np.argmin(finite)))
+                self._first_nonfinite = (t, int(np.argmin(scores.finite)))
 
     def _record(self, n: np.ndarray, gnmr: np.ndarray, finite: np.ndarray) -> None:
         """The history absorbs the step (docs/algorithm.md#history-update): finite norms into

@@ -34,6 +34,9 @@ class Scores(NamedTuple):
     """Units whose norm is finite (the others score +inf and leave their history untouched)."""
     error: np.ndarray | None
     """``e_t`` as scored (non-finite as +inf); ``None`` without the damage term."""
+    all_finite: bool = True
+    """Whether every norm was finite (``finite.all()``, taken once for the score and the
+    accounting)."""
 
 
 class Plan(NamedTuple):

@@ -62,7 +62,8 @@ def score(
         total = np.cumsum(window, axis=1)[:, -1]
         dgnmr = gnmr / (total / window_len)
         np.copyto(dgnmr, 1.0, where=np.isnan(dgnmr))
-    if not finite.all():  # a non-finite norm scores +inf on both
+    all_finite = bool(finite.all())
+    if not all_finite:  # a non-finite norm scores +inf on both
         gnmr = np.where(finite, gnmr, np.inf)
         dgnmr = np.where(finite, dgnmr, np.inf)
     # Risk: max(GNMR_t / alpha_t, dGNMR_t / beta_t), with the damage term also e_t / gamma_t
@@ -72,7 +73,11 @@ def score(
     if errors is not None and gamma is not None:
         e = np.where(np.isfinite(errors), errors, np.inf)
         risk = np.maximum(risk, e / gamma)
-    return Scores(gnmr, dgnmr, risk, risk > 1.0, finite, e)
+    return Scores(gnmr, dgnmr, risk, risk > 1.0, finite, e, all_finite)
+
+
+_NONE = np.zeros(0, dtype=np.int64)
+"""No unit: ``P_t`` while the pinned condition does not hold (never written to)."""
 
 
 class Units(NamedTuple):
@@ -124,7 +129,7 @@ def select(
     if latched is not None:
         held |= latched > 0
     candidates = held & units.eligible
-    pinned = units.pinned if at.pin else units.pinned[:0]
+    pinned = units.pinned if at.pin else _NONE
     if pinned.size:
         candidates[pinned] = False
     if t <= config.warmup_steps:
