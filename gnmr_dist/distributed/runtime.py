@@ -14,6 +14,14 @@ G_t``, the bound over the global gradient norm (:meth:`UnitNorms.relative_errors
 ``gamma`` the error source is ignored: the same single U + 1 all-reduce, bit-identical
 decisions.
 
+The controller is built from the registry: the units' costs of the compute-share budget
+(docs/algorithm.md#compute-share; ``w(u) = g x size(u)`` with ``g`` the GEMMs of ``gnmr.gemms``,
+``W = 3 x sum size``, sizes agreed by every rank at start, :meth:`UnitRegistry.costs`), and the
+mask of ``gnmr.pinned``, resolved once with the registry's global unit names. The integration
+passes the learning rate the optimizer applied at the step (``lr=``, for the lr_decay clock).
+A step the framework skipped (non-finite gradients) goes to :meth:`GNMRRuntime.skip`, which
+leaves the controller untouched and counts it (:mod:`gnmr_dist.distributed.accounting`).
+
 An optional check (``check_consistency=True``) proves that claim at run time: one all-gather of a
 hash of each rank's decision, and a ``RuntimeError`` naming the ranks that disagree. It costs a
 second collective per step, so it is meant for bring-up and tests, not for production runs.
@@ -23,7 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,11 +40,17 @@ import torch
 from gnmr_dist.core import Decision, GNMRConfig, GNMRController
 from gnmr_dist.core.integrity import open_state, seal
 from gnmr_dist.core.state import StateMismatchError
+from gnmr_dist.distributed.accounting import (
+    GEMM_ORDER,
+    AccountingSummary,
+    NonFinite,
+    RunAccounting,
+)
 from gnmr_dist.distributed.comm import Group, all_gather_objects
 from gnmr_dist.distributed.monitor import ErrorFn, GradFn, GradNormMonitor, UnitNorms
 from gnmr_dist.distributed.units import UnitRegistry
 
-__all__ = ["GNMRRuntime", "Plan", "check_same_decision", "decision_digest"]
+__all__ = ["GNMRRuntime", "Plan", "build_controller", "check_same_decision", "decision_digest"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +96,29 @@ def _check_error_source(error_fn: ErrorFn | None, monitor: GradNormMonitor) -> N
         )
 
 
+def build_controller(
+    registry: UnitRegistry, config: GNMRConfig | None, gemms: Collection[str] = GEMM_ORDER
+) -> GNMRController:
+    """The controller over ``registry``'s units: its eligibility, the costs of the
+    compute-share budget (when every unit's shapes are readable; ``gnmr.max_share`` refuses
+    otherwise, naming the units) and the ``gnmr.pinned`` mask over the global unit names."""
+    cfg = config if config is not None else GNMRConfig()
+    costs = registry.costs(len(gemms))
+    if cfg.max_share is not None and costs is None:
+        unsized = registry.unsized()
+        raise ValueError(
+            f"gnmr.max_share needs every unit's linear shapes (its cost, docs/algorithm.md"
+            f"#compute-share), but {len(unsized)} of {registry.num_units} units have none "
+            f"readable (first: {unsized[:3]}): nn.Linear, megatron-core's parallel linears and "
+            "Transformer Engine's linears are read; exclude the others or drop gnmr.max_share"
+        )
+    w, total = costs if costs is not None else (None, None)
+    pinned = None if cfg.pinned is None else cfg.pinned.mask(registry.names)
+    return GNMRController(
+        registry.num_units, cfg, registry.eligible, costs=w, total_cost=total, pinned=pinned
+    )
+
+
 def check_same_decision(decision: Decision, group: Group | None) -> None:
     """Raise ``RuntimeError`` naming the ranks whose decision differs from rank 0's."""
     entries = all_gather_objects((decision_digest(decision), decision.active), group)
@@ -123,6 +160,8 @@ class GNMRRuntime:
             docs/algorithm.md#damage-term allows; the steps in between reduce the U + 1 vector only.
             Before the first measured step ``e = 0`` (the term is silent); :meth:`state_dict` keeps
             the carried ``e``.
+        gemms: the GEMMs a recovered unit recovers (``gnmr.gemms``; default all three): the
+            costs ``w(u)`` count them, and the accounting counts each one's recovered steps.
     """
 
     def __init__(
@@ -138,15 +177,16 @@ class GNMRRuntime:
         error_fn: ErrorFn | None = None,
         error_scale: float = 1.0,
         error_every: int = 1,
+        gemms: Collection[str] = GEMM_ORDER,
     ) -> None:
         if isinstance(error_every, bool) or not isinstance(error_every, int) or error_every < 1:
             raise ValueError(f"gnmr.error_every must be an integer >= 1, got {error_every!r}")
         self.error_every = error_every
         self._last_errors: torch.Tensor | None = None
         self.registry = registry
-        self.controller = controller or GNMRController(
-            registry.num_units, config, eligible=registry.eligible
-        )
+        self.controller = controller or build_controller(registry, config, gemms)
+        self.accounting = RunAccounting(registry.names, gemms, registry.sizes)
+        self._first: NonFinite | None = None  # the first event, as this process saw it
         self.uses_errors = self.controller.config.gamma is not None
         self.monitor = GradNormMonitor(
             registry,
@@ -169,8 +209,11 @@ class GNMRRuntime:
         self.last_norms: UnitNorms | None = None
 
     def reset(self) -> None:
-        """Start afresh: a new controller history, no carried error score, an empty plan."""
+        """Start afresh: a new controller history, no carried error score, an empty plan, zero
+        counts."""
         self.controller.reset()
+        self.accounting.reset()
+        self._first = None
         self._last_errors = None
         self.plan = Plan(step=1, active=frozenset(), names=())
 
@@ -180,19 +223,25 @@ class GNMRRuntime:
         step = self.controller.step_count + 1
         return self.uses_errors and step % self.error_every == 0
 
-    def step(self) -> Decision:
-        """Score this step's gradients (one all-reduce) and set the plan for the next step."""
-        return self.observe(self.monitor.compute(with_errors=self.errors_due()))
+    def step(self, *, lr: float | None = None) -> Decision:
+        """Score this step's gradients (one all-reduce) and set the plan for the next step;
+        ``lr``: as :meth:`observe`."""
+        return self.observe(self.monitor.compute(with_errors=self.errors_due()), lr=lr)
 
-    def observe(self, norms: UnitNorms) -> Decision:
+    def observe(self, norms: UnitNorms, *, lr: float | None = None) -> Decision:
         """Feed already-reduced norms to the controller and publish the next plan.
+
+        ``lr`` is the learning rate the optimizer applied at this step (its first parameter
+        group): required while a key of the policy runs on the lr_decay clock, and otherwise
+        only tracked (its peak, in the state), so an integration passes it at every step.
 
         With ``gnmr.gamma`` set, ``norms.error_sums`` must hold the reduced ``B(u)`` on the steps
         :meth:`errors_due` names; the controller gets ``errors = B / G``
         (:meth:`UnitNorms.relative_errors`), on the other steps the last one.
         """
+        ran = self.plan.active
         if not self.uses_errors:
-            decision = self.controller.step(norms.norms)
+            decision = self.controller.step(norms.norms, lr=lr)
         else:
             if not self.errors_due():  # carried (error_every); sums reduced anyway aren't measured
                 errors = self._last_errors
@@ -208,14 +257,61 @@ class GNMRRuntime:
                     "them with the norms"
                 )
             self._last_errors = errors
-            decision = self.controller.step(norms.norms, errors=errors)
+            decision = self.controller.step(norms.norms, errors=errors, lr=lr)
+        self.accounting.ran(ran)
         if self.check_consistency:
             check_same_decision(decision, self.check_group)
+        self._name_first(decision.step, norms, skipped=False)
         self.last_norms, self.last_decision = norms, decision
         self.plan = self._plan_for(decision.step + 1, decision.active)
         if decision.active:
             logger.debug("step %d: recovery for %s", decision.step, self.plan.names)
         return decision
+
+    def skip(self, norms: UnitNorms) -> tuple[int, ...]:
+        """A step the framework skipped (its optimizer found non-finite gradients), with the
+        step's reduced norms: the controller, its history and the plan stay as they are; the
+        non-finite units are counted (:mod:`~gnmr_dist.distributed.accounting`) and, when the
+        run had none before, the first is named in one warning. Returns their ids."""
+        bad = tuple(torch.nonzero(~torch.isfinite(norms.norms)).flatten().tolist())
+        if bad:
+            self._name_first(self.controller.step_count + 1, norms, skipped=True)
+        return bad
+
+    def _name_first(self, step: int, norms: UnitNorms, *, skipped: bool) -> None:
+        """Count a skipped step's non-finite units; log the run's first non-finite event, once,
+        when it is this step's (the same line on every rank: the norms are reduced)."""
+        if skipped:
+            known = self.controller.first_nonfinite is not None
+            event = self.accounting.skipped(step, norms.norms, known)
+        else:
+            first = self.controller.first_nonfinite
+            if first is None or first[0] != step or self.accounting.skipped_first[0]:
+                return
+            n = norms.norms
+            bad = int((~torch.isfinite(n)).sum())
+            name = self.registry.names[first[1]]
+            event = NonFinite(step, first[1], name, float(n[first[1]]), bad, False)
+        if event is not None:
+            self._first = event
+            logger.warning("%s", event.line(self.registry.num_units))
+
+    @property
+    def first_nonfinite(self) -> NonFinite | None:
+        """The run's first non-finite gradient norm (``None``: none so far); its value and
+        count are known when this process saw it (NaN and 0 after a resume)."""
+        if self._first is not None:
+            return self._first
+        return self.accounting.first(self.controller.first_nonfinite)
+
+    def summary(self) -> AccountingSummary:
+        """The run's accounting now (:class:`~gnmr_dist.distributed.accounting.AccountingSummary`):
+        per-unit and per-GEMM recovered steps, non-finite steps (skipped ones included), the
+        recovered shares of unit-steps and of linear FLOPs, the first non-finite unit."""
+        ctrl = self.controller
+        return self.accounting.summary(
+            ctrl.step_count, ctrl.recovered, ctrl.nonfinite, self.first_nonfinite
+        )
 
     def _plan_for(self, step: int, active: tuple[int, ...]) -> Plan:
         return Plan(
@@ -223,10 +319,11 @@ class GNMRRuntime:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """Controller state plus the unit names and the current plan (``weights_only``-safe),
-        sealed with a per-field checksum (:mod:`gnmr_dist.core.integrity`); with
-        ``error_every > 1`` also the carried error score (``last_errors``), so a resumed run
-        decides as an uninterrupted one between two measured steps."""
+        """Controller state plus the unit names, the current plan and the runtime's accounting
+        (``weights_only``-safe), sealed with a per-field checksum
+        (:mod:`gnmr_dist.core.integrity`); with ``error_every > 1`` also the carried error score
+        (``last_errors``), so a resumed run decides as an uninterrupted one between two
+        measured steps."""
         return seal(self.state_body())
 
     def state_body(self) -> dict[str, Any]:
@@ -235,6 +332,7 @@ class GNMRRuntime:
             "controller": self.controller.state_dict(),
             "unit_names": list(self.registry.names),
             "plan_active": sorted(self.plan.active),
+            "accounting": self.accounting.state(),
         }
         if self.uses_errors and self.error_every > 1 and self._last_errors is not None:
             state["last_errors"] = self._last_errors.clone()
@@ -248,7 +346,8 @@ class GNMRRuntime:
 
     def restore(self, state: Mapping[str, Any]) -> None:
         """Restore an already verified :meth:`state_body`: unit names, then the controller
-        (its own checksum and invariants), then the plan, checked against the controller."""
+        (its own checksum and invariants), then the plan, checked against the controller, and
+        the accounting (a state without one: :meth:`RunAccounting.load`)."""
         names = state.get("unit_names", [])
         if not isinstance(names, list) or names != list(self.registry.names):
             names = list(names) if isinstance(names, list | tuple) else []
@@ -262,30 +361,44 @@ class GNMRRuntime:
             raise ValueError("GNMR state is corrupted: it has no 'controller' or 'plan_active'")
         saved, before = state["controller"], self.controller.state_dict()
         self.controller.load_state_dict(saved)
+        ctrl, kept = self.controller, self.accounting.state()
         try:
             active = _saved_plan(state["plan_active"], saved)
             errors = _carried_errors(state.get("last_errors"), self.registry.num_units)
+            self.accounting.load(state.get("accounting"), ctrl.step_count, ctrl.recovered)
         except ValueError:
-            self.controller.load_state_dict(before)  # nothing is restored from a bad state
+            ctrl.load_state_dict(before)  # nothing is restored from a bad state
+            self.accounting.load(kept, ctrl.step_count, ctrl.recovered)
             raise
+        self._first = None
         self._last_errors = errors
         self.plan = self._plan_for(self.controller.step_count + 1, self._conformed(active))
 
     def _conformed(self, active: tuple[int, ...]) -> tuple[int, ...]:
-        """The saved plan under the current policy (a resume may lower ``max_active`` or change
-        the eligible units): the controller's lock holders first, then the other saved units
-        that are still eligible, at most ``max_active``; unchanged when the policy is."""
-        ctrl, locks = self.controller, self.controller.locks
-        held = [u for u in active if int(locks[u]) > 0]
-        rest = [u for u in active if u not in held and bool(ctrl.eligible[u])]
-        room = max(0, ctrl.config.max_active - len(held))
-        return tuple(sorted(held + rest[:room]))
+        """The saved plan under the current policy (a resume may lower the budget, change the
+        eligible or the pinned units): the controller's lock and latch holders, the saved units
+        pinned under the current mask (outside the budget), then the other saved units that
+        are still eligible, up to the budget ``k_t`` of the saved step (on the lr_decay clock,
+        which needs the learning rate, its bound ``max(start, end)``); unchanged when the
+        policy is."""
+        ctrl = self.controller
+        locks, latches = ctrl.locks, ctrl.latches
+        held = [u for u in active if int(locks[u]) > 0 or int(latches[u]) > 0]
+        cfg = ctrl.config
+        mask = cfg.pinned.mask(self.registry.names) if cfg.pinned is not None else None
+        pinned = [u for u in active if mask is not None and mask[u] and bool(ctrl.eligible[u])]
+        rest = [u for u in active if u not in held and u not in pinned and bool(ctrl.eligible[u])]
+        room = max(0, cfg.budget_bound(max(ctrl.step_count, 1)) - len(held))
+        return tuple(sorted(set(held + pinned + rest[:room])))
 
 
 def _saved_plan(plan: Any, controller: Mapping[str, Any]) -> tuple[int, ...]:
     """A saved ``plan_active`` checked against the saved controller it was decided by: distinct
-    unit ids in range, eligible, at most ``max_active``, and every lock holder among them (the
-    policy clears the lock of every unit outside the active set)."""
+    unit ids in range, eligible, every lock (and latch) holder among them (the policy clears
+    both on every unit outside the plan), and within the controller's own saved plan (state
+    format 2; equal to it unless a resume conformed it to a tighter policy, which only drops
+    units); a format-1 controller, which has no plan of its own, bounds it by its integer
+    ``max_active``."""
     u = int(controller["num_units"])
     if not isinstance(plan, list | tuple) or not all(
         isinstance(i, int) and not isinstance(i, bool) for i in plan
@@ -299,14 +412,26 @@ def _saved_plan(plan: Any, controller: Mapping[str, Any]) -> tuple[int, ...]:
             "twice; is this state from another model?"
         )
     max_active = controller["config"]["max_active"]
-    held = set(torch.nonzero(controller["lock"] > 0).flatten().tolist())
+    holds = controller["lock"] > 0
+    if "latched" in controller:
+        holds = holds | (controller["latched"] > 0)
+    held = set(torch.nonzero(holds).flatten().tolist())
     ineligible = [i for i in ids if not bool(controller["eligible"][i])]
-    if len(ids) > max_active or ineligible or not held <= set(ids):
+    own = controller.get("plan")
+    too_many = own is None and isinstance(max_active, int) and len(ids) > max_active
+    if too_many or ineligible or not held <= set(ids):
         raise ValueError(
             f"GNMR state is corrupted: plan_active={list(ids)} does not fit its controller "
             f"(max_active={max_active}, ineligible ids {ineligible}, lock holders {sorted(held)} "
             "must all be active)"
         )
+    if own is not None:
+        decided = torch.nonzero(own).flatten().tolist()
+        if not set(ids) <= set(decided):
+            raise ValueError(
+                f"GNMR state is corrupted: plan_active={list(ids)} is not within the plan its "
+                f"controller decided, {decided}"
+            )
     return ids
 
 

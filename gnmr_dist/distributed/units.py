@@ -16,6 +16,11 @@ global number themselves names the attribute (:class:`ModelMarks`); for other mo
 layer), which makes the id of a unit depend only on the model, not on the parallel layout: a
 checkpoint taken at TP2 x PP2 resumes at TP1.
 
+Each unit also carries its *size*, the sum of ``in x out`` over its linear operators in global
+shapes (:func:`operator_shapes`), from which the compute-share budget's costs come
+(docs/algorithm.md#compute-share; :meth:`UnitRegistry.costs`). The size travels in the same
+start-up all-gather as the name, and ranks that read different sizes for one unit are refused.
+
 Parameters are counted once over the tensor-parallel group: a parameter carrying one of the
 framework's *sharded* marks (:class:`ModelMarks`, given by its integration) holds a distinct
 shard on every TP rank; any other parameter is a replica and counts only on TP rank 0.
@@ -40,6 +45,7 @@ from gnmr_dist.distributed.comm import Group, all_gather_objects, group_rank
 
 __all__ = [
     "ModelMarks",
+    "operator_shapes",
     "UnitRegistry",
     "check_selection",
     "global_param_name",
@@ -97,6 +103,81 @@ def is_operator(module: nn.Module, operator_types: Collection[str] = frozenset()
     )
 
 
+def _int_pair(module: nn.Module, first: str, second: str) -> tuple[int, int] | None:
+    a, b = getattr(module, first, None), getattr(module, second, None)
+    ok = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (a, b))
+    return (int(a), int(b)) if ok else None  # type: ignore[arg-type]
+
+
+def _tp_size(module: nn.Module) -> int:
+    tp = getattr(module, "tp_size", 1)
+    return tp if isinstance(tp, int) and not isinstance(tp, bool) and tp > 0 else 1
+
+
+def operator_shapes(module: nn.Module) -> list[tuple[int, int]] | None:
+    """``(in, out)`` of each linear GEMM an operator runs, in *global* shapes (the whole
+    tensor-parallel layer, the same on every rank); ``None`` when its shapes are not readable.
+
+    * ``nn.Linear`` (and a LoRA layer, through its ``base_layer``): ``in_features``,
+      ``out_features``;
+    * megatron-core's ``ColumnParallelLinear`` / ``RowParallelLinear``: ``input_size``,
+      ``output_size``, which are global (the shard is ``output_size_per_partition``);
+    * Transformer Engine's ``Linear``, ``LayerNormLinear``, ``GroupedLinear`` (and megatron's
+      ``TELinear`` family, which subclass them): TE divides ``out_features`` by ``tp_size``
+      under ``parallel_mode="column"`` and ``in_features`` under ``"row"``, so the global
+      shape multiplies that side back. A megatron expert linear with explicit expert
+      communication reaches TE with ``tp_size=1``: its shard is its shape;
+    * TE's ``LayerNormMLP``: two GEMMs, ``hidden -> fc1`` (``fc1_weight`` rows, twice the FFN
+      width under a gated activation) and ``ffn -> hidden`` (``size_per_partition x tp_size``).
+    """
+    if is_lora_layer(module):
+        base = module.base_layer
+        return operator_shapes(base) if isinstance(base, nn.Module) else None
+    if isinstance(module, nn.Linear):
+        return [(module.in_features, module.out_features)]
+    sizes = _int_pair(module, "input_size", "output_size")
+    if sizes is not None:
+        return [sizes]
+    tp = _tp_size(module)
+    mlp = _int_pair(module, "hidden_size", "size_per_partition")
+    fc1 = getattr(module, "fc1_weight", None)
+    if mlp is not None and isinstance(fc1, torch.Tensor) and fc1.dim() == 2:
+        hidden, ffn = mlp
+        return [(hidden, int(fc1.shape[0]) * tp), (ffn * tp, hidden)]
+    shape = _int_pair(module, "in_features", "out_features")
+    if shape is None:
+        return None
+    (n_in, n_out), mode = shape, getattr(module, "parallel_mode", None)
+    if mode == "column":
+        n_out *= tp
+    elif mode == "row":
+        n_in *= tp
+    return [(n_in, n_out)]
+
+
+def _unit_size(operators: Iterable[nn.Module]) -> int:
+    """``sum in x out`` over the linear GEMMs of ``operators`` (0: a shape is not readable)."""
+    total = 0
+    for op in operators:
+        shapes = operator_shapes(op)
+        if not shapes:
+            return 0
+        total += sum(i * o for i, o in shapes)
+    return total
+
+
+def _size_of(layer: nn.Module, operator_types: Collection[str]) -> int:
+    """:func:`_unit_size` of the operators inside a layer (one nested in another, a LoRA
+    layer's ``base_layer``, is part of it)."""
+    found: list[nn.Module] = []
+    taken: list[str] = []
+    for path, sub in layer.named_modules():
+        if is_operator(sub, operator_types) and not any(path.startswith(t + ".") for t in taken):
+            taken.append(path)
+            found.append(sub)
+    return _unit_size(found)
+
+
 def _strip_wrappers(name: str) -> str:
     return _WRAPPERS.sub("", name)
 
@@ -126,6 +207,8 @@ class _LocalUnit:
     key: tuple[int, int, str]
     module_path: str
     eligible: bool
+    size: int = 0
+    """``sum in x out`` of its linear GEMMs in global shapes; 0: not readable."""
 
 
 def _find_layers(
@@ -195,8 +278,11 @@ def _local_units(model: nn.Module, search: _Search) -> list[_LocalUnit]:
     eligible_fn = search.eligible_fn
     if search.granularity == "layer":
         modules = dict(model.named_modules())
+        types = search.operator_types
         return [
-            _LocalUnit(g, (0, i, ""), path, eligible_fn(g, modules[path]))
+            _LocalUnit(
+                g, (0, i, ""), path, eligible_fn(g, modules[path]), _size_of(modules[path], types)
+            )
             for path, (g, i) in layers.items()
         ]
     units: list[_LocalUnit] = []
@@ -209,16 +295,18 @@ def _local_units(model: nn.Module, search: _Search) -> list[_LocalUnit]:
         ):
             continue
         taken.append(path)
+        size = _unit_size([module])
         layer = _enclosing_layer(path, layers)
         if layer is None:
             name = _strip_wrappers(path)
-            units.append(_LocalUnit(name, (1, 0, name), path, eligible_fn(name, module)))
+            units.append(_LocalUnit(name, (1, 0, name), path, eligible_fn(name, module), size))
             continue
         gpath, index = layers[layer]
         name = gpath + path[len(layer) :]
         pos = position.setdefault(layer, 0)
         position[layer] = pos + 1
-        units.append(_LocalUnit(name, (0, index, f"{pos:06d}"), path, eligible_fn(name, module)))
+        key = (0, index, f"{pos:06d}")
+        units.append(_LocalUnit(name, key, path, eligible_fn(name, module), size))
     return units
 
 
@@ -227,7 +315,7 @@ def _chunk_units(chunks: Sequence[nn.Module], search: _Search) -> list[_LocalUni
     if len(chunks) == 1:
         return _local_units(chunks[0], search)
     return [
-        _LocalUnit(u.name, u.key, f"{i}:{u.module_path}", u.eligible)
+        _LocalUnit(u.name, u.key, f"{i}:{u.module_path}", u.eligible, u.size)
         for i, chunk in enumerate(chunks)
         for u in _local_units(chunk, search)
     ]
@@ -300,6 +388,7 @@ class UnitRegistry:
         param_slots: Sequence[int],
         param_names: Sequence[str],
         slot_of_param: dict[int, int] | None = None,
+        sizes: Sequence[int] | None = None,
     ) -> None:
         self.names = tuple(names)
         self.num_units = len(self.names)
@@ -317,6 +406,12 @@ class UnitRegistry:
         for those outside all units; :meth:`from_model` passes them all, a registry built by
         hand defaults to its counted parameters): what framework glue uses to attribute a
         gradient that the framework itself has already filtered (megatron's clip-norm list)."""
+        if sizes is not None and len(sizes) != self.num_units:
+            raise ValueError(f"{len(sizes)} unit sizes for {self.num_units} units")
+        self.sizes: tuple[int, ...] | None = None if sizes is None else tuple(map(int, sizes))
+        """Per unit, ``sum in x out`` over its linear GEMMs in global shapes, agreed by every
+        rank (:func:`operator_shapes`); 0 where not readable; ``None``: not known (a registry
+        built by hand without them)."""
 
     @classmethod
     def from_model(
@@ -368,22 +463,22 @@ class UnitRegistry:
             granularity, layer_offset, operator_types, eligible_fn or _every_unit, marks
         )
         local = _select(_chunk_units(chunks, search), include, exclude)
-        names, eligible = _agree(local, group)
+        names, eligible, sizes = _agree(local, group)
         if not names:
             raise ValueError(_nothing_selected(chunks, search, include, exclude))
-        return cls._bind(chunks, names, eligible, local, group_rank(tp_group), search)
+        return cls._bind(chunks, (names, eligible, sizes), local, group_rank(tp_group), search)
 
     @classmethod
     def _bind(
         cls,
         model: nn.Module | Sequence[nn.Module],
-        names: list[str],
-        eligible: list[bool],
+        agreed: tuple[list[str], list[bool], list[int]],
         local: list[_LocalUnit],
         tp_rank: int,
         search: _Search,
     ) -> UnitRegistry:
         chunks = [model] if isinstance(model, nn.Module) else list(model)
+        names, eligible, sizes = agreed
         index = {n: i for i, n in enumerate(names)}
         path_slot = {u.module_path: index[u.name] for u in local}
         params, slots, pnames, every = [], [], [], []
@@ -405,12 +500,37 @@ class UnitRegistry:
                 pnames.append(_globalize(pname, layers))
         slot_of_param = {id(p): s for p, s in every}
         return cls(
-            names, eligible, local_modules, params, slots, pnames, slot_of_param=slot_of_param
+            names,
+            eligible,
+            local_modules,
+            params,
+            slots,
+            pnames,
+            slot_of_param=slot_of_param,
+            sizes=sizes,
         )
 
     def unit_params(self, unit: int) -> list[nn.Parameter]:
         """This rank's counted parameters of ``unit`` (``num_units`` for the rest bucket)."""
         return [p for p, s in zip(self.params, self.param_slots.tolist(), strict=True) if s == unit]
+
+    def unsized(self) -> list[str]:
+        """The units whose linear shapes are not readable (all of them when no sizes are
+        known): the reason :meth:`costs` is ``None``."""
+        if self.sizes is None:
+            return list(self.names)
+        return [n for n, size in zip(self.names, self.sizes, strict=True) if size < 1]
+
+    def costs(self, gemms: int = 3) -> tuple[list[int], int] | None:
+        """``(w, W)`` of docs/algorithm.md#compute-share: ``w(u) = gemms x size(u)``, the
+        multiply-accumulates per token of the ``gemms`` GEMMs a recovery covers, and ``W = 3 x
+        sum size``, the units' linear work; ``None`` when a unit's size is unknown
+        (:meth:`unsized`)."""
+        if not 1 <= gemms <= 3:
+            raise ValueError(f"a unit's recovery covers 1 to 3 GEMMs, got {gemms}")
+        if self.sizes is None or self.unsized():
+            return None
+        return [gemms * size for size in self.sizes], 3 * sum(self.sizes)
 
 
 def _slot_of(pname: str, path_slot: dict[str, int], rest: int, prefix: str = "") -> int:
@@ -423,17 +543,29 @@ def _slot_of(pname: str, path_slot: dict[str, int], rest: int, prefix: str = "")
     return path_slot.get(prefix, rest)
 
 
-def _agree(local: Iterable[_LocalUnit], group: Group | None) -> tuple[list[str], list[bool]]:
-    """One all-gather of (name, key, eligible); the sorted union, identical on every rank."""
-    mine = [(u.name, u.key, u.eligible) for u in local]
-    merged: dict[str, tuple[Any, bool]] = {}
+def _agree(
+    local: Iterable[_LocalUnit], group: Group | None
+) -> tuple[list[str], list[bool], list[int]]:
+    """One all-gather of (name, key, eligible, size); the sorted union, identical on every
+    rank. Ranks that hold one unit must describe it alike: a different size means the ranks
+    read different global shapes, so their compute-share costs would differ."""
+    mine = [(u.name, u.key, u.eligible, u.size) for u in local]
+    merged: dict[str, tuple[Any, bool, int]] = {}
     for rank, entries in enumerate(all_gather_objects(mine, group)):
-        for name, key, elig in entries:
-            seen = merged.setdefault(name, (tuple(key), elig))
-            if seen != (tuple(key), elig):
+        for name, key, elig, size in entries:
+            seen = merged.setdefault(name, (tuple(key), elig, size))
+            if seen[:2] != (tuple(key), elig):
                 raise RuntimeError(
                     f"rank {rank} describes unit {name!r} as {(tuple(key), elig)}, another rank as "
-                    f"{seen}: are all ranks building the same model and backend?"
+                    f"{seen[:2]}: are all ranks building the same model and backend?"
+                )
+            if seen[2] != size:
+                raise RuntimeError(
+                    f"rank {rank} reads the linear shapes of unit {name!r} as {size} "
+                    f"multiply-accumulates per token (sum of in x out), another rank as "
+                    f"{seen[2]}: the compute-share costs must be the same on every rank "
+                    "(docs/distributed.md#unit-costs). Are all ranks building the same model with "
+                    "the same tensor-parallel size?"
                 )
     order = sorted(merged, key=lambda n: merged[n][0])
-    return order, [merged[n][1] for n in order]
+    return order, [merged[n][1] for n in order], [merged[n][2] for n in order]

@@ -117,9 +117,8 @@ def test_tp_replicas_shared_and_tied_parameters_are_counted_once():
 
     # on TP rank 1 only the sharded parameters count
     search = _Search("operator", 0, frozenset(), marks=marks)
-    reg = UnitRegistry._bind(
-        model, ["layers.0.fc1", "layers.0.fc2"], [True, True], [], tp_rank=1, search=search
-    )
+    agreed = (["layers.0.fc1", "layers.0.fc2"], [True, True], [0, 0])
+    reg = UnitRegistry._bind(model, agreed, [], tp_rank=1, search=search)
     held = {id(p) for p in reg.params}
     assert held == {id(model.layers[0].fc1.weight), id(model.layers[0].fc2.weight)}
 
