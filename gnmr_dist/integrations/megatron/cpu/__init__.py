@@ -22,6 +22,8 @@ the reason for each:
 * :mod:`~gnmr_dist.integrations.megatron.cpu.norm`: the torch norm under sequence parallelism.
 * :mod:`~gnmr_dist.integrations.megatron.cpu.training`: Megatron-LM's own loop
   (``megatron.training``).
+* :mod:`~gnmr_dist.integrations.megatron.cpu.writer`: the async checkpoint writer's own process
+  (the one patch here, its target, carries the stand-ins into it).
 * :mod:`~gnmr_dist.integrations.megatron.cpu.config`: :func:`cpu_transformer_config`.
 
 What is not patched (so unverified on CPU): docs/megatron.md, "CPU compatibility". The
@@ -64,6 +66,7 @@ from gnmr_dist.integrations.megatron.cpu.rng import (
     _cpu_tracker_add,
     _cpu_tracker_fork,
 )
+from gnmr_dist.integrations.megatron.cpu.writer import writer_loop
 from gnmr_dist.integrations.megatron.versions import (
     SERIES,
     SeriesInfo,
@@ -123,6 +126,7 @@ def _patch_plan(version: str | None = None) -> list[tuple[Any, str, Any]]:
     no longer exists, so a renamed call site fails loudly instead of being silently added.
     """
     from megatron.core import tensor_parallel
+    from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
     from megatron.core.models.common.language_module.language_module import LanguageModule
     from megatron.core.optimizer import clip_grads
     from megatron.core.optimizer import optimizer as mcore_optimizer
@@ -161,6 +165,7 @@ def _patch_plan(version: str | None = None) -> list[tuple[Any, str, Any]]:
             DistributedOptimizer, "_set_main_param_and_optimizer_states", _cpu_set_main_param_states
         ),
         _wrapping(WrappedTorchNorm, "__new__", _cpu_torch_norm_new),
+        (PersistentAsyncCaller, "async_loop", staticmethod(writer_loop)),
     ]
     if info.grad_sync_current_stream:
         plan.append((torch.cuda, "current_stream", _cpu_current_stream))
