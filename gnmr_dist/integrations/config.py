@@ -6,6 +6,7 @@
       "units": "operator",             # operator | layer
       "include": [], "exclude": [],    # glob patterns on global unit names
       "max_active": 4, "lock_steps": 8, "window": 8, "alpha": 1.5, "beta": 2.0, "warmup_steps": 8,
+      "max_share": null, "latch": null, "pinned": null,   # the second policy (docs/algorithm.md)
       "low_cost": {...}, "recovery": {...},        # the backend's option blocks
       "gemms": ["fprop", "dgrad", "wgrad"],        # what a recovered unit recovers (docs/gemms.md)
       "log": {"trace": "runs/x/trace.jsonl", "monitor": true, "every": 1},

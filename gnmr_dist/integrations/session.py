@@ -5,6 +5,12 @@ Also the wiring of docs/algorithm.md#damage-term's error term that every integra
 (before the framework starts), :func:`error_source` turns the backend's measuring on and returns
 the ``error_fn`` for :class:`~gnmr_dist.distributed.GNMRRuntime`. :func:`refuse_probe` is the
 refusal of ``gnmr.probe`` by the integrations that do not run it (megatron-core).
+
+And what every integration reports of the run's accounting (docs/telemetry.md#accounting): the
+``accounting/*`` scalars of its logger (:class:`AccountingLog`), the trace record's fields
+(:func:`trace_fields`) and the end-of-run lines (:func:`summary_lines`,
+:meth:`IntegrationSession.summary_lines`, which each integration writes where its console line
+goes).
 """
 
 from __future__ import annotations
@@ -13,23 +19,29 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
+import torch
+
 from gnmr_dist.backends import PrecisionBackend
 from gnmr_dist.core import Decision, GNMRController
 from gnmr_dist.core.integrity import open_state, seal
-from gnmr_dist.distributed import GNMRRuntime, Plan, UnitRegistry
-from gnmr_dist.distributed.monitor import ErrorFn
+from gnmr_dist.distributed import AccountingSummary, GNMRRuntime, Plan, UnitRegistry
+from gnmr_dist.distributed.accounting import GEMM_ORDER
+from gnmr_dist.distributed.monitor import ErrorFn, UnitNorms
 from gnmr_dist.integrations.config import GNMRBlock
 from gnmr_dist.telemetry import TraceHeader, TraceWriter
 
 __all__ = [
     "SUMMED",
+    "AccountingLog",
     "IntegrationSession",
     "Interval",
     "check_error_source",
     "error_source",
     "open_trace",
     "refuse_probe",
+    "summary_lines",
     "telemetry_scalars",
+    "trace_fields",
 ]
 
 
@@ -136,20 +148,125 @@ def telemetry_scalars(decision: Decision, global_norm: float) -> dict[str, float
     return {**decision.telemetry.as_dict(), "global_grad_norm": float(global_norm)}
 
 
+class AccountingLog:
+    """The run's accounting as logger scalars (names without the ``gnmr/`` prefix), for a
+    framework's logger: the totals at every call and, to keep logs small, one entry per unit
+    whose count changed since the previous call (so never a zero one)::
+
+        accounting/recovered_unit_steps, accounting/nonfinite_unit_steps,
+        accounting/recovered_share, accounting/recovered_flops_share (when the costs are known),
+        accounting/recovered_steps/<gemm> (fprop, dgrad, wgrad),
+        accounting/first_nonfinite_step, accounting/first_nonfinite_unit (once there is one),
+        accounting/recovered/<unit name>, accounting/nonfinite/<unit name> (run totals)
+
+    Every value is a run total, so a resumed run continues the series."""
+
+    def __init__(self) -> None:
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def scalars(self, summary: AccountingSummary, names: Sequence[str]) -> dict[str, float]:
+        """The scalars of ``summary`` (module docstring of this class)."""
+        p = "accounting/"
+        out = {
+            f"{p}recovered_unit_steps": float(summary.recovered_unit_steps),
+            f"{p}nonfinite_unit_steps": float(summary.nonfinite_unit_steps),
+            f"{p}recovered_share": summary.recovered_share,
+        }
+        if summary.recovered_flops_share is not None:
+            out[f"{p}recovered_flops_share"] = summary.recovered_flops_share
+        for i, g in enumerate(GEMM_ORDER):
+            out[f"{p}recovered_steps/{g}"] = float(summary.recovered_gemms[:, i].sum())
+        first = summary.first_nonfinite
+        if first is not None:
+            out[f"{p}first_nonfinite_step"] = float(first.step)
+            out[f"{p}first_nonfinite_unit"] = float(first.unit)
+        rec, bad = summary.recovered, summary.nonfinite
+        last = self._last or (torch.zeros_like(rec), torch.zeros_like(bad))
+        for what, now, before in (("recovered", rec, last[0]), ("nonfinite", bad, last[1])):
+            for u in torch.nonzero(now != before).flatten().tolist():
+                out[f"{p}{what}/{names[u]}"] = float(now[u])
+        self._last = (rec, bad)
+        return out
+
+
+def trace_fields(
+    runtime: GNMRRuntime, norms: UnitNorms, skipped: Sequence[int] = ()
+) -> dict[str, Any]:
+    """The accounting fields of the trace record of the decision just taken (each only where
+    it applies, so other records read as before): ``nonfinite``, the units whose norm was
+    non-finite at this step; ``skipped_nonfinite``, those of the attempts of this step the
+    framework skipped (``skipped``); ``first_nonfinite``, on the record of the run's first
+    non-finite event's step, ``{"step", "unit", "name", "skipped"}``."""
+    out: dict[str, Any] = {}
+    decision = runtime.last_decision
+    if decision is None:
+        return out
+    if decision.telemetry.num_nonfinite:
+        out["nonfinite"] = torch.nonzero(~torch.isfinite(norms.norms)).flatten().tolist()
+    if skipped:
+        out["skipped_nonfinite"] = sorted(skipped)  # a unit once per skipped attempt
+    first = runtime.first_nonfinite if (out or runtime.accounting.skipped_first[0]) else None
+    if first is not None and first.step == decision.step:
+        out["first_nonfinite"] = first.as_dict()
+    return out
+
+
+def summary_lines(summary: AccountingSummary, names: Sequence[str]) -> list[str]:
+    """The end-of-run lines of the accounting (docs/telemetry.md#accounting)::
+
+    gnmr: 120 steps, 14 units: recovered 96 of 1680 unit-steps (5.714%), 4.102% of the
+        units' linear FLOPs (fprop 96, dgrad 96, wgrad 96 unit-steps)
+    gnmr: non-finite gradient norms in 1 unit-step (1 on steps the framework skipped);
+        first at step 12: unit 5 model.layers.0.mlp.down_proj
+    """
+    s = summary
+    flops = (
+        f", {100 * s.recovered_flops_share:.3f}% of the units' linear FLOPs"
+        if s.recovered_flops_share is not None
+        else " (linear FLOPs share unknown: some unit's shapes are not readable)"
+    )
+    gemms = ", ".join(f"{g} {int(s.recovered_gemms[:, i].sum())}" for i, g in enumerate(GEMM_ORDER))
+    lines = [
+        f"gnmr: {s.steps} steps, {s.num_units} units: recovered {s.recovered_unit_steps} of "
+        f"{s.steps * s.num_units} unit-steps ({100 * s.recovered_share:.3f}%){flops} "
+        f"({gemms} unit-steps)"
+    ]
+    first = s.first_nonfinite
+    if first is None:
+        lines.append("gnmr: no non-finite gradient norm in the run")
+        return lines
+    skipped = int(s.skipped_nonfinite.sum())
+    where = ", a step the framework skipped" if first.skipped else ""
+    lines.append(
+        f"gnmr: non-finite gradient norms in {s.nonfinite_unit_steps} unit-steps ({skipped} on "
+        f"steps the framework skipped); first at step {first.step}: unit {first.unit} "
+        f"{names[first.unit]}{where}"
+    )
+    return lines
+
+
 def open_trace(
     block: GNMRBlock, registry: UnitRegistry, done: int, **meta: Any
 ) -> TraceWriter | None:
     """The block's JSON-lines trace (``log.trace``; ``None`` when off), opened on rank 0 by
     every integration: a header with the unit names, eligibility, policy, backend and
     granularity (plus ``meta``), then one record per decision. ``done``: the decisions taken
-    before this run's first record; a resumed run drops the records after them."""
+    before this run's first record; a resumed run drops the records after them. The header's
+    meta also holds ``gemms`` when the block recovers fewer than three, and ``unit_sizes``
+    (each unit's ``sum in x out``) when every unit's shapes are readable: with them a replay
+    rebuilds the costs ``w = len(gemms) x size``, ``W = 3 x sum size``."""
     if block.log.trace is None:
         return None
+    extra: dict[str, Any] = {}
+    if len(block.gemms) < len(GEMM_ORDER):
+        extra["gemms"] = list(block.gemms)
+    if registry.costs() is not None and registry.sizes is not None:
+        extra["unit_sizes"] = list(registry.sizes)
     header = TraceHeader(
         registry.names,
         tuple(registry.eligible.tolist()),
         block.policy,
-        {"backend": block.backend, "units": block.units, **meta},
+        {"backend": block.backend, "units": block.units, **extra, **meta},
     )
     return TraceWriter(block.log.trace, header, resume_after=done or None)
 
@@ -175,6 +292,14 @@ class IntegrationSession:
     def last_decision(self) -> Decision | None:
         """The decision of the last applied optimizer step."""
         return self.runtime.last_decision
+
+    def summary(self) -> AccountingSummary:
+        """The run's accounting now (the same on every rank)."""
+        return self.runtime.summary()
+
+    def summary_lines(self) -> list[str]:
+        """:func:`summary_lines` of the run so far."""
+        return summary_lines(self.runtime.summary(), self.runtime.registry.names)
 
     def _apply_plan(self) -> None:
         if self.backend is not None:

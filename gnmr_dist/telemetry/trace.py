@@ -9,14 +9,17 @@ Line 1 is a header, every further line one optimizer step::
 Norms are the exact per-unit global norms the controller received, so ``gnmr-replay`` can run the
 same controller with other settings and reproduce, or re-tune, every decision. Non-finite norms
 are written as JSON's ``NaN``/``Infinity`` tokens. Runs with the damage term add ``"errors"``
-(:func:`read_errors`), probe steps add ``"probe"`` (:class:`ProbeRecord`, :func:`read_probes`);
-records without them read as before. docs/telemetry.md#the-trace shows every field.
+(:func:`read_errors`), probe steps add ``"probe"`` (:class:`ProbeRecord`, :func:`read_probes`),
+steps with a non-finite norm add the accounting's ``"nonfinite"``, ``"skipped_nonfinite"`` and
+``"first_nonfinite"`` (:func:`read_accounting`); records without them read as before.
+docs/telemetry.md#the-trace shows every field.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -34,13 +37,17 @@ __all__ = [
     "TraceHeader",
     "TraceReader",
     "TraceWriter",
+    "read_accounting",
     "read_errors",
+    "read_lrs",
     "read_probes",
     "read_trace",
 ]
 
 FORMAT = "gnmr-trace"
 VERSION = 1
+GEMM_NAMES = ("fprop", "dgrad", "wgrad")
+"""A header without ``meta.gemms`` recovered all three."""
 
 
 @dataclass(frozen=True)
@@ -200,9 +207,12 @@ class TraceWriter:
         decision: Decision,
         extra: Mapping[str, Any] | None = None,
         probe: ProbeRecord | None = None,
+        fields: Mapping[str, Any] | None = None,
     ) -> None:
         """Record the norms (and error scores) the controller saw at ``decision.step``, what it
-        chose and, on a probe step, the probe's measurements (``probe.step`` must match)."""
+        chose and, on a probe step, the probe's measurements (``probe.step`` must match).
+        ``fields``: further top-level fields (the accounting's ``nonfinite``,
+        ``skipped_nonfinite`` and ``first_nonfinite``), which may not replace one of these."""
         record: dict[str, Any] = {
             "step": decision.step,
             "norms": norms.double().cpu().tolist(),
@@ -218,6 +228,10 @@ class TraceWriter:
                     f"probe of step {probe.step} written with the decision of {decision.step}"
                 )
             record["probe"] = probe.to_json()
+        clash = sorted(set(fields or {}) & set(record))
+        if clash:
+            raise ValueError(f"trace fields {clash} would replace the record's own")
+        record.update(fields or {})
         self._write(record)
 
     def close(self) -> None:
@@ -324,3 +338,47 @@ def read_probes(
         for r in records
         if r.get("probe") is not None
     ]
+
+
+def read_lrs(path: str | Path, records: Sequence[Mapping[str, Any]]) -> list[float] | None:
+    """Each record's ``lr`` (the learning rate the optimizer applied at the step, which the
+    lr_decay clock reads), or ``None`` when no record has one; ``ValueError`` when only some
+    do."""
+    have = [r for r in records if "lr" in r]
+    if not have:
+        return None
+    if len(have) != len(records):
+        missing = [r["step"] for r in records if "lr" not in r][:5]
+        raise ValueError(f"{path}: steps {missing} have no learning rate while others do")
+    return [float(r["lr"]) for r in records]
+
+
+def read_accounting(header: TraceHeader, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The run's accounting as its trace tells it, independently of the controller: per unit,
+    the recorded steps it ran recovered (in the previous record's ``active``) and per GEMM of
+    the header's ``gemms``, the steps its recorded norm was non-finite plus those of skipped
+    attempts (``skipped_nonfinite``), and the ``first_nonfinite`` records. A run resumed with a
+    tighter policy ran a conformed plan, which the records do not hold: there the counts are
+    those of the decided plans."""
+    u = len(header.units)
+    recovered = [0] * u
+    nonfinite = [0] * u
+    firsts = []
+    previous: Sequence[int] = ()
+    for r in records:
+        for unit in previous:
+            recovered[unit] += 1
+        previous = r["active"]
+        for unit, norm in enumerate(r["norms"]):
+            nonfinite[unit] += not math.isfinite(norm)
+        for unit in r.get("skipped_nonfinite", ()):
+            nonfinite[unit] += 1
+        if "first_nonfinite" in r:
+            firsts.append(dict(r["first_nonfinite"]))
+    gemms = list(header.meta.get("gemms", GEMM_NAMES))
+    return {
+        "recovered": recovered,
+        "recovered_gemms": {g: recovered if g in gemms else [0] * u for g in GEMM_NAMES},
+        "nonfinite": nonfinite,
+        "first_nonfinite": firsts,
+    }

@@ -480,6 +480,18 @@ def _summary(
         "backend": gnmr.block.backend if gnmr is not None else "off",
         "warmup_steps": gnmr.runtime.controller.config.warmup_steps if gnmr is not None else 0,
         "units": gnmr.registry.num_units if gnmr is not None else 0,
+        **_accounting(gnmr),
+    }
+
+
+def _accounting(gnmr: Any) -> dict[str, Any]:
+    """The run's accounting (docs/telemetry.md#accounting) as the summary's ``accounting`` and
+    the lines printed at the end (``accounting_lines``); nothing without GNMR."""
+    if gnmr is None:
+        return {}
+    return {
+        "accounting": gnmr.summary().as_dict(gnmr.registry.names),
+        "accounting_lines": gnmr.summary_lines(),
     }
 
 
@@ -531,4 +543,6 @@ def _finish(run: Path, summary: dict[str, Any], title: str) -> None:
     )
     if "exceedance_rate" in summary:
         print(rates_line(summary))
+    for line in summary.get("accounting_lines", ()):
+        print(f"  {line.removeprefix('gnmr: ')}")
     print(f"  run folder: {run}/ (trace.jsonl, report.png, summary.json, checkpoint/, hf_model/)")

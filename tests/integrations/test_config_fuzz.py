@@ -31,14 +31,20 @@ from tests.requires import require
 
 EXAMPLES = 1000
 
-# kinds: what a key accepts (its type; values of the right type may still be out of range)
+# kinds: what a key accepts (its type; values of the right type may still be out of range);
+# "budget": an integer or a budget schedule (max_active); a condition (latch, pinned.from) and
+# pinned are objects, whose own keys tests/core fuzzes
 BLOCK_KEYS: dict[str, str] = {
     "enabled": "bool",
     "backend": "str|None",
     "units": "str",
     "include": "list[str]",
     "exclude": "list[str]",
-    "max_active": "int",
+    "max_active": "budget",
+    "max_share": "threshold|None",
+    "latch": "dict|None",
+    "pinned": "dict|None",
+    "gemms": "list[str]",
     "lock_steps": "int",
     "window": "int",
     "warmup_steps": "int",
@@ -96,8 +102,10 @@ def fits(kind: str, value: Any) -> bool:
         numeric = isinstance(value, int | float) and not isinstance(value, bool)
         if part in ("number", "threshold") and numeric:
             return True
-        if part == "threshold" and isinstance(value, dict):
+        if part in ("threshold", "budget") and isinstance(value, dict):
             return True  # a schedule's own keys are fuzzed by tests/core (schedules)
+        if part == "budget" and isinstance(value, int) and not isinstance(value, bool):
+            return True
         if part == "str" and isinstance(value, str):
             return True
         if part == "list[str]" and isinstance(value, list):

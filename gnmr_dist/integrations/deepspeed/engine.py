@@ -32,6 +32,7 @@ import functools
 import inspect
 import json
 import logging
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,7 @@ from gnmr_dist.integrations.session import (
 __all__ = [
     "STATE_FILE",
     "DeepSpeedGNMR",
+    "built_sessions",
     "disable",
     "enable",
     "enabled",
@@ -95,6 +97,8 @@ _BUILT = [0]
 """How many engines :func:`initialize` has given GNMR in this process (read by
 :class:`~gnmr_dist.integrations.deepspeed.trainer.GNMRCallback`: an engine built without it is
 warned of)."""
+_SESSIONS: list[weakref.ref[DeepSpeedGNMR]] = []
+"""The sessions :func:`initialize` built, in order (weakly: an engine dropped is gone)."""
 
 
 def no_block_warned() -> None:
@@ -107,6 +111,13 @@ def no_block_warned() -> None:
 def engines_with_gnmr() -> int:
     """How many DeepSpeed engines this process has built with GNMR so far."""
     return _BUILT[0]
+
+
+def built_sessions(since: int = 0) -> list[DeepSpeedGNMR]:
+    """The GNMR sessions of the engines built after the first ``since`` (a count of
+    :func:`engines_with_gnmr`) that are still alive."""
+    alive = (ref() for ref in _SESSIONS[since:])
+    return [s for s in alive if s is not None]
 
 
 def _deepspeed_initialize() -> Any:
@@ -215,6 +226,7 @@ def initialize(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
     engine, optimizer, loader, scheduler = ds_initialize(**params)
     engine.gnmr = DeepSpeedGNMR(engine, registry, backend, block)
     _BUILT[0] += 1
+    _SESSIONS.append(weakref.ref(engine.gnmr))
     return engine, optimizer, loader, scheduler
 
 

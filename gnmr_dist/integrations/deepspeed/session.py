@@ -2,6 +2,17 @@
 :func:`gnmr_dist.integrations.deepspeed.initialize` (what it does, step by step: that module's
 docstring): the step hook, the recovery-gap probe, the trace and monitor logging, and the GNMR
 state beside every checkpoint.
+
+**The learning rate** the controller gets (``lr=``, for the lr_decay clock) is that of the
+optimizer's first parameter group, read in the step hook *before* ``_take_model_step`` runs the
+optimizer step and then DeepSpeed's ``lr_scheduler.step()``: the rate the optimizer applies to
+this step's gradients, ``lr_t``. Read after it, it would be the next step's.
+
+**A step DeepSpeed skips** (its ZeRO 1-2 optimizers skip a step whose gradients hold an inf or
+NaN, in fp32 and bf16 as in fp16; ``engine.was_step_applied()`` is False) leaves the controller
+untouched and goes to :meth:`GNMRRuntime.skip <gnmr_dist.distributed.GNMRRuntime.skip>`, which
+counts its non-finite units and names the run's first in one warning on every rank; the trace
+record of the retried step lists them (``skipped_nonfinite``).
 """
 
 from __future__ import annotations
@@ -25,11 +36,13 @@ from gnmr_dist.integrations.config import GNMRBlock
 from gnmr_dist.integrations.console import console_line, emit
 from gnmr_dist.integrations.deepspeed.grads import grad_piece_fn
 from gnmr_dist.integrations.session import (
+    AccountingLog,
     IntegrationSession,
     Interval,
     error_source,
     open_trace,
     telemetry_scalars,
+    trace_fields,
 )
 from gnmr_dist.integrations.state_file import read_state, restore_or_refuse, write_atomic
 from gnmr_dist.telemetry import TraceWriter
@@ -113,10 +126,15 @@ class DeepSpeedGNMR(IntegrationSession):
             error_fn=error_source(block, backend, registry.num_units),
             error_scale=1.0 / dp,
             error_every=block.error_every,
+            gemms=block.gemms,
         )
         self.skipped = 0
         self.interval = Interval()
         """The decisions since the last Trainer log (:mod:`~.deepspeed.trainer`)."""
+        self.trainer_accounting = AccountingLog()
+        """The accounting entries of Trainer's logs (:mod:`~.deepspeed.trainer_log`)."""
+        self._monitor_accounting = AccountingLog()
+        self._skipped_nonfinite: list[int] = []  # of the skipped attempts of the coming step
         self._trace: TraceWriter | None = None
         self._notes: dict[str, float] = {}
         self.probe: RecoveryProbe | None = None
@@ -165,8 +183,9 @@ class DeepSpeedGNMR(IntegrationSession):
             finish = self.runtime.monitor.start(
                 grad_scale=self._grad_scale(), with_errors=self.runtime.errors_due()
             )
+            lr = self._applied_lr()  # before the optimizer and the scheduler step: lr_t
             result = take_step(*args, **kwargs)
-            self._after_step(finish())
+            self._after_step(finish(), lr)
             return result
 
         def gnmr_forward(*args: Any, **kwargs: Any) -> Any:
@@ -233,15 +252,22 @@ class DeepSpeedGNMR(IntegrationSession):
         )
         return self.last_probe
 
+    def _applied_lr(self) -> float | None:
+        """The learning rate of the optimizer's first parameter group (``None``: no optimizer
+        DeepSpeed knows, e.g. a client optimizer stepped outside the engine)."""
+        rates = self.engine.get_lr()
+        return float(rates[0]) if rates else None
+
     def _grad_scale(self) -> float:
         """The fp16 loss scale the gradients still carry at the hook (1 for fp32/bf16)."""
         return float(getattr(self.engine.optimizer, "loss_scale", 1.0) or 1.0)
 
-    def _after_step(self, norms: UnitNorms) -> None:
+    def _after_step(self, norms: UnitNorms, lr: float | None = None) -> None:
         if self.backend is not None:  # read before apply() starts the next step's report
             self.last_report = self.backend.report()
         if not self.engine.was_step_applied():
             self.skipped += 1
+            self._skipped_nonfinite += self.runtime.skip(norms)
             logger.warning(
                 "gnmr: optimizer step skipped (overflow); controller history left untouched, "
                 "plan kept: %s",
@@ -251,15 +277,34 @@ class DeepSpeedGNMR(IntegrationSession):
             self._apply_plan()
             return
         ran = self.runtime.plan.active
-        decision = self.runtime.observe(norms)
+        decision = self.runtime.observe(norms, lr=lr)
         self.interval.add(decision, norms.global_norm, ran)
         probe = self._take_probe(decision, ran)
         self._apply_plan()
-        self._log(norms, decision, probe)
+        skipped, self._skipped_nonfinite = self._skipped_nonfinite, []
+        self._log(norms, decision, probe, (skipped, lr))
 
     # ------------------------------------------------------------------ logging
 
-    def _log(self, norms: UnitNorms, decision: Decision, probe: ProbeRecord | None) -> None:
+    def report(self) -> list[str]:
+        """Write the run's accounting (:meth:`summary_lines`) where the console line goes, on
+        rank 0, and return the lines (every rank): the end-of-run report, which
+        :class:`~gnmr_dist.GNMRCallback` and ``gnmr-ds-pretrain`` call when training ends."""
+        lines = self.summary_lines()
+        if dist.get_rank() == 0:
+            for line in lines:
+                emit(line)
+        return lines
+
+    def _log(
+        self,
+        norms: UnitNorms,
+        decision: Decision,
+        probe: ProbeRecord | None,
+        step: tuple[list[int], float | None],
+    ) -> None:
+        """Rank 0: the trace record, the console line and the monitor's events of a decision;
+        ``step``: the non-finite units of its skipped attempts and the learning rate applied."""
         if dist.get_rank() != 0:
             return
         trace = self._trace_writer()
@@ -272,7 +317,11 @@ class DeepSpeedGNMR(IntegrationSession):
         extra.update(self._notes)
         self._notes = {}
         if trace is not None:
-            trace.write(norms.norms, decision, extra, probe=probe)
+            skipped, lr = step
+            fields = trace_fields(self.runtime, norms, skipped)
+            if lr is not None:
+                fields["lr"] = lr
+            trace.write(norms.norms, decision, extra, probe=probe, fields=fields)
         monitor = getattr(self.engine, "monitor", None)
         log = self.block.log
         if log.console and decision.step % log.console == 0:
@@ -281,6 +330,9 @@ class DeepSpeedGNMR(IntegrationSession):
             return
         if log.monitor and monitor is not None and monitor.enabled:
             tele = telemetry_scalars(decision, norms.global_norm)
+            tele.update(
+                self._monitor_accounting.scalars(self.runtime.summary(), self.registry.names)
+            )
             monitor.write_events([(f"gnmr/{k}", v, samples) for k, v in tele.items()])
 
     def _trace_writer(self) -> TraceWriter | None:

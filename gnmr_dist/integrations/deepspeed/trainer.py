@@ -4,8 +4,9 @@
 CodeCarbon integrations plug in: for a run whose DeepSpeed config holds a ``"gnmr"`` block, the
 callback turns GNMR on before Trainer builds its engine (:func:`gnmr_dist.deepspeed.enable`, which
 makes ``deepspeed.initialize`` read the block; accelerate looks it up when it prepares the model,
-and ``Trainer.log`` adds GNMR's counts: :mod:`~gnmr_dist.integrations.deepspeed.trainer_log`)
-and turns it off when training ends. ``enable()`` itself stays for plain accelerate loops and
+and ``Trainer.log`` adds GNMR's counts: :mod:`~gnmr_dist.integrations.deepspeed.trainer_log`);
+when training ends it writes the run's accounting (``engine.gnmr.report()``) and turns GNMR
+off. ``enable()`` itself stays for plain accelerate loops and
 scripts.
 
 **Nothing is silent.** A run whose DeepSpeed config has an enabled ``"gnmr"`` block but whose
@@ -24,6 +25,7 @@ from transformers import TrainerCallback
 from gnmr_dist.integrations import ds_watch
 from gnmr_dist.integrations.config import check_block_name, read_block
 from gnmr_dist.integrations.deepspeed.engine import (
+    built_sessions,
     disable,
     enable,
     engines_with_gnmr,
@@ -96,7 +98,7 @@ class GNMRCallback(TrainerCallback):
             if block is not None:
                 read_block(block, "gnmr")  # every key, value and backend option, now
         except ValueError as err:
-            self.on_train_end(args, state, control)
+            self._turn_off()
             message = str(err).removeprefix("GNMRCallback: ")
             raise ValueError(f"GNMRCallback: {message}") from None
         if block is None and not self._warned:
@@ -110,6 +112,14 @@ class GNMRCallback(TrainerCallback):
         return block
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Write the run's accounting (``engine.gnmr.report()``: recovered shares, non-finite
+        unit-steps, the first non-finite unit) of the engines built since the callback was
+        made, and disable GNMR again if this callback enabled it."""
+        for session in built_sessions(self._built):
+            session.report()
+        self._turn_off()
+
+    def _turn_off(self) -> None:
         """Disable GNMR again if this callback enabled it."""
         if not self._was_enabled:
             disable()

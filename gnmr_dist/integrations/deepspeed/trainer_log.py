@@ -2,7 +2,9 @@
 :func:`gnmr_dist.deepspeed.enable` installs (transformers is imported by the caller).
 
 Every training log entry (one with a ``"loss"``) gets the ``gnmr/*`` scalars of the decisions
-since the previous log (:class:`~gnmr_dist.integrations.session.Interval`), and
+since the previous log (:class:`~gnmr_dist.integrations.session.Interval`) and the run's
+accounting totals, with an entry per unit whose count changed since the previous log
+(``gnmr/accounting/*``, :class:`~gnmr_dist.integrations.session.AccountingLog`), and
 ``state.log_history`` the recovered units' steps under ``gnmr/recovered_at``
 (docs/trainer.md).
 """
@@ -32,8 +34,10 @@ def log_entries(trainer: Any) -> tuple[dict[str, float], dict[str, list[int]]]:
     if session is None:
         return {}, {}
     scalars, steps = session.interval.drain(session.registry.names)
-    if not session.block.log.monitor:
+    if not session.block.log.monitor or not scalars:
         return {}, {}
+    names = session.registry.names
+    scalars.update(session.trainer_accounting.scalars(session.summary(), names))
     return {f"gnmr/{k}": v for k, v in scalars.items()}, steps
 
 

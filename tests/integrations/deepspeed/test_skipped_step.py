@@ -40,7 +40,8 @@ CONFIGS = [(1, "fp32"), (2, "bf16")]
 
 def _state(gnmr) -> dict:
     """Everything of the session that a decision changes, as plain picklable values."""
-    body = {k: v for k, v in gnmr.state_dict().items() if k not in ("checksum", "skipped")}
+    leave = ("checksum", "skipped", "accounting")  # the accounting counts the skip: apart
+    body = {k: v for k, v in gnmr.state_dict().items() if k not in leave}
     d = gnmr.last_decision
     interval = gnmr.interval
     errors = gnmr.runtime._last_errors
@@ -57,6 +58,7 @@ def _state(gnmr) -> dict:
         ),
         "telemetry": {k: v for k, v in gnmr.telemetry().items() if k != "skipped_steps"},
         "backend_plan": (gnmr.backend.report().step, gnmr.backend.report().planned),
+        "skipped_nonfinite": gnmr.summary().skipped_nonfinite.tolist(),
     }
 
 
@@ -137,7 +139,10 @@ def test_a_skipped_step_leaves_the_controller_untouched_and_the_next_step_procee
             before, after = skipped["snaps"]["before"], skipped["snaps"]["after"]
             assert before["plan"][1] and bool((before["body"]["controller"]["lock"] > 0).any())
             assert s[at]["ran"][2] == frozenset(before["plan"][1]), (cfg, rank)
-            # the skipped step changed nothing GNMR decides with, and took no decision
+            # the skipped step changed nothing GNMR decides with, and took no decision; the
+            # accounting counted its non-finite unit (q_proj of layer 0, unit 0)
+            counted = after.pop("skipped_nonfinite")
+            assert before.pop("skipped_nonfinite") == [0] * 14 and counted == [1] + [0] * 13
             assert _same(before, after), (cfg, rank)
             assert before["body"]["controller"]["step"] == SKIP - 1 == s[at]["count"]
             assert s[at]["decision"][0] == SKIP - 1  # the last decision is still step 8's
@@ -159,3 +164,8 @@ def test_a_skipped_step_leaves_the_controller_untouched_and_the_next_step_procee
         engine_steps = [r["extra"]["engine_step"] for r in records]  # DeepSpeed counts the skip
         assert engine_steps == [*range(1, SKIP), *range(SKIP + 1, LAST + 1)]
         assert bool(torch.isfinite(norms).all())
+        # ... and the record of the retried step names the skipped attempt's non-finite unit
+        first = {"step": SKIP, "unit": 0, "name": dsc.unit_names()[0], "skipped": True}
+        assert records[SKIP - 1]["skipped_nonfinite"] == [0]
+        assert records[SKIP - 1]["first_nonfinite"] == first
+        assert all("skipped_nonfinite" not in r for r in records if r["step"] != SKIP)
