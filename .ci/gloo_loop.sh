@@ -13,7 +13,7 @@ mkdir -p "$logs"
 # launch scripts, and the benchmark harness's gloo worlds
 mapfile -t files < <(grep -rlE "multiproc|torchrun|launch/|gloo_world|run_collectives" tests \
     --include='test_*.py' | sort)
-.venv/bin/python .ci/port_grabber.py --minutes $((runs * 60))  # outlives any run; the trap stops it > "$logs/grabber.log" 2>&1 &
+.venv/bin/python .ci/port_grabber.py --minutes $((runs * 60)) > "$logs/grabber.log" 2>&1 &  # the trap stops it
 grabber=$!
 trap 'kill $grabber 2>/dev/null' EXIT
 for i in $(seq 1 "$runs"); do
