@@ -123,6 +123,7 @@ def _trainer_worker(rank, world, out_dir, stage):
     with _console_lines() as lines:  # what a user with logging configured sees
         resumed = _train(out_dir, "resumed", stage, world, f"{out_dir}/full/checkpoint-5")
     resumed["console"] = [m for m in lines if "restored" in m]
+    resumed["report"] = [m for m in lines if "unit-steps" in m or "non-finite" in m]
     restored = deepspeed.initialize is original  # the callback disabled what it enabled
     gds.enable()
     gds.enable()  # idempotent: still one wrapper, no recursion
@@ -204,6 +205,22 @@ def test_trainer_with_a_gnmr_block(tmp_path, stage):
     spike_risk = rows[TRAINER_SPIKE - 1]["telemetry"]["max_risk"]
     assert logs[1]["gnmr/max_risk"] >= spike_risk > logs[0]["gnmr/max_risk"]
     assert logs[1][f"gnmr/recovered/{SPIKED}"] >= 1  # the unit, in the interval's entry
+    # the run's accounting in the same entries: totals, and the units whose count changed
+    ran = [sum(len(r["active"]) for r in rows[: s - 1]) for s in (5, 10)]  # plans that ran
+    total = "gnmr/accounting/recovered_unit_steps"
+    assert [e[total] for e in logs] == ran and ran[1] > 0
+    assert [e["gnmr/accounting/nonfinite_unit_steps"] for e in logs] == [0, 0]
+    assert logs[1][f"gnmr/accounting/recovered/{SPIKED}"] >= 1
+    assert not any(k.startswith("gnmr/accounting/nonfinite/") for e in logs for k in e)
+    # ... continued by the resumed run (its log at step 10), and reported at its end
+    again = a["resumed"]["gnmr_logs"][-1]
+    assert again["step"] == 10
+    assert again[total] == logs[1][total]
+    assert again["gnmr/accounting/recovered_share"] == logs[1]["gnmr/accounting/recovered_share"]
+    report = a["resumed"]["report"]
+    assert report[0].startswith(f"gnmr: {TRAINER_STEPS} steps, 14 units: recovered {ran[1]} of")
+    assert report[1] == "gnmr: no non-finite gradient norm in the run"
+    assert not b["resumed"]["report"]  # rank 0 writes it
     recovered_at = full["recovered_at"][10][SPIKED]
     assert TRAINER_SPIKE + 1 in recovered_at  # decided at the spike, recovered the step after
     assert all(spiked in rows[s - 2]["active"] for s in recovered_at)  # the plan that ran
