@@ -9,6 +9,9 @@ so importing it loads neither megatron nor the backends:
   drives;
 * ``attach`` / ``detach`` (:mod:`~gnmr_dist.integrations.megatron.loop`): GNMR on Megatron-LM's
   own training loop (``megatron.training.pretrain``);
+* ``Reporter`` (:mod:`~gnmr_dist.integrations.megatron.report`): the trace, ``gnmr/*`` scalars
+  through megatron's writers, the console line and the end-of-run accounting, which ``attach``
+  drives from ``training_log`` and a loop of its own calls after each ``optimizer.step()``;
 * the CPU switch (:mod:`~gnmr_dist.integrations.megatron.cpu`): ``enable_cpu_compat``,
   ``disable_cpu_compat``, ``is_cpu_compat_enabled``, ``cpu_compat`` and
   ``cpu_transformer_config``, opt-in CPU stand-ins for tests and CPU-only hosts.
@@ -27,6 +30,7 @@ from typing import Any
 
 _HOMES = {
     "MegatronGNMR": "gnmr",
+    "Reporter": "report",
     "apply": "gnmr",
     "current": "gnmr",
     "remove": "gnmr",

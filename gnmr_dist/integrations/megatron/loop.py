@@ -12,7 +12,10 @@ megatron.training functions ``pretrain`` looks up at call time:
   common (rank-identical) entry ``"gnmr"`` of every megatron checkpoint, restored from the one
   megatron loads (refused when missing unless ``"on_missing_state": "fresh"``);
 * ``training.training_log``: the trace file (rank 0), ``gnmr/*`` scalars through megatron's own
-  TensorBoard and W&B writers, the console line, on megatron's iteration axis;
+  TensorBoard and W&B writers, the console line, on megatron's iteration axis
+  (:class:`~gnmr_dist.integrations.megatron.report.Reporter`);
+* ``training.train``: the run's accounting summary when training ends (returns, or exits
+  through megatron's exit conditions);
 * ``datasets.utils.compile_helpers``: the wheel's compiled data set helpers are used (the
   megatron-core wheels ship no Makefile for them).
 
@@ -33,10 +36,10 @@ from typing import Any
 import torch
 
 from gnmr_dist.integrations.config import GNMRBlock
-from gnmr_dist.integrations.console import console_line, emit
+from gnmr_dist.integrations.console import emit
 from gnmr_dist.integrations.megatron.gnmr import apply, current, remove
+from gnmr_dist.integrations.megatron.report import Reporter
 from gnmr_dist.integrations.patching import Patches
-from gnmr_dist.integrations.session import open_trace, telemetry_scalars
 from gnmr_dist.integrations.state_file import restore_or_refuse
 
 __all__ = [
@@ -100,16 +103,14 @@ class Hooks:
         self.applied = False  # whether the setup hook applied GNMR (detach removes it)
         self.loaded: dict[str, Any] | None = None  # the "gnmr" entry of the loaded checkpoint
         self.checkpoint_loaded = False
-        self.trace: Any = None
-        self.logged_step: int | None = None  # the controller step of the last logged decision
+        self.reporter: Reporter | None = None  # the trace, scalars and summary, once applied
 
     # ------------------------------------------------------------------ install
 
     def close(self) -> None:
         """Close the trace file (at exit, or on :func:`detach`)."""
-        if self.trace is not None:
-            self.trace.close()
-            self.trace = None
+        if self.reporter is not None:
+            self.reporter.close()
 
     def install(self) -> None:
         """Wrap the megatron.training functions GNMR rides (module attributes, looked up at
@@ -120,6 +121,7 @@ class Hooks:
         for owner, name, wrap in (
             (training, "setup_model_and_optimizer", self._after_setup),
             (training, "training_log", self._after_log),
+            (training, "train", self._summarised),
             (checkpointing, "generate_state_dict", self._with_state),
             (checkpointing, "_load_base_checkpoint", self._capture),
             (dataset_utils, "compile_helpers", _prebuilt_or),
@@ -145,7 +147,7 @@ class Hooks:
         self.applied = True
         handle.install_rerun_hooks()
         self._restore(handle, get_args())
-        self.trace = self._trace_writer(handle)
+        self.reporter = Reporter(self.block, handle, source="megatron.training")
 
     def _restore(self, handle: Any, args: Any) -> None:
         if not self.checkpoint_loaded or args.iteration == 0:
@@ -199,46 +201,28 @@ class Hooks:
         from megatron.training import get_tensorboard_writer, get_wandb_writer
 
         handle = current()
-        if handle is None or self.block is None:
+        if handle is None or self.reporter is None:
             return
-        handle.settle()
-        decision, norms = handle.last_decision, handle.runtime.last_norms
-        if decision is None or norms is None or decision.step == self.logged_step:
-            return  # no new decision (a skipped update): nothing new to record
-        self.logged_step = decision.step
         loss = loss_dict.get("lm loss")
-        extra = {"iteration": iteration, "global_norm": norms.global_norm}
-        if loss is not None:
-            extra["loss"] = float(loss)
-        if self.trace is not None:
-            self.trace.write(norms.norms, decision, extra)
-        names = handle.registry.names
-        log = self.block.log
-        tb, wandb = get_tensorboard_writer(), get_wandb_writer()
-        if log.monitor and decision.step % log.every == 0 and (tb or wandb) is not None:
-            scalars = telemetry_scalars(decision, norms.global_norm)
-            scalars.update({f"risk/{names[u]}": float(decision.risk[u]) for u in decision.active})
-            _write_scalars(scalars, iteration, tb, wandb)
-        if log.console and decision.step % log.console == 0 and torch.distributed.get_rank() == 0:
-            emit(console_line(decision, norms.global_norm, names))
+        writers = (get_tensorboard_writer(), get_wandb_writer())
+        self.reporter.record(handle, iteration, None if loss is None else float(loss), writers)
 
-    def _trace_writer(self, handle: Any) -> Any:
-        if self.block is None or self.block.log.trace is None:
-            return None
-        if torch.distributed.get_rank() != 0:
-            return None
-        done = handle.controller.step_count
-        return open_trace(self.block, handle.registry, done, source="megatron.training")
+    def _summarised(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def train(*args: Any, **kwargs: Any) -> Any:
+            try:
+                result = original(*args, **kwargs)
+            except SystemExit:  # megatron's exit conditions (--exit-interval, signals, ...)
+                self._finish()
+                raise
+            self._finish()
+            return result
 
+        return train
 
-def _write_scalars(scalars: Mapping[str, float], iteration: int, tb: Any, wandb: Any) -> None:
-    """``gnmr/<name>`` scalars at megatron's ``iteration`` (megatron's writers are set on the
-    ranks that log: the last rank, as megatron's own scalars)."""
-    if tb is not None:
-        for name, value in scalars.items():
-            tb.add_scalar(f"gnmr/{name}", value, iteration)
-    if wandb is not None:
-        wandb.log({f"gnmr/{name}": value for name, value in scalars.items()}, iteration)
+    def _finish(self) -> None:
+        handle = current()
+        if handle is not None and self.reporter is not None:
+            self.reporter.finish(handle)
 
 
 def _prebuilt_or(original: Callable[[], None]) -> Callable[[], None]:

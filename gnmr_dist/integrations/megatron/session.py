@@ -1,6 +1,13 @@
 """The GNMR runtime of one megatron-core model (:class:`MegatronGNMR`): the per-unit norms
 inside megatron's clip-norm all-reduce, the error term, the guard, the per-layer precision
-context and the step bracket; :mod:`gnmr_dist.integrations.megatron.gnmr` installs it."""
+context and the step bracket; :mod:`gnmr_dist.integrations.megatron.gnmr` installs it.
+
+Per step the controller also gets the learning rate the optimizer applies at that step, read
+from its parameter groups as the step starts (:func:`applied_lr`: megatron's scheduler moves it
+only after ``optimizer.step()``, so what Megatron-LM's loop logs as ``learning-rate`` at an
+iteration is the next step's). A step megatron skips (an fp16 overflow: its optimizer returns
+before the clip norm) is read once more, with one all-reduce of GNMR's own on that step only,
+so the runtime counts and names its non-finite units (:meth:`GNMRRuntime.skip`)."""
 
 from __future__ import annotations
 
@@ -27,7 +34,7 @@ from gnmr_dist.integrations.megatron.operators import MEGATRON_MARKS, MEGATRON_O
 from gnmr_dist.integrations.megatron.versions import SeriesInfo
 from gnmr_dist.integrations.session import IntegrationSession, error_source
 
-__all__ = ["MegatronGNMR"]
+__all__ = ["MegatronGNMR", "applied_lr"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +87,7 @@ class MegatronGNMR(IntegrationSession):
             error_fn=error_source(block, backend, self.registry.num_units),
             error_scale=1.0 / self._dp,
             error_every=block.error_every,  # DDP's mean over DP
+            gemms=block.gemms,
         )
         self.attribution = GradAttribution(
             self.registry.slot_of_param, self.registry.num_units, optimizer
@@ -94,6 +102,14 @@ class MegatronGNMR(IntegrationSession):
         self.pending = False
         self.skipped = 0
         self._warned = False
+        self._lr: float | None = None  # the learning rate of the step being collected
+        self.last_lr: float | None = None
+        """The learning rate the optimizer applied at the last decided step (``None``: none
+        readable)."""
+        self._skipped_units: list[int] = []  # non-finite units of skipped attempts, not decided
+        self.last_skipped: tuple[int, ...] = ()
+        """The non-finite units of the attempts megatron skipped before the last decided step
+        (a unit once per attempt): the trace record's ``skipped_nonfinite``."""
         self._apply_plan()
 
     # ------------------------------------------------------------------ the fused norm
@@ -240,19 +256,20 @@ class MegatronGNMR(IntegrationSession):
     # ------------------------------------------------------------------ per step
 
     def begin_step(self) -> None:
-        """An optimizer step starts: settle the last decision, collect this step's norms."""
+        """An optimizer step starts: settle the last decision, read the learning rate this step
+        applies, collect this step's norms."""
         self.settle()
         self._sums, self._total_sq, self._host, self._ready = None, None, None, None
         self._errors = None
+        self._lr = applied_lr(self.optimizer)
         self.collecting = True
 
     def after_step(self, update_successful: bool) -> None:
-        """The step is done: its norms are decided on when the next step first needs the plan."""
+        """The step is done: its norms are decided on when the next step first needs the plan;
+        a skipped step's are counted by the runtime at once (:meth:`_skip`)."""
         self.collecting = False
         if not update_successful:
-            self._sums = self._host = None
-            self.skipped += 1
-            logger.warning("gnmr: megatron skipped the update; controller history untouched")
+            self._skip()
             return
         if self._host is None:
             raise RuntimeError(
@@ -266,6 +283,63 @@ class MegatronGNMR(IntegrationSession):
         else:
             self.settle()
 
+    def _skip(self) -> None:
+        """megatron skipped the update: the controller's history stays as it is, the step's
+        non-finite units are counted (and the run's first named) by :meth:`GNMRRuntime.skip`.
+
+        megatron skips when its grad scaler finds an inf or NaN, reduced over the grad-stats
+        group, and returns before its clip norm; the gradients it checked are read here with
+        one all-reduce over that same group (every rank of it skips alike)."""
+        if self._host is None:
+            self._skipped_sums()
+        self._sums = None
+        self.skipped += 1
+        norms = self._host_norms(check=False)
+        self._host = self._ready = None
+        bad = self.runtime.skip(norms)
+        self._skipped_units.extend(bad)
+        step = self.runtime.controller.step_count + 1
+        logger.warning(
+            "gnmr: megatron skipped the update of step %d (non-finite norms in %d of %d units); "
+            "controller history untouched",
+            step,
+            len(bad),
+            self.registry.num_units,
+        )
+
+    def _skipped_sums(self) -> None:
+        """The per-unit sums of a step megatron skipped before its clip norm (no error term)."""
+        from megatron.core.optimizer import clip_grads
+
+        leaves = list(leaf_optimizers(self.optimizer))  # as ChainedOptimizer.get_grad_norm
+        grads = [g for leaf in leaves for g in getattr(leaf, self.info.grads_for_norm)()]
+        group = leaves[0].get_grad_stats_parallel_group()
+        device = grads[0].device if grads else self.runtime.monitor.device
+        total, per_tensor = self._l2(clip_grads, grads, device)
+        units = self._by_slot(grads, per_tensor, device)
+        vector = torch.cat([total.float().reshape(1) ** 2, units])
+        dist.all_reduce(vector, op=dist.ReduceOp.SUM, group=group)
+        self._sums, self._total_sq = vector[1:], vector[:1]
+        self._start_host_copy()
+
+    def _host_norms(self, check: bool = True) -> UnitNorms:
+        """The step's reduced sums, on the host, as :class:`UnitNorms` (``check``: the
+        attribution guard first)."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        assert self._host is not None
+        vector = self._host.to(device="cpu", dtype=torch.float64)
+        u = self.registry.num_units
+        sums, total, errors = vector[: u + 2], float(vector[u + 2].sqrt()), vector[u + 3 :]
+        if check:
+            self._check_attribution(sums)
+        return UnitNorms(
+            sums[:u].sqrt(),
+            float(sums[u].sqrt()),
+            global_norm=total,
+            error_sums=errors if errors.numel() else None,
+        )
+
     def settle(self) -> None:
         """Take the pending decision (host copy of the reduced sums) and apply its plan."""
         if not self.pending:
@@ -273,20 +347,9 @@ class MegatronGNMR(IntegrationSession):
         self.pending = False
         if self.backend is not None:
             self.backend.before_forward = None
-        if self._ready is not None:
-            self._ready.synchronize()
-        assert self._host is not None
-        vector = self._host.to(device="cpu", dtype=torch.float64)
-        u = self.registry.num_units
-        sums, total, errors = vector[: u + 2], float(vector[u + 2].sqrt()), vector[u + 3 :]
-        self._check_attribution(sums)
-        norms = UnitNorms(
-            sums[:u].sqrt(),
-            float(sums[u].sqrt()),
-            global_norm=total,
-            error_sums=errors if errors.numel() else None,
-        )
-        self.runtime.observe(norms)
+        self.runtime.observe(self._host_norms(), lr=self._lr)
+        self.last_lr = self._lr
+        self.last_skipped, self._skipped_units = tuple(self._skipped_units), []
         self._apply_plan()
 
     def _check_attribution(self, sums: torch.Tensor) -> None:
@@ -359,6 +422,19 @@ class MegatronGNMR(IntegrationSession):
                 restore(state["other"])
 
         rsm.state_save_func, rsm.state_restore_func = state_save, state_restore
+
+
+def applied_lr(optimizer: Any) -> float | None:
+    """The learning rate ``optimizer`` applies at its next step: that of its first parameter
+    group on megatron's default schedule (``default_config``, the group megatron's own
+    ``get_canonical_lr_for_logging`` reads, the same on every rank), else of its first group;
+    ``None`` without one."""
+    groups = list(getattr(optimizer, "param_groups", None) or ()) if optimizer is not None else []
+    chosen = next((g for g in groups if g.get("default_config", False)), None)
+    if chosen is None and groups:
+        chosen = groups[0]
+    lr = None if chosen is None else chosen.get("lr")
+    return None if lr is None else float(lr)
 
 
 def _spans(group: Any, dp_group: Any) -> bool:
