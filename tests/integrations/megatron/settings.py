@@ -255,11 +255,12 @@ def optimizer_config(setting: Setting):
     )
 
 
-def build(setting: Setting, full):
+def build(setting: Setting, full, optimizer=None):
     """``(model chunks, optimizer)`` of this rank for ``setting``, holding ``full``'s weights.
 
-    Initialises megatron's parallel state for the layout (destroy it with
-    ``parallel_state.destroy_model_parallel()``). The chunks are megatron's
+    ``optimizer``: megatron's ``OptimizerConfig`` to build the optimizer with (default:
+    ``optimizer_config(setting)``). Initialises megatron's parallel state for the layout
+    (destroy it with ``parallel_state.destroy_model_parallel()``). The chunks are megatron's
     ``DistributedDataParallel`` modules (around ``Float16Module`` for bf16), one per virtual
     pipeline stage.
     """
@@ -312,7 +313,8 @@ def build(setting: Setting, full):
     no_sync = [c.no_sync for c in chunks]
     config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
     config.finalize_model_grads_func = finalize_model_grads
-    return chunks, get_megatron_optimizer(optimizer_config(setting), chunks)
+    opt_config = optimizer if optimizer is not None else optimizer_config(setting)
+    return chunks, get_megatron_optimizer(opt_config, chunks)
 
 
 def patched(setting: Setting, block: dict):

@@ -68,6 +68,7 @@ def test_detach_puts_every_patched_attribute_back(monkeypatch):
     owners = {
         (training, "setup_model_and_optimizer"),
         (training, "training_log"),
+        (training, "train"),
         (checkpointing, "generate_state_dict"),
         (checkpointing, "_load_base_checkpoint"),
         (dataset_utils, "compile_helpers"),

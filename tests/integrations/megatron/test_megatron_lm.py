@@ -15,6 +15,7 @@ import os
 import shlex
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -249,11 +250,14 @@ OWN = shlex.split("""
 """The own script's set: LayerNorm + GELU (the script's spec), no data path (its own data)."""
 
 
-def _own(work: Path, name: str, *extra: str, fails: bool = False) -> str:
-    """``own_pretrain.py`` (next to this file) under torchrun (2 ranks) with ``OWN`` and GNMR."""
+def _own(
+    work: Path, name: str, *extra: str, config: str = "gnmr.json", base: list[str] = OWN
+) -> str:
+    """``own_pretrain.py`` (next to this file) under torchrun (2 ranks) with ``base`` (default
+    ``OWN``) and GNMR from ``work / config``."""
     script = Path(__file__).with_name("own_pretrain.py")
     trace = ["--gnmr-trace", str(work / name / "trace.jsonl")]
-    args = [*OWN, "--gnmr-config", str(work / "gnmr.json"), *trace, *extra]
+    args = [*base, "--gnmr-config", str(work / config), *trace, *extra]
     cmd = torchrun(2)
     env = {**_env(), "PYTHONPATH": os.pathsep.join([str(ROOT), _env().get("PYTHONPATH", "")])}
     done = subprocess.run(
@@ -319,3 +323,97 @@ def test_help_lists_the_gnmr_flags_from_the_venv_as_it_is():
     assert done.returncode == 0, done.stderr[-3000:]
     for flag in ("--tensor-model-parallel-size", "--gnmr-config", "--gnmr-inject-grad-spike"):
         assert flag in done.stdout, flag
+
+
+FPROP = {
+    "backend": "fp8_emulated",
+    "low_cost": {"format": "e3m2"},
+    "recovery": {"format": "fp32"},
+    "gemms": ["fprop"],
+    "max_active": 1,
+    "lock_steps": 2,
+    "warmup_steps": 3,
+    "alpha": 1.5,
+    "latch": {"step": 1},
+    "pinned": {"units": {"last_layers": 1}},
+    "log": {"console": 1},
+    "attribution": {"max_rest_share": 0.999},
+}
+"""Issue 34: the forward GEMM only, the last layer pinned for the whole run, a latch from the
+start (a unit selected while exceeding stays recovered), one unit of budget."""
+
+FPROP_ARGS = [
+    *OWN[: OWN.index("--train-iters")],
+    *("--train-iters", "6", "--log-interval", "1", "--tensor-model-parallel-size", "2"),
+    *("--hidden-dropout", "0", "--attention-dropout", "0", "--gnmr-inject-grad-spike", "4:0:100"),
+]
+"""``OWN`` at TP2 for 6 iterations, a spike in layer 0 at iteration 4, no dropout (so the resumed
+run draws nothing the interrupted one did not)."""
+
+SIZES = {
+    "linear_qkv": 64 * 192,
+    "linear_proj": 64 * 64,
+    "linear_fc1": 64 * 128,
+    "linear_fc2": 128 * 64,
+}
+"""``in x out`` of each projection of ``OWN``'s model (hidden 64, 4 heads, FFN 128)."""
+
+
+def _logged_lrs(log: str) -> dict[int, float]:
+    """``{iteration: learning rate}`` as megatron's iteration log prints it."""
+    out = {}
+    for line in log.splitlines():
+        if " iteration " in line and "learning rate:" in line:
+            iteration = int(line.split(" iteration ")[1].split("/")[0])
+            out[iteration] = float(line.split("learning rate:")[1].split("|")[0])
+    return out
+
+
+def test_fprop_only_with_pinned_last_layer_and_a_latch_on_megatrons_loop(work):
+    """Issue 34 on Megatron-LM's loop at TP2: the pinned last layer on the recovery path from
+    the first plan on, the spiked layer-0 unit latched, the accounting's summary at the end with
+    forward GEMMs only, the learning rate each step applied in the trace, and a resume from
+    megatron's checkpoint that ends with the uninterrupted run's counts."""
+    (work / "fprop.json").write_text(json.dumps({"gnmr": FPROP}))
+    run = partial(_own, work, config="fprop.json", base=FPROP_ARGS)
+    full = run("fprop_full", "--save", str(work / "fprop_ckpt"), "--save-interval", "3")
+    from_3 = ["--load", str(work / "fprop_ckpt"), "--ckpt-step", "3"]
+    resumed = run("fprop_resumed", *from_3, "--tensorboard-dir", str(work / "fprop_tb"))
+    head = json.loads((work / "fprop_full" / "trace.jsonl").read_text().splitlines()[0])
+    rows = _trace(work / "fprop_full" / "trace.jsonl")
+    names = head["units"]
+    last = {i for i, n in enumerate(names) if n.startswith("decoder.layers.1.")}
+    assert [r["step"] for r in rows] == list(range(1, 7)) and len(last) == 4
+    assert all(last <= set(r["active"]) and r["telemetry"]["num_pinned"] == 4 for r in rows)
+    spiked = [set(r["active"]) - last for r in rows]
+    assert spiked[:3] == [set()] * 3 and len(spiked[3]) == 1 and spiked[3] == spiked[5]
+    assert rows[5]["telemetry"]["num_latched"] == 1
+    # the learning rate each step applied: megatron's log prints the next step's
+    lrs = [r["lr"] for r in rows]
+    assert lrs[:3] == [0.0, 5e-4, 1e-3] and set(lrs[2:]) == {1e-3}
+    logged = _logged_lrs(full)
+    assert [logged[i] for i in range(1, 6)] == pytest.approx(lrs[1:], rel=1e-6)
+    # the summary: forward GEMMs only, shares from the shapes of OWN's model
+    sizes = [SIZES[n.rsplit(".", 1)[1]] for n in names]
+    assert head["meta"]["unit_sizes"] == sizes and head["meta"]["gemms"] == ["fprop"]
+    ran = [u for r in rows[:-1] for u in r["active"]]  # R_t runs at step t + 1
+    flops = 100 * sum(sizes[u] for u in ran) / (3 * sum(sizes) * 6)
+    summary = [
+        f"gnmr: 6 steps, 8 units: recovered {len(ran)} of 48 unit-steps "
+        f"({100 * len(ran) / 48:.3f}%), {flops:.3f}% of the units' linear FLOPs (fprop "
+        f"{len(ran)}, dgrad 0, wgrad 0 unit-steps)",
+        "gnmr: no non-finite gradient norm in the run",
+    ]
+    for log in (full, resumed):  # once, on rank 0
+        assert [line.count(w) for w in summary for line in log.splitlines() if w in line] == [1, 1]
+    # the resume from megatron's checkpoint: the same decisions, the counts continued
+    assert "gnmr: state restored at controller step 3 from --load" in resumed
+    again = _trace(work / "fprop_resumed" / "trace.jsonl")
+    assert [r["active"] for r in again] == [r["active"] for r in rows[3:]]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(work / "fprop_tb"))
+    events.Reload()
+    fprop = events.Scalars("gnmr/accounting/recovered_steps/fprop")
+    assert [(e.step, e.value) for e in fprop][-1] == (6, len(ran))
+    assert [e.value for e in events.Scalars("gnmr/accounting/recovered_steps/wgrad")] == [0] * 3
