@@ -11,8 +11,8 @@ transformer-ish end-to-end check with numbers. On a machine without CUDA or TE i
 exits with status 2, without a traceback.
 
 The checks (``fp8_equal``, ``switching``, ``bf16_equal``, ``unit_bf16_equal``,
-``stronger_recovery``, ``overhead``, ``megatron_operator``, ``nvfp4_refused``) and what each
-compares are listed in docs/backends.md#the-gpu-check-check-by-check.
+``stronger_recovery``, ``gemm_subset``, ``overhead``, ``megatron_operator``, ``nvfp4_refused``)
+and what each compares are listed in docs/backends.md#the-gpu-check-check-by-check.
 
 Exit status: 0 every check passed, 1 a check failed, 2 cannot run here.
 """
@@ -33,6 +33,7 @@ from torch import nn
 
 from gnmr_dist.backends import LOW_COST, RECOVERY
 from gnmr_dist.backends.te_fp8 import TEFp8Backend
+from gnmr_dist.backends.te_gemms import CUSTOM, OVERRIDE, te_features
 
 DEVICE = "cuda"
 RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8", "nvfp4")
@@ -241,6 +242,161 @@ def _is_reset(module: nn.Module) -> bool:
     """Scale 1 and empty history (also true of a module that never ran FP8)."""
     states = [module.fp8_meta[k] for k in ("scaling_fwd", "scaling_bwd") if k in module.fp8_meta]
     return all(bool((s.scale == 1).all() and (s.amax_history == 0).all()) for s in states)
+
+
+# ---------------------------------------------------------------------- gemms subsets
+
+
+class LinearBlock(nn.Module):
+    """``x + fc2(gelu(fc1(x)))`` of two ``te.Linear``: the model of ``gemm_subset`` (TE's
+    ``LayerNormMLP`` has no ``backward_override``, so ``wrap`` refuses it on that route)."""
+
+    def __init__(self, te: Any, d: int) -> None:
+        super().__init__()
+        kw = {"params_dtype": torch.bfloat16, "device": DEVICE}
+        self.fc1 = te.Linear(d, d, **kw)
+        self.fc2 = te.Linear(d, d, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+def build_linears(
+    te: Any, args: argparse.Namespace, like: nn.Module | None = None
+) -> nn.Sequential:
+    """``--layers`` :class:`LinearBlock`; with ``like``, a copy of its weights."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(LinearBlock(te, args.hidden) for _ in range(args.layers)))
+    if like is not None:
+        copy_weights(like, model)
+    return model
+
+
+def copy_weights(src: nn.Module, dst: nn.Module) -> None:
+    with torch.no_grad():
+        for p, q in zip(src.parameters(), dst.parameters(), strict=True):
+            q.copy_(p)
+
+
+def linear_units(model: nn.Module) -> dict[int, nn.Module]:
+    return dict(enumerate(m for block in model for m in (block.fc1, block.fc2)))
+
+
+def weight_grads(model: nn.Module, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The gradients of ``model``'s weights (not biases) among ``grads`` (``parameters()``
+    order)."""
+    names = [n for n, _ in model.named_parameters()]
+    return [g for n, g in zip(names, grads, strict=True) if n.endswith("weight")]
+
+
+def _te_lacks(te_version: str, gemms: list[str], low: str) -> str | None:
+    """``"skipped: TE x.y lacks ..."`` when the installed TE has no route for ``gemms``."""
+    from transformer_engine.common import recipe as r
+
+    features, xy = te_features(r, low), ".".join(te_version.split(".")[:2])
+    if gemms == ["dgrad", "wgrad"] and not features.backward_override:
+        return f"skipped: TE {xy} lacks backward_override on its recipes (TE >= 2.15)"
+    if gemms != ["dgrad", "wgrad"] and not features.hybrid:
+        return (
+            f"skipped: TE {xy} lacks CustomRecipe with HybridQuantizer and IdentityQuantizer "
+            "(TE >= 2.19)"
+        )
+    return None
+
+
+def _subset_backend(model: nn.Module, low: str, gemms: list[str]) -> TEFp8Backend | str:
+    """The backend on ``model`` recovering ``gemms`` in BF16, or why it is skipped here."""
+    backend = TEFp8Backend(low_cost={"recipe": low}, recovery={"recipe": "bf16"})
+    lacks = _te_lacks(backend.te_version, gemms, low)
+    if lacks is not None:
+        return lacks
+    try:
+        backend.set_gemms(gemms)
+    except (ImportError, RuntimeError, ValueError) as err:
+        return f"skipped: {str(err).splitlines()[0][:200]}"
+    backend.wrap(linear_units(model))
+    return backend
+
+
+def check_gemm_subset(te: Any, args: argparse.Namespace, recipes: list[str]) -> Check:
+    """Every unit of a ``te.Linear`` stack recovered with a subset of its GEMMs, BF16 recovery,
+    low-cost ``blockwise`` (``tensorwise`` where blockwise does not run):
+
+    * ``["dgrad", "wgrad"]`` == plain TE under the low-cost recipe with
+      ``backward_override="high_precision"``, bitwise over three training steps (and its
+      gradients != plain FP8's: the backward did leave FP8);
+    * ``["fprop"]``: three steps with finite losses, each step's output == plain TE in BF16 on
+      that step's weights (bitwise), and every weight gradient != that BF16 run's.
+
+    A subset the installed TE (or GPU) has no route for is skipped with the reason."""
+    low = next((r for r in ("blockwise", "tensorwise") if r in recipes), None)
+    if low is None:
+        return Check("gemm_subset", True, "skipped: neither blockwise nor tensorwise runs", True)
+    parts = {
+        "dgrad+wgrad": _dgrad_wgrad(te, args, low),
+        "fprop": _fprop(te, args, low),
+    }
+    skipped = [k for k, (_, d) in parts.items() if d.startswith("skipped")]
+    ok = all(ok for ok, _ in parts.values())
+    detail = f"low-cost {low}; " + "; ".join(f"[{k}] {d}" for k, (_, d) in parts.items())
+    return Check("gemm_subset", ok, detail, skipped=len(skipped) == len(parts))
+
+
+def _dgrad_wgrad(te: Any, args: argparse.Namespace, low: str) -> tuple[bool, str]:
+    base = build_linears(te, args)
+    probe = _subset_backend(build_linears(te, args, like=base), low, ["dgrad", "wgrad"])
+    if isinstance(probe, str):
+        return True, probe
+    probe.unwrap()
+    route = probe.route
+
+    def via_backend() -> list[Step]:
+        model = build_linears(te, args, like=base)
+        backend = _subset_backend(model, low, ["dgrad", "wgrad"])
+        assert not isinstance(backend, str), backend
+        steps = []
+        for s in range(3):
+            backend.apply(set(backend.units), s + 1)
+            steps.append(train_step(model, batch(args, s), backend.autocast))
+        backend.unwrap()
+        return steps
+
+    def plain(override: str | None = "high_precision") -> list[Step]:
+        recipe = plain_recipe(low)
+        if override is not None:
+            recipe = type(recipe)(fp8_format=recipe.fp8_format, backward_override=override)
+        model, region = build_linears(te, args, like=base), plain_region(te, recipe)
+        return [train_step(model, batch(args, s), region) for s in range(3)]
+
+    check = bitwise("", via_backend, plain)
+    fp8 = max_diff(plain(), plain(None))
+    ok = check.ok and route == OVERRIDE and fp8 > 0.0
+    return ok, f"route {route}, vs plain backward_override {check.detail}, vs plain FP8 {fp8:.3g}"
+
+
+def _fprop(te: Any, args: argparse.Namespace, low: str) -> tuple[bool, str]:
+    model = build_linears(te, args)
+    backend = _subset_backend(model, low, ["fprop"])
+    if isinstance(backend, str):
+        return True, backend
+    reference = build_linears(te, args, like=model)
+    steps, y_diff, same_grads = [], 0.0, 0
+    for s in range(3):
+        copy_weights(model, reference)
+        ref = train_step(reference, batch(args, s), contextlib.nullcontext, lr=0.0)
+        backend.apply(set(backend.units), s + 1)
+        steps.append(train_step(model, batch(args, s), backend.autocast))
+        y_diff = max(y_diff, _diff(steps[-1][0], ref[0]))
+        got, want = weight_grads(model, steps[-1][2]), weight_grads(reference, ref[2])
+        same_grads += sum(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    route = backend.route
+    backend.unwrap()
+    bad = nonfinite(steps)
+    ok = route == CUSTOM and bad == 0 and y_diff == 0.0 and same_grads == 0
+    return ok, (
+        f"route {route}, non-finite {bad}, output vs plain BF16 max |diff| {y_diff:.3g}, "
+        f"weight gradients equal to BF16's {same_grads} (want 0)"
+    )
 
 
 def median_ms(step: Callable[[], object], iters: int) -> float:
@@ -523,6 +679,7 @@ def run_checks(te: Any, args: argparse.Namespace, recipes: list[str]) -> list[Ch
         checks += [check_fp8_equal(te, args, name), check_switching(te, args, name)]
     if {"tensorwise", "blockwise"} <= set(recipes):
         checks.append(check_switching(te, args, "tensorwise", "blockwise"))
+    checks.append(check_gemm_subset(te, args, recipes))
     if "nvfp4" in recipes:
         if "mxfp8" in recipes:
             checks.append(check_switching(te, args, "nvfp4", "mxfp8"))
