@@ -333,4 +333,17 @@ class GNMRController:
         self._nonfinite = _array(state["nonfinite"], torch.int64)
         at, unit = state["first_nonfinite"].tolist()
         self._first_nonfinite = (int(at), int(unit))
-        self._plan = np.flatnonzero(_array(state["plan"], torch.bool))
+        self._plan = self._conformed_plan(np.flatnonzero(_array(state["plan"], torch.bool)))
+
+    def _conformed_plan(self, saved: np.ndarray) -> np.ndarray:
+        """The saved plan under the current policy, as the runtime conforms the plan it runs
+        (``GNMRRuntime._conformed``): the lock and latch holders, the saved units pinned now,
+        then the other saved eligible units up to ``k_t`` of the saved step. So a state saved
+        right after a resume with another eligibility mask or budget loads again, and
+        ``recovered`` counts the units that ran; unchanged when the policy is."""
+        held = saved[(self._lock[saved] > 0) | (self._latched[saved] > 0)]
+        pins = self._units.pinned
+        pinned = saved[np.isin(saved, pins) & ~np.isin(saved, held)]
+        rest = saved[self._eligible[saved] & ~np.isin(saved, held) & ~np.isin(saved, pins)]
+        room = max(0, self.config.budget_bound(max(self._step, 1)) - held.size)
+        return np.sort(np.concatenate([held, pinned, rest[:room]])).astype(np.int64)

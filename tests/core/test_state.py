@@ -413,3 +413,39 @@ def test_latches_beyond_the_budget_are_refused_and_conformed_on_a_policy_change(
     off = v2_controller({**fixed, "max_active": 2, "latch": None})
     off.load_state_dict(two)
     assert off.latches.tolist() == [0, 0, 0, 0]
+
+
+def _spiked(config, eligible=None, steps=5):
+    """A controller whose unit 1 (and, with ``spread``, 2 and 3) spiked at the last step."""
+    ctrl = GNMRController(4, config, eligible=eligible)
+    for t in range(steps):
+        ctrl.step([1.0, 1.0, 1.0, 1.0] if t < steps - 1 else [1.0, 50.0, 60.0, 70.0])
+    return ctrl
+
+
+def test_a_state_saved_after_a_resume_with_another_mask_loads_again():
+    """The saved plan is conformed on load like the locks: a unit made ineligible leaves it, so
+    the state the resumed controller writes passes the plan-eligibility invariant (review of
+    policy v2: the reload was refused as corrupted)."""
+    config = GNMRConfig(max_active=3, warmup_steps=0, lock_steps=3)
+    eligible = [True, False, True, True]
+    resumed = GNMRController(4, config, eligible=eligible)
+    resumed.load_state_dict(_spiked(config).state_dict())
+    assert 1 not in list(resumed.plan)
+    again = GNMRController(4, config, eligible=eligible)
+    again.load_state_dict(resumed.state_dict())
+    assert list(again.plan) == list(resumed.plan)
+
+
+def test_recovered_counts_the_conformed_plan_after_a_tighter_resume():
+    """A resume with a smaller budget runs (and counts) only the units the budget keeps."""
+    saved = _spiked(GNMRConfig(max_active=3, warmup_steps=0, lock_steps=3))
+    assert list(saved.plan) == [1, 2, 3]
+    resumed = GNMRController(4, GNMRConfig(max_active=1, warmup_steps=0, lock_steps=3))
+    resumed.load_state_dict(saved.state_dict())
+    kept = list(resumed.plan)
+    assert len(kept) == 1
+    before = resumed.recovered.tolist()
+    resumed.step([1.0, 1.0, 1.0, 1.0])
+    grown = [a - b for a, b in zip(resumed.recovered.tolist(), before, strict=True)]
+    assert [u for u, g in enumerate(grown) if g] == kept
