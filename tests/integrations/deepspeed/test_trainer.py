@@ -377,19 +377,11 @@ def test_a_bad_block_is_refused_in_one_line_when_the_trainer_is_made(tmp_path):
     assert gds.is_enabled() == before
 
 
-def _no_block_worker(rank: int, world: int, out_dir: str) -> list[str]:
-    """A Trainer run with GNMRCallback and a DeepSpeed config without a block: the warnings."""
-    import logging
-
+def one_step_trainer(out_dir: str, world: int, config: dict, callbacks: list):
+    """One Trainer step on ``config`` (its batch size and learning rate set to ``"auto"``);
+    returns the engine Trainer built."""
     from transformers import Trainer, TrainingArguments
 
-    from gnmr_dist import GNMRCallback
-
-    records: list[str] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("gnmr_dist").addHandler(handler)
-    config = dsc.ds_config(0)
     config["train_micro_batch_size_per_gpu"] = config["optimizer"]["params"]["lr"] = "auto"
     args = TrainingArguments(
         output_dir=out_dir,
@@ -402,9 +394,23 @@ def _no_block_worker(rank: int, world: int, out_dir: str) -> list[str]:
         dataloader_drop_last=True,
     )
     trainer = Trainer(
-        model=dsc.llama(), args=args, train_dataset=_Batches(world), callbacks=[GNMRCallback()]
+        model=dsc.llama(), args=args, train_dataset=_Batches(world), callbacks=callbacks
     )
     trainer.train()
+    return trainer.model_wrapped
+
+
+def _no_block_worker(rank: int, world: int, out_dir: str) -> list[str]:
+    """A Trainer run with GNMRCallback and a DeepSpeed config without a block: the warnings."""
+    import logging
+
+    from gnmr_dist import GNMRCallback
+
+    records: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("gnmr_dist").addHandler(handler)
+    one_step_trainer(out_dir, world, dsc.ds_config(0), [GNMRCallback()])
     return [m for m in records if '"gnmr" block' in m]
 
 

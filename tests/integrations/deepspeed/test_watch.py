@@ -108,38 +108,16 @@ def test_plain_deepspeed_with_an_enabled_block_warns_once_naming_the_fix(tmp_pat
     )
 
 
-def _trainer(out_dir: str, world: int, config: dict, callbacks: list):
-    from transformers import Trainer, TrainingArguments
-
-    from tests.integrations.deepspeed.test_trainer import _Batches
-
-    config["train_micro_batch_size_per_gpu"] = config["optimizer"]["params"]["lr"] = "auto"
-    args = TrainingArguments(
-        output_dir=out_dir,
-        deepspeed=config,
-        per_device_train_batch_size=dsc.BATCH,
-        max_steps=1,
-        report_to=[],
-        save_strategy="no",
-        disable_tqdm=True,
-        dataloader_drop_last=True,
-    )
-    trainer = Trainer(
-        model=dsc.llama(), args=args, train_dataset=_Batches(world), callbacks=callbacks
-    )
-    trainer.train()
-    return trainer.model_wrapped
-
-
 def _trainer_worker(rank: int, world: int, out_dir: str) -> dict[str, object]:
     """A Trainer with ``GNMRCallback`` (GNMR runs, nothing to say), then one without it."""
     from gnmr_dist import GNMRCallback
+    from tests.integrations.deepspeed.test_trainer import one_step_trainer
 
     dsc.no_shm_build()
     records = _Records()
-    with_callback = _trainer(out_dir, world, dsc.ds_config(0, gnmr=BLOCK), [GNMRCallback()])
+    with_callback = one_step_trainer(out_dir, world, dsc.ds_config(0, gnmr=BLOCK), [GNMRCallback()])
     quiet = _said(records.messages)
-    without = _trainer(out_dir, world, dsc.ds_config(0, gnmr=BLOCK), [])
+    without = one_step_trainer(out_dir, world, dsc.ds_config(0, gnmr=BLOCK), [])
     return {
         "gnmr": [hasattr(with_callback, "gnmr"), hasattr(without, "gnmr")],
         "with_callback": quiet,
