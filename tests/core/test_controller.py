@@ -13,7 +13,9 @@ INF = math.inf
 NAN = math.nan
 
 
-def make(u, **kw):
+def make(u, ctrl_kw=None, **kw):
+    """A controller over ``u`` units with the tests' small policy, ``kw`` overriding it and
+    ``ctrl_kw`` passed to the controller (costs, pinned, eligible)."""
     base = {
         "max_active": 1,
         "lock_steps": 2,
@@ -23,7 +25,7 @@ def make(u, **kw):
         "warmup_steps": 0,
     }
     base.update(kw)
-    return GNMRController(u, GNMRConfig(**base))
+    return GNMRController(u, GNMRConfig.from_dict(base), **(ctrl_kw or {}))
 
 
 def run(ctrl, rows):

@@ -9,22 +9,10 @@ import pytest
 
 from gnmr_dist import GNMRConfig, GNMRController
 from gnmr_dist.core.config import Pinned
+from tests.core.test_controller import make
 
 NAN = math.nan
 FLAT = [1.0, 1.0, 1.0, 1.0]
-
-
-def make(u, ctrl_kw=None, **kw):
-    base = {
-        "max_active": 1,
-        "lock_steps": 2,
-        "window": 4,
-        "alpha": 1.5,
-        "beta": 2.0,
-        "warmup_steps": 0,
-    }
-    base.update(kw)
-    return GNMRController(u, GNMRConfig.from_dict(base), **(ctrl_kw or {}))
 
 
 def run(ctrl, rows, lrs=None):
