@@ -50,6 +50,8 @@ class Setup:
     """GNMR policy (``GNMRConfig`` keys) shared by every arm; ``max_active`` is per arm."""
     faults: tuple[Fault, ...] = ()
     """Injected input faults, the same in every arm."""
+    outliers: tuple[Outlier, ...] = ()
+    """Function-preserving outliers (:class:`Outlier`), the same in every arm."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,72 @@ class Fault:
     def factor(self, step: int) -> float:
         """The multiplier at ``step`` (inside the window)."""
         return self.scale * self.growth ** (step - self.start)
+
+
+@dataclass(frozen=True)
+class Outlier:
+    """A function-preserving outlier inside one projection's GEMMs: channel ``channel`` of the
+    input is multiplied by ``f_t`` and column ``channel`` of the weight divided by it, so that
+    ``(x D)(W D^-1)^T = x W^T`` in real arithmetic, and bit for bit on a path whose GEMM inputs
+    keep 8 exponent bits (BF16, fp32) when ``f_t`` is a power of two. Only a path that rounds to
+    a narrow format sees it: a per-tensor (or per-block) scale then comes from the outlier, the
+    other inputs of its scale group lose their bits, and the weight column shrinks toward
+    underflow, as in real models whose massive activations meet small weights.
+
+    ``channel=None`` scales every input feature (a whole-tensor spike that only a delayed scale
+    lags). ``f_t = growth^min(t - start + 1, rise)`` for ``start <= t < start + rise + hold``:
+    rising ``rise`` steps, then held.
+    """
+
+    module: str
+    channel: int | None
+    start: int
+    rise: int = 10
+    hold: int = 25
+    growth: float = 2.0
+
+    def factor(self, step: int) -> float | None:
+        """The multiplier at ``step``; ``None`` outside the window."""
+        k = step - self.start
+        if k < 0 or k >= self.rise + self.hold:
+            return None
+        return float(self.growth ** min(k + 1, self.rise))
+
+
+@dataclass(frozen=True)
+class OutlierPlan:
+    """Where and when a regime's :class:`Outlier` strikes, relative to each branch point.
+
+    The layer and the channel are drawn from the seed (``random.Random(seed)``), so that no
+    fixed rule is favoured by where the fault sits; the window opens ``offset`` steps after
+    the branch point.
+    """
+
+    projection: str = "mlp.down_proj"
+    """The projection inside a layer (the SwiGLU output's, where Fishman et al. 2024 saw FP8
+    training break)."""
+    whole_input: bool = False
+    """Scale every input feature (a whole-tensor spike) instead of one channel."""
+    offset: int = 5
+    rise: int = 10
+    hold: int = 25
+    growth: float = 2.0
+
+    def at(self, seed: int, point: int, layers: int, width: int) -> Outlier:
+        """The outlier of ``seed``'s branches at ``point`` in a model of ``layers`` layers whose
+        projection takes ``width`` input features."""
+        import random
+
+        draw = random.Random(seed)
+        layer, channel = draw.randrange(layers), draw.randrange(width)
+        return Outlier(
+            f"model.layers.{layer}.{self.projection}",
+            None if self.whole_input else channel,
+            point + self.offset,
+            self.rise,
+            self.hold,
+            self.growth,
+        )
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from benchmarks.harness.arms import Fault, Setup
+from benchmarks.harness.arms import Fault, OutlierPlan, Setup
 from benchmarks.harness.branch import Instrument
 from benchmarks.harness.recipes import FP6_LOW_COST as FP6_BLOCK
 from benchmarks.harness.recipes import FP6_STRESS as FP6_TENSOR
@@ -24,7 +24,7 @@ from benchmarks.harness.recipes import FP8_RECOVERY as FP8_BLOCK
 from benchmarks.harness.recipes import act_quant_policy
 from benchmarks.harness.recipes import fp6_fp8_policy as fp6_policy
 
-__all__ = ["FP4_REGIMES", "REGIMES", "Regime"]
+__all__ = ["BRANCH_REGIMES", "FAULT_REGIMES", "FP4_REGIMES", "REGIMES", "Regime"]
 
 FP8_DELAYED = {
     "format": "e4m3",
@@ -63,6 +63,10 @@ class Regime:
     """Whether the low-cost path rounds stochastically (its seed is a null control)."""
     units: int = 28
     """Projection units of the harness's Llama (4 layers x 7)."""
+    family: str = "fp4"
+    """The branch sweeps' records folder (``results/<family>/<name>.jsonl``)."""
+    outlier: OutlierPlan | None = None
+    """The function-preserving outlier of every branch (drawn per seed, at each branch point)."""
 
     def backend_args(self) -> dict[str, Any]:
         """The :class:`benchmarks.harness.arms.Arm` keyword arguments of this regime's backend."""
@@ -163,3 +167,84 @@ FP4_REGIMES = {
 """The FP4 regimes of issue 24. ``gamma``: about the median error score ``e = B / G`` of the
 static low-cost path's units on three steps after the seed-1234 trunk's step 175 (measured:
 nvfp4 0.39, mxfp4 0.43, fp4_tensor 1.01), as for the other regimes."""
+
+
+FAULT_POINTS = Instrument(points=(100, 175, 250, 325, 350))
+"""The fault regimes' instrument: the FP4 regimes' branch points (the same trunks: a
+function-preserving outlier leaves the BF16 trunk bit for bit alone) and 350, whose branches
+end the trunk's schedule (where a late switch acts in a run)."""
+
+
+def _fault(name: str, description: str, low_cost: dict[str, Any], **kw: Any) -> Regime:
+    """A fault regime: ``low_cost`` / BF16 on every projection, the outlier of ``kw``."""
+    kw.setdefault("outlier", OutlierPlan())
+    recovery = kw.pop("recovery", {"format": "bf16"})
+    return Regime(
+        name,
+        description,
+        FP4_SETUP,
+        "fp8_emulated",
+        low_cost,
+        recovery,
+        instrument=FAULT_POINTS,
+        family="faults",
+        **kw,
+    )
+
+
+FAULT_REGIMES = {
+    r.name: r
+    for r in (
+        _fault(
+            "outlier_delayed",
+            "per-tensor e4m3 with TE's delayed scaling / BF16; one input channel of one "
+            "down_proj rises x2 per step to x1024, held 25 steps (function-preserving)",
+            dict(FP8_DELAYED),
+            gamma=0.02,
+        ),
+        _fault(
+            "outlier_nvfp4",
+            "NVFP4 / BF16; the same rising outlier channel (function-preserving)",
+            {"format": "e2m1"},
+            gamma=0.4,
+            stochastic=True,
+        ),
+        _fault(
+            "outlier_mxfp4",
+            "MXFP4 / BF16; the same rising outlier channel (function-preserving)",
+            {"format": "e2m1", "granularity": "mxfp4"},
+            gamma=0.45,
+        ),
+        _fault(
+            "outlier_fp4_tensor",
+            "E2M1 with one scale per tensor / BF16; the same rising outlier channel "
+            "(function-preserving)",
+            {"format": "e2m1", "granularity": "tensor"},
+            gamma=1.0,
+        ),
+        _fault(
+            "spike_delayed",
+            "the selection sweeps' delayed regime, ported: per-tensor e4m3 with delayed scaling "
+            "/ BF16, the whole input of one down_proj rising x2 per step for 8 steps "
+            "(function-preserving)",
+            dict(FP8_DELAYED),
+            outlier=OutlierPlan(whole_input=True, rise=8, hold=0),
+            gamma=0.02,
+        ),
+        _fault(
+            "outlier_block_fp6",
+            "the selection sweeps' outlier regime, ported: block FP6 / block FP8, one input "
+            "channel of one down_proj x128 for 35 steps (function-preserving)",
+            dict(FP6_BLOCK),
+            recovery=dict(FP8_BLOCK),
+            outlier=OutlierPlan(rise=1, hold=34, growth=128.0),
+            gamma=0.04,
+        ),
+    )
+}
+"""Local, transient faults (issue 35): a function-preserving outlier (:class:`benchmarks.harness.
+arms.Outlier`) in one projection of the layer drawn per seed, opening 5 steps after each branch
+point. ``gamma``: the FP4 and delayed regimes' values (not re-measured under the fault)."""
+
+BRANCH_REGIMES = {**FP4_REGIMES, **FAULT_REGIMES}
+"""Every regime of the branch sweeps (:mod:`benchmarks.sweep.fp4`)."""

@@ -32,7 +32,7 @@ from benchmarks.harness.branch_stats import (
 )
 from benchmarks.harness.model import Batches
 from benchmarks.harness.training import ArmRun
-from benchmarks.sweep.fp4 import make_arms, nvidia_k, step_time_arms
+from benchmarks.sweep.branch_arms import make_arms, nvidia_k, step_time_arms
 from benchmarks.sweep.regimes import FP4_REGIMES
 from tests.benchmarks.test_harness import tiny
 
