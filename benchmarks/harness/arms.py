@@ -5,6 +5,7 @@ measured.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -19,6 +20,9 @@ POLICIES = (
     "oracle",
     "last_units",
     "late",
+    "autoswitch",
+    "autoswitch_k",
+    "fixed",
 )
 
 
@@ -52,6 +56,9 @@ class Setup:
     """Injected input faults, the same in every arm."""
     outliers: tuple[Outlier, ...] = ()
     """Function-preserving outliers (:class:`Outlier`), the same in every arm."""
+    outlier_plan: OutlierPlan | None = None
+    """Where a branch's outlier strikes (:class:`OutlierPlan`): each branch of the branch
+    estimator resolves it into :attr:`outliers` for its seed and point."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +106,14 @@ class Outlier:
     rise: int = 10
     hold: int = 25
     growth: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not math.log2(self.growth).is_integer() or self.rise < 1 or self.hold < 0:
+            raise ValueError(
+                f"outlier {self.module}: growth must be a power of two (so that BF16 and fp32 "
+                f"paths stay exact), rise >= 1 and hold >= 0; got {self.growth}, {self.rise}, "
+                f"{self.hold}"
+            )
 
     def factor(self, step: int) -> float | None:
         """The multiplier at ``step``; ``None`` outside the window."""
@@ -171,7 +186,13 @@ class Arm:
     late_steps: int = 0
     """``late`` policy: every unit runs the recovery path in the run's last ``late_steps``
     steps (the low-cost path before): NVIDIA's switch of the whole model to BF16 near the end
-    of training."""
+    of training. A branch counts them back from the end of the trunk's schedule, where a run
+    has them (:mod:`benchmarks.harness.branch`)."""
+    gemms: tuple[str, ...] = ()
+    """``gnmr.gemms``: the GEMMs a recovered unit recovers (empty: all three; policy v2)."""
+    units: tuple[int, ...] = ()
+    """``fixed`` policy: the units on the recovery path at every step (the loss oracle's set,
+    or one unit alone)."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -186,10 +207,15 @@ class Arm:
         probed = self.probe_every or self.probe_steps or self.policy == "oracle"
         if probed and self.backend is None:
             raise ValueError(f"arm {self.name}: the probe needs a backend (two paths to compare)")
-        if self.policy in ("random", "oracle", "last_units") and self.max_active < 1:
+        budgeted = ("random", "oracle", "last_units", "autoswitch_k")
+        if self.policy in budgeted and self.max_active < 1:
             raise ValueError(f"arm {self.name}: policy {self.policy} needs max_active >= 1")
         if self.policy == "late" and self.late_steps < 1:
             raise ValueError(f"arm {self.name}: policy late needs late_steps >= 1")
+        if self.policy == "fixed" and not self.units:
+            raise ValueError(f"arm {self.name}: policy fixed needs units")
+        if self.policy.startswith("autoswitch") and self.backend != "fp8_emulated":
+            raise ValueError(f"arm {self.name}: the AutoswitchGemm rule runs on fp8_emulated")
         if self.oracle_by not in ("grad", "update"):
             raise ValueError(f"arm {self.name}: oracle_by must be 'grad' or 'update'")
 

@@ -75,6 +75,15 @@ def _setup_for(setup: Setup, inst: Instrument, seed: int) -> Setup:
     return replace(setup, steps=inst.trunk_steps, seed=seed, eval_every=10**9)
 
 
+def _with_outlier(setup: Setup, seed: int, point: int) -> Setup:
+    """``setup`` with its outlier plan resolved for the branch of ``seed`` at ``point``."""
+    plan = setup.outlier_plan
+    if plan is None:
+        return setup
+    width = setup.ffn if plan.projection.endswith("down_proj") else setup.hidden
+    return replace(setup, outliers=(plan.at(seed, point, setup.layers, width),))
+
+
 def run_trunk(setup: Setup, reference: Arm, inst: Instrument, seed: int, root: Path) -> float:
     """Train the reference arm up to the last branch point, saving a checkpoint at each one
     (written atomically; a trunk whose checkpoints all exist is not run again). Returns its
@@ -134,11 +143,10 @@ def run_branch(
 ) -> dict[str, Any]:
     """One branch: ``arm`` from the trunk checkpoint of (``seed``, ``point``) for ``horizon``
     steps; held-out losses (fp32) at ``evals``. ``perturbed``: the null control's weight move."""
-    s = _setup_for(setup, inst, seed)
+    s = _with_outlier(_setup_for(setup, inst, seed), seed, point)
     heldout = Batches(s.heldout, s)
-    run = ArmRun(s, arm, heldout, evaluates=False)
+    run = ArmRun(s, arm, heldout, evaluates=False)  # last_step: the trunk's, as in a run
     start = load_trunk(run, trunk_file(root, seed, point))
-    run.last_step = start + inst.horizon  # the late switch: the branch's last steps
     run.draw_gen.manual_seed(seed * 100_003 + point)  # random-k: its own draws per branch
     if perturbed:
         perturb(run.model, PERTURBATION, seed * 7 + point)
@@ -160,6 +168,9 @@ def run_branch(
         "recovered_unit_steps": int(run.unit_recovered.sum()),  # the backend's count, not the plan
         "unit_recovered": [int(x) for x in run.unit_recovered.tolist()],  # per unit, in order
         "unit_steps": run.n_elig * inst.horizon,
+        "flops_recovered": run.flops_recovered / inst.horizon,  # share of the linear work
+        "gemms_high": [int(x) for x in run.gemm_high.tolist()],  # fprop, dgrad, wgrad
+        "outliers": [asdict(o) for o in s.outliers],
         "step_ms": 1e3 * sorted(run.times)[len(run.times) // 2],
         "nonfinite": sum(1 for x in run.losses if not math.isfinite(x)),
         "wall_s": time.perf_counter() - t0,

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from benchmarks.harness.arms import Arm, ArmResult, Setup
+from benchmarks.harness.forwards import AutoswitchGemms, install_forwards
 from benchmarks.harness.model import (
     Batches,
     build_model,
@@ -26,8 +27,10 @@ from benchmarks.harness.model import (
 )
 from benchmarks.harness.probes import probe_record, summarize_probes
 from gnmr_dist.backends import PrecisionBackend, get_backend
+from gnmr_dist.backends.emulated import EmulatedBackend
 from gnmr_dist.core import Decision, GNMRConfig
 from gnmr_dist.distributed import GNMRRuntime, UnitRegistry
+from gnmr_dist.distributed.accounting import GEMM_ORDER
 from gnmr_dist.distributed.probe import ProbeResult, RecoveryProbe
 from gnmr_dist.telemetry.selection import top_k
 
@@ -86,6 +89,9 @@ class ArmRun:
         ``False`` times a static policy without them, :mod:`benchmarks.sweep.fp4_step_time`)."""
         self.model = build_model(setup)
         self.registry = UnitRegistry.from_model(self.model, granularity="operator")
+        self.current_step = 0
+        self.switch: AutoswitchGemms | None = None
+        """TE AutoswitchGemm's rule on every GEMM (the ``autoswitch`` policies)."""
         self.backend = self._wrapped_backend()
         self.cfg = GNMRConfig.from_dict(
             {**setup.gnmr, **arm.controller, "max_active": arm.max_active}
@@ -116,7 +122,13 @@ class ArmRun:
         self.probe_gen = torch.Generator().manual_seed(setup.seed)
         self.first_last = layer_units(self.registry, (0, setup.layers - 1))
         self.probe = self._probe()
-        self.current_step = 0
+        sizes = self.registry.sizes or (1,) * self.registry.num_units
+        self.sizes = torch.tensor(sizes, dtype=torch.float64)
+        self.gemm_high = torch.zeros(3, dtype=torch.int64)
+        """Unit-steps whose fprop, dgrad, wgrad ran high."""
+        self.flops_recovered = 0.0
+        """Recovered linear-layer work so far, in units of one step's whole linear work (each
+        recovered GEMM of unit ``u`` adds ``size(u) / (3 sum size)``)."""
         self.last_step = setup.steps
         """The run's last step (a branch of :mod:`benchmarks.harness.branch` ends earlier)."""
         install_faults(self.model, setup.faults, lambda: self.current_step)
@@ -127,6 +139,13 @@ class ArmRun:
         if arm.backend is None:
             return None
         backend = get_backend(arm.backend, low_cost=arm.low_cost, recovery=arm.recovery)
+        if arm.gemms:
+            backend.set_gemms(arm.gemms)
+        if arm.policy.startswith("autoswitch"):
+            assert isinstance(backend, EmulatedBackend)
+            self.switch = AutoswitchGemms(backend, self.registry, arm.policy == "autoswitch")
+        step = lambda: self.current_step  # noqa: E731
+        install_forwards(backend, self.model, self.setup.outliers, step, self.switch)
         backend.wrap(self.registry.local_modules)
         return backend
 
@@ -146,7 +165,10 @@ class ArmRun:
             backend.track_errors(self.registry.num_units, every=every)
         uses_errors = self.cfg.gamma is not None
         error_fn = backend.error_sums if uses_errors and backend is not None else None
-        return GNMRRuntime(self.registry, self.cfg, error_fn=error_fn, error_every=every)
+        gemms = self.arm.gemms or GEMM_ORDER
+        return GNMRRuntime(
+            self.registry, self.cfg, error_fn=error_fn, error_every=every, gemms=gemms
+        )
 
     def _probe(self) -> RecoveryProbe | None:
         """The recovery-gap probe of an arm that probes (or selects by it: the oracle)."""
@@ -162,7 +184,10 @@ class ArmRun:
         """Optimizer step ``step`` (1-based) on batch ``step - 1``; timed without evaluation."""
         t0 = time.perf_counter()
         self.current_step = step
-        active = self._apply(self._planned(), step)
+        planned = self._planned()
+        if self.switch is not None:
+            self.switch.new_step(step)
+        active = self._apply(planned, step)
         batch = train(step - 1)
         probed = self._measure(step, batch)
         if self.arm.policy == "oracle" and probed is not None:
@@ -170,7 +195,8 @@ class ArmRun:
         loss = lm_loss(self.model, batch)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        decision = self.runtime.step() if self.monitors else None
+        lr = float(self.opt.param_groups[0]["lr"])  # the rate this step's update applies
+        decision = self.runtime.step(lr=lr) if self.monitors else None
         scores = self._error_scores() if probed is not None and self._records(step) else None
         self._clip_and_update()
         self.times.append(time.perf_counter() - t0 - (probed[1] if probed else 0.0))
@@ -210,10 +236,33 @@ class ArmRun:
                 over = (decision.risk > 1.0) & self.elig
                 self.exceed.append(int(over.sum()) / self.n_elig)
                 self.unit_exceed += over
-            ran = self.backend.report().recovered if self.backend is not None else frozenset()
+            ran = self._ran()
             self.recovered.append(len(ran) / self.n_elig)
             self.unit_recovered[list(ran)] += 1
+        self.flops_recovered += self._recovered_work()
         self.actives.append(len(active))
+
+    def _ran(self) -> frozenset[int]:
+        """Units whose forward (or, under the AutoswitchGemm rule, any GEMM) ran high."""
+        if self.switch is not None:
+            return frozenset(torch.nonzero(self.switch.ledger.high.any(dim=1)).flatten().tolist())
+        return self.backend.report().recovered if self.backend is not None else frozenset()
+
+    def _recovered_work(self) -> float:
+        """This step's recovered share of the units' linear work: per unit, its GEMMs that ran
+        high (the rule's ledger; else ``gnmr.gemms`` of each recovered unit) times its size."""
+        total = 3.0 * float(self.sizes.sum())
+        if self.switch is not None:
+            ledger = self.switch.ledger.high
+            self.gemm_high += ledger.sum(dim=0)
+            return float((ledger.sum(dim=1).double() * self.sizes).sum()) / total
+        if self.backend is None:
+            return 1.0
+        ran = list(self.backend.report().recovered)
+        gemms = self.arm.gemms or GEMM_ORDER
+        for g in gemms:
+            self.gemm_high[GEMM_ORDER.index(g)] += len(ran)
+        return len(gemms) * float(self.sizes[ran].sum()) / total
 
     def _evaluate_and_save(self, step: int) -> None:
         """Held-out loss on the ``eval_every`` grid and at the end; the weights at the end."""
@@ -235,9 +284,19 @@ class ArmRun:
             return frozenset(range(self.registry.num_units)) if late else frozenset()
         if self.arm.policy == "random":
             return self._draw(self.arm.max_active, self.draw_gen)
+        if self.arm.policy == "autoswitch_k":
+            return self._capped_rule()
         if self.arm.policy == "oracle":
             return frozenset()
         return self.runtime.plan.active
+
+    def _capped_rule(self) -> frozenset[int]:
+        """The capped AutoswitchGemm rule: the ``max_active`` eligible units whose score of the
+        previous step exceeds 1, largest first (none before the first step)."""
+        assert self.switch is not None
+        scores = self.switch.ledger.unit_scores()
+        ranked = torch.where(self.elig & (scores > 1.0), scores, torch.full_like(scores, -1.0))
+        return frozenset(u for u in top_k(ranked, self.arm.max_active) if ranked[u] > 0)
 
     def _draw(self, k: int, gen: torch.Generator) -> frozenset[int]:
         eligible = torch.nonzero(self.elig).flatten()
@@ -364,10 +423,12 @@ def _fixed_active(arm: Arm, registry: UnitRegistry, layers: int) -> frozenset[in
         return frozenset(range(registry.num_units))
     if arm.policy == "first_last":
         return layer_units(registry, (0, layers - 1))
+    if arm.policy == "fixed":
+        return frozenset(arm.units)
     if arm.policy == "last_units":
         eligible = torch.nonzero(registry.eligible).flatten().tolist()
         return frozenset(eligible[-arm.max_active :])
-    return None  # gnmr, random, oracle, late: chosen every step
+    return None  # gnmr, random, oracle, late, autoswitch: chosen every step
 
 
 def _cosine(warmup: int, total: int) -> Callable[[int], float]:

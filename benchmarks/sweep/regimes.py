@@ -13,7 +13,7 @@ docs/benchmarks.md#sweep-regimes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from benchmarks.harness.arms import Fault, OutlierPlan, Setup
@@ -65,8 +65,6 @@ class Regime:
     """Projection units of the harness's Llama (4 layers x 7)."""
     family: str = "fp4"
     """The branch sweeps' records folder (``results/<family>/<name>.jsonl``)."""
-    outlier: OutlierPlan | None = None
-    """The function-preserving outlier of every branch (drawn per seed, at each branch point)."""
 
     def backend_args(self) -> dict[str, Any]:
         """The :class:`benchmarks.harness.arms.Arm` keyword arguments of this regime's backend."""
@@ -177,12 +175,12 @@ end the trunk's schedule (where a late switch acts in a run)."""
 
 def _fault(name: str, description: str, low_cost: dict[str, Any], **kw: Any) -> Regime:
     """A fault regime: ``low_cost`` / BF16 on every projection, the outlier of ``kw``."""
-    kw.setdefault("outlier", OutlierPlan())
+    plan = kw.pop("outlier", OutlierPlan())
     recovery = kw.pop("recovery", {"format": "bf16"})
     return Regime(
         name,
         description,
-        FP4_SETUP,
+        replace(FP4_SETUP, outlier_plan=plan),
         "fp8_emulated",
         low_cost,
         recovery,
