@@ -1,6 +1,6 @@
 """The statistics of a branch sweep (:mod:`benchmarks.sweep.fp4`): paired differences between
-arms, the share of the static gap an arm closes, the estimator's noise, the verdicts and the
-arms' table.
+arms, the share of the static gap an arm closes, loss spikes (:mod:`benchmarks.harness.spikes`)
+and their paired per-seed differences, the estimator's noise, the verdicts and the arms' table.
 
 Every figure pairs arms on the same (seed, branch point): the same weights, optimizer state,
 batches and learning rate at the start of the branch. A seed's figure is the mean over its
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness.markdown import markdown_table
+from benchmarks.harness.spikes import RULE, spike_steps
 from benchmarks.harness.stats import interval, plus_minus, t95
 
 Records = dict[tuple[str, int, int], dict[str, Any]]
@@ -50,9 +51,10 @@ def read_records(path: Path) -> Records:
     return records
 
 
-SPIKE = 0.1
-"""A training step whose loss exceeds the BF16 branch's loss on the same batch by more than
-this (nats) counts as a loss spike."""
+SPIKE = RULE
+"""The loss-spike rule (:mod:`benchmarks.harness.spikes`): a step whose loss minus the BF16
+branch's on the same batch departs from its own trailing median by more than ``k`` robust
+deviations, or whose loss is not finite. Its ``str`` words it."""
 
 GAP = "static gap (low-cost - BF16)"
 """The name of the static gap among the noise figures."""
@@ -113,16 +115,46 @@ def unit_step_share(records: Records, d: Design, arm: str) -> float:
     return statistics.fmean(r["recovered_unit_steps"] / r["unit_steps"] for r in rows)
 
 
+def branch_spikes(records: Records, d: Design, arm: str, seed: int, point: int) -> int:
+    """Loss spikes of one branch of ``arm`` (:data:`SPIKE`), paired with the BF16 branch (the
+    same batches)."""
+    mine, ref = records[(arm, seed, point)], records[(d.high, seed, point)]
+    return len(spike_steps(mine["train_loss"], ref["train_loss"], SPIKE))
+
+
+def spike_counts(records: Records, d: Design, arm: str) -> list[int]:
+    """Per seed: ``arm``'s loss spikes summed over the seed's branch points."""
+    return [sum(branch_spikes(records, d, arm, s, p) for p in d.points) for s in d.seeds]
+
+
+def spike_difference(
+    records: Records, d: Design, arm: str, ref: str | None = None
+) -> tuple[float, float]:
+    """``arm``'s loss spikes minus ``ref``'s (default: the static low-cost arm), per seed summed
+    over its branch points: the mean over seeds and its 95% Student-t half-width, the interval
+    of every other paired figure. Both counts are paired with the same BF16 branches and
+    batches, so a seed's difference takes out what the seed's data does to both."""
+    mine, theirs = spike_counts(records, d, arm), spike_counts(records, d, ref or d.low)
+    return interval([float(a - b) for a, b in zip(mine, theirs, strict=True)])
+
+
+def spike_figures(records: Records, d: Design, arm: str) -> dict[str, Any]:
+    """A summary row's spike figures: ``spikes``, ``arm``'s loss spikes over all its branches,
+    and ``spikes_vs_low_cost``, :func:`spike_difference` (``None`` for the low-cost arm)."""
+    vs_low = None if arm == d.low else spike_difference(records, d, arm)
+    return {"spikes": sum(spike_counts(records, d, arm)), "spikes_vs_low_cost": vs_low}
+
+
 def troubles(records: Records, d: Design, arm: str) -> tuple[int, int]:
-    """(loss spikes, diverged branches) of ``arm`` against the BF16 branch on the same batches."""
-    spikes = diverged = 0
+    """(loss spikes, diverged branches) of ``arm`` against the BF16 branch on the same batches:
+    spikes by :data:`SPIKE`; a branch diverged when it has a non-finite loss or its held-out
+    loss exceeds BF16's by more than :data:`DIVERGED`."""
+    diverged = 0
     for s, p in product(d.seeds, d.points):
-        mine, ref = records[(arm, s, p)], records[(d.high, s, p)]
-        pairs = zip(mine["train_loss"], ref["train_loss"], strict=True)
-        spikes += sum(1 for a, b in pairs if not math.isfinite(a) or a - b > SPIKE)
         gap = heldout(records, arm, s, p, d.horizon) - heldout(records, d.high, s, p, d.horizon)
-        diverged += bool(mine["nonfinite"]) or not math.isfinite(gap) or gap > DIVERGED
-    return spikes, diverged
+        nonfinite = bool(records[(arm, s, p)]["nonfinite"])
+        diverged += nonfinite or not math.isfinite(gap) or gap > DIVERGED
+    return sum(spike_counts(records, d, arm)), diverged
 
 
 def verdict(pair: Sequence[float]) -> str:
@@ -138,10 +170,16 @@ def verdict(pair: Sequence[float]) -> str:
     return "not resolved"
 
 
+SPIKES_VS = "spikes - low-cost (per seed)"
+"""The arms table's column of :func:`spike_difference` (the summary's ``spikes_vs_low_cost``)."""
+
+
 def table(summary: dict[str, dict[str, Any]]) -> str:
-    """One row per arm of a report's summary (:func:`benchmarks.sweep.fp4_report.summarize`)."""
+    """One row per arm of a report's summary (:func:`benchmarks.sweep.fp4_report.summarize`):
+    its loss spikes in all (:data:`SPIKE`) and per seed against the low-cost arm's
+    (:func:`spike_difference`; ``-`` for the low-cost arm itself)."""
     header = ["arm", "recovered unit-steps", "held-out - BF16", "held-out - low-cost"]
-    header += ["share of the static gap closed", "loss spikes", "diverged"]
+    header += ["share of the static gap closed", "loss spikes", SPIKES_VS, "diverged"]
     rows = [
         [
             arm,
@@ -150,6 +188,7 @@ def table(summary: dict[str, dict[str, Any]]) -> str:
             plus_minus(r["vs_low_cost"]),
             plus_minus(r["closed"], 2),
             str(r["spikes"]),
+            plus_minus(r.get("spikes_vs_low_cost"), 1),
             str(r["diverged"]),
         ]
         for arm, r in summary.items()

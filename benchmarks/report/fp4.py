@@ -9,10 +9,18 @@ import json
 import math
 import statistics
 from collections.abc import Sequence
+from dataclasses import asdict
 from functools import cached_property
 from typing import Any
 
-from benchmarks.harness.branch_stats import GAP, Design, per_seed, verdict
+from benchmarks.harness.branch_stats import (
+    GAP,
+    SPIKE,
+    Design,
+    per_seed,
+    spike_figures,
+    verdict,
+)
 from benchmarks.harness.stats import t95
 from benchmarks.report.source import Source
 from benchmarks.report.words import listing, resolved, span
@@ -52,7 +60,7 @@ class Sweep:
         self.points: list[int] = self.r["points"]
         self.horizon: int = self.r["horizon"]
         self.inst: dict[str, Any] = self.r["instrument"]
-        self.summary: dict[str, dict[str, Any]] = self.r["summary"]
+        self.summary: dict[str, dict[str, Any]] = self._counted(self.r["summary"])
         self.noise: dict[str, list[float]] = self.r["noise"]
         self.gap: list[float] = self.noise[GAP]
         k = self.k
@@ -62,6 +70,16 @@ class Sweep:
     @cached_property
     def records(self) -> dict[tuple[str, int, int], dict[str, Any]]:
         return self.src.records(self.regime)
+
+    def _counted(self, summary: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """The summary with its loss spikes counted by the current rule (:data:`SPIKE`): as
+        stored when the report was written under it, else counted again from the branch records
+        (a report written before the rule was recorded counted the steps whose gap to BF16
+        exceeded 0.1 nats)."""
+        if self.r.get("spike_rule") == asdict(SPIKE):
+            return summary
+        d = Design(tuple(self.seeds), tuple(self.points), self.horizon)
+        return {arm: {**row, **spike_figures(self.records, d, arm)} for arm, row in summary.items()}
 
     @property
     def budgets(self) -> list[int]:
@@ -130,9 +148,20 @@ class Sweep:
             arms = [a for a in arms if not a[-1].isdigit() or a.endswith(f" {k}") or "-" in a]
         return arms
 
-    def calmest(self, arm: str, k: int | None = None) -> bool:
-        """Whether ``arm`` has the fewest loss spikes of the FP4 arms (at budget ``k``)."""
-        return self.spikes(arm) == min(self.spikes(a) for a in self.fp4_arms(k))
+    def calmer(self, arm: str) -> bool:
+        """Whether ``arm`` has fewer loss spikes than all-FP4, resolved per seed."""
+        pair = self.summary[arm]["spikes_vs_low_cost"]
+        return pair is not None and verdict(pair) == "better"
+
+    def spike_differences(self) -> list[tuple[str, list[float]]]:
+        """(arm, interval) of every arm whose loss spikes per seed differ resolvedly from
+        all-FP4's (:func:`~benchmarks.harness.branch_stats.spike_difference`)."""
+        pairs = [(a, r["spikes_vs_low_cost"]) for a, r in self.summary.items()]
+        return [(a, p) for a, p in pairs if p is not None and resolved(p)]
+
+    def steps(self) -> int:
+        """Training steps of one arm's branches together."""
+        return len(self.seeds) * len(self.points) * self.horizon
 
     def tightest(self, arm: str, k: int) -> bool:
         """Whether ``arm``'s interval against BF16 is the narrowest of the FP4 arms at ``k``."""

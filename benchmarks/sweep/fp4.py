@@ -1,18 +1,22 @@
 """FP4 regimes: what recovering a few units buys back, measured with the branch estimator.
 
     python -m benchmarks.sweep.fp4 --regime nvfp4 [--seeds 1234,7,42,5,11] [--budgets 2,4,7]
-        [--jobs 2] [--arms substring,...] [--report-only]
+        [--points 100,250] [--jobs 2] [--arms "NAME,PREFIX*,..."] [--report-only]
     python -m benchmarks.sweep.fp4 --step-time [--regime nvfp4] [--steps 40]
 
-For one FP4 regime (:data:`benchmarks.sweep.regimes.FP4_REGIMES`) every arm of :func:`make_arms`
-(controls, NVIDIA's two static rules, first+last, and ``random`` / ``GNMR`` / ``GNMR+e`` /
-``oracle`` at every budget, plus the null controls) branches from the same checkpoints of one
-BF16 trunk per seed (:mod:`benchmarks.harness.branch`). Jobs run in a pool of ``--jobs``
-processes; every finished branch is appended to ``results/fp4/<regime>.jsonl`` at once, so a
-sweep stops and resumes at any time. The report (:mod:`benchmarks.sweep.fp4_report`) goes to
-``results/sweep_fp4_<regime>.json`` and ``.png``; ``--step-time`` times ``GNMR+e k`` against
-NVIDIA's rule (:mod:`benchmarks.sweep.fp4_step_time`). The arms in detail:
-docs/benchmarks.md#sweep-fp4.
+For one branch regime (:data:`benchmarks.sweep.regimes.BRANCH_REGIMES`: the FP4 and the fault
+regimes) every arm of :func:`make_arms` (controls, NVIDIA's two static rules, first+last, and
+``random`` / ``GNMR`` / ``GNMR+e`` / ``oracle`` at every budget, plus the null controls), or
+those ``--arms`` names exactly (a trailing ``*``: every arm whose name starts with the rest),
+branches from the same checkpoints of one BF16 trunk per seed (:mod:`benchmarks.harness.branch`).
+Jobs run in a pool of ``--jobs`` processes; every finished branch is appended to
+``results/<family>/<regime>.jsonl`` at once, so a sweep stops and resumes at any time. The report
+(:mod:`benchmarks.sweep.fp4_report`) reads exactly the branches of the design (``--seeds``,
+``--points``, ``--budgets``), refuses while any is missing, and goes to
+``results/sweep_fp4_<regime><suffix>.json`` and ``.png`` (:func:`design_suffix`: the suffix
+names what differs from the default design, so another design never overwrites the published
+report); ``--step-time`` times ``GNMR+e k`` against NVIDIA's rule
+(:mod:`benchmarks.sweep.fp4_step_time`). The arms in detail: docs/benchmarks.md#sweep-fp4.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from benchmarks.harness.common import RESULTS, arg_parser, start_cli
 from benchmarks.harness.provenance import record
 from benchmarks.sweep.branch_arms import make_arms, step_time_arms
 from benchmarks.sweep.fp4_step_time import save, step_time
-from benchmarks.sweep.regimes import FP4_REGIMES, Regime
+from benchmarks.sweep.regimes import BRANCH_REGIMES, Regime
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +56,10 @@ different regimes start from the same checkpoints too."""
 
 
 def records_file(regime: str) -> Path:
-    """The JSON-lines file of ``regime``'s finished branches (:func:`branch_stats.read_records`)."""
-    return RESULTS / "fp4" / f"{regime}.jsonl"
+    """The JSON-lines file of the branch regime ``regime``'s finished branches
+    (:func:`branch_stats.read_records`), in its family's folder: ``results/<family>/``."""
+    r = BRANCH_REGIMES[regime]
+    return RESULTS / r.family / f"{r.name}.jsonl"
 
 
 def _worker_init() -> None:
@@ -67,7 +73,7 @@ def _worker_init() -> None:
 def _job(payload: tuple[str, str, Arm, int, int, bool]) -> dict[str, Any]:
     """A trunk (``point == 0``) or one branch, in a worker process."""
     kind, regime_name, arm, seed, point, perturbed = payload
-    regime = FP4_REGIMES[regime_name]
+    regime = BRANCH_REGIMES[regime_name]
     if kind == "trunk":
         wall = run_trunk(regime.setup, arm, regime.instrument, seed, TRUNKS)
         return {"trunk": seed, "wall_s": wall}
@@ -80,14 +86,13 @@ def run_sweep(
     seeds: Sequence[int],
     budgets: Sequence[int],
     jobs: int,
-    arm_filter: Sequence[str] = (),
+    arm_filter: str = "",
     points: Sequence[int] | None = None,
 ) -> Records:
     """Build missing trunks, run (or resume) every missing branch at ``points`` (default: the
-    regime's); return all records."""
-    arms = make_arms(regime, budgets, regime.units)
-    if arm_filter:
-        arms = [(a, p) for a, p in arms if any(f in a.name for f in arm_filter)]
+    regime's) of the arms ``arm_filter`` names (:func:`select_arms`; empty: all); return all
+    records."""
+    arms = select_arms(make_arms(regime, budgets, regime.units), arm_filter)
     done = branch_stats.read_records(records_file(regime.name))
     reference = Arm("trunk", "recovery", **regime.backend_args())
     trunks = [("trunk", regime.name, reference, s, 0, False) for s in seeds]
@@ -122,13 +127,24 @@ def run_sweep(
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = arg_parser(__doc__)
-    p.add_argument("--regime", choices=sorted(FP4_REGIMES), default="nvfp4")
+    p.add_argument("--regime", choices=sorted(BRANCH_REGIMES), default="nvfp4")
     p.add_argument("--seeds", default=",".join(map(str, SEEDS)))
     p.add_argument("--budgets", default=",".join(map(str, BUDGETS)))
     p.add_argument("--jobs", type=int, default=2, help="worker processes (one thread each)")
-    p.add_argument("--arms", default="", help="only arms whose name contains one of these")
+    p.add_argument(
+        "--arms",
+        default="",
+        help="run only these arms: exact names, comma-separated (quote names with spaces: "
+        "'GNMR+e 4,NVIDIA last-4'); a name ending in * is a prefix ('GNMR+e*': GNMR+e at every "
+        "budget; 'null*': both null controls); an unknown name lists the valid ones",
+    )
     p.add_argument("--points", default="", help="a subset of the regime's branch points")
-    p.add_argument("--report-only", action="store_true", help="report the records as they are")
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="run nothing; report the records of exactly --seeds, --points and --budgets "
+        "(refused while a branch is missing; seeds other than the default name the file)",
+    )
     p.add_argument("--step-time", action="store_true", help="GNMR+e vs NVIDIA's rule, timed")
     p.add_argument("--steps", type=int, default=40, help="--step-time: steps per arm")
     return p.parse_args(argv)
@@ -146,36 +162,81 @@ def _points(text: str, regime: Regime) -> tuple[int, ...]:
     return points
 
 
-def design_suffix(regime: Regime, budgets: Sequence[int], points: Sequence[int]) -> str:
-    """The report files' suffix: what the design changes from the default (all the regime's
-    branch points, NVIDIA's budget), so that reports of two designs do not overwrite each other."""
+def design_suffix(
+    regime: Regime, budgets: Sequence[int], points: Sequence[int], seeds: Sequence[int] = SEEDS
+) -> str:
+    """The report files' suffix: what the design changes from the default (NVIDIA's budget, all
+    the regime's branch points, the :data:`SEEDS`), so that reports of two designs do not
+    overwrite each other: ``_k2-4-7``, ``_p100-250``, ``_s1234-7``."""
     out = "" if tuple(budgets) == BUDGETS else "_k" + "-".join(map(str, budgets))
     if tuple(points) != tuple(regime.instrument.points):
         out += "_p" + "-".join(map(str, points))
+    if set(seeds) != set(SEEDS):
+        out += "_s" + "-".join(map(str, seeds))
     return out
+
+
+def select_arms(arms: list[tuple[Arm, bool]], names: str) -> list[tuple[Arm, bool]]:
+    """``--arms``: the arms named exactly in the comma-separated ``names`` (empty: all); a name
+    ending in ``*`` takes every arm whose name starts with the rest. A name that matches no arm
+    exits with the valid names."""
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    if not wanted:
+        return arms
+
+    def match(name: str, arm: str) -> bool:
+        return arm.startswith(name[:-1]) if name.endswith("*") else arm == name
+
+    unknown = [n for n in wanted if not any(match(n, a.name) for a, _ in arms)]
+    if unknown:
+        valid = ", ".join(repr(a.name) for a, _ in arms)
+        raise SystemExit(f"--arms: no arm named {', '.join(map(repr, unknown))}; the arms: {valid}")
+    return [(a, p) for a, p in arms if any(match(n, a.name) for n in wanted)]
+
+
+def design_records(records: Records, arms: Sequence[str], d: Design) -> tuple[Records, list[Any]]:
+    """The records of exactly the design ``d`` (its seeds and points) and ``arms``, and the
+    (arm, seed, point) of the design's branches that are missing."""
+    keys = [(a, s, p) for a in arms for s in d.seeds for p in d.points]
+    return {k: records[k] for k in keys if k in records}, [k for k in keys if k not in records]
+
+
+def missing_text(missing: Sequence[Any], shown: int = 12) -> str:
+    """``N branches missing: (arm, seed, point), ...`` (the first ``shown`` of them)."""
+    more = f", and {len(missing) - shown} more" if len(missing) > shown else ""
+    return f"{len(missing)} branches missing: {', '.join(map(str, missing[:shown]))}{more}"
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     a = parse_args(argv)
     start_cli()
-    regime = FP4_REGIMES[a.regime]
+    regime = BRANCH_REGIMES[a.regime]
     if a.step_time:
         got = step_time(regime, *step_time_arms(regime), a.steps, TRUNKS)
         logger.info("written to %s", save(regime, got, a.steps))
         return
-    seeds = [int(s) for s in a.seeds.split(",")]
+    seeds = list(dict.fromkeys(int(s) for s in a.seeds.split(",")))
     budgets = [int(k) for k in a.budgets.split(",")]
     points = _points(a.points, regime)
+    everything = make_arms(regime, budgets, regime.units)
+    select_arms(everything, a.arms)  # an unknown name exits before anything runs
     if a.report_only:
         records = branch_stats.read_records(records_file(regime.name))
     else:
-        arm_filter = [x.strip() for x in a.arms.split(",") if x.strip()]
-        records = run_sweep(regime, seeds, budgets, a.jobs, arm_filter, points)
+        records = run_sweep(regime, seeds, budgets, a.jobs, a.arms, points)
     from benchmarks.sweep.fp4_report import report
 
     design = Design(tuple(seeds), points, regime.instrument.horizon)
-    arms = [arm.name for arm, _ in make_arms(regime, budgets, regime.units)]
-    report(regime, design, records, arms, budgets, suffix=design_suffix(regime, budgets, points))
+    arms = [arm.name for arm, _ in everything]
+    records, missing = design_records(records, arms, design)
+    if missing:
+        text = f"{regime.name}: {missing_text(missing)}; the report needs every arm's branches"
+        if a.report_only:
+            raise SystemExit(f"{text} (run them without --report-only, or pick --seeds/--points)")
+        logger.warning("%s: not written (run the other arms, then --report-only)", text)
+        return
+    suffix = design_suffix(regime, budgets, points, seeds)
+    report(regime, design, records, arms, budgets, suffix=suffix)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
 from itertools import product
 from pathlib import Path
 from typing import Any
@@ -14,10 +14,12 @@ from typing import Any
 from benchmarks.harness.branch import NULL_ARMS
 from benchmarks.harness.branch_stats import (
     GAP,
+    SPIKE,
     Design,
     Records,
     paired,
     share_closed,
+    spike_figures,
     table,
     troubles,
     unit_step_share,
@@ -37,20 +39,21 @@ def complete(records: Records, d: Design, arm: str) -> bool:
 
 
 def summarize(records: Records, d: Design, arms: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """Per arm with every branch done: its paired figures (``benchmarks.harness.branch_stats``)."""
+    """Per arm with every branch done: its paired figures (``benchmarks.harness.branch_stats``),
+    its loss spikes and their per-seed difference to the low-cost arm's (``None`` for that arm)."""
     out: dict[str, dict[str, Any]] = {}
     if not (complete(records, d, d.low) and complete(records, d, d.high)):
         return out  # every figure pairs with the two static arms
     for arm in arms:
         if not complete(records, d, arm):
             continue
-        spikes, diverged = troubles(records, d, arm)
+        _, diverged = troubles(records, d, arm)
         out[arm] = {
             "vs_bf16": paired(records, d, arm, d.high),
             "vs_low_cost": paired(records, d, arm, d.low),
             "closed": share_closed(records, d, arm),
             "unit_steps": unit_step_share(records, d, arm),
-            "spikes": spikes,
+            **spike_figures(records, d, arm),
             "diverged": diverged,
         }
     return out
@@ -176,6 +179,7 @@ def report(
         "instrument": regime.instrument.__dict__,
         "noise": est,
         "noise_checks": checks,
+        "spike_rule": asdict(SPIKE),
         "summary": summary,
         "comparisons": dict(comp),
         "verdicts": {name: verdict(pair) for name, pair in comp},
