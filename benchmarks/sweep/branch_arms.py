@@ -7,6 +7,7 @@ The arms in detail: docs/benchmarks.md#sweep-fp4.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from benchmarks.harness.arms import Arm
 from benchmarks.harness.branch import NULL_ARMS
@@ -23,7 +24,10 @@ def nvidia_k(units: int) -> int:
 
 
 def make_arms(regime: Regime, budgets: Sequence[int], units: int) -> list[tuple[Arm, bool]]:
-    """(arm, perturbed) of every control and budgeted policy (module docstring)."""
+    """(arm, perturbed) of every control and budgeted policy (module docstring); a fault
+    regime's are :func:`fault_arms`."""
+    if regime.family == "faults":
+        return fault_arms(regime, budgets, units)
     q = regime.backend_args()
     k_nv, horizon = nvidia_k(units), regime.instrument.horizon
     late = max(1, round(horizon * k_nv / units))
@@ -53,6 +57,75 @@ def make_arms(regime: Regime, budgets: Sequence[int], units: int) -> list[tuple[
             (Arm(f"oracle {k}", "oracle", max_active=k, **q), False),
         ]
     return arms
+
+
+NVIDIA_LATE_FROM = 0.82
+"""NVIDIA's forward-only switch starts at 8.2T of 10T tokens (arXiv 2509.25149, app. D)."""
+
+
+def fault_arms(regime: Regime, budgets: Sequence[int], units: int) -> list[tuple[Arm, bool]]:
+    """(arm, perturbed) of a fault regime (issue 35): the controls, NVIDIA's three rules, TE
+    AutoswitchGemm's rule and, per budget ``k``, random-k, seed GNMR, GNMR+e, the gradient-gap
+    oracle, the capped AutoswitchGemm rule and GNMR+e v2.
+
+    Spend: the time rules are placed on the trunk's schedule (``T`` steps) and sized in a run's
+    terms, ``share = k / units`` of the unit-steps (all GEMMs in the last ``share T`` steps;
+    forward only, a third of the work, from ``T (1 - 3 share)``), NVIDIA's own forward-only
+    switch from 82% of the schedule. GNMR+e v2 caps its recovered work at the same share
+    (``max_share``) and recovers fprop and wgrad, the GEMMs that read the outlier's input;
+    under delayed scaling (one amax history per tensor serves two GEMMs) it and the
+    forward-only switches recover all three GEMMs, or are left out."""
+    q, k_nv = regime.backend_args(), nvidia_k(units)
+    steps = regime.instrument.trunk_steps
+    delayed = regime.low_cost.get("scaling") == "delayed"
+    arms: list[tuple[Arm, bool]] = [
+        (Arm("low-cost", "static", **q), False),
+        (Arm("BF16", "recovery", **q), False),
+        (Arm(NULL_ARMS[0], "recovery", **q), True),
+        (Arm(NULL_ARMS[1], "static", **q), True),
+        (Arm(f"NVIDIA last-{k_nv}", "last_units", max_active=k_nv, **q), False),
+        (Arm("TE autoswitch", "autoswitch", **q), False),
+    ]
+    if regime.stochastic:
+        reseeded = {**q, "low_cost": {**q["low_cost"], "seed": 1}}
+        arms.append((Arm("low-cost (SR seed 1)", "static", **reseeded), False))
+    late = round(steps * k_nv / units)
+    arms.append((Arm(f"NVIDIA late-{late}", "late", late_steps=late, **q), False))
+    if not delayed:
+        arms.append((_late_forward("NVIDIA late fwd (82%)", NVIDIA_LATE_FROM, steps, q), False))
+        share = max(0.0, 1 - 3 * k_nv / units)
+        arms.append((_late_forward("late fwd (same work)", share, steps, q), False))
+    e = {**regime.error_policy()}
+    for k in budgets:
+        v2 = {**e, "max_active": 2 * k, "max_share": round(k / units, 4)}
+        arms += [
+            (Arm(f"random {k}", "random", max_active=k, **q), False),
+            (Arm(f"GNMR {k}", "gnmr", max_active=k, **q), False),
+            (Arm(f"GNMR+e {k}", "gnmr", max_active=k, controller=e, error_every=1, **q), False),
+            (
+                Arm(
+                    f"GNMR+e v2 {k}",
+                    "gnmr",
+                    max_active=2 * k,
+                    controller=v2,
+                    error_every=1,
+                    gemms=() if delayed else ("fprop", "wgrad"),
+                    **q,
+                ),
+                False,
+            ),
+            (Arm(f"TE autoswitch {k}", "autoswitch_k", max_active=k, **q), False),
+            (Arm(f"oracle {k}", "oracle", max_active=k, **q), False),
+        ]
+    return arms
+
+
+def _late_forward(name: str, start: float, steps: int, q: dict[str, Any]) -> Arm:
+    """Every unit's fprop on the recovery path from ``start`` of the schedule on (a pinned
+    block; the decision of step ``s - 1`` is the plan of step ``s``)."""
+    first = round(start * steps)
+    pinned = {"max_active": 0, "pinned": {"units": "all", "from": {"step": first - 1}}}
+    return Arm(name, "gnmr", controller=pinned, gemms=("fprop",), **q)
 
 
 def step_time_arms(regime: Regime) -> tuple[Arm, Arm]:

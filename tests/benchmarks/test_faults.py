@@ -55,9 +55,10 @@ def test_the_outlier_preserves_bf16_bit_for_bit_and_hurts_fp4(trunk):
     assert with_fault["heldout"] == without["heldout"]
     assert with_fault["outliers"][0]["module"].endswith("mlp.down_proj")
     low = Arm("low-cost", "static", **Q)
-    assert _branch(setup, root, low)["train_loss"] != _branch(setup, root, low, plan=None)[
-        "train_loss"
-    ]
+    assert (
+        _branch(setup, root, low)["train_loss"]
+        != _branch(setup, root, low, plan=None)["train_loss"]
+    )
 
 
 def test_the_outlier_is_exact_in_a_bf16_gemm():
@@ -122,3 +123,31 @@ def test_late_switches_act_at_the_end_of_the_trunks_schedule(trunk):
     got = _branch(setup, root, fwd, point=5)
     assert got["gemms_high"] == [14, 0, 0]
     assert got["flops_recovered"] == pytest.approx(1 / 3 / 3)
+
+
+def test_preregistered_verdicts_use_bonferroni_intervals():
+    from benchmarks.harness.stats import t95
+    from benchmarks.sweep.preregistered import COMPARISONS, t_quantile, verdict
+
+    assert [round(t_quantile(0.975, df), 3) for df in (1, 4, 9, 30)] == [
+        t95(d) for d in (1, 4, 9, 30)
+    ]
+    assert t_quantile(1 - 0.05 / 8, 9) == pytest.approx(3.111, abs=1e-3)  # 98.75%, 10 seeds
+    assert len(COMPARISONS) == 4 and COMPARISONS[0].rival == "random 4"
+    diffs = [-0.010, -0.012, -0.008, -0.011, -0.009, -0.010, -0.013, -0.007, -0.010, -0.010]
+    m, half, word = verdict(diffs)
+    assert word == "better" and m == pytest.approx(-0.01) and half > 0
+    # resolved at 95% but not at the family's 98.75%: the adjustment is what decides
+    noisy = [-0.02, -0.004, -0.015, 0.001, -0.012, -0.009]
+    assert verdict(noisy, family=1)[2] == "better" and verdict(noisy)[2] == "not resolved"
+
+
+def test_fault_arms_name_the_preregistered_rivals():
+    from benchmarks.sweep.branch_arms import make_arms
+    from benchmarks.sweep.preregistered import COMPARISONS
+    from benchmarks.sweep.regimes import FAULT_REGIMES
+
+    for regime in FAULT_REGIMES.values():
+        names = {a.name for a, _ in make_arms(regime, (4,), 28)}
+        assert {c.arm for c in COMPARISONS} | {c.rival for c in COMPARISONS} <= names
+        assert len(names) == len(make_arms(regime, (4,), 28))  # no name twice

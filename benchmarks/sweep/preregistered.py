@@ -1,0 +1,121 @@
+"""The comparisons a fault sweep (issue 35) was run to answer, named before its records existed,
+and how their verdicts guard against many comparisons.
+
+A fault regime's table compares some fifteen arms, so some pair would come out "resolved" by
+chance alone. Four comparisons per regime are pre-registered (committed before the sweeps ran),
+each GNMR+e at budget ``k`` against the strongest rival of one kind, at the same ``k``:
+
+1. ``random k``: does GNMR's choice beat chance at the same spend?
+2. ``NVIDIA last-k``: does it beat the fixed rule the field ships?
+3. ``TE autoswitch k``: do GNMR's history scores beat the error statistics alone (the capped
+   AutoswitchGemm rule is GNMR+e's ablation)?
+4. ``GNMR+e v2 k`` against ``GNMR+e k``: does policy v2 (per-GEMM recovery, a compute-share
+   cap) pay?
+
+Their verdicts use Bonferroni-adjusted intervals: a two-sided ``1 - 0.05 / 4`` (98.75%) Student-t
+interval over seeds of the paired held-out difference; "better" or "worse" when it excludes 0,
+else "not resolved". Every other figure of the tables is exploratory: a 95% interval, no
+verdict. The regimes are separate questions (a user stands in one), so the family is a
+regime's four comparisons.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["COMPARISONS", "FAMILY_ALPHA", "Comparison", "t_quantile", "verdict"]
+
+FAMILY_ALPHA = 0.05
+"""The family-wise error rate of a regime's pre-registered verdicts."""
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """``arm - rival`` in held-out loss (negative: ``arm`` ends lower, better)."""
+
+    arm: str
+    rival: str
+    question: str
+
+
+def comparisons(k: int) -> tuple[Comparison, ...]:
+    """The four pre-registered comparisons at budget ``k`` (module docstring)."""
+    e = f"GNMR+e {k}"
+    return (
+        Comparison(e, f"random {k}", "better than chance at the same spend"),
+        Comparison(e, f"NVIDIA last-{k}", "better than NVIDIA's last-layers rule"),
+        Comparison(e, f"TE autoswitch {k}", "history scores beat the error statistics alone"),
+        Comparison(f"GNMR+e v2 {k}", e, "policy v2 pays"),
+    )
+
+
+COMPARISONS = comparisons(4)
+"""The fault sweeps' four, at NVIDIA's budget (4 of 28 units)."""
+
+
+def verdict(diffs: Sequence[float], family: int = len(COMPARISONS)) -> tuple[float, float, str]:
+    """Mean of the per-seed paired differences, the half-width of its Bonferroni-adjusted
+    two-sided interval (level ``1 - FAMILY_ALPHA / family``) and the verdict."""
+    n = len(diffs)
+    m = statistics.fmean(diffs)
+    if n < 2:
+        return m, math.nan, "not resolved (one seed)"
+    q = t_quantile(1 - FAMILY_ALPHA / family / 2, n - 1)
+    half = q * statistics.stdev(diffs) / math.sqrt(n)
+    if m + half < 0:
+        return m, half, "better"
+    if m - half > 0:
+        return m, half, "worse"
+    return m, half, "not resolved"
+
+
+def t_quantile(p: float, df: int) -> float:
+    """The ``p`` quantile (``0.5 < p < 1``) of Student's t with ``df`` degrees of freedom, by
+    bisection on its CDF ``1 - I_{df / (df + t^2)}(df / 2, 1 / 2) / 2`` (the regularized
+    incomplete beta function, :func:`_betainc`)."""
+    if not 0.5 < p < 1 or df < 1:
+        raise ValueError(f"t_quantile needs 0.5 < p < 1 and df >= 1, got {p}, {df}")
+    lo, hi = 0.0, 1e4
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        cdf = 1 - 0.5 * _betainc(df / 2, 0.5, df / (df + mid * mid))
+        lo, hi = (mid, hi) if cdf < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """``I_x(a, b)`` by its continued fraction (Lentz's method), on the side where it converges
+    fast (``x < (a + 1) / (a + b + 2)``; else by the symmetry ``1 - I_{1-x}(b, a)``)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    if x > (a + 1) / (a + b + 2):
+        return 1.0 - _betainc(b, a, 1.0 - x)
+    front = math.exp(
+        math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    )
+    return front * _continued_fraction(a, b, x) / a
+
+
+def _continued_fraction(a: float, b: float, x: float) -> float:
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    f = d
+    for m in range(1, 500):
+        for num in (
+            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
+        ):
+            d = 1.0 + num * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + num / c
+            c = c if abs(c) > tiny else tiny
+            f *= c * d
+        if abs(c * d - 1.0) < 1e-15:
+            break
+    return f
