@@ -19,25 +19,11 @@ path with no loss gap. A seed's figure is the mean over its branch points; the e
 95% Student-t interval are taken over seeds (the figure is propagated per seed, then the
 interval), as every other branch figure (:mod:`benchmarks.harness.branch_stats`).
 
-Undefined cases are reported, never divided through: ``r <= 0`` (BF16 made no measurable
-progress over the branch's last steps) with a nonzero gap, ``H + D <= 0`` (the arm is ahead by
-more than the whole horizon's progress: outside the linear model), a non-finite loss. A seed
-with any undefined branch makes the arm's figure undefined. A format the hardware has no GEMMs
-for is ``n/a`` (an FP4 recipe on Hopper); a regime whose low-cost path does not change GEMM
-throughput (``act_quant`` quantizes saved activations: a memory saving) or whose formats are not
-in the table (``int8``, ``fp32``) is ``not priced``, with the reason.
-
-``flops_recovered``: the share of the branch's linear-layer GEMM FLOPs that ran on the recovery
-path (per-GEMM recovery makes it differ from the unit-step share). Records written before the
-field existed fall back to ``recovered_unit_steps / unit_steps``, which is exact only when every
-recovered unit runs all its GEMMs on the recovery path and every unit has the same FLOPs
-(:func:`flops_share`; the summary counts the branches that fell back).
-
-The model's assumptions (:func:`assumptions`, printed beside the table): only linear-layer GEMMs
-are priced; the throughputs are peak ratios, not measured ones; the local rate is linear over
-the extra steps; the recovery path's GEMMs run at their own format's rate with no switching
-cost; GNMR's own overhead is not priced. No torch: ``python -m benchmarks.report`` computes
-with it from the records.
+Undefined cases (``r <= 0`` with a nonzero gap, ``H + D <= 0``, a non-finite loss) are reported,
+never divided through; a format the hardware has no GEMMs for is ``n/a``; a path that does not
+change GEMM throughput (``act_quant``) or whose format is not in the table is ``not priced``.
+Records without ``flops_recovered`` fall back to the unit-step share (:func:`flops_share`). The
+assumptions are :func:`assumptions`, printed beside the table. No torch.
 """
 
 from __future__ import annotations
