@@ -93,14 +93,27 @@ def run_sweep(
     regime's) of the arms ``arm_filter`` names (:func:`select_arms`; empty: all); return all
     records."""
     arms = select_arms(make_arms(regime, budgets, regime.units), arm_filter)
+    wanted = [
+        (a, s, p, pert)
+        for s in seeds
+        for p in (points or regime.instrument.points)
+        for a, pert in arms
+    ]
+    return run_branches(regime, seeds, wanted, jobs)
+
+
+def run_branches(
+    regime: Regime, seeds: Sequence[int], wanted: Sequence[tuple[Arm, int, int, bool]], jobs: int
+) -> Records:
+    """Build the trunks of ``seeds``, run every (arm, seed, point, perturbed) of ``wanted``
+    not yet recorded in a pool of ``jobs`` processes, appending each record as it ends; return
+    all records."""
     done = branch_stats.read_records(records_file(regime.name))
     reference = Arm("trunk", "recovery", **regime.backend_args())
     trunks = [("trunk", regime.name, reference, s, 0, False) for s in seeds]
     branches = [
         ("branch", regime.name, a, s, p, pert)
-        for s in seeds
-        for p in (points or regime.instrument.points)
-        for a, pert in arms
+        for a, s, p, pert in wanted
         if (a.name, s, p) not in done
     ]
     branches.sort(key=lambda t: t[2].policy != "oracle")  # the longest first

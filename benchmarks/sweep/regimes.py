@@ -190,43 +190,60 @@ def _fault(name: str, description: str, low_cost: dict[str, Any], **kw: Any) -> 
     )
 
 
+RISE = OutlierPlan(growth=4.0, rise=10, hold=25)
+"""The rising outlier: x4 per step for 10 steps, to 2^20, held 25 steps (a 35-step window).
+It outruns per-tensor FP8's range (e4m3 spans about 2^18 with subnormals) and NVFP4's
+per-tensor second-level scale; at 2^10, the size of the massive activations reported in LLMs,
+every format here absorbed it (the pilot, docs/benchmarks.md#fault-regimes)."""
+
 FAULT_REGIMES = {
     r.name: r
     for r in (
         _fault(
+            "outlier_fp8_tensor",
+            "per-tensor e4m3 (current scaling) / BF16; one input channel of one down_proj "
+            "rises x4 per step to 2^20, held 25 steps (function-preserving)",
+            {"format": "e4m3", "granularity": "tensor"},
+            outlier=RISE,
+            gamma=0.02,
+        ),
+        _fault(
             "outlier_delayed",
-            "per-tensor e4m3 with TE's delayed scaling / BF16; one input channel of one "
-            "down_proj rises x2 per step to x1024, held 25 steps (function-preserving)",
+            "per-tensor e4m3 with TE's delayed scaling / BF16; the same rising outlier channel "
+            "(function-preserving)",
             dict(FP8_DELAYED),
+            outlier=RISE,
             gamma=0.02,
         ),
         _fault(
             "outlier_nvfp4",
             "NVFP4 / BF16; the same rising outlier channel (function-preserving)",
             {"format": "e2m1"},
+            outlier=RISE,
             gamma=0.4,
             stochastic=True,
         ),
         _fault(
             "outlier_mxfp4",
-            "MXFP4 / BF16; the same rising outlier channel (function-preserving)",
+            "MXFP4 / BF16; one input channel rising x2 per step to x1024, held 25 steps "
+            "(function-preserving; its E8M0 block scales keep it to its block)",
             {"format": "e2m1", "granularity": "mxfp4"},
             gamma=0.45,
         ),
         _fault(
             "outlier_fp4_tensor",
-            "E2M1 with one scale per tensor / BF16; the same rising outlier channel "
-            "(function-preserving)",
+            "E2M1 with one scale per tensor / BF16; one input channel rising x2 per step to "
+            "x1024, held 25 steps (function-preserving)",
             {"format": "e2m1", "granularity": "tensor"},
             gamma=1.0,
         ),
         _fault(
             "spike_delayed",
             "the selection sweeps' delayed regime, ported: per-tensor e4m3 with delayed scaling "
-            "/ BF16, the whole input of one down_proj rising x2 per step for 8 steps "
+            "/ BF16, the whole input of one down_proj rising x4 per step for 8 steps "
             "(function-preserving)",
             dict(FP8_DELAYED),
-            outlier=OutlierPlan(whole_input=True, rise=8, hold=0),
+            outlier=OutlierPlan(whole_input=True, growth=4.0, rise=8, hold=0),
             gamma=0.02,
         ),
         _fault(

@@ -151,3 +151,19 @@ def test_fault_arms_name_the_preregistered_rivals():
         names = {a.name for a, _ in make_arms(regime, (4,), 28)}
         assert {c.arm for c in COMPARISONS} | {c.rival for c in COMPARISONS} <= names
         assert len(names) == len(make_arms(regime, (4,), 28))  # no name twice
+
+
+def test_the_loss_oracle_takes_the_units_of_largest_single_gain():
+    from benchmarks.sweep.loss_oracle import oracle_arm, single_arms
+    from benchmarks.sweep.regimes import FAULT_REGIMES
+
+    regime = FAULT_REGIMES["outlier_fp8_tensor"]
+    h = regime.instrument.horizon
+    singles = single_arms(regime, regime.units)
+    assert [a.units for a in singles[:2]] == [(0,), (1,)] and len(singles) == 28
+    gain = {5: 0.02, 9: 0.03, 27: 0.01, 3: 0.01}  # 27 and 3 tie: the lower id goes first
+    records = {("low-cost", 1, 100): {"heldout": {str(h): 2.5}}}
+    for u in range(28):
+        records[(f"single {u}", 1, 100)] = {"heldout": {str(h): 2.5 - gain.get(u, 0.0)}}
+    arm = oracle_arm(regime, records, 1, 100, 3)
+    assert arm.name == "loss oracle 3" and arm.units == (3, 5, 9) and arm.policy == "fixed"
