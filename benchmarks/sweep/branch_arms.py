@@ -28,6 +28,8 @@ def make_arms(regime: Regime, budgets: Sequence[int], units: int) -> list[tuple[
     regime's are :func:`fault_arms`."""
     if regime.family == "faults":
         return fault_arms(regime, budgets, units)
+    if regime.family == "seed":
+        return seed_arms(regime, budgets, units)
     q = regime.backend_args()
     k_nv, horizon = nvidia_k(units), regime.instrument.horizon
     late = max(1, round(horizon * k_nv / units))
@@ -115,6 +117,29 @@ def fault_arms(regime: Regime, budgets: Sequence[int], units: int) -> list[tuple
                 False,
             ),
             (Arm(f"TE autoswitch {k}", "autoswitch_k", max_active=k, **q), False),
+            (Arm(f"oracle {k}", "oracle", max_active=k, **q), False),
+        ]
+    return arms
+
+
+def seed_arms(regime: Regime, budgets: Sequence[int], units: int) -> list[tuple[Arm, bool]]:
+    """(arm, perturbed) of a seed experiment on the branch estimator: the two static paths (the
+    recovery one named :attr:`Regime.high`), the null controls, NVIDIA's last-layers rule and,
+    per budget ``k``, random-k, the seed's GNMR, GNMR+e and the gradient-gap oracle."""
+    q, k_nv = regime.backend_args(), nvidia_k(units)
+    arms: list[tuple[Arm, bool]] = [
+        (Arm("low-cost", "static", **q), False),
+        (Arm(regime.high, "recovery", **q), False),
+        (Arm(f"null {regime.high} (1e-6)", "recovery", **q), True),
+        (Arm(NULL_ARMS[1], "static", **q), True),
+        (Arm(f"NVIDIA last-{k_nv}", "last_units", max_active=k_nv, **q), False),
+    ]
+    e = regime.error_policy()
+    for k in budgets:
+        arms += [
+            (Arm(f"random {k}", "random", max_active=k, **q), False),
+            (Arm(f"GNMR {k}", "gnmr", max_active=k, **q), False),
+            (Arm(f"GNMR+e {k}", "gnmr", max_active=k, controller=e, error_every=1, **q), False),
             (Arm(f"oracle {k}", "oracle", max_active=k, **q), False),
         ]
     return arms

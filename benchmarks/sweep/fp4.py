@@ -55,6 +55,12 @@ setup and recovery path: ``tests/benchmarks/test_branch.py`` checks it), so that
 different regimes start from the same checkpoints too."""
 
 
+def trunks_dir(regime: Regime) -> Path:
+    """The trunks of ``regime``: :data:`TRUNKS` for the FP4 and fault regimes (one BF16 trunk
+    per seed serves them all), ``results/sweep/<trunk>/trunks`` for a regime with its own."""
+    return RESULTS / "sweep" / regime.trunk / "trunks"
+
+
 def records_file(regime: str) -> Path:
     """The JSON-lines file of the branch regime ``regime``'s finished branches
     (:func:`branch_stats.read_records`), in its family's folder: ``results/<family>/``."""
@@ -75,9 +81,10 @@ def _job(payload: tuple[str, str, Arm, int, int, bool]) -> dict[str, Any]:
     kind, regime_name, arm, seed, point, perturbed = payload
     regime = BRANCH_REGIMES[regime_name]
     if kind == "trunk":
-        wall = run_trunk(regime.setup, arm, regime.instrument, seed, TRUNKS)
+        wall = run_trunk(regime.setup, arm, regime.instrument, seed, trunks_dir(regime))
         return {"trunk": seed, "wall_s": wall}
-    branch = run_branch(regime.setup, arm, regime.instrument, seed, point, TRUNKS, perturbed)
+    root = trunks_dir(regime)
+    branch = run_branch(regime.setup, arm, regime.instrument, seed, point, root, perturbed)
     return {**branch, "provenance": record()}
 
 
@@ -239,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         records = run_sweep(regime, seeds, budgets, a.jobs, a.arms, points)
     from benchmarks.sweep.fp4_report import report
 
-    design = Design(tuple(seeds), points, regime.instrument.horizon)
+    design = Design(tuple(seeds), points, regime.instrument.horizon, high=regime.high)
     arms = [arm.name for arm, _ in everything]
     records, missing = design_records(records, arms, design)
     if missing:

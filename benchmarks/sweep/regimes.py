@@ -24,7 +24,7 @@ from benchmarks.harness.recipes import FP8_RECOVERY as FP8_BLOCK
 from benchmarks.harness.recipes import act_quant_policy
 from benchmarks.harness.recipes import fp6_fp8_policy as fp6_policy
 
-__all__ = ["BRANCH_REGIMES", "FAULT_REGIMES", "FP4_REGIMES", "REGIMES", "Regime"]
+__all__ = ["BRANCH_REGIMES", "FAULT_REGIMES", "FP4_REGIMES", "REGIMES", "SEED_REGIMES", "Regime"]
 
 FP8_DELAYED = {
     "format": "e4m3",
@@ -65,6 +65,12 @@ class Regime:
     """Projection units of the harness's Llama (4 layers x 7)."""
     family: str = "fp4"
     """The branch sweeps' records folder (``results/<family>/<name>.jsonl``)."""
+    trunk: str = "fp4"
+    """The branch sweeps' trunk folder (``results/sweep/<trunk>/trunks``): regimes with the same
+    setup and recovery path share their trunks."""
+    high: str = "BF16"
+    """The name of the arm that runs the recovery path on every unit (the static gap's upper
+    end: BF16, or the regime's recovery format)."""
 
     def backend_args(self) -> dict[str, Any]:
         """The :class:`benchmarks.harness.arms.Arm` keyword arguments of this regime's backend."""
@@ -261,5 +267,43 @@ FAULT_REGIMES = {
 arms.Outlier`) in one projection of the layer drawn per seed, opening 5 steps after each branch
 point. ``gamma``: the FP4 and delayed regimes' values (not re-measured under the fault)."""
 
-BRANCH_REGIMES = {**FP4_REGIMES, **FAULT_REGIMES}
+
+def _seed(name: str, description: str, setup: Setup, backend: str, **kw: Any) -> Regime:
+    """A seed experiment on the branch estimator: its own trunks (its recovery path)."""
+    return Regime(name, description, setup, backend, family="seed", trunk=name, **kw)
+
+
+SEED_REGIMES = {
+    r.name: r
+    for r in (
+        _seed(
+            "seed_act_quant",
+            "seed experiment 1: 2-bit / 8-bit saved activations (act_quant, groups of 128)",
+            Setup(gnmr=act_quant_policy()),
+            "act_quant",
+            low_cost={"bits": 2, "group_size": 128},
+            recovery={"bits": 8, "group_size": 128},
+            gamma=0.3,
+            high="8-bit",
+            instrument=Instrument(trunk_steps=300, points=(75, 150, 225)),
+        ),
+        _seed(
+            "seed_fp6_fp8",
+            "seed experiment 2: DeepSeek-style block-scaled FP6 / FP8 (fp8_emulated, 1 x 128 and "
+            "128 x 128 scales)",
+            FP4_SETUP,
+            "fp8_emulated",
+            low_cost=dict(FP6_BLOCK),
+            recovery=dict(FP8_BLOCK),
+            gamma=0.04,
+            high="FP8",
+        ),
+    )
+}
+"""The seed's experiments 1 and 2 on the branch estimator (issue 35 item 2). The trunk runs the
+recovery path (8-bit saved activations, block FP8), which is the static gap's upper end (the
+arm named :attr:`Regime.high`). ``gamma``: the selection sweeps' act_quant and outlier (block
+FP6) values. Experiment 3 (INT8 LoRA) needs a pretrained base: :mod:`benchmarks.seed.lora_int8`."""
+
+BRANCH_REGIMES = {**FP4_REGIMES, **FAULT_REGIMES, **SEED_REGIMES}
 """Every regime of the branch sweeps (:mod:`benchmarks.sweep.fp4`)."""
