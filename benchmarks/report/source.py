@@ -1,6 +1,7 @@
 """The result files RESULTS.md is rendered from: the JSON files in ``benchmarks/results/`` and the
-branch records in ``benchmarks/results/fp4/*.jsonl``, read once each, and the provenance each of
-them records (:mod:`benchmarks.harness.provenance`)."""
+branch records of every family of branch regimes (``benchmarks/results/fp4/*.jsonl``,
+``benchmarks/results/faults/*.jsonl``), read once each, and the provenance each of them records
+(:mod:`benchmarks.harness.provenance`)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 class Source:
-    """The result files under ``root``; ``json(name)`` and ``records(regime)`` cache what they
-    read."""
+    """The result files under ``root``; ``json(name)`` and ``records(regime, family)`` cache what
+    they read."""
 
     def __init__(self, root: Path = RESULTS) -> None:
         self.root = root
@@ -33,10 +34,15 @@ class Source:
         """``<root>/<name>.json``."""
         return json.loads((self.root / f"{name}.json").read_text())
 
-    def _records(self, regime: str) -> Records:
-        """The branch records of an FP4 regime by (arm, seed, point), read as the sweep reads
-        them (:func:`~benchmarks.harness.branch_stats.read_records`)."""
-        return read_records(self.root / "fp4" / f"{regime}.jsonl")
+    def _records(self, regime: str, family: str = "fp4") -> Records:
+        """The branch records of a regime of ``family`` (``Regime.family``: ``fp4``, ``faults``)
+        by (arm, seed, point), read as the sweep reads them
+        (:func:`~benchmarks.harness.branch_stats.read_records`; no file: none)."""
+        return read_records(self.root / family / f"{regime}.jsonl")
+
+    def regimes(self, family: str) -> list[str]:
+        """The regimes of ``family`` with a records file, by name."""
+        return sorted(p.stem for p in (self.root / family).glob("*.jsonl"))
 
     def has(self, name: str) -> bool:
         """Whether ``<root>/<name>`` exists (a plot, an optional JSON file)."""
@@ -50,7 +56,7 @@ class Source:
         return f"![{alt}](results/{name})"
 
     def provenance(self, *names: str) -> str:
-        """One list item per result file of ``names`` (``x.json``, ``fp4/<regime>.jsonl``) and
+        """One list item per result file of ``names`` (``x.json``, ``<family>/<regime>.jsonl``) and
         distinct provenance: its commits (with how many records or runs each, where the file
         holds several) and what else the records say."""
         items = []
@@ -72,8 +78,9 @@ class Source:
     def _provenances(self, name: str) -> list[dict[str, Any]]:
         """The provenance of every record (``.jsonl``), run (a file of runs) or the file."""
         if name.endswith(".jsonl"):
-            regime = name.removeprefix("fp4/").removesuffix(".jsonl")
-            return [r.get("provenance", {}) for r in self.records(regime).values()]
+            family, _, regime = name.removesuffix(".jsonl").rpartition("/")
+            records = self.records(regime, family=family or "fp4")
+            return [r.get("provenance", {}) for r in records.values()]
         data = self.json(name.removesuffix(".json"))
         return [r.get("provenance", {}) for r in data.get("runs", [data])]
 

@@ -160,3 +160,195 @@ def test_a_result_file_shows_the_provenance_it_records(results, monkeypatch):
 
     _edit(results, "overhead", unstamped)
     assert "`overhead.json`: commit not recorded (no provenance recorded)" in _flat(results)
+
+
+# -- the fault regimes' section (benchmarks/report/faults.py), on constructed records ----------
+
+FAULT_SEEDS = (1, 2, 3, 4)
+FAULT_POINTS = (100, 350)
+FAULT_ARMS = {  # arm -> (held-out minus BF16's, recovered work)
+    "low-cost": (0.010, 0.0),
+    "BF16": (0.0, 1.0),
+    "null BF16 (1e-6)": (0.0, 1.0),
+    "null low-cost (1e-6)": (0.010, 0.0),
+    "NVIDIA last-4": (0.009, 4 / 28),
+    "random 4": (0.008, 4 / 28),
+    "GNMR+e 4": (0.004, 4 / 28),
+    "GNMR+e v2 4": (0.004, 4 / 28),
+    "TE autoswitch 4": (0.006, 4 / 28),
+}
+
+
+def _fault_record(arm: str, seed: int, point: int, offset: float, share: float) -> dict:
+    """A branch record as :mod:`benchmarks.sweep.fp4` writes it, with a held-out loss of the
+    seed's base plus ``offset`` (the BF16 trunk progresses 0.05 nats from step 25 to 50) plus a
+    small per-seed wobble for the nulls and the budgeted arms."""
+    base = 2.5 - point / 1e4 + 0.01 * seed
+    wobble = {"GNMR+e v2 4": 2e-4 * (-1) ** seed, "null BF16 (1e-6)": 1e-5 * (-1) ** seed}
+    wobble["null low-cost (1e-6)"] = wobble["null BF16 (1e-6)"]
+    if arm in ("NVIDIA last-4", "random 4", "GNMR+e 4", "TE autoswitch 4"):
+        wobble[arm] = 3e-4 * ((seed * 7 + len(arm)) % 3 - 1)
+    h = base + offset + wobble.get(arm, 0.0)
+    layer = seed % 4
+    units = [0] * 28
+    units[layer * 7 + 6] = round(share * 1400)  # all on the faulted down_proj
+    spec = {"backend": "fp8_emulated", "low_cost": {"format": "e2m1"}, "recovery": {}}
+    spec["recovery"] = {"format": "bf16"}
+    outlier = {"module": f"model.layers.{layer}.mlp.down_proj", "channel": 3 + seed}
+    outlier |= {"start": point + 5, "rise": 10, "hold": 25, "growth": 4.0}
+    return {
+        "arm": arm,
+        "seed": seed,
+        "point": point,
+        "heldout": {"25": h + 0.05, "50": h},
+        "train_loss": [2.0] * 50,
+        "recovered_unit_steps": sum(units),
+        "unit_recovered": units,
+        "unit_steps": 1400,
+        "flops_recovered": share,
+        "nonfinite": 0,
+        "outliers": [outlier],
+        "arm_spec": spec,
+        "provenance": {"commit": "0123456789abcdef", "commit_source": "test"},
+    }
+
+
+def _fault_records(arms=FAULT_ARMS, seeds=FAULT_SEEDS, points=FAULT_POINTS) -> list[dict]:
+    return [_fault_record(a, s, p, *arms[a]) for s in seeds for p in points for a in arms]
+
+
+def _write_faults(root: Path, records: list[dict], name: str = "outlier_test") -> None:
+    path = root / "faults" / f"{name}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def _fault_section(root: Path) -> str:
+    """The fault section alone, rendered and filled as in the document, lines joined."""
+    from benchmarks.report import environment, faults
+    from benchmarks.report.source import Source
+    from benchmarks.report.words import fill_document
+
+    src = Source(root)
+    text = environment().get_template("faults.md.j2").render(src=src, **faults.context(src))
+    return " ".join(fill_document(text).split())
+
+
+def _keyed(rows: list[dict]) -> dict:
+    return {(r["arm"], r["seed"], r["point"]): r for r in rows}
+
+
+def test_the_largest_design_has_the_most_branches_then_the_most_seeds():
+    from benchmarks.report.faults import largest_design
+
+    arms = {"low-cost": (0.0, 0.0), "BF16": (0.0, 1.0)}
+    rows = _fault_records(arms, seeds=(1, 2), points=(100, 250))
+    rows += _fault_records(arms, seeds=(3,), points=(100,))
+    d = largest_design(_keyed(rows), list(arms), 50)
+    assert (d.seeds, d.points) == ((1, 2), (100, 250))  # 4 branches per arm against 3
+    rows += _fault_records(arms, seeds=(4,), points=(100,))
+    d = largest_design(_keyed(rows), list(arms), 50)
+    assert (d.seeds, d.points) == ((1, 2, 3, 4), (100,))  # 4 against 4: more seeds
+
+
+def test_an_arm_with_one_seed_waits_outside_the_design():
+    from benchmarks.report.faults import choose_arms
+
+    rows = _fault_records({a: FAULT_ARMS[a] for a in ("low-cost", "BF16")})
+    rows.append(_fault_record("GNMR+e 4", 1, 100, 0.004, 4 / 28))
+    d, kept, waiting = choose_arms(_keyed(rows), ["low-cost", "BF16", "GNMR+e 4"], 50)
+    assert (kept, waiting) == (["low-cost", "BF16"], ["GNMR+e 4"])
+    assert d.seeds == FAULT_SEEDS and d.points == FAULT_POINTS
+    # with the static arms on one seed too, nothing is gained by leaving it out
+    one = [r for r in rows if r["seed"] == 1]
+    d, kept, waiting = choose_arms(_keyed(one), ["low-cost", "BF16", "GNMR+e 4"], 50)
+    assert (kept, waiting, d.points) == (["low-cost", "BF16", "GNMR+e 4"], [], (100,))
+
+
+def test_fault_regime_tables_and_preregistered_words(tmp_path):
+    _write_faults(tmp_path, _fault_records())
+    text = _fault_section(tmp_path)
+    assert "### outlier_test" in text
+    assert "**Design: 4 seeds (1, 2, 3 and 4) x 2 branch points (100 and 350)" in text
+    assert "Every arm has every branch of the 4 seeds recorded." in text
+    assert "The fault struck L1.down channel 4 for seed 1, L2.down channel 5 for seed 2" in text
+    assert "**The regime passes the noise bar**: the static gap (+0.0100 +- 0.0000)" in text
+    assert "| GNMR+e 4 - random 4 | better than chance at the same spend | -0.0040 |" in text
+    assert "*better than chance at the same spend* (GNMR+e 4 against random 4): **yes**" in text
+    assert "with 14.3% of the linear-layer work against 14.3% (the same work)" in text
+    assert "*policy v2 pays* (GNMR+e v2 4 against GNMR+e 4): **not resolved** over 4 seeds" in text
+    assert "| GNMR+e 4 | 14.3% | +0.0039 +- 0.0005 |" in text  # arms table: work, vs BF16
+    assert "| 100.0% |" in text.split("faulted unit's share")[1]  # GNMR+e on the faulted unit
+    assert "speed-up at matched loss, B200" in text and "n/a (no FP4 GEMMs)" in text
+    assert "`faults/outlier_test.jsonl`, 72 records: commits 0123456789" in text
+
+    rows = _fault_records({**FAULT_ARMS, "random 4": (0.002, 4 / 28)})
+    _write_faults(tmp_path, rows)
+    text = _fault_section(tmp_path)
+    assert "(GNMR+e 4 against random 4): **no, the opposite**: GNMR+e 4 ends 0.0020 nats" in text
+
+
+def test_a_fault_regime_in_progress_names_what_is_missing(tmp_path):
+    rows = _fault_records()
+    rows = [r for r in rows if not (r["arm"] == "TE autoswitch 4" and r["seed"] > 2)]
+    rows = [r for r in rows if not (r["arm"] == "GNMR+e v2 4" and r["seed"] > 1)]
+    _write_faults(tmp_path, rows)
+    text = _fault_section(tmp_path)
+    assert "**Design: 2 seeds (1 and 2) x 2 branch points" in text
+    assert "Sweep in progress: TE autoswitch 4 has 2 of 4 seeds at these points;" in text
+    assert "waiting, with too few seeds for an interval: GNMR+e v2 4." in text
+    assert "| GNMR+e v2 4 - GNMR+e 4 | policy v2 pays | - | - | waiting for GNMR+e v2 4 |" in text
+
+
+def test_the_late_rules_are_judged_where_they_act(tmp_path):
+    rows = _fault_records()
+    for s in FAULT_SEEDS:  # late-57: the low-cost path at 100, the recovery path at 350
+        rows.append(_fault_record("NVIDIA late-57", s, 100, 0.010, 0.0))
+        rows.append(_fault_record("NVIDIA late-57", s, 350, 0.001, 1.0))
+    _write_faults(tmp_path, rows)
+    text = _fault_section(tmp_path)
+    assert "NVIDIA late-57 runs the low-cost path throughout at point 100, as a run does" in text
+    assert "and recovers 100% of the work at 350." in text
+    assert "The same arms at point 350 only, 4 seeds (1, 2, 3 and 4), paired:" in text
+    assert "- GNMR+e 4 - NVIDIA late-57 at point 350: +0.0029 +- 0.0005 (95%" in text
+
+
+def test_the_loss_oracle_has_its_own_grid(tmp_path):
+    rows = _fault_records()
+    for u in range(28):  # seed 1, point 100: the faulted unit (L1.down, 13) gains most
+        gain = 0.005 if u == 13 else 0.001 * (u % 3)
+        rows.append(_fault_record(f"single {u}", 1, 100, 0.010 - gain, 1 / 28))
+    for s in (1, 2):
+        rows.append(_fault_record("loss oracle 4", s, 100, 0.003, 4 / 28))
+    _write_faults(tmp_path, rows)
+    text = _fault_section(tmp_path)
+    assert "**Design: 4 seeds (1, 2, 3 and 4) x 2 branch points" in text  # not cut to 2
+    assert "on its own grid of 2 seeds (1 and 2) x 1 branch point (100)" in text
+    assert "- GNMR+e 4 - loss oracle 4: +0.00" in text
+    assert "seed 1, point 100: the largest single gain is L1.down's (+0.0050" in text
+    assert "the faulted unit L1.down ranks 1st of 28" in text
+
+
+def test_the_fault_constants_match_the_harness():
+    """The report reads these without importing the harness's torch modules."""
+    from benchmarks.harness.branch import NULL_ARMS, Instrument
+    from benchmarks.harness.model import PROJECTIONS
+    from benchmarks.report import faults
+    from benchmarks.sweep.regimes import FAULT_REGIMES
+
+    assert faults.PROJECTIONS == PROJECTIONS
+    assert set(NULL_ARMS) <= set(faults.NULLS)
+    assert {r.family for r in FAULT_REGIMES.values()} == {faults.FAMILY}
+    assert {r.instrument.trunk_steps for r in FAULT_REGIMES.values()} == {faults.SCHEDULE_END}
+    assert (
+        faults.SCHEDULE_END - Instrument().horizon
+        in FAULT_REGIMES["outlier_nvfp4"].instrument.points
+    )
+
+
+def test_the_report_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, benchmarks.report; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
