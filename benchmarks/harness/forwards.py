@@ -35,9 +35,13 @@ class AutoswitchGemms:
     def __init__(self, backend: EmulatedBackend, registry: UnitRegistry, decide: bool) -> None:
         self.backend, self.decide = backend, decide
         self.ledger = GemmLedger(registry.num_units)
-        self.unit_of = {
-            id(m): uid for uid, unit in registry.local_modules.items() for m in unit.modules()
+        self.place = {
+            id(m): (uid, i)
+            for uid, unit in registry.local_modules.items()
+            for i, m in enumerate(unit.modules())
         }
+        """``id(module) -> (unit, index in the unit)``: the stochastic-rounding key's parts, the
+        same in every process (no address enters a seed)."""
         self.calls: dict[int, int] = {}
         self.step = 0
 
@@ -48,14 +52,14 @@ class AutoswitchGemms:
 
     def gemm(self, op: nn.Module, path: str) -> Gemm:
         """``(x, W, b) -> y`` of ``op`` on ``path`` under the rule."""
-        backend, uid = self.backend, self.unit_of[id(op)]
+        backend, (uid, index) = self.backend, self.place[id(op)]
         low, high = backend.specs["low_cost"], backend.specs[RECOVERY]
         scales = backend.delayed_scales(op)
 
         def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
             n = self.calls.get(id(op), 0)
             self.calls[id(op)] = n + 1
-            key = (self.step, uid, id(op) % 1_000_003, n)
+            key = (self.step, uid, index, n)
             forced = path == RECOVERY
             sw = Switch(low, high, scales, self.ledger, uid, self.decide, forced, key)
             return sw(x, weight, bias)

@@ -167,3 +167,12 @@ def test_the_loss_oracle_takes_the_units_of_largest_single_gain():
         records[(f"single {u}", 1, 100)] = {"heldout": {str(h): 2.5 - gain.get(u, 0.0)}}
     arm = oracle_arm(regime, records, 1, 100, 3)
     assert arm.name == "loss oracle 3" and arm.units == (3, 5, 9) and arm.policy == "fixed"
+
+
+def test_autoswitch_draws_the_same_bits_in_every_process(trunk):
+    """Stochastic rounding under the rule is keyed by (step, unit, operator, call), never by an
+    address: two runs of the same NVFP4 branch train the same."""
+    setup, root = trunk
+    q = {**Q, "low_cost": {"format": "e2m1"}}
+    a, b = (_branch(setup, root, Arm("auto", "autoswitch", **q)) for _ in range(2))
+    assert a["train_loss"] == b["train_loss"] and a["gemms_high"] == b["gemms_high"]
