@@ -33,6 +33,7 @@ __all__ = [
     "perturb",
     "run_branch",
     "run_trunk",
+    "branch_setup",
     "trunk_file",
 ]
 
@@ -70,7 +71,7 @@ def trunk_file(root: Path, seed: int, point: int) -> Path:
     return root / f"trunk_{seed}" / f"step_{point}.pt"
 
 
-def _setup_for(setup: Setup, inst: Instrument, seed: int) -> Setup:
+def branch_setup(setup: Setup, inst: Instrument, seed: int) -> Setup:
     """The regime's setup with the trunk's schedule length, this seed, no periodic evaluation."""
     return replace(setup, steps=inst.trunk_steps, seed=seed, eval_every=10**9)
 
@@ -92,7 +93,7 @@ def run_trunk(setup: Setup, reference: Arm, inst: Instrument, seed: int, root: P
     if all(p.exists() for p in wanted):
         return 0.0
     t0 = time.perf_counter()
-    s = _setup_for(setup, inst, seed)
+    s = branch_setup(setup, inst, seed)
     run = ArmRun(s, reference, Batches(s.heldout, s), evaluates=False)
     train = Batches(s.data, s)
     for step in range(1, max(inst.points) + 1):
@@ -143,7 +144,7 @@ def run_branch(
 ) -> dict[str, Any]:
     """One branch: ``arm`` from the trunk checkpoint of (``seed``, ``point``) for ``horizon``
     steps; held-out losses (fp32) at ``evals``. ``perturbed``: the null control's weight move."""
-    s = _with_outlier(_setup_for(setup, inst, seed), seed, point)
+    s = _with_outlier(branch_setup(setup, inst, seed), seed, point)
     heldout = Batches(s.heldout, s)
     run = ArmRun(s, arm, heldout, evaluates=False)  # last_step: the trunk's, as in a run
     start = load_trunk(run, trunk_file(root, seed, point))

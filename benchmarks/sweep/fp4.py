@@ -61,6 +61,16 @@ def trunks_dir(regime: Regime) -> Path:
     return RESULTS / "sweep" / regime.trunk / "trunks"
 
 
+def ensure_inputs(regime: Regime) -> None:
+    """What a regime's trunks start from: a fine-tuning regime's base model (``init_from``),
+    pretrained by its seed experiment when missing (:func:`benchmarks.seed.lora_int8.
+    ensure_base`)."""
+    if regime.setup.init_from is not None:
+        from benchmarks.seed.lora_int8 import ensure_base
+
+        ensure_base(Path(regime.setup.init_from))
+
+
 def records_file(regime: str) -> Path:
     """The JSON-lines file of the branch regime ``regime``'s finished branches
     (:func:`branch_stats.read_records`), in its family's folder: ``results/<family>/``."""
@@ -116,6 +126,7 @@ def run_branches(
     not yet recorded in a pool of ``jobs`` processes, appending each record as it ends; return
     all records."""
     done = branch_stats.read_records(records_file(regime.name))
+    ensure_inputs(regime)
     reference = Arm("trunk", "recovery", **regime.backend_args())
     trunks = [("trunk", regime.name, reference, s, 0, False) for s in seeds]
     branches = [

@@ -23,6 +23,8 @@ from benchmarks.harness.recipes import FP6_STRESS as FP6_TENSOR
 from benchmarks.harness.recipes import FP8_RECOVERY as FP8_BLOCK
 from benchmarks.harness.recipes import act_quant_policy
 from benchmarks.harness.recipes import fp6_fp8_policy as fp6_policy
+from benchmarks.seed.act_quant import BASE
+from benchmarks.seed.lora_int8 import lora_setup
 
 __all__ = ["BRANCH_REGIMES", "FAULT_REGIMES", "FP4_REGIMES", "REGIMES", "SEED_REGIMES", "Regime"]
 
@@ -298,9 +300,20 @@ SEED_REGIMES = {
             gamma=0.04,
             high="FP8",
         ),
+        _seed(
+            "seed_lora_int8",
+            "seed experiment 3: LoRA fine-tuning of experiment 1's FP32 base on an unseen "
+            "domain, the frozen base in W8A8 INT8 (row / token scales) / BF16 (int8)",
+            replace(lora_setup(BASE), init_from=str(BASE)),
+            "int8",
+            low_cost={"weight_granularity": "row", "act_granularity": "token"},
+            recovery={"dtype": "bf16"},
+            gamma=0.3,
+            instrument=Instrument(trunk_steps=200, points=(50, 100, 150)),
+        ),
     )
 }
-"""The seed's experiments 1 and 2 on the branch estimator (issue 35 item 2). The trunk runs the
+"""The seed's three experiments on the branch estimator (issue 35 item 2). The trunk runs the
 recovery path (8-bit saved activations, block FP8), which is the static gap's upper end (the
 arm named :attr:`Regime.high`). ``gamma``: the selection sweeps' act_quant and outlier (block
 FP6) values. Experiment 3 (INT8 LoRA) needs a pretrained base: :mod:`benchmarks.seed.lora_int8`."""
