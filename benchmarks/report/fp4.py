@@ -13,6 +13,7 @@ from dataclasses import asdict
 from functools import cached_property
 from typing import Any
 
+from benchmarks.harness import cost
 from benchmarks.harness.branch_stats import (
     GAP,
     SPIKE,
@@ -112,6 +113,36 @@ class Sweep:
 
     def options(self) -> str:
         return json.dumps(self.spec("low-cost")["low_cost"])
+
+    def formats(self) -> cost.Formats:
+        """The backend and the two paths' options, as the low-cost arm's records state them."""
+        s = self.spec("low-cost")
+        return cost.Formats(s["backend"], s["low_cost"], s["recovery"])
+
+    @cached_property
+    def costs(self) -> dict[str, dict[str, Any]]:
+        """:func:`benchmarks.harness.cost.summarize_costs` of the design's arms."""
+        d = Design(tuple(self.seeds), tuple(self.points), self.horizon)
+        return cost.summarize_costs(self.records, d, self.formats(), arms=list(self.summary))
+
+    def cost_table(self) -> str:
+        """The cost at matched loss of every arm, per hardware (:mod:`benchmarks.harness.cost`)."""
+        return cost.cost_table(self.costs)
+
+    def unit_step_costs(self) -> bool:
+        """Whether any branch's FLOP share fell back to its unit-step share (no
+        ``flops_recovered``: records written before it existed)."""
+        return any(r["flops_from_unit_steps"] for r in self.costs.values())
+
+    def priced(self) -> str:
+        """The formats priced and at what rates (the cost model's last assumption line)."""
+        line = cost.assumptions(self.formats(), self.horizon, self.early_eval)[-1]
+        return line[0].lower() + line[1:].removesuffix(".")
+
+    @property
+    def early_eval(self) -> int:
+        """The held-out measurement before the horizon (the cost model's local rate)."""
+        return max(e for e in self.inst["evals"] if e < self.horizon)
 
     def gap_after(self) -> tuple[int, list[float]] | None:
         """(steps, static gap) at the earlier evaluation of the branches, when there is one."""
@@ -315,6 +346,8 @@ def context(src: Source) -> dict[str, Any]:
     bf16_null = nv.noise["null BF16 (1e-6) - BF16"][1]
     step = "sweep_fp4_step_time_nvfp4"
     return {
+        "cost_sweeps": [nv, sw["mx_all"], sw["st_all"], sw["st"]],
+        "cost_assumptions": cost.assumptions(None, nv.horizon, nv.early_eval),
         **sw,
         "sweeps": list(sw.values()),
         "CLI": CLI,
