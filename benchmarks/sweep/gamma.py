@@ -2,8 +2,8 @@
 
     python -m benchmarks.sweep.gamma --regime seed_lora_int8 [--seed 1234] [--point P] [--steps 3]
 
-Every regime sets ``gamma`` near the median error score ``e = B / G`` (docs/algorithm.md#damage-
-term) of the static low-cost path's eligible units, so that about half the units are candidates
+Every regime sets ``gamma`` near the median error score ``e = B / G`` of the static low-cost
+path's eligible units (docs/algorithm.md#damage-term), so that about half the units are candidates
 at any step and the budget goes to the largest scores. This command loads the trunk of
 (``--seed``, ``--point``; default: the regime's middle branch point), trains the static low-cost
 arm ``--steps`` steps with the recovery-gap probe on each, and logs the median of the units'
