@@ -146,20 +146,22 @@ def largest_design(records: Records, arms: Sequence[str], horizon: int) -> Desig
 
 
 def choose_arms(
-    records: Records, arms: Sequence[str], horizon: int
+    records: Records, arms: Sequence[str], horizon: int, high: str = "BF16"
 ) -> tuple[Design | None, list[str], list[str]]:
     """(design, the arms in it, the arms waiting): while the design of all ``arms`` has fewer
-    than :data:`MIN_SEEDS` seeds and the static arms alone have that many, the arm with the
-    fewest records leaves it (ties: the last in the tables' order)."""
-    kept, waiting = list(arms), []
-    statics = largest_design(records, ["low-cost", "BF16"], horizon)
+    than :data:`MIN_SEEDS` seeds and the two static arms (low-cost and ``high``, the recovery
+    path on every unit) alone have that many, the arm with the fewest records leaves it (ties:
+    the last in the tables' order). The design names ``high`` as its recovery arm."""
+    kept, waiting, statics = list(arms), [], ["low-cost", high]
+    alone = largest_design(records, statics, horizon)
     while True:
         d = largest_design(records, kept, horizon)
-        if d is None or len(d.seeds) >= MIN_SEEDS or statics is None:
+        d = replace(d, high=high) if d else None
+        if d is None or len(d.seeds) >= MIN_SEEDS or alone is None:
             return d, kept, waiting
-        if len(statics.seeds) < MIN_SEEDS or len(kept) <= 2:
+        if len(alone.seeds) < MIN_SEEDS or len(kept) <= 2:
             return d, kept, waiting
-        counts = {a: sum(k[0] == a for k in records) for a in kept if a not in ("low-cost", "BF16")}
+        counts = {a: sum(k[0] == a for k in records) for a in kept if a not in statics}
         worst = min(reversed(list(counts)), key=counts.__getitem__)
         kept.remove(worst)
         waiting.append(worst)

@@ -44,7 +44,7 @@ from benchmarks.harness.branch_stats import (
     troubles,
 )
 from benchmarks.harness.markdown import markdown_table
-from benchmarks.report.faults import MIN_SEEDS, largest_design, pct, pm, progress, reach, work
+from benchmarks.report.faults import choose_arms, pct, pm, progress, reach, work
 from benchmarks.report.source import Source
 from benchmarks.report.words import listing
 
@@ -136,28 +136,6 @@ def rank(arm: str, high: str) -> tuple[int, int, int, str]:
 
 
 # -- the design --------------------------------------------------------------------------------
-
-
-def choose_arms(
-    records: Records, arms: Sequence[str], horizon: int, high: str
-) -> tuple[Design | None, list[str], list[str]]:
-    """(design, the arms in it, the arms waiting), as :func:`.faults.choose_arms` with the
-    regime's recovery arm for BF16: while the design of all ``arms`` has fewer than
-    :data:`~.faults.MIN_SEEDS` seeds and the two static arms alone have that many, the arm with
-    the fewest records leaves it (ties: the last in the tables' order)."""
-    kept, waiting, statics = list(arms), [], [LOW, high]
-    alone = largest_design(records, statics, horizon)
-    while True:
-        d = largest_design(records, kept, horizon)
-        d = replace(d, high=high) if d else None
-        if d is None or len(d.seeds) >= MIN_SEEDS or alone is None:
-            return d, kept, waiting
-        if len(alone.seeds) < MIN_SEEDS or len(kept) <= 2:
-            return d, kept, waiting
-        counts = {a: sum(k[0] == a for k in records) for a in kept if a not in statics}
-        worst = min(reversed(list(counts)), key=counts.__getitem__)
-        kept.remove(worst)
-        waiting.append(worst)
 
 
 # -- the verdict -------------------------------------------------------------------------------
