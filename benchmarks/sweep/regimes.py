@@ -308,7 +308,7 @@ SEED_REGIMES = {
             "int8",
             low_cost={"weight_granularity": "row", "act_granularity": "token"},
             recovery={"dtype": "bf16"},
-            gamma=0.3,
+            gamma=0.05,
             instrument=Instrument(trunk_steps=200, points=(50, 100, 150)),
         ),
     )
