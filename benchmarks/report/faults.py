@@ -1,7 +1,7 @@
 """The fault regimes' section (issue 35): each regime's branch records
 (``results/faults/<regime>.jsonl``), the design they complete, and what ``templates/faults.md.j2``
 shows of them: the estimator's noise, the arms (exploratory, 95%), the four pre-registered
-comparisons (:mod:`benchmarks.sweep.preregistered`), the arms at the branch point that ends the
+comparisons (:mod:`benchmarks.harness.preregistered`), the arms at the branch point that ends the
 trunk's schedule, the loss oracle's subset and the cost at matched loss
 (:mod:`benchmarks.harness.cost`).
 
@@ -27,7 +27,7 @@ from functools import cached_property
 from itertools import combinations
 from typing import Any
 
-from benchmarks.harness import cost
+from benchmarks.harness import cost, preregistered
 from benchmarks.harness.branch_stats import (
     SPIKES_VS,
     Design,
@@ -42,7 +42,6 @@ from benchmarks.harness.markdown import markdown_table
 from benchmarks.harness.stats import plus_minus
 from benchmarks.report.source import Source
 from benchmarks.report.words import listing, ordinal, resolved
-from benchmarks.sweep import preregistered
 
 FAMILY = "faults"
 """The records' folder under ``results/`` (``Regime.family`` of the fault regimes)."""
@@ -356,7 +355,7 @@ class FaultRegime:
 
     def preregistered(self) -> list[dict[str, Any]]:
         """The four comparisons per budget: per-seed paired differences over the design, with
-        :func:`benchmarks.sweep.preregistered.verdict`'s Bonferroni-adjusted interval, and
+        :func:`benchmarks.harness.preregistered.verdict`'s Bonferroni-adjusted interval, and
         both arms' recovered work; ``missing``: the arms not in the design yet."""
         out = []
         for k in self.budgets():

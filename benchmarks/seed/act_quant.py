@@ -15,26 +15,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.harness.arms import Arm, Setup, with_budget
-from benchmarks.harness.common import RESULTS, start_cli
+from benchmarks.harness.arms import Arm, with_budget
+from benchmarks.harness.bases import BASE, PRETRAIN_SEED, PRETRAIN_STEPS, pretrain_setup
+from benchmarks.harness.common import start_cli
 from benchmarks.harness.experiment import experiment_parser, report, run_chosen
-from benchmarks.harness.recipes import act_quant_policy
 
-BASE = RESULTS / "act_quant_fp32.pt"
-"""The FP32 arm's final weights: the base model of the LoRA experiment
-(:mod:`benchmarks.seed.lora_int8`)."""
-STEPS = 300
-SEED = 1234
+STEPS = PRETRAIN_STEPS
+SEED = PRETRAIN_SEED
 UNITS = 28
 
 
 TIGHT = {"alpha": 2.0, "beta": 2.0}
 """A second GNMR arm with thresholds low enough to spend its budget (see the docstring)."""
-
-
-def pretrain_setup(steps: int = STEPS, seed: int = SEED) -> Setup:
-    """The pretraining run (its FP32 arm is also the LoRA experiment's base)."""
-    return Setup(steps=steps, seed=seed, gnmr=act_quant_policy())
 
 
 def make_arms(bits: int, group_size: int, budget: float, save: bool) -> list[Arm]:

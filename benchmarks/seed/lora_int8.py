@@ -14,47 +14,27 @@ docs/benchmarks.md#seed-lora_int8.
 from __future__ import annotations
 
 import logging
-import os
-import time
-from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 from benchmarks.harness.arms import Arm, Setup, with_budget
+from benchmarks.harness.bases import (
+    BASE,
+    LORA_DOMAIN,
+    LORA_STEPS,
+    ensure_base,
+    lora_setup,
+    pretrain_setup,
+)
 from benchmarks.harness.common import start_cli
 from benchmarks.harness.experiment import experiment_parser, report, run_chosen
 from benchmarks.harness.model import Batches, build_model, evaluate
-from benchmarks.harness.training import run_arm
 from benchmarks.seed import act_quant
 from gnmr_dist.data.corpus import embedded_corpus, stdlib_root
 
 logger = logging.getLogger(__name__)
 
-DOMAIN = "idlelib"
-STEPS = 200
-
-
-def policy() -> dict[str, Any]:
-    """The GNMR policy shared by every arm (see the module docstring for the choice)."""
-    return {"lock_steps": 8, "window": 8, "warmup_steps": 20, "alpha": 4.0, "beta": 3.0}
-
-
-def lora_setup(base: Path, steps: int = STEPS, domain: str = DOMAIN) -> Setup:
-    """The fine-tuning run: experiment 1's model and seed, LoRA adapters, one unseen domain."""
-    return replace(
-        act_quant.pretrain_setup(),
-        steps=steps,
-        lr=2e-3,
-        warmup_lr=10,
-        weight_decay=0.0,
-        lora_rank=8,
-        data=f"embedded:train:{domain}",
-        heldout=f"embedded:heldout:{domain}",
-        init_from=os.path.relpath(base),
-        eval_every=25,
-        eval_batches=32,
-        gnmr=policy(),
-    )
+DOMAIN = LORA_DOMAIN
+STEPS = LORA_STEPS
 
 
 def pretraining_files_in(domain: str, pretrain: Setup) -> int:
@@ -62,23 +42,6 @@ def pretraining_files_in(domain: str, pretrain: Setup) -> int:
     root = stdlib_root()
     files = embedded_corpus("train", max_bytes=pretrain.max_bytes)
     return sum(p.relative_to(root).as_posix().startswith(domain.strip("/") + "/") for p in files)
-
-
-def ensure_base(path: Path) -> None:
-    """Pretrain experiment 1's FP32 arm and save it to ``path``, unless it is there already."""
-    if path.is_file():
-        logger.info("base model: %s", path)
-        return
-    pre = act_quant.pretrain_setup()
-    logger.info(
-        "base model %s missing: pretraining act_quant's FP32 arm (%d steps)", path, pre.steps
-    )
-    t0 = time.perf_counter()
-    fp32 = Arm("fp32", "full", save_to=str(path))  # run_arm saves its weights there at the end
-    base = run_arm(pre, fp32, Batches(pre.data, pre), Batches(pre.heldout, pre))
-    logger.info(
-        "base pretrained in %.0f s, held-out loss %.4f", time.perf_counter() - t0, base.heldout_loss
-    )
 
 
 def make_arms(granularity: str, budget: float) -> list[Arm]:
@@ -107,12 +70,12 @@ def main() -> None:
         default="tensor",
         help="int8 scales: per row/token, or per tensor (the stress knob)",
     )
-    p.add_argument("--base", type=Path, default=act_quant.BASE)
+    p.add_argument("--base", type=Path, default=BASE)
     a = p.parse_args()
     start_cli(a.threads)
     ensure_base(a.base)
     setup = lora_setup(a.base, a.steps)
-    seen = pretraining_files_in(DOMAIN, act_quant.pretrain_setup())
+    seen = pretraining_files_in(DOMAIN, pretrain_setup())
     logger.info("pretraining files under %s/: %d", DOMAIN, seen)
     before = evaluate(build_model(setup), Batches(setup.heldout, setup), setup.eval_batches)
     logger.info("base model's held-out loss on %s/ before fine-tuning: %.4f", DOMAIN, before)

@@ -32,6 +32,7 @@ from typing import Any
 
 from benchmarks.harness import branch_stats
 from benchmarks.harness.arms import Arm
+from benchmarks.harness.bases import ensure_base
 from benchmarks.harness.branch import run_branch, run_trunk
 from benchmarks.harness.branch_stats import Design, Records
 from benchmarks.harness.common import RESULTS, arg_parser, start_cli
@@ -63,11 +64,9 @@ def trunks_dir(regime: Regime) -> Path:
 
 def ensure_inputs(regime: Regime) -> None:
     """What a regime's trunks start from: a fine-tuning regime's base model (``init_from``),
-    pretrained by its seed experiment when missing (:func:`benchmarks.seed.lora_int8.
+    pretrained by its seed experiment when missing (:func:`benchmarks.harness.bases.
     ensure_base`)."""
     if regime.setup.init_from is not None:
-        from benchmarks.seed.lora_int8 import ensure_base
-
         ensure_base(Path(regime.setup.init_from))
 
 

@@ -17,14 +17,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from benchmarks.harness.arms import Fault, OutlierPlan, Setup
+from benchmarks.harness.bases import BASE, lora_setup
 from benchmarks.harness.branch import Instrument
 from benchmarks.harness.recipes import FP6_LOW_COST as FP6_BLOCK
 from benchmarks.harness.recipes import FP6_STRESS as FP6_TENSOR
 from benchmarks.harness.recipes import FP8_RECOVERY as FP8_BLOCK
 from benchmarks.harness.recipes import act_quant_policy
 from benchmarks.harness.recipes import fp6_fp8_policy as fp6_policy
-from benchmarks.seed.act_quant import BASE
-from benchmarks.seed.lora_int8 import lora_setup
 
 __all__ = ["BRANCH_REGIMES", "FAULT_REGIMES", "FP4_REGIMES", "REGIMES", "SEED_REGIMES", "Regime"]
 

@@ -126,8 +126,8 @@ def test_late_switches_act_at_the_end_of_the_trunks_schedule(trunk):
 
 
 def test_preregistered_verdicts_use_bonferroni_intervals():
+    from benchmarks.harness.preregistered import COMPARISONS, t_quantile, verdict
     from benchmarks.harness.stats import t95
-    from benchmarks.sweep.preregistered import COMPARISONS, t_quantile, verdict
 
     assert [round(t_quantile(0.975, df), 3) for df in (1, 4, 9, 30)] == [
         t95(d) for d in (1, 4, 9, 30)
@@ -143,8 +143,8 @@ def test_preregistered_verdicts_use_bonferroni_intervals():
 
 
 def test_fault_arms_name_the_preregistered_rivals():
+    from benchmarks.harness.preregistered import COMPARISONS
     from benchmarks.sweep.branch_arms import make_arms
-    from benchmarks.sweep.preregistered import COMPARISONS
     from benchmarks.sweep.regimes import FAULT_REGIMES
 
     for regime in FAULT_REGIMES.values():
