@@ -5,7 +5,8 @@
 The document is the Jinja2 template ``templates/RESULTS.md.j2`` (one included template per
 section): its sentences are written there, with named placeholders for every figure. This
 package reads the result files (:mod:`.source`), builds each section's names (:mod:`.fp4`,
-:mod:`.faults`, :mod:`.seed_branch`, :mod:`.selection`, :mod:`.seed`, :mod:`.overhead`) and
+:mod:`.faults`, :mod:`.seed_branch`, :mod:`.selection`, :mod:`.seed`, :mod:`.overhead`; the
+top paragraph: :mod:`.summary`) and
 gives the template its filters (:mod:`.words`): the figures' formats and the verdict words
 (resolved, better, worse, the same), which are computed from the intervals, never written by
 hand. The rendered text is then filled to 100 columns (:func:`.words.fill_document`), so a
@@ -22,7 +23,7 @@ from typing import Any
 import jinja2
 
 from benchmarks.harness.branch_stats import SPIKE, table
-from benchmarks.report import faults, fp4, overhead, seed, seed_branch, selection
+from benchmarks.report import faults, fp4, overhead, seed, seed_branch, selection, summary
 from benchmarks.report.source import RESULTS, Source
 from benchmarks.report.words import FILTERS, fill_document, resolved
 
@@ -31,7 +32,7 @@ DOCUMENT = Path(__file__).resolve().parents[1] / "RESULTS.md"
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 
-SECTIONS = (fp4, faults, seed_branch, selection, seed, overhead)
+SECTIONS = (summary, fp4, faults, seed_branch, selection, seed, overhead)
 """The modules whose ``context(src)`` give the sections' templates their names."""
 
 

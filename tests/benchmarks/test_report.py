@@ -559,3 +559,37 @@ def test_the_fp4_section_prices_every_arm(results):
     assert "**fp4_tensor, 5 seeds x 2 branch points (100 and 250), budgets 2, 4 and 7**" in fp4
     assert "these records predate `flops_recovered`" in fp4
     assert "| GNMR+e 7 | 22.5% (unit-steps) |" in fp4 and "n/a (no FP4 GEMMs)" in fp4
+
+
+# -- the top paragraph (benchmarks/report/summary.py) ---------------------------------------------
+
+
+def _summary(root: Path) -> str:
+    from benchmarks.report import environment, summary
+    from benchmarks.report.source import Source
+    from benchmarks.report.words import fill_document
+
+    src = Source(root)
+    text = environment().get_template("summary.md.j2").render(src=src, **summary.context(src))
+    return " ".join(fill_document(text).split())
+
+
+def test_the_top_paragraph_says_where_gnmr_pays_and_where_it_does_not(tmp_path):
+    """A passing fault regime gets GNMR+e's share and verdicts; one swept on 5 seeds whose gap
+    holds 0 is 'nothing to recover'; one with 2 seeds is a pilot."""
+    seeds5 = (1, 2, 3, 4, 5)
+    _write_faults(tmp_path, _fault_records(seeds=seeds5), "outlier_pays")
+    flat = {a: (0.0, w) for a, (_, w) in FAULT_ARMS.items()}
+    rows = _fault_records(flat, seeds=seeds5)
+    for r in rows:  # a gap of either sign per seed: not resolved
+        if r["arm"] == "low-cost":
+            r["heldout"]["50"] += 0.002 * (-1) ** r["seed"]
+    _write_faults(tmp_path, rows, "outlier_absorbed")
+    _write_faults(tmp_path, _fault_records(seeds=(1, 2)), "outlier_pilot")
+    text = _summary(tmp_path)
+    assert "`outlier_pays` (5 seeds): GNMR+e 4 closes 61% +- 3% of the static gap" in text
+    assert "with 14.3% of the linear work on the recovery path" in text
+    assert "GNMR+e 4 against random 4, better (-0.0040 +- 0.0000, the same work);" in text
+    assert "GNMR+e v2 4 against GNMR+e 4, not resolved" in text
+    assert "Where the format absorbs the fault (`outlier_absorbed`: the static gap is" in text
+    assert "Piloted on two seeds only, not yet a verdict: `outlier_pilot`" in text

@@ -1,0 +1,64 @@
+"""The paragraph at the top of RESULTS.md: when to turn GNMR on, with which budget, and what it
+buys there, read from the same figures as the sections below.
+
+Regimes fall into three kinds, each told apart by its own figures: a **fault regime that passes
+the noise bar** (:meth:`.faults.FaultRegime.bar`: a resolved static gap, quiet nulls), where the
+paragraph gives GNMR+e's share of the gap closed, its recovered work and its four
+pre-registered verdicts; a **fault regime whose gap is not resolved**, where there is nothing to
+recover; and the **seed experiments**, with their verdict words (:mod:`.seed_branch`). The FP4
+section's own summary covers uniform damage.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks.harness.branch_stats import share_closed
+from benchmarks.report.faults import FaultRegime, work
+from benchmarks.report.faults import context as fault_context
+from benchmarks.report.seed_branch import regimes as seed_regimes
+from benchmarks.report.source import Source
+
+__all__ = ["context"]
+
+
+def local(r: FaultRegime) -> dict[str, Any] | None:
+    """What the paragraph says of a fault regime that passes the bar: per budget ``k`` with
+    GNMR+e in its design, the share of the gap GNMR+e closes and its work, and the verdicts."""
+    d = r.design
+    if d is None or not r.bar()["passes"]:
+        return None
+    rows = []
+    for k in r.budgets():
+        arm = f"GNMR+e {k}"
+        if arm not in r.table_arms:
+            continue
+        family = {arm, f"GNMR+e v2 {k}"}
+        verdicts = [p for p in r.preregistered() if not p["missing"] and p["c"].arm in family]
+        rows.append(
+            {
+                "k": k,
+                "share": share_closed(r.records, d, arm),
+                "work": work(r.records, d, arm),
+                "verdicts": verdicts,
+            }
+        )
+    return {"regime": r, "seeds": len(d.seeds), "budgets": rows} if rows else None
+
+
+SWEPT = 5
+"""Seeds from which a fault regime counts as swept rather than piloted: an unresolved gap then
+says the format absorbed the fault, not that two seeds could not tell."""
+
+
+def context(src: Source) -> dict[str, Any]:
+    """Of the fault regimes swept on :data:`SWEPT` seeds or more: ``advice``, those that pass
+    the bar (:func:`local`), and ``quiet``, those whose static gap is not resolved; ``pilots``:
+    the others; ``seed_words``: (regime, verdicts) of the seed experiments."""
+    regimes: list[FaultRegime] = fault_context(src)["faults"]
+    swept = [r for r in regimes if r.design is not None and len(r.design.seeds) >= SWEPT]
+    advice = [a for a in (local(r) for r in swept) if a is not None]
+    quiet = [r for r in swept if not r.bar()["resolved"]]
+    pilots = [r for r in regimes if r not in swept]
+    seeds = [(s, s.verdicts()) for s in seed_regimes(src) if s.records and s.design]
+    return {"advice": advice, "quiet": quiet, "pilots": pilots, "seed_words": seeds}
