@@ -58,12 +58,18 @@ class Instrument:
     """Steps into a branch at which its held-out loss is measured (the last is ``horizon``)."""
     eval_batches: int = 32
     """Held-out batches per measurement (the same batches for every arm)."""
+    late_at: str = "branch"
+    """Where a late rule's window ends: ``"branch"``, at each branch's end, right before its
+    measurement (where it is strongest: the FP4 sweeps' records), or ``"schedule"``, at the
+    end of the trunk's schedule, where a run has it (a branch ending before runs low-cost)."""
 
     def __post_init__(self) -> None:
         if not self.points or max(self.points) > self.trunk_steps:
             raise ValueError(f"branch points {self.points} must lie in 1..{self.trunk_steps}")
         if not self.evals or max(self.evals) != self.horizon or min(self.evals) < 1:
             raise ValueError(f"evals {self.evals} must lie in 1..horizon and end at {self.horizon}")
+        if self.late_at not in ("branch", "schedule"):
+            raise ValueError(f"late_at must be 'branch' or 'schedule', got {self.late_at!r}")
 
 
 def trunk_file(root: Path, seed: int, point: int) -> Path:
@@ -146,8 +152,10 @@ def run_branch(
     steps; held-out losses (fp32) at ``evals``. ``perturbed``: the null control's weight move."""
     s = _with_outlier(branch_setup(setup, inst, seed), seed, point)
     heldout = Batches(s.heldout, s)
-    run = ArmRun(s, arm, heldout, evaluates=False)  # last_step: the trunk's, as in a run
+    run = ArmRun(s, arm, heldout, evaluates=False)  # last_step: the trunk's schedule end
     start = load_trunk(run, trunk_file(root, seed, point))
+    if inst.late_at == "branch":
+        run.last_step = start + inst.horizon  # the late switch: the branch's last steps
     run.draw_gen.manual_seed(seed * 100_003 + point)  # random-k: its own draws per branch
     if perturbed:
         perturb(run.model, PERTURBATION, seed * 7 + point)

@@ -59,7 +59,7 @@ class AutoswitchGemms:
         def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
             n = self.calls.get(id(op), 0)
             self.calls[id(op)] = n + 1
-            key = (self.step, uid, index, n)
+            key = (self.step, uid, index, n, 0)  # the backend's key; 0: not a measuring pass
             forced = path == RECOVERY
             sw = Switch(low, high, scales, self.ledger, uid, self.decide, forced, key)
             return sw(x, weight, bias)

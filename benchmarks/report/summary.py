@@ -35,12 +35,14 @@ def local(r: FaultRegime) -> dict[str, Any] | None:
             continue
         family = {arm, f"GNMR+e v2 {k}"}
         verdicts = [p for p in r.preregistered() if not p["missing"] and p["c"].arm in family]
+        share = share_closed(r.records, d, arm)
         rows.append(
             {
                 "k": k,
-                "share": share_closed(r.records, d, arm),
+                "share": share,
                 "work": work(r.records, d, arm),
                 "verdicts": verdicts,
+                "kind": kind(share, verdicts, arm),
             }
         )
     return {"regime": r, "seeds": len(d.seeds), "budgets": rows} if rows else None
@@ -51,14 +53,30 @@ SWEPT = 5
 says the format absorbed the fault, not that two seeds could not tell."""
 
 
+def kind(share: tuple[float, float], verdicts: list[dict[str, Any]], arm: str) -> str:
+    """``"pays"``: GNMR+e beats random selection or NVIDIA's fixed rule (a pre-registered
+    "better"); ``"no help"``: its share of the gap closed is not above 0 (95%); ``"ties"``:
+    it closes part of the gap, but no better than those rules at the same budget."""
+    mean, half = share
+    if not mean - half > 0:
+        return "no help"
+    fixed = ("random ", "NVIDIA last-")
+    rivals = [v for v in verdicts if v["c"].arm == arm and v["c"].rival.startswith(fixed)]
+    return "pays" if any(v["verdict"] == "better" for v in rivals) else "ties"
+
+
 def context(src: Source) -> dict[str, Any]:
     """Of the fault regimes swept on :data:`SWEPT` seeds or more: ``advice``, those that pass
-    the bar (:func:`local`), and ``quiet``, those whose static gap is not resolved; ``pilots``:
+    the bar (:func:`local`, each budget with its :func:`kind`), ``quiet``, those whose static
+    gap is not resolved, and ``noisy``, the rest (a gap, but nulls above the bar); ``pilots``:
     the others; ``seed_words``: (regime, verdicts) of the seed experiments."""
     regimes: list[FaultRegime] = fault_context(src)["faults"]
     swept = [r for r in regimes if r.design is not None and len(r.design.seeds) >= SWEPT]
     advice = [a for a in (local(r) for r in swept) if a is not None]
     quiet = [r for r in swept if not r.bar()["resolved"]]
+    told = {a["regime"].name for a in advice} | {r.name for r in quiet}
+    noisy = [r for r in swept if r.name not in told]  # a resolved gap, nulls above the bar
     pilots = [r for r in regimes if r not in swept]
     seeds = [(s, s.verdicts()) for s in seed_regimes(src) if s.records and s.design]
-    return {"advice": advice, "quiet": quiet, "pilots": pilots, "seed_words": seeds}
+    names = {"advice": advice, "quiet": quiet, "noisy": noisy, "pilots": pilots}
+    return names | {"seed_words": seeds}

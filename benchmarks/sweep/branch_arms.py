@@ -74,9 +74,10 @@ def fault_arms(regime: Regime, budgets: Sequence[int], units: int) -> list[tuple
     terms, ``share = k / units`` of the unit-steps (all GEMMs in the last ``share T`` steps;
     forward only, a third of the work, from ``T (1 - 3 share)``), NVIDIA's own forward-only
     switch from 82% of the schedule. GNMR+e v2 caps its recovered work at the same share
-    (``max_share``) and recovers fprop and wgrad, the GEMMs that read the outlier's input;
-    under delayed scaling (one amax history per tensor serves two GEMMs) it and the
-    forward-only switches recover all three GEMMs, or are left out."""
+    (``max_share``, twice the units) and recovers all three GEMMs: the outlier damages fprop and
+    wgrad through ``x D`` and dgrad through the shrunk column of ``W D^-1`` (its ``dx_c``
+    underflows). The forward-only switches are left out under delayed scaling, whose amax
+    history per tensor serves two GEMMs."""
     q, k_nv = regime.backend_args(), nvidia_k(units)
     steps = regime.instrument.trunk_steps
     delayed = regime.low_cost.get("scaling") == "delayed"
@@ -111,7 +112,6 @@ def fault_arms(regime: Regime, budgets: Sequence[int], units: int) -> list[tuple
                     max_active=2 * k,
                     controller=v2,
                     error_every=1,
-                    gemms=() if delayed else ("fprop", "wgrad"),
                     **q,
                 ),
                 False,

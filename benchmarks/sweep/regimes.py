@@ -174,10 +174,10 @@ static low-cost path's units on three steps after the seed-1234 trunk's step 175
 nvfp4 0.39, mxfp4 0.43, fp4_tensor 1.01), as for the other regimes."""
 
 
-FAULT_POINTS = Instrument(points=(100, 175, 250, 325, 350))
+FAULT_POINTS = Instrument(points=(100, 175, 250, 325, 350), late_at="schedule")
 """The fault regimes' instrument: the FP4 regimes' branch points (the same trunks: a
 function-preserving outlier leaves the BF16 trunk bit for bit alone) and 350, whose branches
-end the trunk's schedule (where a late switch acts in a run)."""
+end the trunk's schedule; the late rules act where a run has them (``late_at="schedule"``)."""
 
 
 def _fault(name: str, description: str, low_cost: dict[str, Any], **kw: Any) -> Regime:
@@ -286,7 +286,7 @@ SEED_REGIMES = {
             recovery={"bits": 8, "group_size": 128},
             gamma=0.56,
             high="8-bit",
-            instrument=Instrument(trunk_steps=300, points=(75, 150, 225)),
+            instrument=Instrument(trunk_steps=300, points=(75, 150, 225), late_at="schedule"),
         ),
         _seed(
             "seed_fp6_fp8",
@@ -308,7 +308,7 @@ SEED_REGIMES = {
             low_cost={"weight_granularity": "row", "act_granularity": "token"},
             recovery={"dtype": "bf16"},
             gamma=0.05,
-            instrument=Instrument(trunk_steps=200, points=(50, 100, 150)),
+            instrument=Instrument(trunk_steps=200, points=(50, 100, 150), late_at="schedule"),
         ),
     )
 }

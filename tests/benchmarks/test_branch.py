@@ -95,8 +95,8 @@ def test_perturb_moves_every_tensor_by_the_relative_size():
 
 def test_late_and_last_units_policies(trunk):
     setup, root = trunk
-    late = run_branch(setup, Arm("late", "late", late_steps=1, **Q), INST, 3, 5, root, False)
-    assert late["recovered_unit_steps"] == 14  # every unit, the schedule's last step (8) only
+    late = run_branch(setup, Arm("late", "late", late_steps=1, **Q), INST, 3, 3, root, False)
+    assert late["recovered_unit_steps"] == 14  # every unit, the branch's last step only
     last = run_branch(setup, Arm("last", "last_units", max_active=2, **Q), INST, 3, 3, root, False)
     assert last["recovered_unit_steps"] == 2 * 3
     assert last["unit_recovered"] == [0] * 12 + [3, 3]  # per unit: the last two, every step

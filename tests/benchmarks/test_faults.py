@@ -19,7 +19,9 @@ from tests.benchmarks.test_harness import tiny
 BF16 = {"format": "bf16"}
 FP4T = {"format": "e2m1", "granularity": "tensor"}
 Q = {"backend": "fp8_emulated", "low_cost": FP4T, "recovery": BF16}
-INST = Instrument(trunk_steps=8, points=(3, 5), horizon=3, evals=(1, 3), eval_batches=1)
+INST = Instrument(
+    trunk_steps=8, points=(3, 5), horizon=3, evals=(1, 3), eval_batches=1, late_at="schedule"
+)
 PLAN = OutlierPlan(offset=0, rise=2, hold=2, growth=1024.0)
 
 
@@ -176,3 +178,8 @@ def test_autoswitch_draws_the_same_bits_in_every_process(trunk):
     q = {**Q, "low_cost": {"format": "e2m1"}}
     a, b = (_branch(setup, root, Arm("auto", "autoswitch", **q)) for _ in range(2))
     assert a["train_loss"] == b["train_loss"] and a["gemms_high"] == b["gemms_high"]
+    # with its high path the low-cost one, the rule draws the bits the backend draws: the same
+    # stochastic rounding pairs it with every other arm
+    off = Arm("auto", "autoswitch", **{**q, "recovery": q["low_cost"]})
+    low = Arm("low-cost", "static", **q)
+    assert _branch(setup, root, off)["train_loss"] == _branch(setup, root, low)["train_loss"]

@@ -587,9 +587,16 @@ def test_the_top_paragraph_says_where_gnmr_pays_and_where_it_does_not(tmp_path):
     _write_faults(tmp_path, rows, "outlier_absorbed")
     _write_faults(tmp_path, _fault_records(seeds=(1, 2)), "outlier_pilot")
     text = _summary(tmp_path)
-    assert "`outlier_pays` (5 seeds): GNMR+e 4 closes 61% +- 3% of the static gap" in text
+    assert "`outlier_pays` (5 seeds): **turn it on**: GNMR+e 4 closes 61% +- 3% of the" in text
     assert "with 14.3% of the linear work on the recovery path" in text
     assert "GNMR+e 4 against random 4, better (-0.0040 +- 0.0000, the same work);" in text
     assert "GNMR+e v2 4 against GNMR+e 4, not resolved" in text
     assert "Where the format absorbs the fault (`outlier_absorbed`: the static gap is" in text
     assert "Piloted on two seeds only, not yet a verdict: `outlier_pilot`" in text
+    tie = {"random 4": (0.004, 4 / 28), "NVIDIA last-4": (0.004, 4 / 28)}
+    rows = _fault_records({**FAULT_ARMS, **tie}, seeds=seeds5)
+    _write_faults(tmp_path, rows, "outlier_pays")
+    assert "**a fixed rule does as well**: GNMR+e 4 closes" in _summary(tmp_path)
+    rows = _fault_records({**FAULT_ARMS, "GNMR+e 4": (0.010, 4 / 28)}, seeds=seeds5)
+    _write_faults(tmp_path, rows, "outlier_pays")
+    assert "**it does not help here**: GNMR+e 4 closes 1% +- 3%" in _summary(tmp_path)
