@@ -6,7 +6,9 @@ Both act through the backend's documented extension point, ``make_forward(op, pa
 forward installed on each operator for each path, ``gnmr_dist.backends.base``), overridden on
 the arm's backend instance before it wraps the model: the outlier moves a channel's scale from
 ``W`` to ``x`` on the GEMM's inputs, ``y = (x D)(W D^-1)^T + b``, and the GEMM (the path's own,
-or the rule's) rounds what it is given.
+or the rule's) rounds what it is given. The trained parameter stays ``W``, so the backend takes
+the error score of the GEMM on ``W``'s gradient (``scale_gradient_columns``): the outlier's
+scale alone must not raise ``B(u)``, only the damage it does.
 """
 
 from __future__ import annotations
@@ -79,6 +81,11 @@ def install_forwards(
     on ``(x D, W D^-1)`` (:class:`Outlier`). Nothing is overridden when there is neither."""
     if not outliers and gemms is None:
         return
+    if outliers and not isinstance(backend, EmulatedBackend):
+        raise ValueError(
+            f"outliers run on fp8_emulated, whose error score can be taken on the trained "
+            f"weight's gradient (scale_gradient_columns); got {type(backend).__name__}"
+        )
     modules = dict(model.named_modules())
     for o in outliers:
         if o.module not in modules:
@@ -94,7 +101,11 @@ def install_forwards(
             if f is None:
                 return gemm(input, linear.weight, linear.bias)
             d = _scale_vector(input.shape[-1], outlier.channel, f, input)  # type: ignore[union-attr]
-            return gemm(input * d, linear.weight / d, linear.bias)
+            backend.scale_gradient_columns(op, d.reciprocal())  # B(u) of W's own gradient
+            try:
+                return gemm(input * d, linear.weight / d, linear.bias)
+            finally:
+                backend.scale_gradient_columns(op, None)
 
         return forward
 

@@ -89,6 +89,7 @@ class EmulatedBackend(PrecisionBackend):
         self._stand_ins: dict[tuple[int, str], DelayedScales] = {}  # (id(op), path), measuring
         self._calls: dict[int, int] = {}  # id(op) -> calls this step (stochastic rounding)
         self._probe_calls: dict[int, int] = {}  # the same inside measuring()
+        self._columns: dict[int, torch.Tensor] = {}  # id(op) -> gradient column scales
 
     def check_gemms(self, gemms: frozenset[str]) -> None:
         """Any subset, on current scaling: each GEMM's inputs are quantized inside that GEMM.
@@ -219,7 +220,7 @@ class EmulatedBackend(PrecisionBackend):
             key = self._call_key(op)
             seed = sr_seed(spec.seed, *key)
             if weight.requires_grad and not low.is_identity:
-                probe = self._probe(x)
+                probe = self._probe(x, op)
             if path == LOW_COST and probe is not None:
                 return EmulatedCall(spec, probe, scales, record, seed)(x, weight, bias)
             if subset:
@@ -273,12 +274,28 @@ class EmulatedBackend(PrecisionBackend):
         calls[id(op)] = n + 1
         return self._step, uid, index, n, int(self._measuring)
 
-    def _probe(self, x: torch.Tensor) -> EmulatedProbe | None:
+    def scale_gradient_columns(self, op: nn.Module, columns: torch.Tensor | None) -> None:
+        """Declare that wrapped operator ``op``'s next GEMMs run on a reparametrized weight:
+        the trained parameter's gradient is the GEMM weight's with input column ``k`` times
+        ``columns[k]`` (a per-channel scale moved from the weight to the input, as SmoothQuant
+        does: ``x D`` and ``W D^-1`` give ``columns = 1 / diag(D)``). Their error score ``B(u)``
+        is then taken on the parameter's gradient (:class:`~gnmr_dist.backends.emulated_linear.
+        InputNorms`). ``None`` undoes it. Read when a GEMM's forward runs."""
+        if columns is None:
+            self._columns.pop(id(op), None)
+        else:
+            self._columns[id(op)] = columns.detach()
+
+    def _probe(self, x: torch.Tensor, op: nn.Module) -> EmulatedProbe | None:
         """A probe for the running unit, sharing ``x``'s norms with the last GEMM of the same
-        ``x`` (one slot keyed on its identity and version, as ``act_quant``'s shared pack)."""
+        ``x`` (one slot keyed on its identity and version, as ``act_quant``'s shared pack);
+        a GEMM on a reparametrized weight (:meth:`scale_gradient_columns`) has its own."""
         base = self._error_probe()
         if base is None:
             return None
+        columns = self._columns.get(id(op))
+        if columns is not None:
+            return EmulatedProbe(base.sink, base.unit, shared=InputNorms(columns=columns))
         if self.specs[LOW_COST].delayed is not None:  # each operator has its own x scale
             return EmulatedProbe(base.sink, base.unit)
         ref, version, shared = self._last_input

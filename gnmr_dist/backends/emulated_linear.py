@@ -186,11 +186,20 @@ class InputNorms:
     x_err: Tensor | None = None
     x_norm: Tensor | None = None
     done: bool = False
+    columns: Tensor | None = None
+    """Per input feature ``c_k``: the trained parameter's gradient is the GEMM weight's with
+    column ``k`` times ``c_k`` (a GEMM on a reparametrized weight ``W diag(c)``); the norms are
+    then taken on ``x diag(c)`` and ``Q_M(x) diag(c)``, so ``B(u)`` bounds the error of the
+    parameter's gradient (:meth:`~gnmr_dist.backends.emulated.EmulatedBackend.
+    scale_gradient_columns`). ``None``: the weight is the parameter."""
 
     def fill(self, spec: LinearQuantSpec, x2: Tensor, xq_m: Tensor) -> None:
         """Measure from ``x2`` and its wgrad quantization ``xq_m`` (both flat, one dtype)."""
         if self.done:
             return
+        if self.columns is not None:  # a column scale commutes with the rotation along M
+            c = self.columns.to(x2.dtype)
+            x2, xq_m = x2 * c, xq_m * c
         want_err, want_norm = not spec.x_format.is_identity, not spec.grad_format.is_identity
         tensors = [xq_m - x2] if want_err else []
         norms = torch._foreach_norm([*tensors, x2] if want_norm else tensors)
