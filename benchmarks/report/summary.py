@@ -55,14 +55,17 @@ says the format absorbed the fault, not that two seeds could not tell."""
 
 def kind(share: tuple[float, float], verdicts: list[dict[str, Any]], arm: str) -> str:
     """``"pays"``: GNMR+e beats random selection or NVIDIA's fixed rule (a pre-registered
-    "better"); ``"no help"``: its share of the gap closed is not above 0 (95%); ``"ties"``:
-    it closes part of the gap, but no better than those rules at the same budget."""
+    "better"); ``"no help"``: its share of the gap closed is not above 0 (95%); ``"worse"``: a
+    fixed rule beats it; ``"open"``: it closes part of the gap, but its margin over those rules
+    is not resolved (more seeds may tell)."""
     mean, half = share
     if not mean - half > 0:
         return "no help"
     fixed = ("random ", "NVIDIA last-")
     rivals = [v for v in verdicts if v["c"].arm == arm and v["c"].rival.startswith(fixed)]
-    return "pays" if any(v["verdict"] == "better" for v in rivals) else "ties"
+    if any(v["verdict"] == "better" for v in rivals):
+        return "pays"
+    return "worse" if any(v["verdict"] == "worse" for v in rivals) else "open"
 
 
 def context(src: Source) -> dict[str, Any]:
