@@ -21,7 +21,8 @@ interval), as every other branch figure (:mod:`benchmarks.harness.branch_stats`)
 
 Undefined cases (``r <= 0`` with a nonzero gap, ``H + D <= 0``, a non-finite loss) are reported,
 never divided through; a format the hardware has no GEMMs for is ``n/a``; a path that does not
-change GEMM throughput (``act_quant``) or whose format is not in the table is ``not priced``.
+change GEMM throughput (``act_quant``) or whose format is not in the table is ``not priced``;
+``int8`` (the LoRA experiment's frozen base) is priced from :data:`INT8_RATE`.
 Records without ``flops_recovered`` fall back to the unit-step share (:func:`flops_share`). The
 assumptions are :func:`assumptions`, printed beside the table. No torch.
 """
@@ -41,6 +42,7 @@ from benchmarks.harness.stats import interval
 __all__ = [
     "FORMAT_CLASS",
     "HARDWARE",
+    "INT8_RATE",
     "THROUGHPUT",
     "BranchCost",
     "Formats",
@@ -86,6 +88,12 @@ class their GEMMs run at (fp16 at the BF16 rate). ``fp32`` is not in the table."
 
 _DEFAULT_FORMAT = {"low_cost": "e4m3", "recovery": "bf16"}
 """The ``fp8_emulated`` backend's default ``format`` of each path."""
+
+INT8_RATE: dict[str, float] = {"B200": 2.0, "Hopper": 2.0}
+"""Peak dense INT8 GEMM throughput relative to BF16 (NVIDIA's datasheets: H100 SXM 1,979 TOPS
+INT8 against 989 TFLOPS BF16; B200 4.5 POPS INT8 against 2.25 PFLOPS BF16). GB300 (Blackwell
+Ultra) cut its INT8 rate and the figure is not recorded here: the int8 backend is not priced
+there."""
 
 _NOT_GEMM = {
     "act_quant": "act_quant quantizes the saved activations (a memory saving); its GEMMs run in "
@@ -177,6 +185,19 @@ def _path_time(options: Mapping[str, Any], role: str, hardware: str) -> float | 
     return (1 / fprop + 2 / backward) / 3
 
 
+def _int8_price(formats: Formats, hardware: str) -> Price:
+    """The ``int8`` backend (frozen base weights, W8A8): its low-cost path runs fprop as an INT8
+    GEMM and dgrad in high precision on the dequantized weight; a frozen weight has no wgrad.
+    Two equal-FLOP GEMMs per base product, so ``1 / R(low) = (1 / R(INT8) + 1) / 2``; recovery
+    runs both in BF16."""
+    dtype = str(formats.recovery.get("dtype", "bf16"))
+    if dtype != "bf16":
+        return Price(note=f"not priced: int8's {dtype} recovery GEMMs are not in the cost table")
+    if hardware not in INT8_RATE:
+        return Price(note=f"not priced: {hardware}'s INT8 rate is not in the cost table")
+    return Price((1 / INT8_RATE[hardware] + 1) / 2, 1.0)
+
+
 def price(formats: Formats, hardware: str) -> Price:
     """The two paths' time per linear-layer GEMM FLOP against BF16 on ``hardware`` (one of
     :data:`HARDWARE`), or the note saying why they are not priced."""
@@ -184,6 +205,8 @@ def price(formats: Formats, hardware: str) -> Price:
         raise ValueError(f"unknown hardware {hardware!r}; known: {', '.join(THROUGHPUT)}")
     if formats.backend in _NOT_GEMM:
         return Price(note=f"not priced: {_NOT_GEMM[formats.backend]}")
+    if formats.backend == "int8":
+        return _int8_price(formats, hardware)
     if formats.backend != "fp8_emulated":
         note = f"not priced: the {formats.backend} backend's formats are not in the cost table"
         return Price(note=note)
@@ -443,6 +466,9 @@ def assumptions(formats: Formats | None = None, horizon: int = 50, early: int = 
         "Hopper (H100 / H200) FP8 2, BF16 1, no FP4 or FP6 GEMMs (such a recipe is n/a there).",
         "A GEMM whose operands differ in format (grad_format) runs at the slower operand's "
         "rate; a path's rate is the mean over its three equal-FLOP GEMMs.",
+        "The int8 backend (LoRA's frozen base, W8A8): fprop at the INT8 rate (2 on B200 and "
+        "Hopper, from NVIDIA's datasheets; GB300's is not in the table, so not priced there), "
+        "dgrad in high precision, no wgrad for a frozen weight: 1 / R(low) = (1 / 2 + 1) / 2.",
         "The local rate of progress is taken as linear over the extra steps (D steps at the "
         "rate measured over the branch's last steps); it is undefined where BF16 made no "
         "measurable progress (r <= 0), and so is S where the arm is ahead by more than the "
@@ -463,6 +489,8 @@ def assumptions(formats: Formats | None = None, horizon: int = 50, early: int = 
 
 def _describe(formats: Formats) -> str:
     """``low-cost e2m1 (FP4), recovery bf16 (BF16), backend fp8_emulated``."""
+    if formats.backend == "int8":
+        return "low-cost int8 W8A8 (INT8 fprop), recovery BF16, backend int8"
     if formats.backend != "fp8_emulated":
         return f"backend {formats.backend} ({price(formats, HARDWARE[0]).note})"
     parts = []

@@ -221,8 +221,9 @@ def test_incomplete_arms_and_reference():
 
 def test_prices_of_formats():
     """FP6 runs at the FP8 rate on Blackwell and not at all on Hopper; a GEMM with a wider
-    operand runs at its rate (fprop FP4, dgrad and wgrad BF16: (1/4 + 2) / 3 = 0.75); act_quant,
-    int8 and fp32 are not priced."""
+    operand runs at its rate (fprop FP4, dgrad and wgrad BF16: (1/4 + 2) / 3 = 0.75); int8 runs
+    fprop at the INT8 rate and dgrad in BF16 ((1/2 + 1) / 2), not on GB300; act_quant, fp32 and
+    other backends are not priced."""
     fp6 = Formats(
         "fp8_emulated",
         {"format": "e2m3", "grad_format": "e3m2", "granularity": "block", "block": 128},
@@ -238,8 +239,15 @@ def test_prices_of_formats():
     act = price(Formats("act_quant", {"bits": 2}, {"bits": 8}), "B200")
     assert act.note is not None and act.note.startswith("not priced: act_quant")
     assert "memory" in act.note
-    assert price(Formats("int8", {}, {"dtype": "bf16"}), "B200").note == (
-        "not priced: the int8 backend's formats are not in the cost table"
+    assert price(Formats("int8", {}, {"dtype": "bf16"}), "Hopper") == Price(0.75, 1.0)
+    assert price(Formats("int8", {}, {"dtype": "bf16"}), "GB300").note == (
+        "not priced: GB300's INT8 rate is not in the cost table"
+    )
+    assert price(Formats("int8", {}, {"dtype": "fp32"}), "B200").note == (
+        "not priced: int8's fp32 recovery GEMMs are not in the cost table"
+    )
+    assert price(Formats("te_fp8", {}, {}), "B200").note == (
+        "not priced: the te_fp8 backend's formats are not in the cost table"
     )
     fp32 = price(Formats("fp8_emulated", {"format": "e4m3"}, {"format": "fp32"}), "B200")
     assert fp32.note == "not priced: fp32 GEMMs are not in the cost table"
@@ -258,7 +266,7 @@ def test_a_not_priced_regime_in_the_table():
 
 def test_the_regimes_formats():
     """Every branch regime is priced from its own option blocks; the FP4 ones are n/a on Hopper,
-    the selection sweeps' act_quant is not priced, fp6_fp8's recovery runs at the FP8 rate."""
+    act_quant (the selection sweeps' and seed experiment 1's) is not priced, fp6_fp8's recovery runs at the FP8 rate."""
     from benchmarks.sweep.regimes import BRANCH_REGIMES, FP4_REGIMES, REGIMES
 
     assert price(Formats.of(FP4_REGIMES["nvfp4"]), "B200") == Price(0.25, 1.0)
@@ -267,7 +275,14 @@ def test_the_regimes_formats():
         fp4 = regime.low_cost.get("format") == "e2m1"
         hopper = price(Formats.of(regime), "Hopper")
         assert (hopper.note == "n/a (no FP4 GEMMs)") == fp4, name
-        assert price(Formats.of(regime), "B200").note is None, name
+        b200 = price(Formats.of(regime), "B200").note
+        if regime.backend == "act_quant":  # saved activations only: GEMM rates do not change
+            assert b200 is not None and b200.startswith("not priced"), name
+        elif regime.backend == "int8":  # fprop INT8 at 2x, dgrad in high precision, no wgrad
+            assert price(Formats.of(regime), "B200") == Price(0.75, 1.0), name
+            assert price(Formats.of(regime), "GB300").note.startswith("not priced"), name
+        else:
+            assert b200 is None, name
     assert price(Formats.of(REGIMES["act_quant"]), "B200").note.startswith("not priced")
     assert price(Formats.of(REGIMES["fp6_fp8"]), "B200") == Price(0.5, 0.5)
     assert price(Formats.of(REGIMES["delayed"]), "Hopper") == Price(0.5, 1.0)
