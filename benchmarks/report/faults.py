@@ -12,8 +12,10 @@ the largest grid (most branches per arm, then most seeds) on which all its arms 
 (:func:`largest_design`). An arm that would leave it under :data:`MIN_SEEDS` seeds (no interval)
 when the two static arms alone have more waits outside it, named as in progress
 (:func:`choose_arms`). Arms run only on part of the grid by design (``loss oracle k`` and its
-``single <u>`` inputs) get a table of their own grid (:func:`oracle_subset`). No torch: the
-report computes from the records.
+``single <u>`` inputs) get a table of their own grid (:func:`oracle_subset`). A pre-registered
+comparison pairs its two arms on the design's points over every seed that has both there
+(:meth:`FaultRegime.pair_design`): a power run adds seeds for the compared arms only. No torch:
+the report computes from the records.
 """
 
 from __future__ import annotations
@@ -353,20 +355,32 @@ class FaultRegime:
         ks = sorted({budget(a) for a in self.arms if a.startswith("GNMR+e ") and budget(a)})
         return ks or [budget(preregistered.COMPARISONS[0].arm)]
 
+    def pair_design(self, arm: str, rival: str) -> Design | None:
+        """A pre-registered comparison's own grid: the design's points on every seed with both
+        arms at all of them (a power run adds seeds for the compared arms only), or the design
+        where that has as many seeds."""
+        d = self.design
+        if d is None:
+            return None
+        seeds = complete_seeds(self.records, [arm, rival], self.all_seeds(), d.points)
+        return replace(d, seeds=tuple(seeds)) if len(seeds) > len(d.seeds) else d
+
     def preregistered(self) -> list[dict[str, Any]]:
-        """The four comparisons per budget: per-seed paired differences over the design, with
-        :func:`benchmarks.harness.preregistered.verdict`'s Bonferroni-adjusted interval, and
-        both arms' recovered work; ``missing``: the arms not in the design yet."""
+        """The four comparisons per budget: per-seed paired differences over the comparison's
+        own grid (:meth:`pair_design`), with :func:`benchmarks.harness.preregistered.verdict`'s
+        Bonferroni-adjusted interval, and both arms' recovered work; ``missing``: the arms not
+        in the design yet."""
         out = []
         for k in self.budgets():
             family = preregistered.comparisons(k)
             for c in family:
                 missing = [a for a in (c.arm, c.rival) if a not in self.table_arms]
                 row: dict[str, Any] = {"c": c, "missing": missing}
-                if not missing and self.design:
-                    diffs = per_seed(self.records, self.design, c.arm, c.rival)
+                dc = self.pair_design(c.arm, c.rival)
+                if not missing and dc:
+                    diffs = per_seed(self.records, dc, c.arm, c.rival)
                     m, h, v = preregistered.verdict(diffs, len(family))
-                    works = [work(self.records, self.design, a) for a in (c.arm, c.rival)]
+                    works = [work(self.records, dc, a) for a in (c.arm, c.rival)]
                     row |= {"mean": m, "half": h, "verdict": v, "work": works}
                     row |= {"spend": spend(*works), "seeds": len(diffs)}
                 out.append(row)
@@ -374,17 +388,18 @@ class FaultRegime:
 
     def preregistered_table(self) -> str:
         header = ["comparison", "question", "mean difference", "98.75% half-width", "verdict"]
-        header += ["recovered work (arm / rival)"]
+        header += ["recovered work (arm / rival)", "seeds"]
         rows = []
         for r in self.preregistered():
             c, name = r["c"], f"{r['c'].arm} - {r['c'].rival}"
             if r["missing"]:
                 rows.append([name, c.question, "-", "-", f"waiting for {listing(r['missing'])}"])
-                rows[-1].append("-")
+                rows[-1] += ["-", "-"]
                 continue
             half = "-" if math.isnan(r["half"]) else f"{r['half']:.4f}"
             works = f"{pct(r['work'][0])} / {pct(r['work'][1])}"
-            rows.append([name, c.question, f"{r['mean']:+.4f}", half, r["verdict"], works])
+            row = [name, c.question, f"{r['mean']:+.4f}", half, r["verdict"], works]
+            rows.append(row + [str(r["seeds"])])
         return markdown_table(header, rows)
 
     # -- where the late rules act

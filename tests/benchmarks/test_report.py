@@ -300,6 +300,22 @@ def test_a_fault_regime_in_progress_names_what_is_missing(tmp_path):
     assert "| GNMR+e v2 4 - GNMR+e 4 | policy v2 pays | - | - | waiting for GNMR+e v2 4 |" in text
 
 
+def test_a_power_run_widens_only_the_comparisons_it_serves(tmp_path):
+    """Seeds 5 and 6 carry the statics, GNMR+e 4 and random 4 only: the design (every arm)
+    stays on 4 seeds, GNMR+e 4 - random 4 pairs over 6, the others over the design's 4."""
+    rows = _fault_records()
+    power = ("low-cost", "BF16", "GNMR+e 4", "random 4")
+    rows += _fault_records({a: FAULT_ARMS[a] for a in power}, seeds=(5, 6))
+    _write_faults(tmp_path, rows)
+    text = _fault_section(tmp_path)
+    assert "**Design: 4 seeds (1, 2, 3 and 4) x 2 branch points" in text
+    line = text.split("| GNMR+e 4 - random 4 |")[1].split("| GNMR+e 4 - ")[0]
+    assert line.rstrip().endswith("| 6 |"), line
+    line = text.split("| GNMR+e 4 - NVIDIA last-4 |")[1].split("| GNMR+e 4 - ")[0]
+    assert line.rstrip().endswith("| 4 |"), line
+    assert "(GNMR+e 4 against random 4): **yes**" in text and "over 6 seeds" in text
+
+
 def test_the_late_rules_are_judged_where_they_act(tmp_path):
     rows = _fault_records()
     for s in FAULT_SEEDS:  # late-57: the low-cost path at 100, the recovery path at 350
