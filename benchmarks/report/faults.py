@@ -399,7 +399,7 @@ class FaultRegime:
             half = "-" if math.isnan(r["half"]) else f"{r['half']:.4f}"
             works = f"{pct(r['work'][0])} / {pct(r['work'][1])}"
             row = [name, c.question, f"{r['mean']:+.4f}", half, r["verdict"], works]
-            rows.append(row + [str(r["seeds"])])
+            rows.append([*row, str(r["seeds"])])
         return markdown_table(header, rows)
 
     # -- where the late rules act

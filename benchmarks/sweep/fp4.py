@@ -10,12 +10,14 @@ regimes) every arm of :func:`make_arms` (controls, NVIDIA's two static rules, fi
 those ``--arms`` names exactly (a trailing ``*``: every arm whose name starts with the rest),
 branches from the same checkpoints of one BF16 trunk per seed (:mod:`benchmarks.harness.branch`).
 Jobs run in a pool of ``--jobs`` processes; every finished branch is appended to
-``results/<family>/<regime>.jsonl`` at once, so a sweep stops and resumes at any time. The report
-(:mod:`benchmarks.sweep.fp4_report`) reads exactly the branches of the design (``--seeds``,
-``--points``, ``--budgets``), refuses while any is missing, and goes to
+``results/<family>/<regime>.jsonl`` at once, so a sweep stops and resumes at any time. An FP4
+regime's report (:mod:`benchmarks.sweep.fp4_report`) reads exactly the branches of the design
+(``--seeds``, ``--points``, ``--budgets``), refuses while any is missing, and goes to
 ``results/sweep_fp4_<regime><suffix>.json`` and ``.png`` (:func:`design_suffix`: the suffix
 names what differs from the default design, so another design never overwrites the published
-report); ``--step-time`` times ``GNMR+e k`` against NVIDIA's rule
+report); the fault and seed regimes are reported by ``python -m benchmarks.report`` from their
+records alone (RESULTS.md's sections, :mod:`benchmarks.report.faults` and
+:mod:`benchmarks.report.seed_branch`). ``--step-time`` times ``GNMR+e k`` against NVIDIA's rule
 (:mod:`benchmarks.sweep.fp4_step_time`). The arms in detail: docs/benchmarks.md#sweep-fp4.
 """
 
@@ -254,6 +256,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         records = branch_stats.read_records(records_file(regime.name))
     else:
         records = run_sweep(regime, seeds, budgets, a.jobs, a.arms, points)
+    if regime.family != "fp4":
+        logger.info(
+            "%s: its report is benchmarks/RESULTS.md's %s section, rendered from %s by "
+            "`python -m benchmarks.report` (%d records)",
+            regime.name,
+            regime.family,
+            records_file(regime.name),
+            len(records),
+        )
+        return
     from benchmarks.sweep.fp4_report import report
 
     design = Design(tuple(seeds), points, regime.instrument.horizon, high=regime.high)

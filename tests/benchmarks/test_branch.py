@@ -362,6 +362,29 @@ def test_report_only_reads_exactly_the_designs_records(monkeypatch, tmp_path):
         fp4.main(["--regime", "nvfp4", "--report-only", "--seeds", "1234,7,99"])
 
 
+def test_fault_and_seed_regimes_leave_their_report_to_results_md(monkeypatch, tmp_path, caplog):
+    """Their records are the report (RESULTS.md renders them): no sweep_fp4_* file is written."""
+    from benchmarks.sweep import fp4, fp4_report
+    from benchmarks.sweep.regimes import BRANCH_REGIMES
+
+    regime = BRANCH_REGIMES["outlier_delayed"]
+    names = [a.name for a, _ in make_arms(regime, (4,), regime.units)]
+    path = tmp_path / "outlier_delayed.jsonl"
+    rows = [
+        {"arm": a, "seed": s, "point": p}
+        for a in names
+        for s in (1234, 7)
+        for p in regime.instrument.points
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    monkeypatch.setattr(fp4, "records_file", lambda name: path)
+    monkeypatch.setattr(fp4_report, "report", lambda *a, **kw: pytest.fail("reported"))
+    with caplog.at_level(logging.INFO, logger=fp4.logger.name):
+        fp4.main(["--regime", "outlier_delayed", "--report-only", "--seeds", "1234,7"])
+    assert "its report is benchmarks/RESULTS.md's faults section" in caplog.text
+    assert f"({len(rows)} records)" in caplog.text
+
+
 def test_branch_regimes_write_to_their_familys_folder():
     from benchmarks.harness.common import RESULTS
     from benchmarks.sweep.fp4 import parse_args, records_file

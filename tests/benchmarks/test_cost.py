@@ -266,7 +266,8 @@ def test_a_not_priced_regime_in_the_table():
 
 def test_the_regimes_formats():
     """Every branch regime is priced from its own option blocks; the FP4 ones are n/a on Hopper,
-    act_quant (the selection sweeps' and seed experiment 1's) is not priced, fp6_fp8's recovery runs at the FP8 rate."""
+    act_quant (the selection sweeps' and seed experiment 1's) is not priced, int8 is priced on
+    B200 and Hopper only, fp6_fp8's recovery runs at the FP8 rate."""
     from benchmarks.sweep.regimes import BRANCH_REGIMES, FP4_REGIMES, REGIMES
 
     assert price(Formats.of(FP4_REGIMES["nvfp4"]), "B200") == Price(0.25, 1.0)
