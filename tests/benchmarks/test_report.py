@@ -295,7 +295,10 @@ def test_a_fault_regime_in_progress_names_what_is_missing(tmp_path):
     _write_faults(tmp_path, rows)
     text = _fault_section(tmp_path)
     assert "**Design: 2 seeds (1 and 2) x 2 branch points" in text
-    assert "Sweep in progress: TE autoswitch 4 has 2 of 4 seeds at these points;" in text
+    assert (
+        "Not every arm has every seed (a sweep in progress, or a power run of the compared arms "
+        "only): TE autoswitch 4 has 2 of 4 seeds at these points;" in text
+    )
     assert "waiting, with too few seeds for an interval: GNMR+e v2 4." in text
     assert "| GNMR+e v2 4 - GNMR+e 4 | policy v2 pays | - | - | waiting for GNMR+e v2 4 |" in text
 
