@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from benchmarks.harness import cost
 from benchmarks.harness.branch_stats import share_closed
 from benchmarks.report.faults import FaultRegime, work
 from benchmarks.report.faults import context as fault_context
@@ -43,9 +44,47 @@ def local(r: FaultRegime) -> dict[str, Any] | None:
                 "work": work(r.records, d, arm),
                 "verdicts": verdicts,
                 "kind": kind(share, verdicts, arm),
+                "level": level_with(r, arm, share),
+                "speedup": speedups(r, arm),
             }
         )
-    return {"regime": r, "seeds": len(d.seeds), "budgets": rows} if rows else None
+    pair_seeds = max((len(r.pair_design(c.arm, c.rival).seeds) for c in _pairs(r)), default=0)
+    seeds = len(d.seeds)
+    out = {"regime": r, "seeds": seeds, "pair_seeds": max(pair_seeds, seeds)}
+    return out | {"budgets": rows} if rows else None
+
+
+def _pairs(r: FaultRegime) -> list[Any]:
+    """The regime's pre-registered comparisons whose two arms are in its tables."""
+    return [v["c"] for v in r.preregistered() if not v["missing"]]
+
+
+HIGH = ("BF16", "null ")
+"""Arms that run the recovery path everywhere (the static gap's upper end and its null): they
+close the whole gap by construction, at full cost."""
+
+
+def level_with(r: FaultRegime, arm: str, share: tuple[float, float]) -> list[str]:
+    """The other table arms that close as much of the static gap as ``arm`` (95% intervals of
+    the share that overlap), the recovery path everywhere left out: what a user could run
+    instead for the same loss, each at its own cost (the cost table)."""
+    d, lo, hi = r.design, share[0] - share[1], share[0] + share[1]
+    out = []
+    for other in r.table_arms:
+        if other in (arm, "low-cost") or other.startswith(HIGH) or d is None:
+            continue
+        m, h = share_closed(r.records, d, other)
+        if m + h >= lo and m - h <= hi:
+            out.append(other)
+    return out
+
+
+def speedups(r: FaultRegime, arm: str, hardware: str = "B200") -> dict[str, Any]:
+    """``arm``'s and the low-cost path's speed-up over BF16 at matched loss on ``hardware``
+    (:mod:`benchmarks.harness.cost`; ``None`` where not priced), with the note."""
+    costs = cost.summarize_costs(r.records, r.design, r.formats(), [hardware], [arm, "low-cost"])
+    got = {a: costs[a]["hardware"][hardware] for a in (arm, "low-cost")}
+    return {"hardware": hardware, "arm": got[arm]["speedup"], "low": got["low-cost"]["speedup"]}
 
 
 SWEPT = 5

@@ -608,7 +608,9 @@ def test_the_top_paragraph_says_where_gnmr_pays_and_where_it_does_not(tmp_path):
     text = _summary(tmp_path)
     assert "`outlier_pays` (5 seeds): **turn it on**: GNMR+e 4 closes 61% +- 3% of the" in text
     assert "with 14.3% of the linear work on the recovery path" in text
-    assert "GNMR+e 4 against random 4, better (-0.0040 +- 0.0000, the same work);" in text
+    assert "GNMR+e 4 against random 4, better (-0.0040 +- 0.0000, the same work, 5 seeds);" in text
+    assert "As much of the gap is closed by GNMR+e v2 4, each at its own cost." in text
+    assert "Speed-up over BF16 at matched loss (B200 cost model): GNMR+e 4 " in text
     assert "GNMR+e v2 4 against GNMR+e 4, not resolved" in text
     assert "Where the format absorbs the fault (`outlier_absorbed`: the static gap is" in text
     assert "Piloted on two seeds only, not yet a verdict: `outlier_pilot`" in text
