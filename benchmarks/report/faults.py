@@ -87,15 +87,17 @@ def budget(arm: str) -> int | None:
     return int(tail) if head in ORDER and tail.isdigit() else None
 
 
-def rank(arm: str) -> tuple[int, int, int]:
-    """The tables' order: the unbudgeted arms (:data:`FIXED`), then by budget and policy."""
+def rank(arm: str) -> tuple[int, int, int, str]:
+    """The tables' order: the unbudgeted arms (:data:`FIXED`), then by budget and policy; ties
+    (arms sharing a prefix of :data:`FIXED`) by name, so the order never depends on a set's
+    iteration order (string hashes differ between processes)."""
     k = budget(arm)
     if k is not None:
-        return 1, k, ORDER.index(arm.rpartition(" ")[0])
+        return 1, k, ORDER.index(arm.rpartition(" ")[0]), arm
     if arm in FIXED:
-        return 0, FIXED.index(arm), 0
+        return 0, FIXED.index(arm), 0, arm
     first = [i for i, p in enumerate(FIXED) if arm.startswith(p)]
-    return 0, first[0] if first else len(FIXED), 0
+    return 0, first[0] if first else len(FIXED), 0, arm
 
 
 def unit_of(module: str) -> int:

@@ -303,6 +303,18 @@ def test_a_fault_regime_in_progress_names_what_is_missing(tmp_path):
     assert "| GNMR+e v2 4 - GNMR+e 4 | policy v2 pays | - | - | waiting for GNMR+e v2 4 |" in text
 
 
+def test_the_arms_order_is_total():
+    """Arms sharing a prefix (the late rules) sort by name: no set's iteration order (string
+    hashes differ between processes) reaches the document."""
+    from itertools import permutations
+
+    from benchmarks.report.faults import rank
+
+    arms = ["NVIDIA late-57", "NVIDIA late fwd (82%)", "late fwd (same work)", "TE autoswitch"]
+    orders = {tuple(sorted(p, key=rank)) for p in permutations(arms)}
+    assert len(orders) == 1
+
+
 def test_a_power_run_widens_only_the_comparisons_it_serves(tmp_path):
     """Seeds 5 and 6 carry the statics, GNMR+e 4 and random 4 only: the design (every arm)
     stays on 4 seeds, GNMR+e 4 - random 4 pairs over 6, the others over the design's 4."""
