@@ -29,13 +29,14 @@ def local(r: FaultRegime) -> dict[str, Any] | None:
     d = r.design
     if d is None or not r.bar()["passes"]:
         return None
+    measured = [p for p in r.preregistered() if not p["missing"]]
     rows = []
     for k in r.budgets():
         arm = f"GNMR+e {k}"
         if arm not in r.table_arms:
             continue
         family = {arm, f"GNMR+e v2 {k}"}
-        verdicts = [p for p in r.preregistered() if not p["missing"] and p["c"].arm in family]
+        verdicts = [p for p in measured if p["c"].arm in family]
         share = share_closed(r.records, d, arm)
         rows.append(
             {
@@ -48,15 +49,10 @@ def local(r: FaultRegime) -> dict[str, Any] | None:
                 "speedup": speedups(r, arm),
             }
         )
-    pair_seeds = max((len(r.pair_design(c.arm, c.rival).seeds) for c in _pairs(r)), default=0)
     seeds = len(d.seeds)
-    out = {"regime": r, "seeds": seeds, "pair_seeds": max(pair_seeds, seeds)}
+    pair_seeds = max([seeds, *(p["seeds"] for p in measured)])
+    out = {"regime": r, "seeds": seeds, "pair_seeds": pair_seeds}
     return out | {"budgets": rows} if rows else None
-
-
-def _pairs(r: FaultRegime) -> list[Any]:
-    """The regime's pre-registered comparisons whose two arms are in its tables."""
-    return [v["c"] for v in r.preregistered() if not v["missing"]]
 
 
 HIGH = ("BF16", "null ")
@@ -68,12 +64,12 @@ def level_with(r: FaultRegime, arm: str, share: tuple[float, float]) -> list[str
     """The other table arms that close as much of the static gap as ``arm`` (95% intervals of
     the share that overlap), the recovery path everywhere left out: what a user could run
     instead for the same loss, each at its own cost (the cost table)."""
-    d, lo, hi = r.design, share[0] - share[1], share[0] + share[1]
+    lo, hi = share[0] - share[1], share[0] + share[1]
     out = []
     for other in r.table_arms:
-        if other in (arm, "low-cost") or other.startswith(HIGH) or d is None:
+        if other in (arm, "low-cost") or other.startswith(HIGH):
             continue
-        m, h = share_closed(r.records, d, other)
+        m, h = share_closed(r.records, r.design, other)
         if m + h >= lo and m - h <= hi:
             out.append(other)
     return out
@@ -81,7 +77,7 @@ def level_with(r: FaultRegime, arm: str, share: tuple[float, float]) -> list[str
 
 def speedups(r: FaultRegime, arm: str, hardware: str = "B200") -> dict[str, Any]:
     """``arm``'s and the low-cost path's speed-up over BF16 at matched loss on ``hardware``
-    (:mod:`benchmarks.harness.cost`; ``None`` where not priced), with the note."""
+    (:mod:`benchmarks.harness.cost`: mean and 95% half-width; ``None`` where not priced)."""
     costs = cost.summarize_costs(r.records, r.design, r.formats(), [hardware], [arm, "low-cost"])
     got = {a: costs[a]["hardware"][hardware] for a in (arm, "low-cost")}
     return {"hardware": hardware, "arm": got[arm]["speedup"], "low": got["low-cost"]["speedup"]}
