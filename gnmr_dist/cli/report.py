@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from gnmr_dist.telemetry.replay import rate_text
 from gnmr_dist.telemetry.report import (
     TRACE_NAME,
     draw_report,
@@ -37,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     print(
         f"gnmr-report: wrote {s['out']}  ({s['steps']} steps, {s['units']} units; "
-        f"exceedance {100 * s['exceedance_rate']:.3f}%, recovery {100 * s['recovery_rate']:.3f}%)"
+        f"exceedance {rate_text(s['exceedance_rate'])}, recovery {rate_text(s['recovery_rate'])})"
     )
     if s["selection_quality"] is not None:
         print(format_selection_quality(s["selection_quality"]))

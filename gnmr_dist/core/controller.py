@@ -31,7 +31,7 @@ and a number for ``max_active`` no extra operation touches the decision.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -42,6 +42,7 @@ from gnmr_dist.core.config import GNMRConfig
 from gnmr_dist.core.decision import Decision, Report, Scores
 from gnmr_dist.core.inputs import (
     NormsLike,
+    costs_from_sizes,
     eligible_mask,
     error_vector,
     learning_rate,
@@ -105,6 +106,29 @@ class GNMRController:
         self._lr_keys = cfg.lr_keys()
         self.eligible = eligible_mask(eligible, num_units)
         self.reset()
+
+    @classmethod
+    def for_units(
+        cls,
+        names: Sequence[str],
+        config: GNMRConfig | None = None,
+        eligible: NormsLike | None = None,
+        *,
+        sizes: Sequence[int] | None = None,
+        gemms: int = 3,
+    ) -> GNMRController:
+        """The controller over the units ``names`` (in id order), with the inputs the policy
+        derives from them: the ``pinned`` mask (``config.pinned.mask(names)``) and, with
+        ``sizes`` (each unit's summed ``in x out``), the compute-share costs of
+        :func:`~gnmr_dist.core.inputs.costs_from_sizes` for a recovery of ``gemms`` GEMMs.
+
+        The one constructor of a run's controller: every integration builds it from its unit
+        registry, and a replay rebuilds it from a trace's header, so the two cannot differ.
+        ``gnmr.max_share`` without ``sizes`` is refused by the constructor."""
+        cfg = config if config is not None else GNMRConfig()
+        w, total = costs_from_sizes(sizes, gemms) if sizes is not None else (None, None)
+        pinned = None if cfg.pinned is None else cfg.pinned.mask(list(names))
+        return cls(len(names), cfg, eligible, costs=w, total_cost=total, pinned=pinned)
 
     @property
     def eligible(self) -> torch.Tensor:
@@ -189,7 +213,7 @@ class GNMRController:
         units score +inf and their history is left untouched). A tensor on an accelerator is
         copied to the host once (the decision is needed there anyway).
 
-        ``errors`` are section 2.1's error scores ``e_t``, one per unit, in the same form as
+        ``errors`` are the damage term's error scores ``e_t``, one per unit, in the same form as
         ``norms`` (>= 0; a non-finite value gives risk +inf). They are required while
         ``config.gamma`` is set (carry the last measured values forward between probe steps) and
         refused while it is not; they never enter the norm history.

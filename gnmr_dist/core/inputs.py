@@ -24,6 +24,7 @@ import torch
 
 __all__ = [
     "NormsLike",
+    "costs_from_sizes",
     "eligible_mask",
     "error_vector",
     "learning_rate",
@@ -168,6 +169,17 @@ def learning_rate(lr: Any, lr_keys: tuple[str, ...]) -> float | None:
             f"step), got {lr!r}"
         )
     return float(lr)
+
+
+def costs_from_sizes(sizes: Sequence[int], gemms: int = 3) -> tuple[list[int], int]:
+    """``(w, W)`` of docs/algorithm.md#compute-share from each unit's size (its linear
+    operators' summed ``in x out``): ``w(u) = gemms x size(u)``, the multiply-accumulates per
+    token of the ``gemms`` GEMMs a recovery covers, and ``W = 3 x sum size``, the units' whole
+    linear work."""
+    if isinstance(gemms, bool) or not isinstance(gemms, int) or not 1 <= gemms <= 3:
+        raise ValueError(f"a unit's recovery covers 1 to 3 GEMMs, got {gemms!r}")
+    sizes = [int(s) for s in sizes]
+    return [gemms * s for s in sizes], 3 * sum(sizes)
 
 
 def unit_costs(costs: Any, total_cost: Any, num_units: int) -> tuple[np.ndarray, int] | None:

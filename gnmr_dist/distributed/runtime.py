@@ -79,20 +79,31 @@ def decision_digest(decision: Decision) -> str:
 
 
 def _check_error_source(error_fn: ErrorFn | None, monitor: GradNormMonitor) -> None:
-    """With ``gnmr.gamma`` set: an error source that reports, or a ``ValueError`` saying why not."""
+    """With ``gnmr.gamma`` set: an error source that reports, or a ``ValueError`` saying why not.
+
+    A block read by :class:`~gnmr_dist.integrations.config.GNMRBlock` has already refused
+    ``gamma`` with a backend whose class reports no error sums; this is the guard for a runtime
+    built by hand, and for a backend that declares ``reports_errors`` but returns ``None``."""
     if error_fn is None:
         raise ValueError(
             "gnmr.gamma is set, so the runtime needs per-unit error sums "
-            "(docs/algorithm.md#damage-term): "
-            "pass error_fn=backend.error_sums after backend.track_errors(registry.num_units), "
-            "with a precision backend that reports them (act_quant, fp8_emulated, int8); without "
-            "one (no backend, or te_fp8) leave gnmr.gamma unset"
+            "(docs/algorithm.md#damage-term): pass error_fn=backend.error_sums after "
+            "backend.track_errors(registry.num_units), with a precision backend that reports "
+            "them (act_quant, fp8_emulated, int8); without one (no backend, or te_fp8) leave "
+            "gnmr.gamma unset"
         )
     if error_fn(monitor.device) is None:
+        owner = getattr(error_fn, "__self__", None)
+        if owner is None:
+            name = getattr(error_fn, "__qualname__", None) or repr(error_fn)
+        else:
+            name = f"the {getattr(owner, 'name', '') or type(owner).__qualname__} backend"
         raise ValueError(
-            "gnmr.gamma is set but the precision backend reports no error sums (its error_sums "
-            "returned None; te_fp8 does not report them yet): use act_quant, fp8_emulated or "
-            "int8, or leave gnmr.gamma unset"
+            f"gnmr.gamma is set but the error source ({name}) returned None instead of the "
+            "float64 [U] error sums (docs/algorithm.md#damage-term): a backend whose class sets "
+            "reports_errors = True must return them from error_sums once track_errors was "
+            "called; fix its error_sums, or set its reports_errors = False (a block with "
+            "gnmr.gamma naming it is then refused when it is read), or leave gnmr.gamma unset"
         )
 
 
@@ -112,10 +123,9 @@ def build_controller(
             f"readable (first: {unsized[:3]}): nn.Linear, megatron-core's parallel linears and "
             "Transformer Engine's linears are read; exclude the others or drop gnmr.max_share"
         )
-    w, total = costs if costs is not None else (None, None)
-    pinned = None if cfg.pinned is None else cfg.pinned.mask(registry.names)
-    return GNMRController(
-        registry.num_units, cfg, registry.eligible, costs=w, total_cost=total, pinned=pinned
+    sizes = registry.sizes if costs is not None else None
+    return GNMRController.for_units(
+        registry.names, cfg, registry.eligible, sizes=sizes, gemms=len(gemms)
     )
 
 
@@ -354,8 +364,9 @@ class GNMRRuntime:
             diff = sorted(set(map(str, names)) ^ set(self.registry.names))[:5]
             raise StateMismatchError(
                 f"GNMR state was saved for {len(names)} units, this model has "
-                f"{self.registry.num_units}; first differing names: {diff}. The unit list must "
-                "match (same model, granularity and include/exclude patterns)."
+                f"{self.registry.num_units}; first differing names: {diff}; the unit list must "
+                "match: resume with the model, gnmr.units and gnmr.include/exclude it was saved "
+                "with"
             )
         if "controller" not in state or "plan_active" not in state:
             raise ValueError("GNMR state is corrupted: it has no 'controller' or 'plan_active'")

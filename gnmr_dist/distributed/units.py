@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gnmr_dist.core.inputs import costs_from_sizes
 from gnmr_dist.distributed.comm import Group, all_gather_objects, group_rank
 
 __all__ = [
@@ -526,11 +527,10 @@ class UnitRegistry:
         multiply-accumulates per token of the ``gemms`` GEMMs a recovery covers, and ``W = 3 x
         sum size``, the units' linear work; ``None`` when a unit's size is unknown
         (:meth:`unsized`)."""
-        if not 1 <= gemms <= 3:
-            raise ValueError(f"a unit's recovery covers 1 to 3 GEMMs, got {gemms}")
         if self.sizes is None or self.unsized():
+            costs_from_sizes((), gemms)  # the GEMM count is checked all the same
             return None
-        return [gemms * size for size in self.sizes], 3 * sum(self.sizes)
+        return costs_from_sizes(self.sizes, gemms)
 
 
 def _slot_of(pname: str, path_slot: dict[str, int], rest: int, prefix: str = "") -> int:

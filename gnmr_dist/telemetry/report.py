@@ -37,9 +37,7 @@ from typing import Any
 
 import torch
 
-from gnmr_dist.core import GNMRConfig
-from gnmr_dist.telemetry import read_errors, read_trace
-from gnmr_dist.telemetry.replay import decisions
+from gnmr_dist.telemetry.replay import Recording, rate_text
 from gnmr_dist.telemetry.selection import first_last_units, probe_figures
 from gnmr_dist.telemetry.trace import read_probes
 
@@ -81,19 +79,10 @@ def short_names(units: Sequence[str]) -> list[str]:
     return out
 
 
-def _replay_risk(
-    norms: torch.Tensor,
-    config: GNMRConfig,
-    eligible: Sequence[bool],
-    errors: torch.Tensor | None = None,
-) -> Any:
-    """Risk [steps, U] and the replayed active sets, from the recorded norms (and error scores,
-    which a trace recorded with ``gnmr.gamma`` holds)."""
-    risks, actives = [], []
-    for d in decisions(norms, config, eligible, errors):
-        risks.append(d.risk)
-        actives.append(d.active)
-    return torch.stack(risks), actives
+def _replay_risk(recording: Recording) -> torch.Tensor:
+    """Risk [steps, U] from the recorded norms (and error scores and learning rates), through
+    the controller the run built (:meth:`Recording.controller`)."""
+    return torch.stack([d.risk for d in recording.decisions()])
 
 
 def _loss_series(records: list[dict[str, Any]], norms: torch.Tensor) -> tuple[list[float], str]:
@@ -126,8 +115,8 @@ def summarise(
         "units": len(header.units),
         "eligible_units": int(elig.sum()),
         "scored_steps": n_scored,
-        "exceedance_rate": float(exceed[scored].sum()) / max(1, n_scored),
-        "recovery_rate": float(recovery[scored].sum()) / max(1, n_scored),
+        "exceedance_rate": float(exceed[scored].sum()) / n_scored if n_scored else None,
+        "recovery_rate": float(recovery[scored].sum()) / n_scored if n_scored else None,
         "nonfinite_steps": int((~torch.isfinite(norms)).any(dim=1).sum()),
         "max_active": header.config.max_active,
         "config": header.config.to_dict(),
@@ -321,6 +310,10 @@ def _label_units(ax: Any, header: Any) -> None:
             tick.set_color("gray")
 
 
+def _avg(rate: float | None) -> str:
+    return "n/a: all warm-up" if rate is None else f"{100 * rate:.3g}%"
+
+
 def _draw_fractions(ax: Any, steps: list[int], s: dict[str, Any], warmup: int) -> None:
     marker = "o" if len(steps) < 30 else None
     ax.plot(
@@ -330,7 +323,7 @@ def _draw_fractions(ax: Any, steps: list[int], s: dict[str, Any], warmup: int) -
         lw=1.2,
         marker=marker,
         ms=3,
-        label=f"exceeding threshold (avg {100 * s['exceedance_rate']:.3g}%)",
+        label=f"exceeding threshold (avg {_avg(s['exceedance_rate'])})",
     )
     ax.plot(
         steps,
@@ -340,7 +333,7 @@ def _draw_fractions(ax: Any, steps: list[int], s: dict[str, Any], warmup: int) -
         ls="--",
         marker=marker,
         ms=3,
-        label=f"chosen for the next step's recovery path (avg {100 * s['recovery_rate']:.3g}%)",
+        label=f"chosen for the next step's recovery path (avg {_avg(s['recovery_rate'])})",
     )
     if warmup > 0:
         ax.axvspan(0.5, min(warmup, len(steps)) + 0.5, color="0.85", zorder=0, label="warm-up")
@@ -354,13 +347,23 @@ def _draw_fractions(ax: Any, steps: list[int], s: dict[str, Any], warmup: int) -
 
 
 def _schedule(value: Any) -> str:
-    """``3.0`` or ``cosine 4.0 -> 2.0 over 200 steps``."""
-    if isinstance(value, dict):
-        return (
-            f"{value.get('schedule', 'constant')} {value.get('start')} -> "
-            f"{value.get('end')} over {value.get('steps')} steps"
-        )
-    return json.dumps(value)
+    """``3.0``, ``cosine 4.0 -> 2.0 over 200 steps`` or ``step 0 -> 8 on lr decay 0 -> 0.5``."""
+    if not isinstance(value, dict) or "schedule" not in value:
+        return json.dumps(value)
+    shape = f"{value['schedule']} {value.get('start')} -> {value.get('end')}"
+    if value.get("clock") == "lr_decay":
+        return f"{shape} on lr decay {value.get('from', 0)} -> {value.get('to', 1)}"
+    start = f" from step {value['from']}" if "from" in value else ""
+    return f"{shape} over {value.get('steps')} steps{start}"
+
+
+def _second_policy(c: dict[str, Any]) -> list[str]:
+    """The lines of the keys beyond the first policy, those that are set."""
+    lines = []
+    for key in ("gamma", "max_share", "latch", "pinned"):
+        if c.get(key) is not None:
+            lines += _wrapped(f"{key}: {_schedule(c[key])}")
+    return lines
 
 
 def _wrapped(line: str, width: int = 40) -> list[str]:
@@ -376,13 +379,15 @@ def _summary_text(s: dict[str, Any], trace: Path) -> str:
             f"trace: {trace.name}",
             f"steps: {s['steps']}  (scored after warm-up: {s['scored_steps']})",
             f"units: {s['units']}  (eligible: {s['eligible_units']})",
-            f"exceedance rate: {100 * s['exceedance_rate']:.3f}%",
-            f"recovery rate:   {100 * s['recovery_rate']:.3f}%",
+            *_wrapped(f"exceedance rate: {rate_text(s['exceedance_rate'])}"),
+            *_wrapped(f"recovery rate:   {rate_text(s['recovery_rate'])}"),
             f"steps with non-finite norm: {s['nonfinite_steps']}",
+            f"attempts skipped (non-finite): {s['skipped_attempts']}",
             "",
-            f"budget max_active: {c['max_active']}",
+            *_wrapped(f"budget max_active: {_schedule(c['max_active'])}"),
             *_wrapped(f"alpha: {_schedule(c['alpha'])}"),
             *_wrapped(f"beta:  {_schedule(c['beta'])}"),
+            *_second_policy(c),
             f"window: {c['window']}  lock_steps: {c['lock_steps']}",
             f"warmup_steps: {c['warmup_steps']}",
             "",
@@ -400,19 +405,21 @@ def draw_report(
 
     Raises ``ValueError`` for a missing, empty or invalid trace and ``ImportError`` without
     matplotlib. The summary holds ``steps``, ``units``, ``eligible_units``, ``scored_steps``,
-    ``exceedance_rate``, ``recovery_rate`` (fractions), ``nonfinite_steps``, ``max_active``,
-    ``config``, ``out`` (the PNG path) and ``selection_quality`` (:func:`selection_quality`,
-    ``None`` without probe records).
+    ``exceedance_rate``, ``recovery_rate`` (fractions; ``None`` when every step is in the
+    warm-up), ``nonfinite_steps``, ``skipped_attempts`` (attempts the framework skipped for
+    non-finite gradients), ``max_active``, ``config``, ``out`` (the PNG path) and
+    ``selection_quality`` (:func:`selection_quality`, ``None`` without probe records).
     """
     trace = resolve_trace(trace_path)
-    header, norms, records = read_trace(trace)
+    recording = Recording.read(trace)
+    header, norms, records = recording.header, recording.norms, recording.records
     if not records:
         raise ValueError(f"{trace}: the trace has a header but no step records")
     figure_cls, integer_locator = _import_matplotlib()
-    errors = read_errors(trace, records, len(header.units))
-    risk, _ = _replay_risk(norms, header.config, header.eligible, errors)
+    risk = _replay_risk(recording)
     s = summarise(header, norms, records, risk)
-    s["selection_quality"] = selection_quality(trace, header, records, risk, errors)
+    s["skipped_attempts"] = recording.skipped_attempts
+    s["selection_quality"] = selection_quality(trace, header, records, risk, recording.errors)
     steps = list(range(1, len(records) + 1))
     loss, loss_label = _loss_series(records, norms)
 

@@ -509,7 +509,7 @@ def rates_line(summary: Mapping[str, Any]) -> str:
     """The summary's line on exceedances and recovery, counted after the warm-up; a run that
     never left its warm-up has no such figures, and says so instead of printing 0%."""
     warmup, skipped = summary["warmup_steps"], f"{summary['skipped_steps']:.0f} skipped steps"
-    if summary["steps"] <= warmup:
+    if summary["steps"] <= warmup or summary["exceedance_rate"] is None:
         return (
             f"  no exceedance or recovery figures: all {summary['steps']} steps were within the "
             f"{warmup} warm-up steps (gnmr.warmup_steps), when GNMR only learns the norms; "
@@ -526,10 +526,19 @@ def _finish(run: Path, summary: dict[str, Any], title: str) -> None:
     from gnmr_dist.telemetry.report import draw_report
 
     if (run / "trace.jsonl").is_file():
-        report = draw_report(run / "trace.jsonl", run / "report.png", title=title)
-        summary.update(
-            exceedance_rate=report["exceedance_rate"], recovery_rate=report["recovery_rate"]
-        )
+        try:
+            report = draw_report(run / "trace.jsonl", run / "report.png", title=title)
+        except (ValueError, ImportError) as err:  # the run trained and saved: say so, go on
+            logger.error(
+                "gnmr: report.png not drawn (%s); the checkpoint and summary.json are written, "
+                "and `gnmr-report %s` draws it once the cause is fixed",
+                err,
+                run,
+            )
+        else:
+            summary.update(
+                exceedance_rate=report["exceedance_rate"], recovery_rate=report["recovery_rate"]
+            )
     (run / "summary.json").write_text(json.dumps(summary, indent=2))
     resumed = f", resumed at step {summary['resumed_from']}" if summary["resumed_from"] else ""
     print(

@@ -120,7 +120,7 @@ def test_error_scores_are_traced_and_replayed(tmp_path, capsys):
     record(plain, steps=5)
     assert read_errors(plain, read_trace(plain)[2], 6) is None
     assert main([str(plain), "--gamma", "0.5"]) == 2
-    assert "the trace holds no error scores" in capsys.readouterr().err
+    assert "plain.jsonl holds no error scores" in capsys.readouterr().err
     lines = path.read_text().splitlines()
     first = json.loads(lines[1])
     del first["errors"]

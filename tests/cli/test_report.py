@@ -47,14 +47,17 @@ def test_report_numbers_equal_the_recorded_decisions(tmp_path, capsys):
     assert s["config"] == CFG.to_dict()
 
 
-def test_report_without_loss_one_step_and_explicit_out(tmp_path):
+def test_report_without_loss_one_step_and_explicit_out(tmp_path, capsys):
+    """Issue 41, item 10: a run that never left its warm-up has no rates (it printed 0.000%)."""
     trace = tmp_path / "t.jsonl"
     record(trace, steps=1, loss=False)
     out = tmp_path / "figs" / "one.png"
     assert main([str(trace), "--out", str(out)]) == 0
+    assert "exceedance n/a (every step is in the warm-up)" in capsys.readouterr().out
     check_png(out)
     s = draw_report(trace, out)
-    assert s["steps"] == 1 and s["scored_steps"] == 0 and s["exceedance_rate"] == 0.0
+    assert s["steps"] == 1 and s["scored_steps"] == 0
+    assert s["exceedance_rate"] is None and s["recovery_rate"] is None
 
 
 def test_short_names_drop_the_common_prefix():
@@ -91,15 +94,14 @@ def test_report_of_a_trace_with_error_scores(tmp_path):
 def test_the_heatmap_circles_a_unit_at_the_step_it_ran_recovery(tmp_path):
     """Issue 33, item 6: the circle was drawn at the step a unit was chosen, one step before it
     ran the recovery path; decision A_t is the plan of step t + 1."""
-    from gnmr_dist.telemetry import read_trace
-    from gnmr_dist.telemetry.replay import decisions
+    from gnmr_dist.telemetry.replay import Recording
     from gnmr_dist.telemetry.report import summarise
 
     trace = tmp_path / "trace.jsonl"
     chosen = record(trace)
-    header, norms, records = read_trace(trace)
-    risk = torch.stack([d.risk for d in decisions(norms, header.config, header.eligible)])
-    s = summarise(header, norms, records, risk)
+    rec = Recording.read(trace)
+    risk = torch.stack([d.risk for d in rec.decisions()])
+    s = summarise(rec.header, rec.norms, rec.records, risk)
     first = next(t for t, d in enumerate(chosen) if d.active)  # 0-based row of the decision
     assert s["_active"][first].any() and not s["_ran"][first].any()
     for t, d in enumerate(chosen[:-1]):

@@ -1,5 +1,5 @@
 """gnmr-replay with the second policy's keys: what a trace can replay, and clear refusals for
-what it cannot (costs, the learning rate, a pinned mask). Here rather than in tests/cli because
+what a trace without the inputs cannot (costs, the learning rate). Here rather than in tests/cli because
 it tests the policy's keys on the command line (docs/algorithm.md#tuning-offline)."""
 
 from __future__ import annotations
@@ -42,18 +42,25 @@ def test_new_keys_replay_from_the_command_line(trace, capsys):
     assert late["recovery_rate"] < base["recovery_rate"]
     none = summary(capsys, trace, "--max-active", "0", "--gamma", "null", "--max-share", "null")
     assert none["recovery_rate"] == 0.0 and "max_share" not in none["config"]
+    # issue 41, item 2: pinned by pattern resolves over the trace's unit names
+    named = summary(capsys, trace, "--pinned", '{"units": ["layers.1.*"]}', "--max-active", "0")
+    assert named["recovery_rate"] == pytest.approx(2 / 5)  # 2 of the 5 eligible units, always
+    assert [u for u, _ in named["top_units"]] == ["layers.1.qkv", "layers.1.fc"]
 
 
 @pytest.mark.parametrize(
     "argv, match",
     [
-        (["--max-share", "0.2"], r"gnmr\.max_share needs the units' costs .*--max-share null"),
-        (["--latch", '{"lr_decay": 0.5}'], r"gnmr\.latch runs on the lr_decay clock and a trace"),
+        (
+            ["--max-share", "0.2"],
+            r"gnmr\.max_share needs the units' costs, and trace\.jsonl "
+            r"records no meta\.unit_sizes .*--max-share null",
+        ),
+        (["--latch", '{"lr_decay": 0.5}'], r"gnmr\.latch runs on the lr_decay clock and trace"),
         (
             ["--max-active", '{"schedule": "step", "start": 0, "end": 2, "clock": "lr_decay"}'],
             r"gnmr\.max_active runs on the lr_decay clock",
         ),
-        (["--pinned", '{"units": ["layers.1.*"]}'], r"replays only \"units\": \"all\""),
         (["--latch", '{"setp": 3}'], r"unknown key gnmr\.latch\.setp; did you mean 'step'"),
         (["--max-active", "2.5"], r"gnmr\.max_active must be an integer >= 0, got 2\.5"),
     ],

@@ -281,14 +281,12 @@ def test_save_at_20_resume_in_fresh_processes_equals_uninterrupted(tmp_path):
         for (s, a, r), (s2, a2, r2) in zip(full[rank][20:], resumed[rank], strict=True):
             assert (s, a) == (s2, a2) and torch.equal(r, r2)
     assert any(a for _, a, _ in full[0][20:])  # something was selected after the cut
-    from gnmr_dist.telemetry import read_trace
-    from gnmr_dist.telemetry.replay import replay
+    from gnmr_dist.telemetry.replay import Recording, replay
 
     # the resumed run dropped the interrupted run's records after step 20 and rewrote 21..40
-    header, norms, records = read_trace(trace)
-    assert list(header.units) == dsc.unit_names() and len(records) == 40
-    recorded = [r["active"] for r in records]
-    summary = replay(norms, header.config, header.eligible, header.units, recorded)
+    rec = Recording.read(trace)
+    assert list(rec.header.units) == dsc.unit_names() and len(rec.records) == 40
+    summary = replay(rec, compare=True)
     assert summary.matches_recorded == 40  # the trace replays to the same decisions
     csv = tmp_path / "ckpt" / "full" / "gnmr_num_active.csv"
     assert csv.is_file() and len(csv.read_text().splitlines()) == 41  # header + 40 steps
