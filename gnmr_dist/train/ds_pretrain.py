@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from gnmr_dist.core.validation import did_you_mean
 from gnmr_dist.integrations.config import GNMRBlock, check_block_name, read_block
@@ -356,6 +357,18 @@ def build_model(args: argparse.Namespace, vocab: int) -> torch.nn.Module:
     return model
 
 
+def model_line(model: nn.Module, trainable: Sequence[torch.Tensor]) -> str:
+    """What was trained, as the summary and the report's title say it: ``Llama 2 x 64, 0.3M
+    parameters`` (plus the trainable ones under LoRA). The title of a config names no size:
+    its shape options may be overridden, and this line is read off the model built."""
+    c: Any = model.config
+    total = sum(p.numel() for p in model.parameters())
+    line = f"Llama {c.num_hidden_layers} x {c.hidden_size}, {total / 1e6:.1f}M parameters"
+    if sum(p.numel() for p in trainable) < total:
+        line += f", {sum(p.numel() for p in trainable) / 1e6:.2f}M trained"
+    return line
+
+
 def batch(data: Any, step: int, rank: int, world: int, micro: int) -> torch.Tensor:
     start = (step * world + rank) * micro
     return torch.stack([data[(start + i) % len(data)] for i in range(micro)])
@@ -391,6 +404,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     data = make_dataset(args.data, args.seq_len, tok, max_bytes=args.max_bytes)
     model = build_model(args, args.vocab_size or tok.vocab_size)
     trainable = [p for p in model.parameters() if p.requires_grad]
+    args.model_line = model_line(model, trainable)
     engine, *_ = gds.initialize(model=model, model_parameters=trainable, config=config)
     start = _resume(engine, run / "checkpoint", args.no_resume)
     gnmr = getattr(engine, "gnmr", None)  # None when the block says enabled: false
@@ -480,6 +494,7 @@ def _summary(
         "backend": gnmr.block.backend if gnmr is not None else "off",
         "warmup_steps": gnmr.runtime.controller.config.warmup_steps if gnmr is not None else 0,
         "units": gnmr.registry.num_units if gnmr is not None else 0,
+        "model": args.model_line,
         **_accounting(gnmr),
     }
 
@@ -500,7 +515,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     summary = train(args)
     if dist.get_rank() == 0:
-        _finish(Path(args.run_dir), summary, args.title)
+        _finish(Path(args.run_dir), summary, f"{args.title} ({summary['model']})")
     dist.barrier()
     return 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -253,6 +254,7 @@ def test_a_fused_adam_build_on_a_cpu_is_announced_with_the_way_around_it(tmp_pat
     from gnmr_dist.train.ds_pretrain import parse_args
 
     config = load_ds_config(ROOT / "configs" / "deepspeed" / "llama2_130m_nvfp4.hjson")
+    del config["optimizer"]["params"]["torch_adam"]  # issue 41: the shipped config sets it now
     assert config["optimizer"]["type"] == "AdamW"
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(config))
@@ -264,3 +266,29 @@ def test_a_fused_adam_build_on_a_cpu_is_announced_with_the_way_around_it(tmp_pat
     path.write_text(json.dumps(config))
     parse_args(["--config", str(path), "--run-dir", str(tmp_path / "run")], world_size=1)
     assert "fused Adam" not in caplog.text
+
+
+def test_no_shipped_config_builds_fused_adam_on_a_cpu():
+    """Issue 41, item 10: the shipped NVFP4 config still compiled DeepSpeed's fused Adam on a
+    CPU (with the note of issue 33); every shipped config runs torch's Adam now."""
+    for path in sorted((ROOT / "configs").rglob("*.hjson")):
+        optimizer = load_ds_config(path)["optimizer"]
+        assert optimizer["params"].get("torch_adam") is True, path.name
+
+
+def test_the_title_names_the_model_that_was_built():
+    """Issue 41, item 10: a 2 x 64 run of the NVFP4 config was titled "LLaMA-2 130M"; the title
+    now carries the shape read off the model built, whatever the options overrode."""
+    from gnmr_dist.train.ds_pretrain import model_line
+
+    model = _tiny_llama(vocab=256, hidden=64, layers=2, heads=4)
+    params = list(model.parameters())
+    total = sum(p.numel() for p in params)
+    assert model_line(model, params) == f"Llama 2 x 64, {total / 1e6:.1f}M parameters"
+    for p in params[1:]:
+        p.requires_grad_(False)
+    trained = params[0].numel() / 1e6
+    assert model_line(model, params[:1]).endswith(f"parameters, {trained:.2f}M trained")
+    for path in sorted((ROOT / "configs").rglob("*.hjson")):
+        title = load_ds_config(path).get("pretrain", {}).get("title", "")
+        assert not re.search(r"\d+[MB]\b", title), (path.name, title)  # no size in a title

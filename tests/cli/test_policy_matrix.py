@@ -148,6 +148,7 @@ def test_gnmr_ds_pretrain_runs_resumes_and_its_trace_replays(tmp_path, name):
         _ok(_run(cmd, ROOT))
         summary = json.loads((run / "summary.json").read_text())
         assert summary["steps"] == steps and summary["decisions"] == steps
+        assert summary["model"].startswith("Llama 2 x 32, ")
         assert (run / "report.png").stat().st_size > 20_000
     assert summary["resumed_from"] == STEPS
     assert summary["accounting"]["recovered_unit_steps"] > 0
