@@ -128,7 +128,9 @@ class PrecisionBackend:
     name: ClassVar[str] = ""
     """The backend's name in configs (``gnmr.backend``) and messages."""
     reports_errors: ClassVar[bool] = False
-    """Whether :meth:`error_sums` reports section 2.1's ``B(u)`` (``False``: it returns None)."""
+    """Whether :meth:`error_sums` reports the damage term's ``B(u)``
+    (docs/algorithm.md#damage-term; ``False``: it returns None, and a block with ``gamma`` that
+    names this backend is refused when it is read)."""
     operator_types: ClassVar[frozenset[str]] = frozenset()
     """Class names (matched by name, nothing imported) of the modules of the library this
     backend wraps that it switches besides ``nn.Linear`` and LoRA layers (``te_fp8``: Transformer
@@ -156,8 +158,16 @@ class PrecisionBackend:
         recovery: Mapping[str, Any] | None = None,
         operators: Operators = TORCH,
     ) -> None:
-        if (self.LowCost is None and low_cost) or (self.Recovery is None and recovery):
-            raise ValueError(f"the {self.name or type(self).__name__} backend takes no options")
+        owner = f"the {self.name or type(self).__name__} backend"
+        for block, cls, given in (
+            ("low_cost", self.LowCost, low_cost),
+            ("recovery", self.Recovery, recovery),
+        ):
+            if cls is None and given:
+                raise ValueError(
+                    f"gnmr.{block}: {owner} takes no {block} options, got {given!r}; leave "
+                    f"gnmr.{block} empty or out"
+                )
         self.operators = operators
         """What the integration adds to the operators this backend knows (read-only)."""
         self.low_cost: Any = None
@@ -165,10 +175,10 @@ class PrecisionBackend:
         self.recovery: Any = None
         """The parsed ``recovery`` block (an instance of :attr:`Recovery`)."""
         if self.LowCost is not None:
-            self.low_cost = parse_options(self.LowCost, low_cost, "gnmr.low_cost")
+            self.low_cost = parse_options(self.LowCost, low_cost, "gnmr.low_cost", owner=owner)
         if self.Recovery is not None:
             self.recovery = parse_options(
-                self.Recovery, recovery, "gnmr.recovery", self.recovery_defaults
+                self.Recovery, recovery, "gnmr.recovery", self.recovery_defaults, owner=owner
             )
         self._wrapped: dict[int, list[nn.Module]] = {}
         self._attrs: dict[int, str] = {}  # id(module) -> the attribute its switch replaced

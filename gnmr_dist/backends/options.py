@@ -19,6 +19,8 @@ def parse_options(
     given: Mapping[str, Any] | None,
     path: str,
     defaults: Mapping[str, Any] | None = None,
+    *,
+    owner: str = "",
 ) -> T:
     """``cls(**defaults, **given)`` after rejecting a non-mapping block and unknown keys; a
     ``ValueError`` from ``cls`` keeps ``path``.
@@ -30,11 +32,14 @@ def parse_options(
     without a ``__post_init__`` gets the built-ins' strictness: ``"mantissa_bits": "2"`` is
     refused by key, value and type when the backend is built, not in the first forward. ``defaults``
     are the path's own defaults where they differ from the dataclass's (a recovery block).
+    ``owner`` names the backend in the message of an unknown key (``"the int8 backend"``), which
+    lists its keys or says that the block takes none.
     """
     if given is not None and not isinstance(given, Mapping):
         raise ValueError(f"{path} must be a mapping (JSON object) or null, got {given!r}")
     given = dict(given or {})
-    check_keys(given, [f.name for f in fields(cls)], path)  # type: ignore[arg-type]
+    keys = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+    check_keys(given, keys, path, owner=owner)
     try:
         parsed = cls(**{**(defaults or {}), **given})
     except ValueError as err:  # the dataclass's own message, naming the field

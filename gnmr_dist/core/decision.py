@@ -192,7 +192,7 @@ class Decision:
 
     @property
     def gamma(self) -> float | None:
-        """``gamma_t`` used at this step; ``None`` when the section 2.1 term is off."""
+        """``gamma_t`` used at this step; ``None`` when the damage term is off."""
         return self._gamma
 
     def _tensor(self, key: str) -> torch.Tensor:

@@ -40,7 +40,7 @@ def ratio(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def error_scores(errors: torch.Tensor) -> torch.Tensor:
-    """The section 2.1 error scores ``e_t`` with every non-finite value (NaN, +-inf) as +inf."""
+    """The damage term's error scores ``e_t`` with every non-finite value (NaN, +-inf) as +inf."""
     return torch.where(torch.isfinite(errors), errors, torch.full_like(errors, float("inf")))
 
 
@@ -61,9 +61,10 @@ def risk_scores(
     ``norms`` may hold NaN or +-inf; those units score +inf. ``norm_sum``/``norm_count`` are the
     sum and count of past finite norms, ``window_mean``/``window_len`` the mean and size of the
     window of past finite GNMR values (summed oldest to newest, as the policy sums it, for the
-    same bits). All float64 except the integer counts. ``errors`` (float64
-    [U], >= 0, non-finite counts as +inf) and ``gamma`` add section 2.1's error term; without
-    them the risk is section 2's, bit for bit.
+    same bits). All float64 except the integer counts. ``errors`` (float64 [U], >= 0,
+    non-finite counts as +inf) and ``gamma`` add the damage term
+    (docs/algorithm.md#damage-term); without them the risk is the plain one
+    (docs/algorithm.md#risk), bit for bit.
     """
     if (errors is None) != (gamma is None):
         raise ValueError("risk_scores needs both errors and gamma for the error term, or neither")

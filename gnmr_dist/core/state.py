@@ -77,7 +77,7 @@ _SHAPES = {"lr_peak": (), "first_nonfinite": (2,)}
 _KEYS = ("version", "num_units", "step", "config", *_TENSORS)
 """Every key a state of either format must have."""
 
-_FIX = "(is this checkpoint from another model or run? start fresh with a new controller instead)"
+_OTHER_MODEL = "the state was saved for another model: resume with the model it was saved for"
 
 
 class StateMismatchError(ValueError):
@@ -96,12 +96,12 @@ def _expect_tensor(
     if tuple(value.shape) != shape or value.dtype != dtype:
         raise StateMismatchError(
             f"GNMR state does not fit: {key!r} is {value.dtype} {list(value.shape)}, "
-            f"expected {dtype} {list(shape)} {_FIX}"
+            f"expected {dtype} {list(shape)}; {_OTHER_MODEL}"
         )
 
 
 def _corrupted(field: str, detail: str) -> ValueError:
-    return ValueError(f"GNMR state is corrupted: {field} {detail} {_FIX}")
+    return ValueError(f"GNMR state is corrupted: {field} {detail}")
 
 
 def _first(mask: torch.Tensor) -> int:
@@ -271,7 +271,7 @@ def check_state(state: Mapping[str, Any], num_units: int, window: int) -> dict[s
     if version not in (1, STATE_VERSION) or isinstance(version, bool):
         raise StateMismatchError(
             f"GNMR state has format version {version!r}; this gnmr-dist reads versions 1 and "
-            f"{STATE_VERSION}. Use the gnmr-dist release that wrote it, or start fresh."
+            f"{STATE_VERSION}: resume with the gnmr-dist release that wrote it"
         )
     missing = [k for k in _TENSORS_2 if k not in state] if version == 2 else []
     if missing:
@@ -288,7 +288,8 @@ def check_state(state: Mapping[str, Any], num_units: int, window: int) -> dict[s
 def _check_fit(state: Mapping[str, Any], num_units: int, window: int) -> None:
     if state["num_units"] != num_units:
         raise StateMismatchError(
-            f"GNMR state has num_units={state['num_units']}, this controller has {num_units} {_FIX}"
+            f"GNMR state has num_units={state['num_units']}, this controller has {num_units}; "
+            f"{_OTHER_MODEL}"
         )
     if not isinstance(state["config"], Mapping):
         raise ValueError(f"GNMR state is corrupted: config is {type(state['config']).__name__}")
@@ -296,7 +297,7 @@ def _check_fit(state: Mapping[str, Any], num_units: int, window: int) -> None:
     if saved_window != window:
         raise StateMismatchError(
             f"GNMR state was saved with window={saved_window}, the config has window={window}; "
-            "the window length cannot change on resume: set window back to it"
+            f"the window length cannot change on resume: set gnmr.window back to {saved_window}"
         )
 
 

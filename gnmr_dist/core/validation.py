@@ -29,10 +29,17 @@ def did_you_mean(
     """``"; did you mean 'x'?"`` for the (up to ``n``) valid names closest to ``value``, or
     ``""`` when none is close or ``value`` is not a string: the one suffix every "unknown name"
     message in gnmr-dist ends its first clause with (``quote=False``: names as file names,
-    unquoted; ``cutoff``: difflib's similarity floor)."""
+    unquoted; ``cutoff``: difflib's similarity floor).
+
+    Compared without case (``"ACT_QUANT"`` is closest to ``'act_quant'``, a case-only miss
+    ranks first), and named as ``valid`` spells them."""
     if not isinstance(value, str):
         return ""
-    matches = difflib.get_close_matches(value, list(valid), n=n, cutoff=cutoff)
+    spelled: dict[str, list[str]] = {}
+    for name in valid:
+        spelled.setdefault(name.lower(), []).append(name)
+    close = difflib.get_close_matches(value.lower(), list(spelled), n=n, cutoff=cutoff)
+    matches = [name for low in close for name in spelled[low]][:n]
     if not matches:
         return ""
     return f"; did you mean {', '.join(repr(m) if quote else m for m in matches)}?"
@@ -43,16 +50,29 @@ def check_keys(
     valid: Collection[str],
     path: str,
     required: Collection[str] = (),
+    *,
+    owner: str = "",
 ) -> None:
-    """Raise ``ValueError`` for the first unknown or missing key of ``given``."""
+    """Raise ``ValueError`` for the first unknown or missing key of ``given``.
+
+    ``owner`` names what defines the block's keys (``"the int8 backend"``); the message lists
+    the valid keys, or says that the block takes none."""
     if not isinstance(given, Mapping):
         raise ValueError(f"{path} must be a mapping (JSON object), got {type(given).__name__}")
+    block = f"{owner}'s {path}" if owner else path
     for key in given:
-        if key not in valid:
+        if key in valid:
+            continue
+        if not valid:
             raise ValueError(
-                f"unknown key {path}.{key}{did_you_mean(str(key), valid)} (valid keys: "
-                f"{', '.join(sorted(valid))})"
+                f"unknown key {path}.{key}: {block} takes no keys; remove {path}.{key} (leave "
+                f"{path} empty or out)"
             )
+        listed = ", ".join(sorted(valid))
+        raise ValueError(
+            f"unknown key {path}.{key}{did_you_mean(str(key), valid)} (valid keys"
+            f"{f' of {block}' if owner else ''}: {listed})"
+        )
     missing = [k for k in required if k not in given]
     if missing:
         raise ValueError(f"{path} is missing required key(s) {missing}")

@@ -71,8 +71,8 @@ class UnitNorms:
     global_norm: float
     """L2 norm of the whole (de-duplicated) gradient."""
     error_sums: torch.Tensor | None = None
-    """float64 [U] on the host: the reduced error sums ``B(u)`` (section 2.1), in the units of
-    the reduced gradient; ``None`` when the monitor carries no error term."""
+    """float64 [U] on the host: the reduced error sums ``B(u)`` (docs/algorithm.md#damage-term),
+    in the units of the reduced gradient; ``None`` when the monitor carries no error term."""
 
     def relative_errors(self) -> torch.Tensor | None:
         """float64 [U]: ``e_t(u) = B(u) / G_t``, the bound over the global gradient norm ``G_t``.
@@ -163,7 +163,7 @@ class GradNormMonitor:
             own piece). ``None``: no communication.
         grad_fn: returns the gradient (or gradient shard) of a parameter; default
             :func:`default_grad`.
-        error_fn: this rank's section 2.1 error sums (``backend.error_sums``); ``None``: the
+        error_fn: this rank's damage-term error sums (``backend.error_sums``); ``None``: the
             vector carries norms only.
         error_scale: factor applied to the local error sums before the reduction (``1/dp``
             under data-parallel gradient averaging whose partials the group sums).
@@ -212,7 +212,7 @@ class GradNormMonitor:
     def local_error_sums(self) -> torch.Tensor:
         """float64 [U]: this rank's error sums times ``error_scale`` (before the all-reduce)."""
         if self.error_fn is None:
-            raise RuntimeError("this monitor has no error_fn (the section 2.1 term is off)")
+            raise RuntimeError("this monitor has no error_fn (the damage term, gnmr.gamma, is off)")
         sums = self.error_fn(self._device)
         u = self.registry.num_units
         if sums is None or tuple(sums.shape) != (u,):

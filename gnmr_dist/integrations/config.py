@@ -35,9 +35,9 @@ from typing import Any
 
 from gnmr_dist.backends import BACKENDS, TORCH, Operators, PrecisionBackend, get_backend
 from gnmr_dist.backends.gemms import GEMMS, parse_gemms
-from gnmr_dist.backends.registry import OWN_BACKEND_HINT, load_entry_points
+from gnmr_dist.backends.registry import load_entry_points, unknown_backend
 from gnmr_dist.core import GNMRConfig
-from gnmr_dist.core.validation import check_choice, check_keys, check_positive_int, did_you_mean
+from gnmr_dist.core.validation import check_choice, check_keys, check_positive_int
 
 __all__ = [
     "BLOCK",
@@ -193,10 +193,7 @@ def _backend(value: Any, path: str) -> str | None:
         load_entry_points()  # an installed package's own backends
     if value in BACKENDS:
         return value
-    raise ValueError(
-        f"{path}: unknown backend {value!r}{did_you_mean(value, BACKENDS)} (available: "
-        f"{sorted(BACKENDS)}, or null to observe without recovering; {OWN_BACKEND_HINT})"
-    )
+    raise ValueError(unknown_backend(value, path, null=True))
 
 
 def _patterns(value: Any, path: str) -> tuple[str, ...]:
@@ -273,8 +270,8 @@ class GNMRBlock:
     probe: ProbeOptions | None = field(default=None, metadata=_parser(ProbeOptions.from_dict))
     """The recovery-gap probe (``None``: off, the default)."""
     error_every: int = field(default=1, metadata=_parser(check_positive_int))
-    """Measure the section 2.1 error sums every this many steps, carrying the score forward in
-    between (needs ``gamma``; 1: every step)."""
+    """Measure the error sums of the damage term (docs/algorithm.md#damage-term) every this many
+    steps, carrying the score forward in between (needs ``gamma``; 1: every step)."""
     policy: GNMRConfig = field(default_factory=GNMRConfig)
     """The controller's settings, read from the controller's keys at the block's top level."""
 
@@ -321,7 +318,7 @@ class GNMRBlock:
 
     def _check_together(self, path: str) -> None:
         """The keys that need another: ``probe`` and ``gemms`` a backend, ``error_every`` a
-        ``gamma``, ``gamma`` a ``gemms`` with wgrad."""
+        ``gamma``, ``gamma`` a backend that reports error sums and a ``gemms`` with wgrad."""
         if self.probe is not None and self.backend is None:
             raise ValueError(
                 f"{path}.probe needs a precision backend: with {path}.backend=null (observe "
@@ -334,6 +331,8 @@ class GNMRBlock:
                 f"{path}.backend=null (observe only) nothing is recovered; set {path}.backend "
                 f"or drop {path}.gemms"
             )
+        if self.policy.gamma is not None:
+            _check_error_source(self.backend, path)
         if self.policy.gamma is not None and "wgrad" not in self.gemms:
             raise ValueError(
                 f"{path}.gamma scores the damage term e, a bound on what the low-cost numerics "
@@ -347,6 +346,26 @@ class GNMRBlock:
                 f"{path}.error_every={self.error_every} needs {path}.gamma (the error term it "
                 f"paces); set {path}.gamma or drop {path}.error_every"
             )
+
+
+def _check_error_source(backend: str | None, path: str) -> None:
+    """``ValueError`` unless ``backend``'s class reports the per-unit error sums ``gamma``
+    scores (:attr:`~gnmr_dist.backends.base.PrecisionBackend.reports_errors`), so the block is
+    refused where it is read: by ``gnmr-launch check``, a program's preflight and Megatron-LM's
+    argument check alike, before any process or model exists."""
+    if backend is not None and BACKENDS[backend].reports_errors:
+        return
+    reporting = sorted(name for name, cls in BACKENDS.items() if cls.reports_errors)
+    key = path.rpartition(": ")[2]  # "gnmr", without the file a program names it in
+    if backend is None:
+        which = f"{key}.backend=null (observe only) runs no low-cost path to measure"
+    else:
+        which = f"{key}.backend={backend!r} reports none (its class sets reports_errors = False)"
+    raise ValueError(
+        f"{path}.gamma scores the damage term e = B(u) / G, which needs per-unit error sums B(u) "
+        f"from the precision backend (docs/algorithm.md#damage-term); {which}: set "
+        f"{key}.backend to one that reports them ({', '.join(reporting)}) or drop {key}.gamma"
+    )
 
 
 BLOCK = "gnmr"

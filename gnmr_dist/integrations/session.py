@@ -46,13 +46,16 @@ __all__ = [
 
 
 def check_error_source(block: GNMRBlock, backend: PrecisionBackend | None) -> None:
-    """``ValueError`` when ``gnmr.gamma`` is set and ``backend`` reports no error sums."""
+    """``ValueError`` when ``gnmr.gamma`` is set and ``backend`` reports no error sums (a block
+    read by :meth:`GNMRBlock.from_dict` has refused it already; this guards one built by
+    hand)."""
     if block.policy.gamma is None or (backend is not None and backend.reports_errors):
         return
     raise ValueError(
         f"gnmr.gamma is set but gnmr.backend={block.backend!r} reports no per-unit error sums "
-        "(the section 2.1 error term; act_quant, fp8_emulated and int8 report them, te_fp8 does "
-        "not yet); choose one of those backends or leave gnmr.gamma unset"
+        "(the damage term, docs/algorithm.md#damage-term; act_quant, fp8_emulated and int8 "
+        "report them, te_fp8 does not yet); choose one of those backends or leave gnmr.gamma "
+        "unset"
     )
 
 
@@ -95,17 +98,22 @@ class Interval:
     spike between two logs shows in the next one.
 
     :meth:`add` takes each decision, the global gradient norm and the units that *ran* the
-    recovery path during that step; :meth:`drain` returns the sums and resets. The entries:
-    ``steps`` (decisions), ``step`` (the last controller step), ``max_risk`` (the largest risk of
-    the interval), the :data:`SUMMED` counts, ``recovered_unit_steps``, ``global_grad_norm`` (the
-    mean), and per recovered unit the steps it ran recovery at.
+    recovery path during that step; :meth:`skip` each attempt the framework skipped (no
+    decision), with its non-finite units; :meth:`drain` returns the sums and resets. The
+    entries: ``steps`` (decisions), ``step`` (the last controller step), ``skipped_steps``
+    (attempts the framework skipped), ``max_risk`` (the largest risk of the interval), the
+    :data:`SUMMED` counts (``num_nonfinite`` also counts the skipped attempts' non-finite units,
+    as the run's accounting does), ``recovered_unit_steps``, ``global_grad_norm`` (the mean),
+    and per recovered unit the steps it ran recovery at. An interval of skipped attempts only
+    has no ``max_risk`` and no ``global_grad_norm``.
     """
 
     def __init__(self) -> None:
+        self.last_step = 0
         self._reset()
 
     def _reset(self) -> None:
-        self.steps, self.last_step = 0, 0
+        self.steps, self.skipped = 0, 0
         self.max_risk, self.norm_sum = -math.inf, 0.0
         self.sums = dict.fromkeys(SUMMED, 0.0)
         self.recovered: dict[int, list[int]] = {}
@@ -122,19 +130,28 @@ class Interval:
         for u in ran:
             self.recovered.setdefault(int(u), []).append(decision.step)
 
+    def skip(self, nonfinite: int, step: int) -> None:
+        """An attempt the framework skipped, with its ``nonfinite`` units; ``step``: the last
+        controller step (the skipped attempt is retried as step ``step + 1``)."""
+        self.skipped += 1
+        self.last_step = step
+        self.sums["num_nonfinite"] += nonfinite
+
     def drain(self, names: Sequence[str]) -> tuple[dict[str, float], dict[str, list[int]]]:
         """(scalars, the steps each recovered unit ran recovery at, by name); then reset.
-        Empty when no decision came since the last drain."""
-        if not self.steps:
+        Empty when neither a decision nor a skipped attempt came since the last drain."""
+        if not self.steps and not self.skipped:
             return {}, {}
         scalars = {
             "steps": float(self.steps),
             "step": float(self.last_step),
-            "max_risk": self.max_risk,
+            "skipped_steps": float(self.skipped),
             **self.sums,
             "recovered_unit_steps": float(sum(len(v) for v in self.recovered.values())),
-            "global_grad_norm": self.norm_sum / self.steps,
         }
+        if self.steps:
+            scalars["max_risk"] = self.max_risk
+            scalars["global_grad_norm"] = self.norm_sum / self.steps
         scalars.update({f"recovered/{names[u]}": float(len(v)) for u, v in self.recovered.items()})
         steps = {names[u]: list(v) for u, v in sorted(self.recovered.items())}
         self._reset()
@@ -190,19 +207,23 @@ class AccountingLog:
 
 
 def trace_fields(
-    runtime: GNMRRuntime, norms: UnitNorms, skipped: Sequence[int] = ()
+    runtime: GNMRRuntime, norms: UnitNorms, skipped: Sequence[int] = (), skipped_steps: int = 0
 ) -> dict[str, Any]:
     """The accounting fields of the trace record of the decision just taken (each only where
     it applies, so other records read as before): ``nonfinite``, the units whose norm was
-    non-finite at this step; ``skipped_nonfinite``, those of the attempts of this step the
-    framework skipped (``skipped``); ``first_nonfinite``, on the record of the run's first
-    non-finite event's step, ``{"step", "unit", "name", "skipped"}``."""
+    non-finite at this step; ``skipped_steps``, how many attempts of this step the framework
+    skipped before it (``skipped_steps``, given by the integrations that count them);
+    ``skipped_nonfinite``, the non-finite units of those attempts (``skipped``);
+    ``first_nonfinite``, on the record of the run's first non-finite event's step,
+    ``{"step", "unit", "name", "skipped"}``."""
     out: dict[str, Any] = {}
     decision = runtime.last_decision
     if decision is None:
         return out
     if decision.telemetry.num_nonfinite:
         out["nonfinite"] = torch.nonzero(~torch.isfinite(norms.norms)).flatten().tolist()
+    if skipped_steps:
+        out["skipped_steps"] = int(skipped_steps)
     if skipped:
         out["skipped_nonfinite"] = sorted(skipped)  # a unit once per skipped attempt
     first = runtime.first_nonfinite if (out or runtime.accounting.skipped_first[0]) else None
@@ -307,8 +328,13 @@ class IntegrationSession:
 
     def state_dict(self) -> dict[str, Any]:
         """Controller state, unit names, plan and skipped-step count (plain, rank-identical,
-        ``weights_only``-safe), sealed with a per-field checksum."""
-        return seal({**self.runtime.state_body(), "skipped": self.skipped})
+        ``weights_only``-safe), plus what the integration keeps (:meth:`_extra_state`), sealed
+        with a per-field checksum."""
+        return seal({**self.runtime.state_body(), "skipped": self.skipped, **self._extra_state()})
+
+    def _extra_state(self) -> dict[str, Any]:
+        """Further top-level entries of :meth:`state_dict` (none here)."""
+        return {}
 
     def reset(self) -> None:
         """Start the controller fresh (``on_missing_state`` / ``on_corrupt_state`` ``"fresh"``)

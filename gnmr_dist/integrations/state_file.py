@@ -127,14 +127,18 @@ def restore_or_refuse(block: GNMRBlock, where: str, found: tuple[str, Any], sess
     if mismatch:
         raise ValueError(
             f"gnmr: the GNMR state of {where} is intact but was saved under other settings: "
-            f"{reason}. Resume with the settings it was saved with; to start the controller "
-            'fresh on purpose set "on_corrupt_state": "fresh" in the gnmr block.'
+            f"{_sentence(reason)}"
         )
     raise ValueError(
-        f"gnmr: cannot restore the GNMR state of {where}: {reason}. Restore the checkpoint from "
-        "a good copy or resume from an earlier one; to start the controller fresh on purpose set "
-        '"on_corrupt_state": "fresh" in the gnmr block.'
+        f"gnmr: cannot restore the GNMR state of {where}: {_sentence(reason)} Restore the "
+        "checkpoint from a good copy or resume from an earlier one; to start the controller "
+        'fresh on purpose set "on_corrupt_state": "fresh" in the gnmr block.'
     )
+
+
+def _sentence(text: str) -> str:
+    """``text`` ending in exactly one full stop."""
+    return text.rstrip().rstrip(".") + "."
 
 
 def restart_drill(flag: str, fail_at: int | None, step: int, rank: int, world: int) -> None:

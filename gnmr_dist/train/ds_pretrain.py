@@ -515,7 +515,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     summary = train(args)
     if dist.get_rank() == 0:
-        _finish(Path(args.run_dir), summary, f"{args.title} ({summary['model']})")
+        _finish(Path(args.run_dir), summary, args.title)
     dist.barrier()
     return 0
 
@@ -542,7 +542,8 @@ def _finish(run: Path, summary: dict[str, Any], title: str) -> None:
 
     if (run / "trace.jsonl").is_file():
         try:
-            report = draw_report(run / "trace.jsonl", run / "report.png", title=title)
+            figure_title = f"{title} ({summary['model']})"
+            report = draw_report(run / "trace.jsonl", run / "report.png", title=figure_title)
         except (ValueError, ImportError) as err:  # the run trained and saved: say so, go on
             logger.error(
                 "gnmr: report.png not drawn (%s); the checkpoint and summary.json are written, "
@@ -559,7 +560,7 @@ def _finish(run: Path, summary: dict[str, Any], title: str) -> None:
     print(
         f"\n{title}: {summary['steps']} steps on {summary['world_size']} processes "
         f"({summary['backend']} backend, {summary['units']} units) in "
-        f"{summary['seconds']:.0f} s{resumed}"
+        f"{summary['seconds']:.0f} s{resumed}\n  model: {summary['model']}"
     )
     print(
         f"  train loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}; held-out "

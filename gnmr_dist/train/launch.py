@@ -188,8 +188,15 @@ def check_job(job: Job, world_size: int, check_host: bool = True) -> None:
     """Run the engine's own argument checks for ``world_size`` processes, in this process.
 
     ``check_host=False`` leaves out what depends on this machine (CUDA, Transformer Engine), for
-    checking a GPU job on a login node.
+    checking a GPU job on a login node. Besides the arguments, what the run refuses when it
+    builds its model is checked on a model built on the meta device (no memory, no weights):
+    the units ``include``/``exclude`` select (:func:`check_ds_units`; Megatron-LM:
+    :func:`~gnmr_dist.train.megatron_flags.check_units`). Installed backend plug-ins are loaded
+    first, as every run loads them, so one that fails to import is warned about here too.
     """
+    from gnmr_dist.backends.registry import load_entry_points
+
+    load_entry_points()  # outside the redirect: its warning reaches the terminal
     stderr = io.StringIO()
     try:
         with contextlib.redirect_stderr(stderr):
@@ -200,7 +207,9 @@ def check_job(job: Job, world_size: int, check_host: bool = True) -> None:
             else:
                 from gnmr_dist.train.ds_pretrain import parse_args as ds_args
 
-                ds_args(list(job.args), world_size=world_size, check_host=check_host)
+                check_ds_units(
+                    ds_args(list(job.args), world_size=world_size, check_host=check_host)
+                )
     except ValueError as err:
         raise LaunchError(f"{job.config} ({job.engine}): {err}") from None
     except SystemExit as stop:
@@ -208,6 +217,52 @@ def check_job(job: Job, world_size: int, check_host: bool = True) -> None:
             lines = [x for x in stderr.getvalue().splitlines() if x.strip()]
             message = lines[-1] if lines else f"exit status {stop.code}"
             raise LaunchError(f"{job.config} ({job.engine}): {message}") from None
+
+
+def check_ds_units(args: argparse.Namespace) -> None:
+    """``ValueError`` when the ``"gnmr"`` block selects no unit of the model
+    ``gnmr-ds-pretrain`` builds from ``args`` (its parsed options), with the message
+    ``gnmr_dist.deepspeed.initialize`` refuses the run with.
+
+    The model is built on the meta device from the shape options (``--init-from``: from the
+    directory's ``config.json``; ``--lora-rank``: with its adapters), so a 13B config is checked
+    in a second; unit names do not depend on the vocabulary size.
+    """
+    block = args.gnmr_block
+    if not block.enabled or not (block.include or block.exclude):
+        return  # the default selection is every unit inside a layer: a Llama has them
+    import torch
+
+    from gnmr_dist.backends import registered_operator_types
+    from gnmr_dist.distributed.units import check_selection
+    from gnmr_dist.train.ds_pretrain import build_model
+
+    shape, vocab = args, args.vocab_size or 256
+    if args.init_from is not None:  # from_pretrained refuses the meta device: its config's shape
+        from transformers import LlamaConfig
+
+        cfg = LlamaConfig.from_pretrained(args.init_from, local_files_only=True)
+        shape = argparse.Namespace(
+            **{
+                **vars(args),
+                "init_from": None,
+                "layers": cfg.num_hidden_layers,
+                "hidden": cfg.hidden_size,
+                "heads": cfg.num_attention_heads,
+                "kv_heads": cfg.num_key_value_heads,
+                "ffn": cfg.intermediate_size,
+            }
+        )
+        vocab = cfg.vocab_size
+    with torch.device("meta"):
+        model = build_model(shape, vocab)
+    check_selection(
+        model,
+        granularity=block.units,
+        include=block.include,
+        exclude=block.exclude,
+        operator_types=registered_operator_types(),
+    )
 
 
 # ====================================================================== launchers

@@ -41,6 +41,7 @@ __all__ = [
     "CUSTOMARY",
     "add_gnmr_args",
     "attach_from_argv",
+    "check_units",
     "cpu_argv",
     "customary_argv",
     "drills_of",
@@ -189,7 +190,9 @@ def gnmr_block(args: argparse.Namespace, check_host: bool = True) -> GNMRBlock |
 
     Read once (``read_block``): building the backend checks its option blocks
     (``megatron_patches.apply`` builds the run's own, with megatron's operators); a backend this
-    host cannot load (``te_fp8`` without CUDA) is an error only when ``check_host``.
+    host cannot load (``te_fp8`` without CUDA) is an error only when ``check_host``. Given
+    Megatron-LM's whole parsed ``args`` (``check_args``, which ``gnmr-launch`` runs), also checks
+    the unit selection on the model they describe (:func:`check_units`).
     """
     import_modules(getattr(args, "gnmr_import", []), "--gnmr-import")
     if args.gnmr_config is None:
@@ -216,7 +219,125 @@ def gnmr_block(args: argparse.Namespace, check_host: bool = True) -> GNMRBlock |
     parsed = GNMRBlock.of(block, path=f"{path}: gnmr")
     refuse_probe(parsed, "GNMR on Megatron-LM's loop")
     checked, _ = read_block(parsed, f"{path}: gnmr", check_host=check_host)
+    if hasattr(args, "num_layers"):  # Megatron-LM's whole parse (check_args): the model is known
+        check_units(args, checked)
     return checked
+
+
+_SINGLE_PROCESS = {
+    "tensor_model_parallel_size": 1,
+    "pipeline_model_parallel_size": 1,
+    "virtual_pipeline_model_parallel_size": None,
+    "decoder_first_pipeline_num_layers": None,
+    "decoder_last_pipeline_num_layers": None,
+    "context_parallel_size": 1,
+    "expert_model_parallel_size": 1,
+    "expert_tensor_parallel_size": 1,
+    "sequence_parallel": False,
+    "use_cpu_initialization": True,
+    "perform_initialization": False,
+}
+"""The layout :func:`check_units` builds the model at: one process, no weights initialised."""
+
+
+def check_units(args: argparse.Namespace, block: GNMRBlock | None) -> None:
+    """``ValueError`` when ``block``'s ``include``/``exclude`` select no unit of the GPT model
+    Megatron-LM's parsed ``args`` describe: the refusal ``megatron_patches.apply`` gives the
+    run inside ``setup_model_and_optimizer``, given before any process starts.
+
+    The program's own ``model_provider`` builds the model on the meta device in this process
+    (no memory, no weights), at parallel sizes 1 (:data:`_SINGLE_PROCESS`; unit names are global,
+    the same under any layout), inside a one-process gloo group on an in-memory store (no port),
+    destroyed again; Transformer Engine layers are built as megatron-core's own
+    (:func:`_meta_gpt`). A model it cannot build here (a mixture of experts on TE layers) is left
+    to the run, with a logged warning; so is any model under an initialised process group.
+    """
+    if block is None or not block.enabled or not (block.include or block.exclude):
+        return  # the default selection is every unit inside a layer: a GPT has them
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        logger.info("gnmr: the unit selection is checked when the model is built (process group)")
+        return
+    try:
+        model = _meta_gpt(args)
+    except Exception as err:  # the run builds its own model; this check only anticipates it
+        logger.warning(
+            "gnmr: gnmr.include/exclude are checked when the run builds its model: this host "
+            "cannot build it on the meta device (%s: %s)",
+            type(err).__name__,
+            err,
+        )
+        return
+    from gnmr_dist.backends import registered_operator_types
+    from gnmr_dist.distributed.units import check_selection
+    from gnmr_dist.integrations.megatron.operators import MEGATRON_MARKS, MEGATRON_OPERATORS
+
+    check_selection(
+        model,
+        granularity=block.units,
+        include=block.include,
+        exclude=block.exclude,
+        operator_types=MEGATRON_OPERATORS.all_types() | registered_operator_types(),
+        marks=MEGATRON_MARKS,
+    )
+
+
+def _local_layers() -> dict[str, object]:
+    """The arguments :data:`CPU_FLAGS` set (megatron-core's own layers, no CUDA-only fusion), as
+    megatron's parser sets them: what :func:`check_units` builds a model on Transformer Engine
+    layers with. A dense GPT's units have the same names with either layers; a mixture of
+    experts' do not."""
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    words = [w for flag, value in CPU_FLAGS.items() for w in (flag, value) if w is not None]
+    given, default = parser.parse_known_args(words)[0], parser.parse_known_args([])[0]
+    return {k: v for k, v in vars(given).items() if v != getattr(default, k)}
+
+
+def _meta_gpt(args: argparse.Namespace) -> torch.nn.Module:
+    """``megatron_gpt.model_provider()``'s model for ``args`` on the meta device; a model on
+    Transformer Engine layers is built on megatron-core's own (:func:`_local_layers`: nothing
+    is allocated on a GPU, and TE need not be installed), which name a dense GPT's units alike."""
+    if getattr(args, "transformer_impl", "local") == "local":
+        return _build_meta_gpt(args, {})
+    if getattr(args, "num_experts", None):
+        raise NotImplementedError(
+            "a mixture of experts on Transformer Engine layers names its expert units otherwise "
+            "on megatron-core's own layers"
+        )
+    return _build_meta_gpt(args, _local_layers())
+
+
+def _build_meta_gpt(args: argparse.Namespace, layers: dict[str, object]) -> torch.nn.Module:
+    """The model in a one-process group that is destroyed again (megatron's global arguments
+    restored)."""
+    import copy
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.training import global_vars
+
+    from gnmr_dist.train.megatron_gpt import model_provider
+
+    single = copy.copy(args)
+    for key, value in {**_SINGLE_PROCESS, **layers}.items():
+        setattr(single, key, value)
+    if getattr(single, "padded_vocab_size", None) is None:
+        single.padded_vocab_size = 128  # the tokenizer's, padded; unit names do not depend on it
+    saved = global_vars._GLOBAL_ARGS
+    store = dist.HashStore()  # type: ignore[attr-defined]  # in memory: no port is bound
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        parallel_state.initialize_model_parallel(1, 1)
+        global_vars._GLOBAL_ARGS = single
+        with torch.device("meta"):
+            return model_provider()  # type: ignore[no-any-return]
+    finally:
+        global_vars._GLOBAL_ARGS = saved
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
 
 
 def gnmr_namespace(argv: Sequence[str]) -> argparse.Namespace:

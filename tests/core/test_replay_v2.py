@@ -1,6 +1,7 @@
 """gnmr-replay with the second policy's keys: what a trace can replay, and clear refusals for
-what a trace without the inputs cannot (costs, the learning rate). Here rather than in tests/cli because
-it tests the policy's keys on the command line (docs/algorithm.md#tuning-offline)."""
+what a trace without the inputs cannot (costs, the learning rate). Here rather than in
+tests/cli because it tests the policy's keys on the command line
+(docs/algorithm.md#tuning-offline)."""
 
 from __future__ import annotations
 

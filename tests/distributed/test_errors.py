@@ -95,7 +95,7 @@ def test_gamma_needs_an_error_source_that_reports():
     cfg = GNMRConfig(gamma=0.5)
     with pytest.raises(ValueError, match=r"gnmr\.gamma is set, so the runtime needs per-unit"):
         GNMRRuntime(reg, cfg)
-    with pytest.raises(ValueError, match=r"gnmr\.gamma is set but the precision backend reports"):
+    with pytest.raises(ValueError, match=r"gnmr\.gamma is set but the error source .* returned"):
         GNMRRuntime(reg, cfg, error_fn=lambda device: None)
     runtime = GNMRRuntime(reg, cfg, error_fn=lambda device: torch.zeros(reg.num_units))
     norms = torch.ones(reg.num_units, dtype=torch.float64)

@@ -10,6 +10,7 @@ from tests.requires import require
 
 require("deepspeed")
 
+from gnmr_dist.core import GNMRConfig
 from gnmr_dist.integrations.config import GNMRBlock
 from tests import multiproc
 from tests.integrations.deepspeed import common as dsc
@@ -59,7 +60,8 @@ def test_invalid_blocks_name_the_key(block, match):
 
 def test_error_every_defaults_to_every_step():
     assert GNMRBlock.from_dict({}).error_every == 1
-    assert GNMRBlock.from_dict({"gamma": 0.5, "error_every": 10}).error_every == 10
+    block = {"backend": "act_quant", "gamma": 0.5, "error_every": 10}
+    assert GNMRBlock.from_dict(block).error_every == 10
 
 
 @pytest.mark.parametrize(
@@ -72,8 +74,9 @@ def test_error_every_defaults_to_every_step():
         ({"backend": "nope"}, r"unknown backend 'nope'"),
         ({"max_active": -3}, r"gnmr\.max_active"),
         (
-            {"gamma": 0.5},  # no backend: nothing measures the section 2.1 error sums
-            r"gnmr\.gamma is set but gnmr\.backend=None reports no per-unit error sums",
+            {"gamma": 0.5},  # no backend: nothing measures the damage term's error sums
+            r"gnmr\.gamma scores the damage term .* gnmr\.backend=null \(observe only\) runs no "
+            r"low-cost path to measure",
         ),
     ],
 )
@@ -194,6 +197,9 @@ def test_gamma_turns_the_backends_error_sums_on_only_when_set():
     class Silent(PrecisionBackend):  # reports nothing, as te_fp8 today
         name = "silent"
 
+    with pytest.raises(ValueError, match=r"gnmr\.backend='te_fp8' reports none"):
+        GNMRBlock.from_dict({"backend": "te_fp8", "gamma": 1.0})  # refused where it is read
+    by_hand = GNMRBlock(backend="te_fp8", policy=GNMRConfig(gamma=1.0))  # no from_dict check
     with pytest.raises(ValueError, match=r"gnmr\.backend='te_fp8' reports no per-unit error"):
-        error_source(GNMRBlock.from_dict({"backend": "te_fp8", "gamma": 1.0}), Silent(), 2)
+        error_source(by_hand, Silent(), 2)
     assert Silent().error_sums(torch.device("cpu")) is None

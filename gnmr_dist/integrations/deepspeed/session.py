@@ -11,8 +11,20 @@ this step's gradients, ``lr_t``. Read after it, it would be the next step's.
 **A step DeepSpeed skips** (its ZeRO 1-2 optimizers skip a step whose gradients hold an inf or
 NaN, in fp32 and bf16 as in fp16; ``engine.was_step_applied()`` is False) leaves the controller
 untouched and goes to :meth:`GNMRRuntime.skip <gnmr_dist.distributed.GNMRRuntime.skip>`, which
-counts its non-finite units and names the run's first in one warning on every rank; the trace
-record of the retried step lists them (``skipped_nonfinite``).
+counts its non-finite units and names the run's first in one warning on every rank; Trainer's
+interval counts it (``skipped_steps``, and its units in ``num_nonfinite``), and the trace
+record of the retried step says how many attempts were skipped before it (``skipped_steps``)
+and lists their non-finite units (``skipped_nonfinite``). Until that record is written the
+skipped attempts are part of the GNMR state, so a checkpoint saved right after one loses
+nothing.
+
+**GNMR's step and the engine's.** GNMR's step ``t`` is the ``t``-th optimizer step the engine
+*applied* since GNMR started: the clock DeepSpeed's own ``lr_scheduler`` runs on (it is not
+stepped on a skipped step either), where ``engine.global_steps`` counts every attempt. So for
+every trace record ``engine_step - engine_skipped_steps - step`` (both in ``extra``) is the same
+number, the header's ``engine_step_at_start - engine_skipped_at_start``: the engine's applied
+steps before GNMR's step 1 (0 for a run GNMR started with; the checkpoint's for a restart whose
+GNMR state started fresh). docs/telemetry.md#steps-and-skipped-steps.
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ import torch.distributed as dist
 
 from gnmr_dist.backends import PrecisionBackend, StepReport
 from gnmr_dist.core import Decision
+from gnmr_dist.core.integrity import unseal
 from gnmr_dist.distributed import GNMRRuntime, UnitNorms, UnitRegistry
 from gnmr_dist.distributed.probe import ProbeResult, RecoveryProbe
 from gnmr_dist.integrations.config import GNMRBlock
@@ -135,6 +148,7 @@ class DeepSpeedGNMR(IntegrationSession):
         """The accounting entries of Trainer's logs (:mod:`~.deepspeed.trainer_log`)."""
         self._monitor_accounting = AccountingLog()
         self._skipped_nonfinite: list[int] = []  # of the skipped attempts of the coming step
+        self._skipped_attempts = 0  # attempts skipped since the last decision
         self._trace: TraceWriter | None = None
         self._notes: dict[str, float] = {}
         self.probe: RecoveryProbe | None = None
@@ -267,7 +281,10 @@ class DeepSpeedGNMR(IntegrationSession):
             self.last_report = self.backend.report()
         if not self.engine.was_step_applied():
             self.skipped += 1
-            self._skipped_nonfinite += self.runtime.skip(norms)
+            self._skipped_attempts += 1
+            bad = self.runtime.skip(norms)
+            self._skipped_nonfinite += bad
+            self.interval.skip(len(bad), self.runtime.controller.step_count)
             logger.warning(
                 "gnmr: optimizer step skipped (overflow); controller history left untouched, "
                 "plan kept: %s",
@@ -281,8 +298,9 @@ class DeepSpeedGNMR(IntegrationSession):
         self.interval.add(decision, norms.global_norm, ran)
         probe = self._take_probe(decision, ran)
         self._apply_plan()
-        skipped, self._skipped_nonfinite = self._skipped_nonfinite, []
-        self._log(norms, decision, probe, (skipped, lr))
+        skipped = (self._skipped_nonfinite, self._skipped_attempts)
+        self._skipped_nonfinite, self._skipped_attempts = [], 0
+        self._log(norms, decision, probe, (*skipped, lr))
 
     # ------------------------------------------------------------------ logging
 
@@ -301,10 +319,11 @@ class DeepSpeedGNMR(IntegrationSession):
         norms: UnitNorms,
         decision: Decision,
         probe: ProbeRecord | None,
-        step: tuple[list[int], float | None],
+        step: tuple[list[int], int, float | None],
     ) -> None:
         """Rank 0: the trace record, the console line and the monitor's events of a decision;
-        ``step``: the non-finite units of its skipped attempts and the learning rate applied."""
+        ``step``: the non-finite units of its skipped attempts, how many attempts were skipped
+        and the learning rate applied."""
         if dist.get_rank() != 0:
             return
         trace = self._trace_writer()
@@ -312,13 +331,14 @@ class DeepSpeedGNMR(IntegrationSession):
         extra = {
             "global_norm": norms.global_norm,
             "engine_step": int(self.engine.global_steps),
+            "engine_skipped_steps": int(self.engine.skipped_steps),
             "engine_samples": samples,
         }
         extra.update(self._notes)
         self._notes = {}
         if trace is not None:
-            skipped, lr = step
-            fields = trace_fields(self.runtime, norms, skipped)
+            skipped, attempts, lr = step
+            fields = trace_fields(self.runtime, norms, skipped, attempts)
             if lr is not None:
                 fields["lr"] = lr
             trace.write(norms.norms, decision, extra, probe=probe, fields=fields)
@@ -338,8 +358,42 @@ class DeepSpeedGNMR(IntegrationSession):
     def _trace_writer(self) -> TraceWriter | None:
         if self._trace is None:
             done = self.runtime.controller.step_count - 1  # decided before this run's first record
-            self._trace = open_trace(self.block, self.registry, done)
+            self._trace = open_trace(self.block, self.registry, done, **self._engine_at_start())
         return self._trace
+
+    def _engine_at_start(self) -> dict[str, int]:
+        """The engine's ``global_steps`` and ``skipped_steps`` when GNMR stood at step 0 (the
+        trace header's ``engine_step_at_start`` / ``engine_skipped_at_start``): now's, less the
+        steps GNMR has decided and the attempts it saw skipped since it started (module
+        docstring). Call it between optimizer steps."""
+        gnmr = self.runtime.controller.step_count + self.skipped
+        return {
+            "engine_step_at_start": int(self.engine.global_steps) - gnmr,
+            "engine_skipped_at_start": int(self.engine.skipped_steps) - self.skipped,
+        }
+
+    # ------------------------------------------------------------------ state
+
+    def _extra_state(self) -> dict[str, Any]:
+        """The attempts skipped since the last decision, which the next trace record reports
+        (``skipped_pending``; only while there are some, so other states are as before)."""
+        if not self._skipped_attempts:
+            return {}
+        pending = {"attempts": self._skipped_attempts, "nonfinite": list(self._skipped_nonfinite)}
+        return {"skipped_pending": pending}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """:meth:`IntegrationSession.load_state_dict`, and the skipped attempts the saved run
+        had not reported yet (``ValueError`` when they do not fit the state: nothing is
+        restored)."""
+        body, _ = unseal(state, "GNMR state")
+        pending = _pending(body.get("skipped_pending"), body.get("skipped"), self.registry)
+        super().load_state_dict(state)
+        self._skipped_attempts, self._skipped_nonfinite = pending
+
+    def reset(self) -> None:
+        super().reset()
+        self._skipped_attempts, self._skipped_nonfinite = 0, []
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -372,9 +426,42 @@ class DeepSpeedGNMR(IntegrationSession):
         """Rank 0 reads the state and hands it to every rank, so all ranks restore the same."""
         found: list[Any] = [read_state(path) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(found, src=0)
-        if restore_or_refuse(self.block, str(path), found[0], self) and dist.get_rank() == 0:
+        restored = restore_or_refuse(self.block, str(path), found[0], self)
+        if dist.get_rank() != 0:
+            return
+        if restored:
             step = self.runtime.controller.step_count
             emit(f"gnmr: state restored at controller step {step} from {path}")
+            return
+        at = self._engine_at_start()["engine_step_at_start"]
+        emit(
+            f"gnmr: the controller starts fresh at engine step {at} and counts its steps from 1 "
+            "again (the trace: extra.engine_step in each record, meta.engine_step_at_start)"
+        )
+
+
+def _pending(value: Any, skipped: Any, registry: UnitRegistry) -> tuple[int, list[int]]:
+    """A saved ``skipped_pending`` entry as ``(attempts, non-finite unit ids)``; ``(0, [])``
+    when absent. ``ValueError`` when it does not fit: at most ``skipped`` attempts, each with
+    at most every unit once."""
+    if value is None:
+        return 0, []
+    entry = value if isinstance(value, Mapping) else {}
+    attempts, units, u = entry.get("attempts"), entry.get("nonfinite"), registry.num_units
+    if (
+        isinstance(attempts, int)
+        and not isinstance(attempts, bool)
+        and isinstance(skipped, int)
+        and 1 <= attempts <= skipped
+        and isinstance(units, list)
+        and len(units) <= attempts * u
+        and all(type(i) is int and 0 <= i < u for i in units)
+    ):
+        return attempts, list(units)
+    raise ValueError(
+        f"GNMR state is corrupted: skipped_pending={value!r:.120} does not fit "
+        f"skipped={skipped!r} and {u} units"
+    )
 
 
 def _latest_tag(load_dir: str) -> str | None:

@@ -127,7 +127,7 @@ class MegatronGNMR(IntegrationSession):
         device = grads[0].device if grads else self.runtime.monitor.device
         total, per_tensor = self._l2(clip_grads, grads, device)
         units = self._by_slot(grads, per_tensor, device)
-        errors = self._local_errors(group, device)  # once per step, section 2.1 only
+        errors = self._local_errors(group, device)  # once per step, damage term only
         if errors is not None:
             units = torch.cat([units, errors])
         total_sq = total.float() ** 2.0
@@ -150,7 +150,7 @@ class MegatronGNMR(IntegrationSession):
         return result
 
     def _local_errors(self, group: Any, device: torch.device) -> torch.Tensor | None:
-        """float32 [U]: this rank's section 2.1 error sums ``B(u)``, in the reduced gradient's
+        """float32 [U]: this rank's damage-term error sums ``B(u)``, in the reduced gradient's
         units, for the first norm call of a step (``None`` without ``gnmr.gamma`` or later).
 
         ``B`` is linear in the output gradients, so megatron's loss scale (fp16) is divided out

@@ -40,7 +40,7 @@ CONFIGS = [(1, "fp32"), (2, "bf16")]
 
 def _state(gnmr) -> dict:
     """Everything of the session that a decision changes, as plain picklable values."""
-    leave = ("checksum", "skipped", "accounting")  # the accounting counts the skip: apart
+    leave = ("checksum", "skipped", "accounting", "skipped_pending")  # these count the skip
     body = {k: v for k, v in gnmr.state_dict().items() if k not in leave}
     d = gnmr.last_decision
     interval = gnmr.interval
@@ -53,7 +53,7 @@ def _state(gnmr) -> dict:
         "norms_id": id(gnmr.runtime.last_norms),
         "last_errors": None if errors is None else errors.clone(),
         "interval": (
-            (interval.steps, interval.last_step, dict(interval.sums)),
+            (interval.steps, interval.last_step, interval.skipped, dict(interval.sums)),
             {u: list(steps) for u, steps in interval.recovered.items()},  # copies: kept as now
         ),
         "telemetry": {k: v for k, v in gnmr.telemetry().items() if k != "skipped_steps"},
@@ -143,6 +143,10 @@ def test_a_skipped_step_leaves_the_controller_untouched_and_the_next_step_procee
             # accounting counted its non-finite unit (q_proj of layer 0, unit 0)
             counted = after.pop("skipped_nonfinite")
             assert before.pop("skipped_nonfinite") == [0] * 14 and counted == [1] + [0] * 13
+            # ... and Trainer's interval counts the skipped attempt and its non-finite unit
+            (steps, last, skips, sums), units = before.pop("interval")
+            sums["num_nonfinite"] += 1
+            assert after.pop("interval") == ((steps, last, skips + 1, sums), units)
             assert _same(before, after), (cfg, rank)
             assert before["body"]["controller"]["step"] == SKIP - 1 == s[at]["count"]
             assert s[at]["decision"][0] == SKIP - 1  # the last decision is still step 8's

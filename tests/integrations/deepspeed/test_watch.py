@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[3]
 BLOCK = {"backend": "act_quant", "max_active": 2}
-UNREAD = 'gnmr: this DeepSpeed config has an enabled "gnmr" block, but deepspeed.initialize'
+UNREAD = 'gnmr: this DeepSpeed config has an enabled "gnmr" block, but its engine was built by '
 
 
 def _said(records: list[str]) -> list[str]:
@@ -50,8 +50,9 @@ import sys
 {second}
 import deepspeed, gnmr_dist.integrations.ds_watch as w
 finders = [type(f).__name__ for f in sys.meta_path if type(f).__module__ == w.__name__]
-own = deepspeed.initialize.__wrapped__
-print(deepspeed.initialize.__gnmr_watch__, own.__module__, own.__name__, finders)
+init = deepspeed.DeepSpeedEngine.__init__
+own = init.__wrapped__
+print(init.__gnmr_watch__, own.__module__, own.__qualname__, finders)
 """
 
 
@@ -59,7 +60,8 @@ print(deepspeed.initialize.__gnmr_watch__, own.__module__, own.__name__, finders
 def test_deepspeed_is_watched_whichever_is_imported_first(first):
     """``import gnmr_dist`` does not import DeepSpeed; DeepSpeed imported after it is wrapped
     as its module finishes (the finder then leaves ``sys.meta_path``), and DeepSpeed imported
-    before it is wrapped at once; either way the wrapper is DeepSpeed's own function's."""
+    before it is wrapped at once; either way the wrapper is the engine class's own
+    ``__init__``'s."""
     second = "deepspeed" if first == "gnmr_dist" else "gnmr_dist"
     check = "assert 'deepspeed' not in sys.modules" if first == "gnmr_dist" else ""
     code = SNIPPET.format(first=f"import {first}; {check}", second=f"import {second}")
@@ -67,7 +69,8 @@ def test_deepspeed_is_watched_whichever_is_imported_first(first):
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.splitlines()[-1] == "True deepspeed initialize []"
+    last = done.stdout.splitlines()[-1]
+    assert last == "True deepspeed.runtime.engine DeepSpeedEngine.__init__ []"
 
 
 def _plain_worker(rank: int, world: int, out_dir: str) -> dict[str, list[str]]:

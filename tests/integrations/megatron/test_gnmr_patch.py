@@ -353,6 +353,6 @@ def test_unfused_and_no_clip_paths_read_the_same_pre_clip_gradients():
 def test_error_term_without_a_reporting_backend_is_refused_before_patching():
     import megatron_patches
 
-    with pytest.raises(ValueError, match=r"gnmr\.gamma is set but gnmr\.backend=None"):
+    with pytest.raises(ValueError, match=r"gnmr\.gamma .* gnmr\.backend=null \(observe only\)"):
         megatron_patches.apply(torch.nn.Linear(2, 2), {"gamma": 0.5})  # (te_fp8 needs CUDA)
     assert megatron_patches.current() is None
