@@ -22,6 +22,8 @@ import json
 import logging
 import math
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -122,6 +124,7 @@ def test_skipped_attempts_in_the_trace_through_a_resume_and_a_fresh_restart(tmp_
     assert records[2]["skipped_nonfinite"] == [unit]
     assert "skipped_nonfinite" not in records[3]  # the embedding is no unit: counted, not named
     assert sum(r.get("skipped_steps", 0) for r in records) == whole["skipped"][0]
+    _tools_count_the_skipped_attempts(tmp_path / "whole.jsonl", unit)
 
     # the checkpoint was saved after attempt 5 was skipped and before its record: the state
     # carries it, and the resumed run writes exactly the uninterrupted run's records
@@ -152,3 +155,18 @@ def test_skipped_attempts_in_the_trace_through_a_resume_and_a_fresh_restart(tmp_
         f"gnmr: the controller starts fresh at engine step {SAVE_AT} and counts its steps from "
         "1 again (the trace: extra.engine_step in each record, meta.engine_step_at_start)"
     ]
+
+
+def _tools_count_the_skipped_attempts(trace: Path, unit: int) -> None:
+    """Issue 41, item 6: gnmr-replay and gnmr-report left the skipped attempts out; they count
+    both (one in a unit, one in the embedding), and the replay still reproduces every decision."""
+    from gnmr_dist.telemetry.report import draw_report
+
+    summary = draw_report(trace, trace.with_suffix(".png"))
+    assert summary["skipped_attempts"] == 2 and summary["nonfinite_steps"] == 0
+    out = subprocess.run(
+        [sys.executable, "-m", "gnmr_dist.cli.replay", str(trace)], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert "attempts the framework skipped (non-finite gradients): 2" in out.stdout
+    assert f"decisions equal to the recorded ones: {LAST - 2}/{LAST - 2}" in out.stdout
