@@ -17,6 +17,14 @@ MEGATRON = [
 """megatron-core: 0.17+ (with Megatron-LM's training loop) on Python 3.12+, where it installs;
 on 3.11 pip resolves 0.16.1 (megatron_patches on your own loop; gnmr-megatron-pretrain says how
 to get 0.17.1 there)."""
+MEGATRON_LM = ["pyyaml", "psutil", "tensorboard", "sentencepiece"]
+"""What Megatron-LM's loop (megatron.training) imports beyond megatron-core's own dependencies,
+which megatron-core lists only in an extra with much GNMR's route never imports: pyyaml
+(megatron.training.initialize), psutil (the checkpoint writer, at the first --save),
+tensorboard (--tensorboard-dir) and sentencepiece (the LLaMA tokenizer), both used by the shipped
+argument sets. gnmr_dist.integrations.megatron.loop.TRAINING_NEEDS is the table the program checks
+at start; tests/integrations/megatron/test_requirements.py checks this list against it and it
+against megatron's sources."""
 
 setup(
     name="gnmr-dist",
@@ -43,7 +51,7 @@ setup(
     extras_require={
         # each program's extra holds everything it imports
         "deepspeed": ["deepspeed>=0.16", "hjson", *HF, *REPORT],  # gnmr-ds-pretrain, gnmr-launch
-        "megatron": [*MEGATRON, *REPORT],  # gnmr-megatron-pretrain (megatron-core 0.17+)
+        "megatron": [*MEGATRON, *MEGATRON_LM, *REPORT],  # gnmr-megatron-pretrain (0.17+)
         "hf": [*HF, "deepspeed>=0.16", "hjson"],  # GNMRCallback under Trainer with DeepSpeed
         "report": REPORT,  # gnmr-report
         "dev": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "ruff>=0.6", "mypy>=1.10"],

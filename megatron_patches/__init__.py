@@ -6,6 +6,10 @@ switch ``enable_cpu_compat`` / ``disable_cpu_compat`` / ``cpu_compat``, ...), lo
 package on each use: the objects are the implementation's own, so a monkeypatch of
 ``gnmr_dist.integrations.megatron.<module>`` is seen through either name, and ``import
 megatron_patches`` loads no submodule until a name is used.
+
+A name it exported once (up to issue 32: ``megatron_patches.loop.attach()``, the submodules, the
+version table) raises :class:`RemovedNameError`, whose message names what replaced it
+(:data:`REMOVED`); ``import megatron_patches.loop`` raises ``ImportError`` with the same message.
 """
 
 from __future__ import annotations
@@ -13,12 +17,66 @@ from __future__ import annotations
 from typing import Any
 
 from gnmr_dist.integrations import megatron as _megatron
+from gnmr_dist.integrations.megatron import ATTACH_FROM_ARGV
 
 __all__ = list(_megatron.__all__)
 
 
+class RemovedNameError(AttributeError):
+    """A name ``megatron_patches`` no longer exports; the message names its successor."""
+
+
+_INTERNAL = "gnmr_dist.integrations.megatron.{}"
+_VERSIONS = (
+    "the version table is gnmr_dist.integrations.megatron.versions (SERIES, SeriesInfo, "
+    'series_info, megatron_series); see docs/megatron.md, "Supported versions"'
+)
+_CPU = (
+    "the CPU switch is megatron_patches.enable_cpu_compat / disable_cpu_compat / cpu_compat / "
+    "is_cpu_compat_enabled / cpu_transformer_config (enable_cpu_compat(training=True) covers "
+    'Megatron-LM\'s loop); see docs/megatron.md, "CPU compatibility"'
+)
+
+REMOVED: dict[str, str] = {
+    "loop": (
+        "megatron_patches.loop is gone: its attach(), which read the --gnmr-* flags from "
+        "sys.argv, is attach_from_argv(), and its flag helpers (add_gnmr_args, gnmr_block, "
+        "gnmr_namespace, cpu_argv, customary_argv, CPU_FLAGS, CUSTOMARY) are in "
+        "gnmr_dist.train.megatron_flags, the drills' (parse_spikes, check_fail_at) in "
+        f"gnmr_dist.train.drills. {ATTACH_FROM_ARGV}"
+    ),
+    "cpu": f"megatron_patches.cpu is no longer exported: {_CPU}",
+    "cpu_training": f"megatron_patches.cpu_training is no longer exported: {_CPU}",
+    "gnmr": (
+        "megatron_patches.gnmr is no longer exported: use megatron_patches.apply / remove / "
+        'current / MegatronGNMR; see docs/megatron.md, "megatron_patches.apply"'
+    ),
+    "SUPPORTED_MEGATRON_VERSIONS": (
+        "megatron_patches.SUPPORTED_MEGATRON_VERSIONS is no longer exported: it is "
+        "gnmr_dist.integrations.megatron.cpu.SUPPORTED_MEGATRON_VERSIONS (the keys of the "
+        f"version table); {_VERSIONS}"
+    ),
+    **{
+        name: f"megatron_patches.{name} is no longer exported: {_VERSIONS}"
+        for name in ("versions", "SERIES", "SeriesInfo", "series_info", "megatron_series")
+    },
+    **{
+        name: (
+            f"megatron_patches.{name} is no longer exported: it is internal, "
+            f"{_INTERNAL.format(name)}; megatron_patches exports apply / attach and the CPU "
+            "switch (docs/megatron.md)"
+        )
+        for name in ("attribution", "operators", "session", "te")
+    },
+}
+"""Each name ``megatron_patches`` exported before and no longer does, and what replaced it
+(read from the repository's history: ``git log -- megatron_patches``)."""
+
+
 def __getattr__(name: str) -> Any:
     """``gnmr_dist.integrations.megatron``'s public ``name``."""
+    if name in REMOVED:
+        raise RemovedNameError(REMOVED[name])
     if name not in __all__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return getattr(_megatron, name)

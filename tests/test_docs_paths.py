@@ -116,10 +116,15 @@ def _missing_module(name: str) -> str | None:
 
 
 def _not_a_module(token: str) -> bool:
-    """A file name (``benchmarks.md``) or a logger's public name that is not a module's."""
+    """A file name (``benchmarks.md``), a logger's public name that is not a module's, or a name
+    ``megatron_patches`` no longer exports (``megatron_patches.REMOVED``: the docs name the old
+    call, which raises an error naming its successor)."""
+    import megatron_patches
     from gnmr_dist.integrations.console import LOGGER
 
-    return token.rpartition(".")[2] in FILE_SUFFIXES or token == LOGGER
+    head, _, rest = token.partition(".")
+    removed = head == "megatron_patches" and rest.split(".")[0] in megatron_patches.REMOVED
+    return token.rpartition(".")[2] in FILE_SUFFIXES or token == LOGGER or removed
 
 
 def dangling_names(texts: dict[str, str]) -> list[str]:

@@ -349,7 +349,9 @@ def _nothing_selected(
     return (
         f"no units selected with units={search.granularity!r}, include={list(include)}, "
         f"exclude={list(exclude)}; the model's {search.granularity} units are: "
-        f"{listed or 'none (does it have transformer layers or linear operators?)'}"
+        f"{listed or 'none (does it have transformer layers or linear operators?)'}; fix "
+        "gnmr.include / gnmr.exclude (fnmatch patterns on these global names; a pattern matches "
+        "a name or the name followed by '.'), or drop them to take every unit inside a layer"
     )
 
 

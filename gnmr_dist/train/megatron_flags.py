@@ -408,8 +408,8 @@ def attach_from_argv(
         return extra_args_provider or (lambda parser: parser)
     if attached() is not None:
         raise RuntimeError("attach_from_argv: GNMR is already attached in this process")
-    require_training()
     words = list(sys.argv[1:] if argv is None else argv)
+    require_training(words)
     if "-h" in words or "--help" in words:
         print_help(extra_args_provider)
         raise SystemExit(0)

@@ -8,9 +8,10 @@ GNMR attached the way any pretrain script gets it,
 :func:`gnmr_dist.train.megatron_flags.attach_from_argv`: Megatron-LM's argument parser, data sets
 (``--data-path``, blends, splits, ``--mock-data``), LR schedules, distributed optimizer,
 TP/SP/PP/VPP/CP, checkpointing and TensorBoard / W&B writers run unchanged, on megatron-core
-0.17+ (the version table's ``has_training``). The program adds a preflight of its own data
-flags (:func:`check_data_split`) and, for ``gnmr-launch check``, :func:`check_args`: megatron's
-own parser and validation of a whole argument set in one process.
+0.17+ (the version table's ``has_training``). The program adds a preflight of what megatron
+will import (``require_training``: each missing package named with its pip command) and of its
+own data flags (:func:`check_data_split`) and, for ``gnmr-launch check``, :func:`check_args`:
+megatron's own parser and validation of a whole argument set in one process.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def check_args(argv: Sequence[str], world_size: int, check_host: bool = True) ->
     import io
     import os
 
-    require_training()
+    require_training(argv)  # megatron.training and the modules this argument set needs
     argv = megatron_flags.customary_argv(argv)
     if not torch.cuda.is_available():
         from gnmr_dist.integrations.megatron.cpu import enable_cpu_compat
@@ -136,6 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging()  # every rank at INFO: megatron's own logs come from the last rank
     words = list(sys.argv[1:] if argv is None else argv)
     try:
+        require_training(words)  # before anything is built: each module megatron will import
         extra_args_provider = megatron_flags.attach_from_argv(argv=words)
         given = megatron_flags.gnmr_namespace(sys.argv[1:])  # what attach left for megatron
         check_data_split(given.data_path, given.split, given.mock_data)

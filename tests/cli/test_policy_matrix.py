@@ -184,3 +184,36 @@ def test_gnmr_megatron_pretrain_runs_and_its_trace_replays(tmp_path, name):
     _ok(done)
     assert "gnmr: 8 steps, 8 units: recovered" in done.stdout + done.stderr
     _tools(trace, 8)
+
+
+REFUSED = [
+    ({"backend": None, "gamma": 0.5}, "gnmr.gamma"),
+    ({"backend": "te_fp8", "low_cost": {}, "recovery": {}, "gamma": 0.5}, "gnmr.gamma"),
+    ({"max_share": 1.5}, "gnmr.max_share must be a number >= 0 and <= 1, got 1.5"),
+    ({"pinned": {"units": {"last_layers": 0}}}, "gnmr.pinned.units.last_layers"),
+    ({"latch": {"lr_decay": 2}}, "gnmr.latch.lr_decay"),
+    ({"max_active": {**LR_CLOCK["max_active"], "steps": 5}}, "gnmr.max_active"),
+    ({"alpha": {"schedule": "cosine", "start": 3, "end": 1, "steps": 4, "to": 9}}, "gnmr.alpha"),
+    ({"include": ["*.no_such_proj"]}, "fix gnmr.include / gnmr.exclude"),
+]
+"""Policies every program refuses before it starts, and the key the refusal names."""
+
+
+@pytest.mark.parametrize("policy, key", REFUSED, ids=[k for _, k in REFUSED])
+def test_a_bad_policy_is_refused_by_name_before_anything_starts(tmp_path, policy, key):
+    config = _ds_config(tmp_path, policy)
+    for verb in (["check", "--world-size", "2"], ["torchrun", "--nproc-per-node", "2"]):
+        done = _run([str(BIN / "gnmr-launch"), *verb, str(config), "--layers", "1"], ROOT)
+        assert done.returncode == 2 and key in done.stderr, done.stderr[-3000:]
+    bad = json.loads(config.read_text())["gnmr"]
+    bad.pop("include", None)  # gnmr-replay takes the policy keys only
+    trace = tmp_path / "trace.jsonl"
+    rows = [{"step": 1, "norms": [1.0], "active": [], "telemetry": {}, "extra": {}, "lr": 1.0}]
+    good = {k: v for k, v in BASE.items() if k in GNMRConfig.field_names()}
+    header = {"format": "gnmr-trace", "version": 1, "units": ["layers.0.q"], "eligible": [True]}
+    trace.write_text("\n".join(map(json.dumps, [{**header, "config": good}, *rows])) + "\n")
+    flags = [f"--{k.replace('_', '-')}" for k in policy if k in GNMRConfig.field_names()]
+    for flag in flags:
+        value = json.dumps(bad[flag[2:].replace("-", "_")])
+        done = _run([str(BIN / "gnmr-replay"), str(trace), flag, value], ROOT)
+        assert done.returncode == 2 and done.stderr.startswith("gnmr-replay: "), done.stderr

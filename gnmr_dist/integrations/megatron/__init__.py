@@ -28,6 +28,16 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+ATTACH_FROM_ARGV = (
+    "GNMR on Megatron-LM's loop from the command line is `from gnmr_dist.train.megatron_flags "
+    "import attach_from_argv` and `extra_args_provider = attach_from_argv()` before "
+    "`pretrain(..., extra_args_provider=extra_args_provider)` (a provider of your own: "
+    "`attach_from_argv(mine)`); `megatron_patches.attach(block)` attaches a block your script "
+    'has read itself. See docs/megatron.md, "Megatron-LM\'s training loop"'
+)
+"""The pointer every refusal of the old command-line attachment gives (``megatron_patches.loop
+.attach()`` up to issue 32, ``attach()`` without a block)."""
+
 _HOMES = {
     "MegatronGNMR": "gnmr",
     "Reporter": "report",

@@ -27,16 +27,19 @@ megatron.training functions ``pretrain`` looks up at call time:
 from __future__ import annotations
 
 import atexit
+import importlib
 import inspect
 import logging
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from gnmr_dist.integrations.config import GNMRBlock
 from gnmr_dist.integrations.console import emit
+from gnmr_dist.integrations.megatron import ATTACH_FROM_ARGV
 from gnmr_dist.integrations.megatron.gnmr import apply, current, remove
 from gnmr_dist.integrations.megatron.report import Reporter
 from gnmr_dist.integrations.patching import Patches
@@ -44,11 +47,14 @@ from gnmr_dist.integrations.state_file import restore_or_refuse
 
 __all__ = [
     "INSTALL_MEGATRON",
+    "TRAINING_NEEDS",
     "Hooks",
+    "Needed",
     "StepWrapper",
     "attach",
     "attached",
     "detach",
+    "require_modules",
     "require_training",
 ]
 
@@ -68,8 +74,143 @@ _PATCHES = Patches("megatron_patches.attach")
 _ATTACHED: list[Hooks] = []
 
 
-def require_training() -> None:
-    """``ValueError`` unless this megatron-core ships an importable ``megatron.training``."""
+@dataclass(frozen=True)
+class Needed:
+    """A module outside megatron-core's own dependencies that Megatron-LM's loop imports."""
+
+    module: str
+    """What megatron imports (``yaml``, ``torch.utils.tensorboard``)."""
+    package: str
+    """The pip package that installs it."""
+    why: str
+    """Where megatron imports it, and what fails without it."""
+    flag: str | None = None
+    """Needed only when this Megatron-LM flag is given (``None``: on every run)."""
+    values: tuple[str, ...] = ()
+    """... with one of these values (empty: any value)."""
+
+    def asked_by(self, argv: Sequence[str]) -> str | None:
+        """Whether a run of ``argv`` needs the module: ``""`` always, ``", for FLAG VALUE"``
+        when its flag asks for it, ``None`` when it does not."""
+        if self.flag is None:
+            return ""
+        value = None  # the last one given wins, as in argparse
+        for i, word in enumerate(argv):
+            if word == self.flag and i + 1 < len(argv):
+                value = argv[i + 1]
+            elif word.startswith(self.flag + "="):
+                value = word.partition("=")[2]
+        if not value or (self.values and value not in self.values):
+            return None
+        return f", for {self.flag} {value}"
+
+
+_SENTENCEPIECE = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+_HF_TOKENIZERS = (
+    "HuggingFaceTokenizer",
+    "GPT2BPETokenizer",
+    "BertWordPieceCase",
+    "BertWordPieceLowerCase",
+    "SFTTokenizer",
+)
+
+TRAINING_NEEDS: tuple[Needed, ...] = (
+    Needed("yaml", "pyyaml", "megatron.training.initialize imports it (yaml_arguments)"),
+    Needed(
+        "psutil",
+        "psutil",
+        "megatron-core's checkpoint writer (dist_checkpointing filesystem_async) reads its "
+        "memory with it: without it the first --save fails",
+    ),
+    Needed(
+        "torch.utils.tensorboard",
+        "tensorboard",
+        "megatron's TensorBoard writer: without it megatron writes no TensorBoard log and only "
+        "warns",
+        flag="--tensorboard-dir",
+    ),
+    Needed("wandb", "wandb", "megatron's W&B writer", flag="--wandb-project"),
+    Needed(
+        "sentencepiece",
+        "sentencepiece",
+        "megatron-core's SentencePiece tokenizer",
+        flag="--tokenizer-type",
+        values=_SENTENCEPIECE,
+    ),
+    Needed(
+        "tiktoken",
+        "tiktoken",
+        "megatron-core's tiktoken tokenizer",
+        flag="--tokenizer-type",
+        values=("TikTokenizer",),
+    ),
+    Needed(
+        "transformers",
+        "transformers",
+        "megatron-core's Hugging Face tokenizers",
+        flag="--tokenizer-type",
+        values=_HF_TOKENIZERS,
+    ),
+)
+"""What Megatron-LM's ``pretrain`` imports on the route GNMR ships (the loop, checkpoint saves,
+its writers, its tokenizers) beyond megatron-core's own dependencies (torch, numpy, packaging):
+megatron-core lists these only in its ``training`` extra, with others GNMR's route never
+imports. The ``megatron`` extra installs the unflagged ones and those the shipped argument sets
+use (``--tensorboard-dir``, the LLaMA tokenizer); :func:`require_modules` checks them at start.
+tests/integrations/megatron/test_requirements.py reads megatron's sources and fails on an import
+this table (or its list of optional ones) does not know."""
+
+
+def require_modules(argv: Sequence[str] | None = None) -> None:
+    """``ValueError`` unless every module of :data:`TRAINING_NEEDS` a run of ``argv`` needs
+    imports; it names each missing one, its package and the pip command that installs them.
+
+    ``argv``: the Megatron-LM arguments (default ``sys.argv[1:]``, what megatron parses), for
+    the modules a flag asks for. Checked before anything is built: without it a missing module
+    surfaced as megatron's own traceback, ``psutil``'s only at the first checkpoint save.
+    """
+    words = list(sys.argv[1:] if argv is None else argv)
+    missing = []
+    for need in TRAINING_NEEDS:
+        asked = need.asked_by(words)
+        if asked is None:
+            continue
+        try:
+            importlib.import_module(need.module)
+        except Exception as err:  # a broken install fails megatron as a missing one would
+            missing.append(
+                (need, f"{need.package} (module {need.module!r}{asked}: {err}; {need.why})")
+            )
+    if missing:
+        packages = " ".join(dict.fromkeys(need.package for need, _ in missing))
+        raise ValueError(
+            "Megatron-LM's training loop needs Python packages that do not import here: "
+            + "; ".join(text for _, text in missing)
+            + f". Install them: pip install {packages}"
+        )
+
+
+def _import_error(series: str, err: ImportError) -> str:
+    """What an ``ImportError`` of ``megatron.training`` means, and its fix."""
+    module = (err.name or "").split(".")[0]
+    if module in sys.stdlib_module_names:
+        return (
+            f"megatron.training of megatron-core {series} does not import on Python "
+            f"{sys.version_info.major}.{sys.version_info.minor} ({err}): it needs a newer "
+            "Python's standard library (0.19's needs Python 3.12+, typing.override): use a "
+            "newer Python, or megatron-core 0.17.1"
+        )
+    if module and module != "megatron":
+        return (
+            f"megatron.training of megatron-core {series} imports {module!r}, which does not "
+            f"import here ({err}): install the package that provides {module!r}"
+        )
+    return f"megatron.training of megatron-core {series} does not import ({err})"
+
+
+def require_training(argv: Sequence[str] | None = None) -> None:
+    """``ValueError`` unless this megatron-core ships an importable ``megatron.training`` and
+    every module a run of ``argv`` needs imports (:func:`require_modules`)."""
     try:
         from gnmr_dist.integrations.megatron.versions import megatron_series, series_info
 
@@ -84,14 +225,11 @@ def require_training() -> None:
             f"GNMR on Megatron-LM's training loop (megatron.training), which "
             f"megatron-core {series} does not ship (0.17+ does). {INSTALL_MEGATRON}"
         )
+    require_modules(argv)
     try:
         import megatron.training.training  # noqa: F401
     except ImportError as err:
-        raise ValueError(
-            f"megatron.training of megatron-core {megatron_series()} does not import on Python "
-            f"{sys.version_info.major}.{sys.version_info.minor} ({err}); 0.19's needs Python "
-            "3.12+ (typing.override): use Python 3.12 or megatron-core 0.17.1"
-        ) from None
+        raise ValueError(_import_error(series, err)) from None
 
 
 class Hooks:
@@ -248,15 +386,30 @@ def attached() -> Hooks | None:
     return _ATTACHED[0] if _ATTACHED else None
 
 
-def attach(block: GNMRBlock | None, *, step_wrappers: Sequence[StepWrapper] = ()) -> None:
+_NO_BLOCK: Any = object()
+"""``attach()`` called without a block: the old command-line call, refused with its successor."""
+
+
+def attach(
+    block: GNMRBlock | None = _NO_BLOCK, *, step_wrappers: Sequence[StepWrapper] = ()
+) -> None:
     """Attach GNMR to Megatron-LM's training loop; call it once, before ``pretrain``.
 
     ``block``: the ``"gnmr"`` block, already read and checked
     (:func:`gnmr_dist.integrations.config.read_block`); ``None`` or disabled: GNMR stays off
     (checkpoints and ``step_wrappers`` still pass through). ``step_wrappers`` wrap
-    ``optimizer.step`` in order, after GNMR's own. Raises ``ValueError`` when this megatron-core
-    has no usable ``megatron.training``, ``RuntimeError`` when already attached.
+    ``optimizer.step`` in order, after GNMR's own. Raises ``TypeError`` without a block (or with
+    an argument provider: the old ``loop.attach()`` call, whose successor it names),
+    ``ValueError`` when this megatron-core has no usable ``megatron.training`` or a module it
+    needs does not import, ``RuntimeError`` when already attached.
     """
+    if block is _NO_BLOCK or not (block is None or isinstance(block, GNMRBlock)):
+        given = "no block" if block is _NO_BLOCK else f"a {type(block).__name__}"
+        raise TypeError(
+            f'megatron_patches.attach(block) takes the "gnmr" block (a GNMRBlock or None) '
+            f"and was given {given}: attach() reading --gnmr-* from sys.argv was the old "
+            f"megatron_patches.loop.attach(). {ATTACH_FROM_ARGV}"
+        )
     if _ATTACHED:
         raise RuntimeError("megatron_patches.attach: already attached in this process")
     require_training()
