@@ -2,7 +2,9 @@
 
 Passing process groups explicitly (never fetching hidden globals) makes a single process the
 degenerate case of the distributed one: the same code path, tested by the same tests. A group is
-used only when ``torch.distributed`` is initialised; a group given without it is an error.
+used only when ``torch.distributed`` is initialised; a group given without it is an error. The
+first collective over a group registers the exit hook of :mod:`gnmr_dist.distributed.teardown`
+(gloo's worker threads finish releasing their last collective before the interpreter finalizes).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not in __all__
+
+from gnmr_dist.distributed.teardown import install_exit_hook
 
 __all__ = [
     "all_gather_objects",
@@ -36,6 +40,7 @@ def _require_init(group: Group) -> None:
             f"a process group was passed ({group!r}) but torch.distributed is not initialised; "
             "call torch.distributed.init_process_group first or pass group=None"
         )
+    install_exit_hook()
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: Group | None) -> torch.Tensor:

@@ -110,8 +110,8 @@ def test_megatron_check_refuses_it_with_the_message_the_run_dies_with(tmp_path):
         "decoder.layers.0.mlp.linear_fc2, decoder.layers.1.self_attention.linear_proj, "
         "decoder.layers.1.self_attention.linear_qkv, ... (17 in all)"
     )
-    expected = f"{NONE_SELECTED}{units}"
-    assert f"(megatron): {expected}\n" in said and f"(megatron): {expected}\n" in said_te
+    expected = f"{NONE_SELECTED}{units}; fix gnmr.include / gnmr.exclude"
+    assert f"(megatron): {expected}" in said and f"(megatron): {expected}" in said_te
     job = launch.build_job("megatron/demo_cpu", ["--gnmr-config", str(typo)])
     run = subprocess.run(  # outputs under the working directory: tmp_path
         [*torchrun(2), "-m", "gnmr_dist.cli.megatron_pretrain", *job.args, "--train-iters", "20"],
