@@ -26,7 +26,7 @@ MCORE_DIR    := $(VENV)/mcore
 MCORE_STAMPS := $(MCORE_EXTRA:%=$(MCORE_DIR)/%/.installed)
 MCORE_EXTRA_PKGS_0.19.2 := triton==3.7.1
 
-.PHONY: venv mcore-versions lint format typecheck test demo bench clean
+.PHONY: venv mcore-versions lint format typecheck test demo bench clean gpu-carry
 
 venv: $(STAMP)
 
@@ -47,6 +47,11 @@ $(MCORE_DIR)/%/.installed: $(STAMP)
 	$(PIP) install --quiet --no-deps --ignore-requires-python --target $(MCORE_DIR)/$* \
 		megatron-core==$* $(MCORE_EXTRA_PKGS_$*)
 	touch $@
+
+# What a GPU run of benchmarks/gpu/torchao_check.py carries beside the checkout (the ignored
+# folder build/gpu, 3.4 MB): torchao's wheel, the pinned one, installed there with --target.
+gpu-carry: venv
+	$(PIP) download --quiet --no-deps torchao==0.18.0 -d build/gpu
 
 lint: venv
 	$(BIN)/ruff check .

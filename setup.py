@@ -54,6 +54,7 @@ setup(
         "megatron": [*MEGATRON, *MEGATRON_LM, *REPORT],  # gnmr-megatron-pretrain (0.17+)
         "hf": [*HF, "deepspeed>=0.16", "hjson"],  # GNMRCallback under Trainer with DeepSpeed
         "report": REPORT,  # gnmr-report
+        "torchao": ["torchao>=0.18"],  # the torchao_fp8 backend (torchao's float8 training)
         "dev": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "ruff>=0.6", "mypy>=1.10"],
     },
     entry_points={

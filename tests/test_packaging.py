@@ -56,6 +56,7 @@ def test_the_wheel_ships_configs_scripts_and_matching_extras(wheel: Path) -> Non
     megatron = [r for r in requires if '"megatron"' in r and r.startswith("megatron-core")]
     assert any('python_version >= "3.12"' in r and ">=0.17" in r for r in megatron)
     assert any('python_version < "3.12"' in r for r in megatron)
+    assert extra('"torchao"') == {"torchao"}  # the torchao_fp8 backend's one package
 
 
 def _venv(tmp: Path) -> Path:

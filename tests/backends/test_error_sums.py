@@ -33,6 +33,8 @@ VARIANTS = {
     "fp8_emulated e4m3/e5m2 row": ("fp8_emulated", {"grad_format": "e5m2", "granularity": "row"}),
     "int8": ("int8", {}),
     "int8 tensor": ("int8", {"act_granularity": "tensor"}),
+    "torchao_fp8": ("torchao_fp8", {"pad_inner_dim": True}),  # 200 features: not a multiple of 16
+    "torchao_fp8 rowwise": ("torchao_fp8", {"recipe": "rowwise", "pad_inner_dim": True}),
 }
 """Test id -> (backend, low-cost options): defaults and the other granularities."""
 
@@ -59,10 +61,36 @@ def reference_bound(backend, x: torch.Tensor, dy: torch.Tensor) -> float:
     if backend.name == "int8":
         x_q, scale = quantize_symmetric(x2, backend.low_cost.act_granularity)
         return f64_norm(dy2) * f64_norm(x2.double() - dequantize(x_q, scale).double())
+    if backend.name == "torchao_fp8":
+        return torchao_bound(backend.low_cost.recipe, x2, dy2)
     assert backend.name == "fp8_emulated", f"no float64 reference bound for {backend.name!r}"
     spec = backend.specs[LOW_COST]
     xq = spec.act(x2, spec.x_format, dim=0)  # the wgrad GEMM's own tiles (along M)
     dyq = spec.act(dy2, spec.grad_format, dim=0)
+    return f64_norm(dy2) * f64_norm(x2.double() - xq.double()) + f64_norm(
+        dyq.double() - dy2.double()
+    ) * f64_norm(x2)
+
+
+def float8_cast(t: torch.Tensor, dtype: torch.dtype, rowwise: bool) -> torch.Tensor:
+    """torchao's dynamic float8 cast along the tokens, written out from its definition: scale
+    ``max(dtype) / amax`` (float64, then fp32; rowwise: one per column, rounded down to a power
+    of two), saturate, round to ``dtype``, divide back."""
+    t = t.float()
+    amax = t.abs().amax(dim=0, keepdim=True) if rowwise else t.abs().amax()
+    scale = (torch.finfo(dtype).max / amax.double().clamp(min=1e-12)).float()
+    if rowwise:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    top = torch.finfo(dtype).max
+    return (t * scale).clamp(-top, top).to(dtype).float() / scale
+
+
+def torchao_bound(recipe: str, x2: torch.Tensor, dy2: torch.Tensor) -> float:
+    """torchao_fp8's wgrad bound: tensorwise casts x to e4m3 and dy to e5m2, rowwise both to
+    e4m3 with one scale per column of the [tokens, features] operand."""
+    rowwise = recipe == "rowwise"
+    xq = float8_cast(x2, torch.float8_e4m3fn, rowwise)
+    dyq = float8_cast(dy2, torch.float8_e4m3fn if rowwise else torch.float8_e5m2, rowwise)
     return f64_norm(dy2) * f64_norm(x2.double() - xq.double()) + f64_norm(
         dyq.double() - dy2.double()
     ) * f64_norm(x2)
