@@ -1,35 +1,29 @@
 """Leaving a gloo job without a native abort at exit.
 
-Gloo runs every collective on one of its process group's worker threads (named
-``pt_gloo_runloop``). The thread marks the collective complete, which wakes the caller, and only
-then drops its own references to the collective's tensors. torch keeps a tensor's Python object
-alive for as long as C++ holds the tensor too, so dropping the last C++ reference decrefs that
-object, which takes the GIL. A thread that asks for the GIL once the interpreter has begun
-finalizing is ended by ``pthread_exit``; the unwinding runs into the ``noexcept`` destructor of
-gloo's ``AsyncWork`` and ``std::terminate`` aborts the process: "terminate called without an
-active exception", SIGABRT, exit status 1 (gdb on the core: the worker in
-``ProcessGroupGloo::runLoop`` -> ``~AsyncWork`` -> ``TensorImpl::decref_pyobject`` ->
-``PyThread_exit_thread``; the main thread in ``Py_FinalizeEx``).
-
-So a process whose last collective came just before its end (a metric all-reduced as the last
-act of a script, a barrier, the last step of a loop on a loaded machine) can lose a race that
-neither it nor GNMR started. ``torch.distributed.destroy_process_group()`` does not close it:
-it drops torch's own references, but a gloo group's worker threads stop only when the group's
-last reference goes, and DeepSpeed (``deepspeed.utils.groups``, the engine, the optimizer, every
-parameter's ``_dp_group``) and megatron keep theirs to the end; the groups' ``shutdown()`` and
-``abort()`` leave the threads running.
+Gloo runs each collective on a worker thread of its group (``pt_gloo_runloop``), which marks it
+complete, waking the caller, and only then drops its references to the collective's tensors.
+Dropping the last C++ reference to a tensor that has a Python object decrefs that object, which
+takes the GIL; a thread asking for the GIL once the interpreter is finalizing is ended by
+``pthread_exit``, whose unwinding through gloo's ``noexcept`` ``~AsyncWork`` calls
+``std::terminate``: "terminate called without an active exception", SIGABRT, exit status 1 (gdb
+on the core: the worker in ``runLoop`` -> ``~AsyncWork`` -> ``TensorImpl::decref_pyobject`` ->
+``PyThread_exit_thread``, the main thread in ``Py_FinalizeEx``). Any process whose last
+collective comes just before its end can lose that race, with GNMR or without.
+``destroy_process_group()`` does not close it: a group's workers stop only when its last
+reference goes, and DeepSpeed (``deepspeed.utils.groups``, the engine, the optimizer, each
+parameter's ``_dp_group``) and megatron keep theirs; ``shutdown()`` and ``abort()`` leave them.
 
 What closes it: before the interpreter finalizes, wait with the GIL released until every gloo
-worker thread of the process is idle, which :func:`gloo_worker_busy` reads from ``/proc``: an
-idle worker sleeps on its group's work queue, a futex wait without a timeout. A worker inside a
-collective waits for the other ranks' data with gloo's timeout, and one releasing a finished
-collective runs or waits for the GIL with Python's 5 ms switch timeout, so each counts as busy
-until it is done; with the GIL free during the wait, the release finishes first. The wait sends
-nothing to other ranks, so it cannot hang on a rank that died or left early; it gives up after
-2 s with a warning. GNMR registers it as an ``atexit`` hook the first time it communicates over a
-process group (:func:`install_exit_hook`, from :mod:`gnmr_dist.distributed.comm`), which covers a
-user's script, a Trainer run and the shipped programs alike; :func:`close_distributed` is the
-explicit end for a program whose ranks all reach it.
+worker of the process is idle, read from ``/proc`` (:func:`gloo_worker_busy`): an idle worker
+sleeps on its work queue, a futex wait without a timeout, while one inside a collective waits
+for the other ranks' data with gloo's timeout and one releasing a finished collective runs or
+waits for the GIL with Python's switch timeout. With the GIL free, the release finishes first; a
+collective started with ``async_op=True`` and never waited finishes too while the other ranks
+run it. Nothing is sent to other ranks, so a rank that died cannot make it hang; past 2 s it
+warns. GNMR registers the wait as an ``atexit`` hook the first time it communicates over a group
+(:func:`install_exit_hook`, from :mod:`gnmr_dist.distributed.comm`), for a user's script, a
+Trainer run and the shipped programs alike; :func:`close_distributed` is the explicit end of a
+program whose ranks all reach it.
 """
 
 from __future__ import annotations
@@ -42,12 +36,13 @@ import time
 
 import torch.distributed as dist
 
-__all__ = ["close_distributed", "install_exit_hook", "wait_for_gloo_workers"]
+__all__ = ["close_distributed", "gloo_worker_busy", "install_exit_hook", "wait_for_gloo_workers"]
 
 logger = logging.getLogger(__name__)
 
 WORKER_NAME = "pt_gloo_runloop"
-"""The name gloo's process groups give their worker threads (``/proc/<pid>/task/<tid>/comm``)."""
+"""The name torch gives gloo's worker threads (``/proc/<pid>/task/<tid>/comm``); where a build
+names them otherwise, the wait finds none and returns at once."""
 TASKS = "/proc/self/task"
 FUTEX = {"x86_64": "202", "aarch64": "98", "arm64": "98"}.get(platform.machine())
 """The futex system call's number in ``/proc/<pid>/task/<tid>/syscall``, by architecture."""
@@ -66,14 +61,14 @@ def _busy(tid: str) -> bool | None:
         return None
     if stat[stat.rfind(")") + 2 :][:1] != "S":
         return True  # running, or runnable and waiting for a CPU
+    if FUTEX is None:  # an architecture not listed: a sleeping worker counts as idle
+        return False
     try:
         with open(f"{TASKS}/{tid}/syscall") as f:
             call = f.read().split()
-    except OSError:  # not readable here: a sleeping worker counts as idle
+    except OSError:  # not readable here: likewise
         return False
-    # "202 uaddr op val timeout ...": a futex wait with no timeout is the idle work-queue wait
-    if FUTEX is None:  # an architecture not listed: a sleeping worker counts as idle
-        return False
+    # "<nr> uaddr op val timeout ...": a futex wait without a timeout is the idle queue wait
     return not (len(call) > 4 and call[0] == FUTEX and int(call[4], 16) == 0)
 
 

@@ -516,7 +516,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = train(args)
     if dist.get_rank() == 0:
         _finish(Path(args.run_dir), summary, args.title)
-    dist.barrier()
+    from gnmr_dist.distributed.teardown import close_distributed
+
+    close_distributed()  # barrier, groups destroyed, gloo's workers idle before the exit
     return 0
 
 

@@ -154,4 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         megatron_gpt.forward_step,
         extra_args_provider=extra_args_provider,
     )
+    from gnmr_dist.distributed.teardown import close_distributed
+
+    close_distributed()  # barrier, groups destroyed, gloo's workers idle before the exit
     return 0
