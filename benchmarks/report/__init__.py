@@ -23,7 +23,16 @@ from typing import Any
 import jinja2
 
 from benchmarks.harness.branch_stats import SPIKE, table
-from benchmarks.report import faults, fp4, overhead, seed, seed_branch, selection, summary
+from benchmarks.report import (
+    faults,
+    fp4,
+    overhead,
+    seed,
+    seed_branch,
+    selection,
+    shadow,
+    summary,
+)
 from benchmarks.report.source import RESULTS, Source
 from benchmarks.report.words import FILTERS, fill_document, resolved
 
@@ -32,7 +41,7 @@ DOCUMENT = Path(__file__).resolve().parents[1] / "RESULTS.md"
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 
-SECTIONS = (summary, fp4, faults, seed_branch, selection, seed, overhead)
+SECTIONS = (summary, fp4, faults, seed_branch, selection, seed, overhead, shadow)
 """The modules whose ``context(src)`` give the sections' templates their names."""
 
 

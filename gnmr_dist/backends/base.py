@@ -196,6 +196,14 @@ class PrecisionBackend:
         """Called by the next switched forward, then cleared by its owner: an integration that
         takes its decision lazily (megatron-core, no host sync after the step) sets it."""
 
+    @classmethod
+    def default_error_every(cls, low_cost: Mapping[str, Any]) -> int:
+        """The ``gnmr.error_every`` a block with ``gamma`` that names this backend gets when it
+        gives none, for its ``low_cost`` block (default 1: every step; ``te_fp8``: the interval
+        whose measured cost is at most 1% of a step, docs/algorithm.md#damage-term)."""
+        del low_cost
+        return 1
+
     # ------------------------------------------------------------------ set-up
 
     def supports(self, module: nn.Module) -> bool:

@@ -23,11 +23,11 @@ recipes are allowed, megatron's TE linears switched through their own ``te_quant
 (:class:`~gnmr_dist.backends.base.Operators`' switcher), what :meth:`TEFp8Backend.wrap` refuses,
 and NVFP4: ``docs/backends.md#inside-te_fp8``.
 
-Layout: the option blocks and the recipe policy live in :mod:`gnmr_dist.backends.te_recipes`,
-loading TE (version differences resolved by feature, not by number) and the modules'
-delayed-scaling state in :mod:`gnmr_dist.backends.te_runtime`, the routes of ``gnmr.gemms`` in
-:mod:`gnmr_dist.backends.te_gemms`, the ``te_quant_params`` mechanism in
-:mod:`gnmr_dist.integrations.megatron.te` (megatron owns it).
+Layout: options and recipe policy in :mod:`~gnmr_dist.backends.te_recipes`, loading TE (by
+feature, not version number) and delayed-scaling state in :mod:`~gnmr_dist.backends.te_runtime`,
+``gnmr.gemms`` in :mod:`~gnmr_dist.backends.te_gemms`, ``te_quant_params`` in
+:mod:`gnmr_dist.integrations.megatron.te`, ``B(u)`` by the shadow route in
+:mod:`~gnmr_dist.backends.te_shadow`.
 """
 
 from __future__ import annotations
@@ -38,12 +38,15 @@ import types
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
 from gnmr_dist.backends.base import LOW_COST, RECOVERY, PrecisionBackend
 from gnmr_dist.backends.gemms import ALL_GEMMS, subset_error
+from gnmr_dist.backends.numerics.rounding import sr_seed
 from gnmr_dist.backends.operators import GemmAdapter, ModuleSwitch
 from gnmr_dist.backends.registry import register_backend
+from gnmr_dist.backends.shadow import ShadowRecipe, ShadowRoute
 from gnmr_dist.backends.te_gemms import (
     CUSTOM,
     OVERRIDE,
@@ -52,7 +55,13 @@ from gnmr_dist.backends.te_gemms import (
     custom_recipe,
     te_features,
 )
-from gnmr_dist.backends.te_recipes import FORMATS, TELowCostOptions, TERecoveryOptions, check_pair
+from gnmr_dist.backends.te_recipes import (
+    FORMATS,
+    TELowCostOptions,
+    TERecoveryOptions,
+    canonical_recipe,
+    check_pair,
+)
 from gnmr_dist.backends.te_runtime import (
     TE_MODULE_TYPES,
     build_recipe,
@@ -61,6 +70,7 @@ from gnmr_dist.backends.te_runtime import (
     load_te,
     reset_delayed_scaling,
 )
+from gnmr_dist.backends.te_shadow import check_module, delayed_sources, gemm_input, shadow_recipe
 
 __all__ = [
     "TE_MODULE_TYPES",
@@ -72,6 +82,21 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_ERROR_EVERY = {
+    "delayed": 50,
+    "tensorwise": 50,
+    "blockwise": 100,
+    "mxfp8": 100,
+    "nvfp4": 200,
+}
+"""``gnmr.error_every`` of a block with ``gamma`` that gives none, per low-cost recipe: a measuring
+step costs 1.42x (per-tensor), 1.59x (blockwise), 1.64x (MXFP8) and 2.13x (NVFP4) a low-cost CPU
+step of the harness Llama, so these intervals keep the route within 1% (``delayed`` casts per
+tensor, as ``tensorwise``)."""
+
+_SR_SEED = 0x7E_F4
+"""Mixed into the seed of ``dy``'s stochastic rounding in the shadow of an NVFP4 recipe."""
 
 
 @register_backend("te_fp8")
@@ -94,10 +119,20 @@ class TEFp8Backend(PrecisionBackend):
     """
 
     operator_types = TE_MODULE_TYPES
+    reports_errors = True
     LowCost = TELowCostOptions
     Recovery = TERecoveryOptions
     low_cost: TELowCostOptions
     recovery: TERecoveryOptions
+
+    @classmethod
+    def default_error_every(cls, low_cost: Mapping[str, Any]) -> int:
+        """Per low-cost recipe (:data:`DEFAULT_ERROR_EVERY`): the smallest interval at which the
+        shadow route's measuring steps cost at most 1% of the low-cost path's steps on the
+        harness Llama on a CPU (``benchmarks/results/overhead_shadow.json``; a GPU's casts weigh
+        less against its FP8 GEMMs)."""
+        recipe = canonical_recipe(low_cost.get("recipe", TELowCostOptions.recipe))
+        return DEFAULT_ERROR_EVERY.get(recipe, 100) if isinstance(recipe, str) else 100
 
     def __init__(self, *, amax_reduction_group: Any = None, **blocks: Any) -> None:
         super().__init__(**blocks)
@@ -119,6 +154,12 @@ class TEFp8Backend(PrecisionBackend):
         self._warned_no_fp8 = False
         self._warned_fp8_weights = False
         self._switches: dict[int, ModuleSwitch] = {}
+        self._labels: dict[int, str] = {}
+        self._shadow: ShadowRoute | None = None
+        self.shadow_recipe: ShadowRecipe | None = None
+        """The recipe the shadow route quantizes with (``gnmr.gamma``; ``None`` until
+        :meth:`track_errors`)."""
+        self._shadow_calls: dict[int, int] = {}  # id(module) -> measured calls this step
         logger.info(
             "te_fp8: transformer_engine %s (%s), low-cost %s, recovery %s",
             self._te.version,
@@ -247,6 +288,7 @@ class TEFp8Backend(PrecisionBackend):
         }
         self._check_subset(units, switches, labels)
         self._switches.update(switches)
+        self._labels.update({uid: labels.get(uid, f"unit {uid}") for uid in units})
         try:
             super().wrap(units)
         except Exception:
@@ -313,11 +355,16 @@ class TEFp8Backend(PrecisionBackend):
 
         def counted(*args: Any, **kwargs: Any) -> Any:  # megatron's forward opens the region
             path = self._begin_forward(uid, lambda _: switch.path())
-            out = forward(*args, **kwargs)
-            if path == RECOVERY:
-                switch.check_recovered()
-            else:
-                self._warn_if_fp8_off(op)
+            outer, self._unit = self._unit, uid
+            try:
+                out = forward(*args, **kwargs)
+                if path == RECOVERY:
+                    switch.check_recovered()
+                else:
+                    self._warn_if_fp8_off(op)
+                self._measure(uid, op, path, args, kwargs, out)
+            finally:
+                self._unit = outer
             return out
 
         return counted
@@ -326,7 +373,7 @@ class TEFp8Backend(PrecisionBackend):
         forward = types.MethodType(type(op).forward, op)
         if path == LOW_COST:
             return self._low_cost_forward(op, forward)
-        return self._recovery_forward(forward)
+        return self._recovery_forward(op, forward)
 
     def _warn_if_fp8_off(self, op: nn.Module) -> None:
         if not self._warned_no_fp8 and not getattr(op, "fp8", True):
@@ -341,16 +388,80 @@ class TEFp8Backend(PrecisionBackend):
         def run(*args: Any, **kwargs: Any) -> Any:
             out = forward(*args, **kwargs)
             self._warn_if_fp8_off(op)
+            if self._unit is not None:
+                self._measure(self._unit, op, LOW_COST, args, kwargs, out)
             return out
 
         return run
 
-    def _recovery_forward(self, forward: Callable[..., Any]) -> Callable[..., Any]:
+    def _recovery_forward(self, op: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
             with self.recovery_region():
-                return forward(*args, **kwargs)
+                out = forward(*args, **kwargs)
+            if self._unit is not None:
+                self._measure(self._unit, op, RECOVERY, args, kwargs, out)
+            return out
 
         return run
+
+    # ------------------------------------------------------------------ the damage term
+
+    def track_errors(self, num_units: int | None, every: int = 1) -> None:
+        """:meth:`PrecisionBackend.track_errors`, then the shadow route of the low-cost recipe
+        (:mod:`~gnmr_dist.backends.te_shadow`): refuses, naming the unit, a module or recipe
+        setting the route does not reproduce."""
+        recipe = None
+        if num_units is not None:
+            low = self.low_cost
+            margin = low.delayed_kwargs()["margin"]
+            recipe = shadow_recipe(low.recipe, self.low_cost_recipe, low.fp8_format, margin)
+            for uid, modules in sorted(self._wrapped.items()):
+                for module in modules:
+                    check_module(self._labels.get(uid, f"unit {uid}"), module)
+        super().track_errors(num_units, every)
+        self.shadow_recipe = recipe if self._errors is not None else None
+        self._shadow = None if self.shadow_recipe is None else ShadowRoute(self.shadow_recipe)
+        if self.shadow_recipe is not None:
+            logger.info("te_fp8: damage term by the shadow route, %s", self.shadow_recipe)
+
+    def apply(self, active: Iterable[int], step: int) -> None:
+        """:meth:`PrecisionBackend.apply`; the shadow's call counts start again."""
+        self._shadow_calls = {}
+        super().apply(active, step)
+
+    def _measure(
+        self,
+        uid: int,
+        op: nn.Module,
+        path: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        out: Any,
+    ) -> None:
+        """On a measuring step, give the shadow route this call's GEMM input and output."""
+        route = self._shadow
+        if route is None or self._error_probe() is None or self._errors is None:
+            return
+        x = (
+            args[0]
+            if args
+            else next((kwargs[k] for k in ("inp", "x", "input_", "input") if k in kwargs), None)
+        )
+        y = out[0] if isinstance(out, tuple) else out
+        if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+            return
+        recipe = self.shadow_recipe
+        assert recipe is not None
+        x_scale, dy_scale = None, None
+        if recipe.name == "delayed":
+            keep = self.low_cost.reseed_mode == "keep"
+            x_scale, dy_scale = delayed_sources(op, path == RECOVERY, keep)
+        n = self._shadow_calls.get(id(op), 0)
+        self._shadow_calls[id(op)] = n + 1
+        index = next((i for i, m in enumerate(self._wrapped.get(uid, ())) if m is op), -1)
+        seed = sr_seed(_SR_SEED, self._step, uid, index, n) if recipe.stochastic else None
+        xg = gemm_input(op, x, fused_cast=recipe.name == "delayed")
+        route.measure(self._errors, uid, xg, y, x_scale=x_scale, dy_scale=dy_scale, seed=seed)
 
     def fp8_ran(self, unit: int) -> bool:
         """Whether every TE module of ``unit`` ran FP8 in its last forward (``module.fp8``).

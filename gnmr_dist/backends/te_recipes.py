@@ -24,6 +24,7 @@ __all__ = [
     "RECIPES",
     "TELowCostOptions",
     "TERecoveryOptions",
+    "canonical_recipe",
     "check_own",
     "check_pair",
 ]
@@ -61,7 +62,7 @@ _ALIASES = {"current": "tensorwise", "block": "blockwise"}
 _RESEEDS = ("reset", "keep")
 
 
-def _canonical_recipe(recipe: Any) -> Any:
+def canonical_recipe(recipe: Any) -> Any:
     """A recipe name with Megatron's aliases resolved (anything else as given, for the check)."""
     return _ALIASES.get(recipe, recipe) if isinstance(recipe, str) else recipe
 
@@ -91,7 +92,7 @@ class TELowCostOptions:
     """NVFP4 only: 16 x 16 weight tiles (``None``: on)."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "recipe", _canonical_recipe(self.recipe))
+        object.__setattr__(self, "recipe", canonical_recipe(self.recipe))
         check_choice(self.recipe, sorted(RECIPES), "recipe")
         check_choice(self.fp8_format, sorted(FORMATS), "fp8_format")
         if self.recipe != "delayed":
@@ -146,7 +147,7 @@ class TERecoveryOptions:
     """``"bf16"`` (FP8/FP4 off) | ``"tensorwise"`` | ``"blockwise"`` | ``"mxfp8"``."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "recipe", _canonical_recipe(self.recipe))
+        object.__setattr__(self, "recipe", canonical_recipe(self.recipe))
         allowed = sorted([*RECIPES.keys() - {"delayed", "nvfp4"}, "bf16"])
         check_choice(self.recipe, allowed, "recipe")
 

@@ -89,7 +89,7 @@ def _check_error_source(error_fn: ErrorFn | None, monitor: GradNormMonitor) -> N
             "gnmr.gamma is set, so the runtime needs per-unit error sums "
             "(docs/algorithm.md#damage-term): pass error_fn=backend.error_sums after "
             "backend.track_errors(registry.num_units), with a precision backend that reports "
-            "them (act_quant, fp8_emulated, int8); without one (no backend, or te_fp8) leave "
+            "them (act_quant, fp8_emulated, int8, te_fp8); without one (no backend) leave "
             "gnmr.gamma unset"
         )
     if error_fn(monitor.device) is None:

@@ -271,7 +271,8 @@ class GNMRBlock:
     """The recovery-gap probe (``None``: off, the default)."""
     error_every: int = field(default=1, metadata=_parser(check_positive_int))
     """Measure the error sums of the damage term (docs/algorithm.md#damage-term) every this many
-    steps, carrying the score forward in between (needs ``gamma``; 1: every step)."""
+    steps, carrying the score forward in between (needs ``gamma``; 1: every step; when not
+    given, the backend's ``default_error_every``: 1, for ``te_fp8`` 50 to 200 by recipe)."""
     policy: GNMRConfig = field(default_factory=GNMRConfig)
     """The controller's settings, read from the controller's keys at the block's top level."""
 
@@ -312,7 +313,12 @@ class GNMRBlock:
             if "parse" in f.metadata and f.name in block
         }
         policy = {k: v for k, v in block.items() if k in GNMRConfig.field_names()}
-        parsed = cls(**values, policy=GNMRConfig.from_dict(policy, path=path))
+        config = GNMRConfig.from_dict(policy, path=path)
+        backend = values.get("backend")
+        if "error_every" not in block and config.gamma is not None and backend in BACKENDS:
+            low_cost = values.get("low_cost", {})
+            values["error_every"] = BACKENDS[backend].default_error_every(low_cost)
+        parsed = cls(**values, policy=config)
         parsed._check_together(path)
         return parsed
 

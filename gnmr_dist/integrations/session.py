@@ -53,9 +53,8 @@ def check_error_source(block: GNMRBlock, backend: PrecisionBackend | None) -> No
         return
     raise ValueError(
         f"gnmr.gamma is set but gnmr.backend={block.backend!r} reports no per-unit error sums "
-        "(the damage term, docs/algorithm.md#damage-term; act_quant, fp8_emulated and int8 "
-        "report them, te_fp8 does not yet); choose one of those backends or leave gnmr.gamma "
-        "unset"
+        "(the damage term, docs/algorithm.md#damage-term; act_quant, fp8_emulated, int8 and "
+        "te_fp8 report them); choose one of those backends or leave gnmr.gamma unset"
     )
 
 

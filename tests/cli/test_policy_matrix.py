@@ -188,7 +188,7 @@ def test_gnmr_megatron_pretrain_runs_and_its_trace_replays(tmp_path, name):
 
 REFUSED = [
     ({"backend": None, "gamma": 0.5}, "gnmr.gamma"),
-    ({"backend": "te_fp8", "low_cost": {}, "recovery": {}, "gamma": 0.5}, "gnmr.gamma"),
+    ({"backend": "te_fp8", "low_cost": {}, "gamma": 0.5, "gemms": ["fprop"]}, "gnmr.gamma"),
     ({"max_share": 1.5}, "gnmr.max_share must be a number >= 0 and <= 1, got 1.5"),
     ({"pinned": {"units": {"last_layers": 0}}}, "gnmr.pinned.units.last_layers"),
     ({"latch": {"lr_decay": 2}}, "gnmr.latch.lr_decay"),

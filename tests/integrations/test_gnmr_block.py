@@ -194,12 +194,12 @@ def test_gamma_turns_the_backends_error_sums_on_only_when_set():
     fn = error_source(GNMRBlock.from_dict({"backend": "int8", "gamma": 1.0}), backend, 2)
     assert torch.equal(fn(torch.device("cpu")), torch.zeros(2, dtype=torch.float64))
 
-    class Silent(PrecisionBackend):  # reports nothing, as te_fp8 today
+    class Silent(PrecisionBackend):  # reports nothing
         name = "silent"
 
-    with pytest.raises(ValueError, match=r"gnmr\.backend='te_fp8' reports none"):
-        GNMRBlock.from_dict({"backend": "te_fp8", "gamma": 1.0})  # refused where it is read
-    by_hand = GNMRBlock(backend="te_fp8", policy=GNMRConfig(gamma=1.0))  # no from_dict check
-    with pytest.raises(ValueError, match=r"gnmr\.backend='te_fp8' reports no per-unit error"):
+    with pytest.raises(ValueError, match=r"gnmr\.backend=null \(observe only\)"):
+        GNMRBlock.from_dict({"backend": None, "gamma": 1.0})  # refused where it is read
+    by_hand = GNMRBlock(backend="silent", policy=GNMRConfig(gamma=1.0))  # no from_dict check
+    with pytest.raises(ValueError, match=r"gnmr\.backend='silent' reports no per-unit error"):
         error_source(by_hand, Silent(), 2)
     assert Silent().error_sums(torch.device("cpu")) is None
