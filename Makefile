@@ -52,6 +52,8 @@ $(MCORE_DIR)/%/.installed: $(STAMP)
 # folder build/gpu, 3.4 MB): torchao's wheel, the pinned one, installed there with --target.
 gpu-carry: venv
 	$(PIP) download --quiet --no-deps torchao==0.18.0 -d build/gpu
+	$(PIP) download --quiet --no-deps -d build/gpu torchtitan==0.3.0 spmd_types==0.2.3 \
+		tyro==1.0.17 docstring-parser==0.18.0 torchdata==0.11.0 torch_checkpointing==0.1.1
 
 lint: venv
 	$(BIN)/ruff check .

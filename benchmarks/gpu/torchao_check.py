@@ -11,7 +11,10 @@ interleaved step by step: BF16, static FP8 (torchao tensorwise), GNMR on ``torch
 apart (the controller step; the measuring is the rest of the difference to static FP8).
 (c) ``outlier``: the three arms with one down_proj input channel rising x4 per step to 2^20
 (function-preserving: ``x D`` and ``W D^-1``), their losses and the units GNMR recovered.
-(d) ``torchtitan``: whether torchtitan imports here (no converter is shipped yet).
+(d) ``torchtitan``: where torchtitan 0.3 imports, GNMR's converter
+(:mod:`gnmr_dist.integrations.torchtitan`) on torchtitan's Llama 3 debug model: with nothing
+recovered, bit for bit torchtitan's own ``Float8LinearConverter`` (``rowwise`` on a GPU, emulated
+``tensorwise`` on a CPU), then a run that recovers (one decision per step, units recovered).
 Each part is caught, printed and recorded; without CUDA (``--dry``) (b) and (c) run at tiny
 sizes on the CPU to exercise the code and say so. What travels: docs/backends.md#torchao_fp8.
 """
@@ -295,12 +298,88 @@ def check_outlier(s: dict[str, int], device: torch.device, budget: int) -> dict[
     }
 
 
-def check_torchtitan() -> dict[str, Any]:
+def _titan_model(converters: list[Any], device: torch.device, layers: int) -> nn.Module:
+    """torchtitan's Llama 3 debug model (``layers`` layers, its attention switched to
+    torchtitan's SDPA module: flex attention has no CPU backward), built on the meta device
+    and initialized on ``device`` as ``Trainer`` does."""
+    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
+    from torchtitan.models.llama3 import model_registry
+
+    cfg = model_registry("debugmodel", attn_backend="flex", converters=converters).model
+    cfg.layers = cfg.layers[:layers]
+    for _, _, parent, attr in list(cfg.traverse(FlexAttention.Config)):
+        setattr(parent, attr, ScaledDotProductAttention.Config())
+    with torch.device("meta"):
+        model = cfg.build()
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    return model  # type: ignore[no-any-return]
+
+
+def _titan_train(
+    model: nn.Module, steps: int, device: torch.device, seen: Callable[[], None] | None = None
+) -> list[float]:
+    """``Trainer.train_step``'s order with torchtitan's optimizer container and clip; ``seen``
+    runs before each optimizer step."""
+    from torchtitan.components.optimizer import default_adamw
+    from torchtitan.distributed import utils as dist_utils
+
+    optimizers = default_adamw(lr=1e-3, foreach=True).build(model_parts=[model])
+    losses = []
+    for s in range(steps):
+        optimizers.zero_grad()
+        gen = torch.Generator().manual_seed(s)
+        tok = torch.randint(0, 2048, (4, 65), generator=gen).to(device)
+        pred = model(tok[:, :-1])
+        loss = F.cross_entropy(pred.flatten(0, 1).float(), tok[:, 1:].flatten())
+        loss.backward()
+        dist_utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=True)
+        if seen is not None:
+            seen()
+        optimizers.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def check_torchtitan(device: torch.device) -> dict[str, Any]:
     try:
-        import torchtitan  # noqa: F401
+        from torchtitan.components.quantization import Float8LinearConverter
+
+        from gnmr_dist.integrations.torchtitan import GNMRConverter, session_of
     except ImportError as err:
-        return {"ok": None, "skipped": f"torchtitan not importable here ({err}); no converter yet"}
-    return {"ok": None, "skipped": "torchtitan imports; this change ships no converter for it"}
+        return {"ok": None, "skipped": f"torchtitan 0.3 not importable here ({err})"}
+    cuda = device.type == "cuda"
+    low = {"recipe": "rowwise"} if cuda else {"recipe": "tensorwise", "emulate": True}
+    theirs = Float8LinearConverter.Config(
+        recipe_name="rowwise", emulate=not cuda, filter_fqns=["lm_head"]
+    )
+    layers, steps = (6, 6) if cuda else (1, 3)
+    ours = _titan_model(
+        [GNMRConverter.Config(gnmr={"backend": "torchao_fp8", "low_cost": low})], device, layers
+    )
+    ref = _titan_model([theirs], device, layers)
+    ref.load_state_dict(ours.state_dict())
+    a, b = _titan_train(ours, steps, device), _titan_train(ref, steps, device)
+    policy = {"max_active": 2, "warmup_steps": 0, "alpha": 1.0, "beta": 1.0, "gamma": 1e-6}
+    block = {"backend": "torchao_fp8", "low_cost": {"recipe": "tensorwise"}, **policy}
+    acting = _titan_model([GNMRConverter.Config(gnmr=block)], device, layers)
+    session = session_of(acting)
+    backend = None if session is None else session.backend
+    assert session is not None and backend is not None
+    recovered: list[int] = []
+    losses = _titan_train(
+        acting, steps, device, lambda: recovered.append(len(backend.report().recovered))
+    )
+    return {
+        "ok": a == b and session.decisions == steps and session.step == steps,
+        "equal": a == b,
+        "losses_gnmr_none_recovered": a,
+        "losses_torchtitan_float8": b,
+        "decisions": session.decisions,
+        "recovered_per_step": recovered,
+        "losses_gnmr_acting": losses,
+    }
 
 
 def run(name: str, fn: Callable[[], dict[str, Any]], dry_note: str | None) -> dict[str, Any]:
@@ -360,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         "bitwise": run("bitwise", lambda: check_bitwise(device), None),
         "throughput": run("throughput", lambda: check_throughput(sizes, device, args.budget), note),
         "outlier": run("outlier", lambda: check_outlier(sizes, device, args.budget), note),
-        "torchtitan": run("torchtitan", check_torchtitan, None),
+        "torchtitan": run("torchtitan", lambda: check_torchtitan(device), None),
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -193,6 +193,10 @@ class Arm:
     units: tuple[int, ...] = ()
     """``fixed`` policy: the units on the recovery path at every step (the loss oracle's set,
     or one unit alone)."""
+    gemm_dtype: str | None = None
+    """The dtype the linears' GEMMs compute in (``"bf16"``: operands cast to BF16, the output
+    back, as a BF16 model hands them; ``None``: the model's fp32), on both paths
+    (:func:`benchmarks.harness.forwards.install_forwards`)."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -216,6 +220,8 @@ class Arm:
             raise ValueError(f"arm {self.name}: policy fixed needs units")
         if self.policy.startswith("autoswitch") and self.backend != "fp8_emulated":
             raise ValueError(f"arm {self.name}: the AutoswitchGemm rule runs on fp8_emulated")
+        if self.gemm_dtype is not None and self.backend is None:
+            raise ValueError(f"arm {self.name}: gemm_dtype acts on a backend's GEMMs")
         if self.oracle_by not in ("grad", "update"):
             raise ValueError(f"arm {self.name}: oracle_by must be 'grad' or 'update'")
 

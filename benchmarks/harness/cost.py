@@ -44,6 +44,7 @@ __all__ = [
     "HARDWARE",
     "INT8_RATE",
     "THROUGHPUT",
+    "TORCHAO_GEMMS",
     "BranchCost",
     "Formats",
     "Price",
@@ -85,6 +86,18 @@ FORMAT_CLASS = {
 }
 """The ``fp8_emulated`` formats (:mod:`gnmr_dist.backends.emulated_options`) by the throughput
 class their GEMMs run at (fp16 at the BF16 rate). ``fp32`` is not in the table."""
+
+TORCHAO_GEMMS: dict[str, tuple[str, str, str]] = {
+    "tensorwise": ("FP8", "FP8", "FP8"),
+    "rowwise": ("FP8", "FP8", "FP8"),
+    "rowwise_with_gw_hp": ("FP8", "FP8", "BF16"),
+    "bf16": ("BF16", "BF16", "BF16"),
+}
+"""The ``torchao_fp8`` recipes (:mod:`gnmr_dist.backends.torchao_options`) by the throughput
+class of their fprop, dgrad and wgrad GEMMs: ``tensorwise`` multiplies e4m3 x and W with e5m2 dy
+(both FP8), ``rowwise`` e4m3 throughout, ``rowwise_with_gw_hp`` keeps wgrad in high precision
+(BF16 here), ``"bf16"`` runs torchao off. The MX recipes, which the backend refuses, are not
+priced."""
 
 _DEFAULT_FORMAT = {"low_cost": "e4m3", "recovery": "bf16"}
 """The ``fp8_emulated`` backend's default ``format`` of each path."""
@@ -198,6 +211,19 @@ def _int8_price(formats: Formats, hardware: str) -> Price:
     return Price((1 / INT8_RATE[hardware] + 1) / 2, 1.0)
 
 
+def _torchao_time(options: Mapping[str, Any], role: str, hardware: str) -> float | str:
+    """A ``torchao_fp8`` path's time per FLOP against BF16: the mean of its three equal-FLOP
+    GEMMs' ``1 / R`` (:data:`TORCHAO_GEMMS`), or a note."""
+    recipe = str(options.get("recipe", "tensorwise" if role == "low_cost" else "bf16"))
+    if recipe not in TORCHAO_GEMMS:
+        return f"not priced: torchao's {recipe} GEMMs are not in the cost table"
+    rates = THROUGHPUT[hardware]
+    missing = [c for c in TORCHAO_GEMMS[recipe] if c not in rates]
+    if missing:
+        return f"n/a (no {missing[0]} GEMMs)"
+    return sum(1 / rates[c] for c in TORCHAO_GEMMS[recipe]) / 3
+
+
 def price(formats: Formats, hardware: str) -> Price:
     """The two paths' time per linear-layer GEMM FLOP against BF16 on ``hardware`` (one of
     :data:`HARDWARE`), or the note saying why they are not priced."""
@@ -207,6 +233,13 @@ def price(formats: Formats, hardware: str) -> Price:
         return Price(note=f"not priced: {_NOT_GEMM[formats.backend]}")
     if formats.backend == "int8":
         return _int8_price(formats, hardware)
+    if formats.backend == "torchao_fp8":
+        low = _torchao_time(formats.low_cost, "low_cost", hardware)
+        rec = _torchao_time(formats.recovery, "recovery", hardware)
+        for t in (low, rec):
+            if isinstance(t, str):
+                return Price(note=t)
+        return Price(float(low), float(rec))
     if formats.backend != "fp8_emulated":
         note = f"not priced: the {formats.backend} backend's formats are not in the cost table"
         return Price(note=note)
@@ -466,6 +499,8 @@ def assumptions(formats: Formats | None = None, horizon: int = 50, early: int = 
         "Hopper (H100 / H200) FP8 2, BF16 1, no FP4 or FP6 GEMMs (such a recipe is n/a there).",
         "A GEMM whose operands differ in format (grad_format) runs at the slower operand's "
         "rate; a path's rate is the mean over its three equal-FLOP GEMMs.",
+        "torchao_fp8: tensorwise (e4m3 x and W, e5m2 dy) and rowwise run all three GEMMs at "
+        "the FP8 rate, rowwise_with_gw_hp its wgrad at the BF16 rate, the bf16 recovery at 1.",
         "The int8 backend (LoRA's frozen base, W8A8): fprop at the INT8 rate (2 on B200 and "
         "Hopper, from NVIDIA's datasheets; GB300's is not in the table, so not priced there), "
         "dgrad in high precision, no wgrad for a frozen weight: 1 / R(low) = (1 / 2 + 1) / 2.",
@@ -491,6 +526,16 @@ def _describe(formats: Formats) -> str:
     """``low-cost e2m1 (FP4), recovery bf16 (BF16), backend fp8_emulated``."""
     if formats.backend == "int8":
         return "low-cost int8 W8A8 (INT8 fprop), recovery BF16, backend int8"
+    if formats.backend == "torchao_fp8":
+        low = formats.low_cost.get("recipe", "tensorwise")
+        rec = formats.recovery.get("recipe", "bf16")
+        classes = {
+            r: "/".join(TORCHAO_GEMMS.get(str(r), ("not in the table",))) for r in (low, rec)
+        }
+        return (
+            f"low-cost torchao {low} (fprop/dgrad/wgrad {classes[low]}), recovery {rec} "
+            f"({classes[rec]}), backend torchao_fp8"
+        )
     if formats.backend != "fp8_emulated":
         return f"backend {formats.backend} ({price(formats, HARDWARE[0]).note})"
     parts = []

@@ -7,8 +7,14 @@ forward installed on each operator for each path, ``gnmr_dist.backends.base``), 
 the arm's backend instance before it wraps the model: the outlier moves a channel's scale from
 ``W`` to ``x`` on the GEMM's inputs, ``y = (x D)(W D^-1)^T + b``, and the GEMM (the path's own,
 or the rule's) rounds what it is given. The trained parameter stays ``W``, so the backend takes
-the error score of the GEMM on ``W``'s gradient (``scale_gradient_columns``): the outlier's
-scale alone must not raise ``B(u)``, only the damage it does.
+the error score of the GEMM on ``W``'s gradient (``scale_gradient_columns``, which
+``fp8_emulated`` and ``torchao_fp8`` have): the outlier's scale alone must not raise ``B(u)``,
+only the damage it does.
+
+``gemm_dtype`` (:attr:`benchmarks.harness.arms.Arm.gemm_dtype`) runs every GEMM on operands cast
+to that dtype and casts its output back, as a model whose linears compute in BF16 hands them
+(FSDP2's ``param_dtype``): the ``torchao_fp8`` regimes' paths are then ``Float8Linear`` and
+``nn.Linear`` of a BF16 model, so their recovery path is a real BF16 GEMM.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from gnmr_dist.backends.emulated import EmulatedBackend
 from gnmr_dist.backends.operators import Gemm
 from gnmr_dist.distributed import UnitRegistry
 
-__all__ = ["AutoswitchGemms", "install_forwards"]
+__all__ = ["GEMM_DTYPES", "AutoswitchGemms", "install_forwards"]
 
 
 class AutoswitchGemms:
@@ -69,23 +75,33 @@ class AutoswitchGemms:
         return gemm
 
 
+GEMM_DTYPES = {"bf16": torch.bfloat16}
+"""``Arm.gemm_dtype`` names -> the dtype a linear's GEMM operands are cast to."""
+
+
 def install_forwards(
     backend: Any,
     model: nn.Module,
     outliers: Sequence[Outlier],
     step: Callable[[], int],
     gemms: AutoswitchGemms | None = None,
+    gemm_dtype: str | None = None,
 ) -> None:
     """Before ``backend.wrap``: every operator's forward runs ``gemms``' GEMM (default the
-    backend's own) and, for a faulted operator while ``model.training`` and inside its window,
-    on ``(x D, W D^-1)`` (:class:`Outlier`). Nothing is overridden when there is neither."""
-    if not outliers and gemms is None:
+    backend's own), on operands cast to ``gemm_dtype`` (output cast back) when given, and, for
+    a faulted operator while ``model.training`` and inside its window, on ``(x D, W D^-1)``
+    (:class:`Outlier`). Nothing is overridden when there is none of the three."""
+    if not outliers and gemms is None and gemm_dtype is None:
         return
-    if outliers and not isinstance(backend, EmulatedBackend):
+    if outliers and not hasattr(backend, "scale_gradient_columns"):
         raise ValueError(
-            f"outliers run on fp8_emulated, whose error score can be taken on the trained "
-            f"weight's gradient (scale_gradient_columns); got {type(backend).__name__}"
+            f"outliers run on a backend whose error score can be taken on the trained "
+            f"weight's gradient (scale_gradient_columns: fp8_emulated, torchao_fp8); got "
+            f"{type(backend).__name__}"
         )
+    if gemm_dtype is not None and gemm_dtype not in GEMM_DTYPES:
+        raise ValueError(f"gemm_dtype must be one of {sorted(GEMM_DTYPES)}, got {gemm_dtype!r}")
+    dtype = GEMM_DTYPES[gemm_dtype] if gemm_dtype is not None else None
     modules = dict(model.named_modules())
     for o in outliers:
         if o.module not in modules:
@@ -97,15 +113,21 @@ def install_forwards(
         linear, outlier = cast(nn.Linear, op), faulted.get(id(op))
 
         def forward(input: torch.Tensor) -> torch.Tensor:
+            x, weight, bias = input, linear.weight, linear.bias
+            if dtype is not None:  # the model's linears compute in dtype
+                x, weight = x.to(dtype), weight.to(dtype)
+                bias = None if bias is None else bias.to(dtype)
             f = outlier.factor(step()) if outlier is not None and model.training else None
             if f is None:
-                return gemm(input, linear.weight, linear.bias)
-            d = _scale_vector(input.shape[-1], outlier.channel, f, input)  # type: ignore[union-attr]
+                y = gemm(x, weight, bias)
+                return y if dtype is None else y.to(input.dtype)
+            d = _scale_vector(x.shape[-1], outlier.channel, f, x)  # type: ignore[union-attr]
             backend.scale_gradient_columns(op, d.reciprocal())  # B(u) of W's own gradient
             try:
-                return gemm(input * d, linear.weight / d, linear.bias)
+                y = gemm(x * d, weight / d, bias)
             finally:
                 backend.scale_gradient_columns(op, None)
+            return y if dtype is None else y.to(input.dtype)
 
         return forward
 

@@ -145,7 +145,9 @@ class ArmRun:
             assert isinstance(backend, EmulatedBackend)
             self.switch = AutoswitchGemms(backend, self.registry, arm.policy == "autoswitch")
         step = lambda: self.current_step  # noqa: E731
-        install_forwards(backend, self.model, self.setup.outliers, step, self.switch)
+        install_forwards(
+            backend, self.model, self.setup.outliers, step, self.switch, arm.gemm_dtype
+        )
         backend.wrap(self.registry.local_modules)
         return backend
 

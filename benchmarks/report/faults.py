@@ -1,8 +1,9 @@
 """The fault regimes' section (issue 35): each regime's branch records
 (``results/faults/<regime>.jsonl``), the design they complete, and what ``templates/faults.md.j2``
 shows of them: the estimator's noise, the arms (exploratory, 95%), the four pre-registered
-comparisons (:mod:`benchmarks.harness.preregistered`), the arms at the branch point that ends the
-trunk's schedule, the loss oracle's subset and the cost at matched loss
+comparisons (:mod:`benchmarks.harness.preregistered`; one whose arm a regime never ran is marked
+so, not waited for), the regime beside its :data:`COUNTERPART` (issue 43), the arms at the branch
+point that ends the trunk's schedule, the loss oracle's subset and the cost at matched loss
 (:mod:`benchmarks.harness.cost`).
 
 **The design.** Every figure pairs arms on the same (seed, point) and averages a seed's points
@@ -41,7 +42,7 @@ from benchmarks.harness.branch_stats import (
     troubles,
 )
 from benchmarks.harness.markdown import markdown_table
-from benchmarks.harness.stats import plus_minus
+from benchmarks.harness.stats import interval, plus_minus
 from benchmarks.report.source import Source
 from benchmarks.report.words import listing, ordinal, resolved
 
@@ -73,6 +74,14 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 MIN_SEEDS = 2
 """The fewest seeds that give an interval."""
+
+COUNTERPART = {"outlier_torchao_tensorwise": "outlier_fp8_tensor"}
+"""A regime reported beside another that has the same trunks, seeds, branch points and outlier
+(issue 43: torchao's real casts beside the emulation), paired across the two on each (seed,
+point)."""
+
+BESIDE_ARMS = ("GNMR+e 4", "random 4", "NVIDIA last-4", "oracle 4")
+"""The arms whose shares of the static gap the two regimes' table sets side by side."""
 
 NULL_BAR = 1 / 3
 """Issue 35's bar: each null's interval holds 0 and reaches at most this share of the gap."""
@@ -367,6 +376,16 @@ class FaultRegime:
         seeds = complete_seeds(self.records, [arm, rival], self.all_seeds(), d.points)
         return replace(d, seeds=tuple(seeds)) if len(seeds) > len(d.seeds) else d
 
+    def not_run(self, arm: str) -> str | None:
+        """Why a pre-registered comparison's ``arm`` has no record at all in this regime
+        (``None`` when it has some: a sweep in progress waits for it)."""
+        if any(k[0] == arm for k in self.records):
+            return None
+        backend = self.spec()["backend"] if self.low else None
+        if arm.startswith("TE autoswitch") and backend not in (None, "fp8_emulated"):
+            return f"not run: TE's rule runs on fp8_emulated's specs, this regime on {backend}"
+        return f"not run in this regime ({arm} is not among its arms)"
+
     def preregistered(self) -> list[dict[str, Any]]:
         """The four comparisons per budget: per-seed paired differences over the comparison's
         own grid (:meth:`pair_design`), with :func:`benchmarks.harness.preregistered.verdict`'s
@@ -377,7 +396,8 @@ class FaultRegime:
             family = preregistered.comparisons(k)
             for c in family:
                 missing = [a for a in (c.arm, c.rival) if a not in self.table_arms]
-                row: dict[str, Any] = {"c": c, "missing": missing}
+                why = [w for w in map(self.not_run, (c.arm, c.rival)) if w is not None]
+                row: dict[str, Any] = {"c": c, "missing": missing, "not_run": why[:1]}
                 dc = self.pair_design(c.arm, c.rival)
                 if not missing and dc:
                     diffs = per_seed(self.records, dc, c.arm, c.rival)
@@ -394,6 +414,9 @@ class FaultRegime:
         rows = []
         for r in self.preregistered():
             c, name = r["c"], f"{r['c'].arm} - {r['c'].rival}"
+            if r["not_run"]:
+                rows.append([name, c.question, "-", "-", r["not_run"][0], "-", "-"])
+                continue
             if r["missing"]:
                 rows.append([name, c.question, "-", "-", f"waiting for {listing(r['missing'])}"])
                 rows[-1] += ["-", "-"]
@@ -403,6 +426,45 @@ class FaultRegime:
             row = [name, c.question, f"{r['mean']:+.4f}", half, r["verdict"], works]
             rows.append([*row, str(r["seeds"])])
         return markdown_table(header, rows)
+
+    # -- beside another regime
+
+    def beside(self) -> dict[str, Any] | None:
+        """This regime beside :data:`COUNTERPART`'s on this design's seeds and points (the
+        counterpart's records of the same (seed, point), which start from the same trunk
+        checkpoint): each one's static gap, nulls and arms' shares of the gap (95%), and the
+        differences across the two, paired on each seed (exploratory). ``None`` without a
+        counterpart or while it lacks a branch of the design."""
+        name, d = COUNTERPART.get(self.name), self.design
+        if name is None or d is None:
+            return None
+        other = FaultRegime(self.src, name)
+        arms = [a for a in ("low-cost", "BF16", *NULLS, *BESIDE_ARMS) if a in self.table_arms]
+        if complete_seeds(other.records, arms, d.seeds, d.points) != list(d.seeds):
+            return None
+        merged = {
+            (f"{t}:{a}", s, p): r
+            for t, g in (("a", self), ("b", other))
+            for (a, s, p), r in g.records.items()
+        }
+        rows = [_beside_gap(self.records, other.records, merged, d)]
+        for null, twin in NULLS.items():
+            if null in arms:
+                cells = [pm(paired(g.records, d, null, twin)) for g in (self, other)]
+                rows.append([f"{null} - {twin}", *cells, "-"])
+        shares = {}
+        for arm in arms:
+            if arm in BESIDE_ARMS:
+                pair = [share_closed(g.records, d, arm) for g in (self, other)]
+                diff = share_difference(self.records, other.records, d, arm)
+                shares[arm] = {"here": pair[0], "there": pair[1], "difference": diff}
+                cells = [pm(x, 2) for x in (*pair, diff)]
+                rows.append([f"share of the gap closed, {arm}", *cells])
+        for arm in ("low-cost", "BF16", *(a for a in arms if a in BESIDE_ARMS)):
+            diff = paired(merged, d, f"a:{arm}", f"b:{arm}")
+            rows.append([f"held-out, {arm}", "-", "-", pm(diff)])
+        header = ["figure", self.name, name, f"{self.name} - {name}, paired"]
+        return {"other": name, "table": markdown_table(header, rows), "shares": shares}
 
     # -- where the late rules act
 
@@ -453,6 +515,35 @@ class FaultRegime:
         when given the formats."""
         line = cost.assumptions(self.formats(), self.horizon, self.evals[0])[-1]
         return line.removesuffix(".")
+
+
+def _beside_gap(a: Records, b: Records, merged: Records, d: Design) -> list[str]:
+    """The row of the two regimes' static gaps and their difference per seed (95%)."""
+    ga, gb = (paired(r, d, "low-cost", "BF16") for r in (a, b))
+    x = per_seed(merged, d, "a:low-cost", "a:BF16")
+    y = per_seed(merged, d, "b:low-cost", "b:BF16")
+    diff = interval([u - v for u, v in zip(x, y, strict=True)])
+    return ["static gap (low-cost - BF16)", pm(ga), pm(gb), pm(diff)]
+
+
+def share_difference(a: Records, b: Records, d: Design, arm: str) -> tuple[float, float]:
+    """``share(a) - share(b)`` of ``arm``'s share of the static gap
+    (:func:`~benchmarks.harness.branch_stats.share_closed`) in two regimes on the same seeds,
+    with a 95% half-width by the delta method paired on each seed: each share
+    ``r = mean(x) / mean(g)`` linearizes to the per-seed influence ``(x_s - r g_s) / mean(g)``,
+    and the interval is Student's on the per-seed difference of the two influences."""
+    psi = []
+    for records in (a, b):
+        x, g = per_seed(records, d, d.low, arm), per_seed(records, d, d.low, d.high)
+        mg = statistics.fmean(g)
+        r = statistics.fmean(x) / mg
+        psi.append((r, [(xs - r * gs) / mg for xs, gs in zip(x, g, strict=True)]))
+    (ra, ia), (rb, ib) = psi
+    n = len(ia)
+    if n < 2:
+        return ra - rb, math.nan
+    half = interval([u - v for u, v in zip(ia, ib, strict=True)])[1]
+    return ra - rb, half
 
 
 def reach(pair: Sequence[float]) -> float:

@@ -77,18 +77,21 @@ def fault_arms(regime: Regime, budgets: Sequence[int], units: int) -> list[tuple
     (``max_share``, twice the units) and recovers all three GEMMs: the outlier damages fprop and
     wgrad through ``x D`` and dgrad through the shrunk column of ``W D^-1`` (its ``dx_c``
     underflows). The forward-only switches are left out under delayed scaling, whose amax
-    history per tensor serves two GEMMs."""
+    history per tensor serves two GEMMs; the AutoswitchGemm rules run on ``fp8_emulated``'s
+    specs only (:mod:`benchmarks.harness.autoswitch`), so another backend has none."""
     q, k_nv = regime.backend_args(), nvidia_k(units)
     steps = regime.instrument.trunk_steps
     delayed = regime.low_cost.get("scaling") == "delayed"
+    switch = regime.backend == "fp8_emulated"
     arms: list[tuple[Arm, bool]] = [
         (Arm("low-cost", "static", **q), False),
         (Arm("BF16", "recovery", **q), False),
         (Arm(NULL_ARMS[0], "recovery", **q), True),
         (Arm(NULL_ARMS[1], "static", **q), True),
         (Arm(f"NVIDIA last-{k_nv}", "last_units", max_active=k_nv, **q), False),
-        (Arm("TE autoswitch", "autoswitch", **q), False),
     ]
+    if switch:
+        arms.append((Arm("TE autoswitch", "autoswitch", **q), False))
     if regime.stochastic:
         reseeded = {**q, "low_cost": {**q["low_cost"], "seed": 1}}
         arms.append((Arm("low-cost (SR seed 1)", "static", **reseeded), False))
@@ -116,9 +119,10 @@ def fault_arms(regime: Regime, budgets: Sequence[int], units: int) -> list[tuple
                 ),
                 False,
             ),
-            (Arm(f"TE autoswitch {k}", "autoswitch_k", max_active=k, **q), False),
-            (Arm(f"oracle {k}", "oracle", max_active=k, **q), False),
         ]
+        if switch:
+            arms.append((Arm(f"TE autoswitch {k}", "autoswitch_k", max_active=k, **q), False))
+        arms.append((Arm(f"oracle {k}", "oracle", max_active=k, **q), False))
     return arms
 
 

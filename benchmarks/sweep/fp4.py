@@ -128,7 +128,7 @@ def run_branches(
     all records."""
     done = branch_stats.read_records(records_file(regime.name))
     ensure_inputs(regime)
-    reference = Arm("trunk", "recovery", **regime.backend_args())
+    reference = regime.trunk_arm()
     trunks = [("trunk", regime.name, reference, s, 0, False) for s in seeds]
     branches = [
         ("branch", regime.name, a, s, p, pert)

@@ -44,7 +44,7 @@ def step_time(
     two ratios. ``root``: where the trunk is (built there when missing)."""
     torch.set_num_threads(1)
     inst, point = regime.instrument, start_point(regime)
-    run_trunk(regime.setup, Arm("trunk", "recovery", **regime.backend_args()), inst, seed, root)
+    run_trunk(regime.setup, regime.trunk_arm(), inst, seed, root)
     setup = replace(regime.setup, steps=inst.trunk_steps, seed=seed, eval_every=10**9)
     train, heldout = Batches(setup.data, setup), Batches(setup.heldout, setup)
     runs = {

@@ -33,7 +33,7 @@ def error_scores(regime: Regime, seed: int, point: int, steps: int) -> list[floa
     """``e`` of every eligible unit on each of ``steps`` probed steps after ``point``."""
     inst, root = regime.instrument, trunks_dir(regime)
     ensure_inputs(regime)
-    run_trunk(regime.setup, Arm("trunk", "recovery", **regime.backend_args()), inst, seed, root)
+    run_trunk(regime.setup, regime.trunk_arm(), inst, seed, root)
     s = branch_setup(regime.setup, inst, seed)
     probed = tuple(range(point + 1, point + steps + 1))
     arm = Arm("low-cost", "static", probe_steps=probed, **regime.backend_args())

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from benchmarks.harness.arms import Fault, OutlierPlan, Setup
+from benchmarks.harness.arms import Arm, Fault, OutlierPlan, Setup
 from benchmarks.harness.bases import BASE, lora_setup
 from benchmarks.harness.branch import Instrument
 from benchmarks.harness.recipes import FP6_LOW_COST as FP6_BLOCK
@@ -72,14 +72,31 @@ class Regime:
     high: str = "BF16"
     """The name of the arm that runs the recovery path on every unit (the static gap's upper
     end: BF16, or the regime's recovery format)."""
+    gemm_dtype: str | None = None
+    """The dtype every arm's linears compute in (:attr:`benchmarks.harness.arms.Arm.
+    gemm_dtype`; ``None``: the harness's fp32 model)."""
+    trunk_backend: dict[str, Any] | None = None
+    """The trunk's backend (:class:`benchmarks.harness.arms.Arm` keyword arguments) when it is
+    not this regime's recovery path: a regime that branches from another backend's trunks (the
+    shared BF16 trunks of :data:`TRUNK_BF16`) names theirs, so that a missing trunk is rebuilt
+    as the others' are."""
 
     def backend_args(self) -> dict[str, Any]:
         """The :class:`benchmarks.harness.arms.Arm` keyword arguments of this regime's backend."""
-        return {
+        args: dict[str, Any] = {
             "backend": self.backend,
             "low_cost": dict(self.low_cost),
             "recovery": dict(self.recovery),
         }
+        if self.gemm_dtype is not None:
+            args["gemm_dtype"] = self.gemm_dtype
+        return args
+
+    def trunk_arm(self) -> Arm:
+        """The reference arm the trunks train: the recovery path on every unit, of this regime's
+        backend or of :attr:`trunk_backend`."""
+        args = self.backend_args() if self.trunk_backend is None else dict(self.trunk_backend)
+        return Arm("trunk", "recovery", **args)
 
     def error_policy(self) -> dict[str, Any]:
         """The controller keys of a ``GNMR+e`` arm (the seed policy plus ``gamma``)."""
@@ -188,7 +205,7 @@ def _fault(name: str, description: str, low_cost: dict[str, Any], **kw: Any) -> 
         name,
         description,
         replace(FP4_SETUP, outlier_plan=plan),
-        "fp8_emulated",
+        kw.pop("backend", "fp8_emulated"),
         low_cost,
         recovery,
         instrument=FAULT_POINTS,
@@ -203,6 +220,15 @@ It outruns per-tensor FP8's range (e4m3 spans about 2^18 with subnormals) and NV
 per-tensor second-level scale; at 2^10, the size of the massive activations reported in LLMs,
 every format here absorbed it (the pilot, docs/benchmarks.md#fault-regimes)."""
 
+TRUNK_BF16 = {"backend": "fp8_emulated", "recovery": {"format": "bf16"}}
+"""The FP4 and fault regimes' trunk: ``fp8_emulated``'s BF16 path (GEMM inputs rounded to BF16,
+fp32 accumulation) on every unit. A regime of another backend that names it branches from the
+very checkpoints the others branch from."""
+
+TORCHAO_TENSORWISE = {"recipe": "tensorwise", "pad_inner_dim": True}
+"""torchao's ``tensorwise`` recipe (e4m3 x and W, e5m2 dy, one scale per tensor); the harness's
+FFN width 344 is not a multiple of 16, so its GEMMs pad the inner dimension with zeros (exact)."""
+
 FAULT_REGIMES = {
     r.name: r
     for r in (
@@ -213,6 +239,19 @@ FAULT_REGIMES = {
             {"format": "e4m3", "granularity": "tensor"},
             outlier=RISE,
             gamma=0.02,
+        ),
+        _fault(
+            "outlier_torchao_tensorwise",
+            "torchao float8 tensorwise (real FP8 casts and torch._scaled_mm GEMMs: e4m3 x and W, "
+            "e5m2 dy) / BF16, the linears computing in BF16; outlier_fp8_tensor's rising outlier "
+            "channel (function-preserving), branched from the same trunks",
+            dict(TORCHAO_TENSORWISE),
+            backend="torchao_fp8",
+            recovery={"recipe": "bf16"},
+            outlier=RISE,
+            gamma=0.03,
+            gemm_dtype="bf16",
+            trunk_backend=TRUNK_BF16,
         ),
         _fault(
             "outlier_delayed",
@@ -266,7 +305,11 @@ FAULT_REGIMES = {
 }
 """Local, transient faults (issue 35): a function-preserving outlier (:class:`benchmarks.harness.
 arms.Outlier`) in one projection of the layer drawn per seed, opening 5 steps after each branch
-point. ``gamma``: the FP4 and delayed regimes' values (not re-measured under the fault)."""
+point. ``gamma``: the FP4 and delayed regimes' values (not re-measured under the fault);
+``outlier_torchao_tensorwise``'s (issue 43, docs/benchmarks.md#sweep-faults) is
+``outlier_fp8_tensor``'s 0.02 scaled by the ratio of the two regimes' median low-cost error scores
+without the fault (``python -m benchmarks.sweep.gamma``, seed 1234 after step 250: 0.174 / 0.116),
+measured before any of its branches ran."""
 
 
 def _seed(name: str, description: str, setup: Setup, backend: str, **kw: Any) -> Regime:

@@ -18,6 +18,8 @@ the ``nn.Linear`` modules and installs two forwards over the same parameters per
 ``Q`` torchao's own wgrad casts of the low-cost recipe
 (:func:`~gnmr_dist.backends.torchao_casts.wgrad_cast`): ``x`` in the forward (once per shared
 input), ``dy`` in a hook on the output's gradient; a recovered unit scores its low-cost casts.
+A GEMM on a reparametrized weight (:meth:`TorchaoFp8Backend.scale_gradient_columns`: ``x D`` and
+``W D^-1``, the harness's function-preserving outlier) is scored on the trained weight's gradient.
 
 Refused by name with the fix: torchao missing; an MX recipe (``mxfp8``, ``nvfp4``); a linear whose
 features are not multiples of 16 (``torch._scaled_mm`` on a GPU) unless ``pad_inner_dim``; a
@@ -132,6 +134,7 @@ class TorchaoFp8Backend(PrecisionBackend):
         self.mixed_config: Any = None
         """The config of a recovered unit under ``gnmr.gemms`` (``None``: all three GEMMs)."""
         self._weights: dict[int, tuple[nn.Linear, torch.Tensor]] = {}  # FP8 all-gather wraps
+        self._columns: dict[int, torch.Tensor] = {}  # scale_gradient_columns, by id(op)
         self._last_input: tuple[Any, int, tuple[torch.Tensor, torch.Tensor] | None] = (
             None,
             0,
@@ -232,19 +235,38 @@ class TorchaoFp8Backend(PrecisionBackend):
                 y = ao.float8_linear(x, weight, bias, config, mm)
             probe = self._error_probe() if weight.requires_grad else None
             if probe is not None and y.requires_grad:
-                self._measure(probe, x, y)
+                self._measure(probe, x, y, self._columns.get(id(op)))
             return y
 
         return gemm
 
+    def scale_gradient_columns(self, op: nn.Module, columns: torch.Tensor | None) -> None:
+        """Declare that wrapped operator ``op``'s next GEMMs run on a reparametrized weight:
+        the trained parameter's gradient is the GEMM weight's with input column ``k`` times
+        ``columns[k]`` (a per-channel scale moved from the weight to the input: ``x D`` and
+        ``W D^-1`` give ``columns = 1 / diag(D)``). ``B(u)`` is then taken on the parameter's
+        gradient, ``||dy|| ||(x - Q(x)) diag(c)|| + ||Q(dy) - dy|| ||x diag(c)||`` with ``Q``
+        torchao's cast of the GEMM's own input, as ``fp8_emulated``'s method of the same name.
+        ``None`` undoes it. Read when a GEMM's forward runs."""
+        if columns is None:
+            self._columns.pop(id(op), None)
+        else:
+            self._columns[id(op)] = columns.detach()
+
     # ------------------------------------------------------------------ the damage term
 
-    def _measure(self, probe: GemmProbe, x: torch.Tensor, y: torch.Tensor) -> None:
+    def _measure(
+        self, probe: GemmProbe, x: torch.Tensor, y: torch.Tensor, columns: torch.Tensor | None
+    ) -> None:
         """``B(u)`` of this GEMM from the low-cost recipe's wgrad casts: ``x`` now (shared by
-        the projections of one input), ``dy`` in a hook on ``y``'s gradient."""
+        the projections of one input; its own with ``columns``), ``dy`` in a hook on ``y``'s
+        gradient."""
         ao, low = self._ao, self.low_config
         mm = ao.linear_mm_config(low)
-        probe.x_err, probe.x_norm = self._input_norms(x)
+        if columns is None:
+            probe.x_err, probe.x_norm = self._input_norms(x)
+        else:
+            probe.x_err, probe.x_norm = self._cast_norms(x, columns)
 
         def hook(dy: torch.Tensor) -> None:
             dy2 = dy.reshape(-1, dy.shape[-1])
@@ -266,6 +288,16 @@ class TorchaoFp8Backend(PrecisionBackend):
         ref, version, norms = self._last_input
         if norms is not None and ref is not None and ref() is x and version == x._version:
             return norms
+        err, norm = self._cast_norms(x, None)
+        if err is not None and norm is not None:
+            self._last_input = (weakref.ref(x), x._version, (err, norm))
+        return err, norm
+
+    def _cast_norms(
+        self, x: torch.Tensor, columns: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(||(x - Q(x)) diag(c)||, ||x diag(c)||)`` of the low-cost wgrad cast ``Q`` of ``x``
+        (``c``: ``columns``, or 1); ``(None, None)`` when the cast is disabled."""
         ao, low = self._ao, self.low_config
         x2 = x.detach().reshape(-1, x.shape[-1])
         cast = low.cast_config_input_for_grad_weight
@@ -273,6 +305,8 @@ class TorchaoFp8Backend(PrecisionBackend):
         if q is None:
             return None, None
         wide = x2.to(torch.float32)
+        if columns is not None:  # the trained weight's gradient: column k times c_k
+            c = columns.to(device=wide.device, dtype=torch.float32)
+            q, wide = q * c, wide * c
         err, norm = torch._foreach_norm([q - wide, wide])
-        self._last_input = (weakref.ref(x), x._version, (err, norm))
         return err, norm

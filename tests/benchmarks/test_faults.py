@@ -151,7 +151,10 @@ def test_fault_arms_name_the_preregistered_rivals():
 
     for regime in FAULT_REGIMES.values():
         names = {a.name for a, _ in make_arms(regime, (4,), 28)}
-        assert {c.arm for c in COMPARISONS} | {c.rival for c in COMPARISONS} <= names
+        wanted = {c.arm for c in COMPARISONS} | {c.rival for c in COMPARISONS}
+        if regime.backend != "fp8_emulated":  # TE's rule runs on fp8_emulated's specs only
+            wanted = {a for a in wanted if not a.startswith("TE autoswitch")}
+        assert wanted <= names
         assert len(names) == len(make_arms(regime, (4,), 28))  # no name twice
 
 
