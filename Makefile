@@ -26,11 +26,26 @@ MCORE_DIR    := $(VENV)/mcore
 MCORE_STAMPS := $(MCORE_EXTRA:%=$(MCORE_DIR)/%/.installed)
 MCORE_EXTRA_PKGS_0.19.2 := triton==3.7.1
 
-.PHONY: venv mcore-versions lint format typecheck test demo bench clean gpu-carry
+# torchtitan 0.3 (not a dependency: tests/integrations/test_torchtitan.py runs the GNMR converter
+# against its real classes) in its own --target folder, which that test module appends to
+# sys.path; its models import triton, the 3.7.1 that torch 2.13's CUDA wheel pins (it imports
+# without a GPU; pip's cache already holds it for megatron-core 0.19.2).
+TITAN_DIR  := $(VENV)/torchtitan
+TITAN_PKGS := torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring-parser==0.18.0 \
+	torchdata==0.11.0 torch_checkpointing==0.1.1 triton==3.7.1
+
+.PHONY: venv mcore-versions torchtitan lint format typecheck test demo bench clean gpu-carry
 
 venv: $(STAMP)
 
 mcore-versions: $(MCORE_STAMPS)
+
+torchtitan: $(TITAN_DIR)/.installed
+
+$(TITAN_DIR)/.installed: $(STAMP) Makefile
+	rm -rf $(TITAN_DIR)
+	$(PIP) install --quiet --no-deps --target $(TITAN_DIR) $(TITAN_PKGS)
+	touch $@
 
 $(STAMP): setup.py pyproject.toml requirements/cpu.txt requirements/constraints-cpu.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -72,7 +87,7 @@ format: venv
 ISA_LOWER := $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo AVX2 || echo SSE41)
 MKL_LOWER := $(if $(filter AVX2,$(ISA_LOWER)),AVX2,SSE4_2)
 
-test: lint typecheck mcore-versions
+test: lint typecheck mcore-versions torchtitan
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 	ONEDNN_MAX_CPU_ISA=$(ISA_LOWER) MKL_ENABLE_INSTRUCTIONS=$(MKL_LOWER) \
 		$(BIN)/python -m pytest $(PYTEST_ARGS) -m isa --durations=5 || test $$? -eq 5

@@ -1,23 +1,30 @@
 """The torchtitan 0.3 converter against torchtitan's real classes, on the CPU.
 
 torchtitan is not a dependency of this project: its 0.3.0 models import ``triton`` (a 285 MB
-wheel), so these tests run where torchtitan imports (``PYTHONPATH`` of a scratch install with
-triton, or the GPU machine, whose CUDA torch brings triton) and are skipped elsewhere. What runs
-is torchtitan's own: ``model_registry`` with the converters list, its Llama 3 debug model (one
-layer, its attention switched to torchtitan's SDPA module: flex attention has no CPU backward),
-the meta-device build, ``init_weights``, its ``OptimizersContainer`` and ``clip_grad_norm_``, in
-the order of ``Trainer.train_step``. The reference is torchtitan's own ``Float8LinearConverter``.
+wheel), so ``make test`` installs both in their own folder (``.venv/torchtitan``), which this
+module appends to ``sys.path``; elsewhere the tests are skipped (under ``CI=true``, failed).
+What runs is torchtitan's own: ``model_registry`` with the converters list, its Llama 3 debug
+model (one layer, its attention switched to torchtitan's SDPA module: flex attention has no CPU
+backward), the meta-device build, ``init_weights``, its ``OptimizersContainer`` and
+``clip_grad_norm_``, in the order of ``Trainer.train_step``. The reference is torchtitan's own
+``Float8LinearConverter``.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-pytest.importorskip("torchtitan.protocols.model")
-pytest.importorskip("torchtitan.models.llama3")
+from tests.requires import require
+
+TITAN = Path(sys.prefix) / "torchtitan"  # `make test` installs it there (the Makefile)
+if TITAN.is_dir() and str(TITAN) not in sys.path:
+    sys.path.append(str(TITAN))  # after the venv's own packages: it only adds torchtitan's
+require("torchtitan.protocols.model")
+require("torchtitan.models.llama3")
 from torchtitan.components.optimizer import default_adamw
 from torchtitan.components.quantization import Float8LinearConverter
 from torchtitan.distributed import utils as dist_utils
