@@ -65,6 +65,7 @@ setup(
             "gnmr-megatron-pretrain=gnmr_dist.cli.megatron_pretrain:main",
             "gnmr-launch=gnmr_dist.cli.launch:main",
             "gnmr-prepare-data=gnmr_dist.cli.prepare_data:main",
+            "gnmr-gpu-check=gnmr_dist.cli.gpu_check:main",
         ],
     },
     classifiers=[

@@ -2,7 +2,8 @@
 console scripts, extras that match the programs), and installed in a fresh virtualenv with the
 README's extra it runs ``gnmr-ds-pretrain --help``, ``gnmr-launch list`` and ``gnmr-launch check
 --world-size 2 demo_deepspeed`` from outside the checkout; without megatron-core,
-``gnmr-megatron-pretrain --help`` is a message, not a traceback."""
+``gnmr-megatron-pretrain --help`` is a message, not a traceback; ``gnmr-gpu-check --list``
+names its checks."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = {
     "gnmr-ds-pretrain",
+    "gnmr-gpu-check",
     "gnmr-launch",
     "gnmr-megatron-pretrain",
     "gnmr-prepare-data",
@@ -98,3 +100,5 @@ def test_a_fresh_venv_with_the_documented_extra_runs_the_programs(
     assert no_megatron.returncode == 2 and "Traceback" not in no_megatron.stderr
     assert "megatron-core is not installed" in no_megatron.stderr
     assert "--ignore-requires-python megatron-core==0.17.1" in no_megatron.stderr
+    listed_checks = run("gnmr-gpu-check", "--list")  # shipped in the package, runs anywhere
+    assert listed_checks.returncode == 0 and "megatron_gamma[tensorwise]" in listed_checks.stdout

@@ -7,7 +7,8 @@ package is put in ``sys.modules``. It keeps TE's signatures
 are active in a stack, and its ``Linear`` records that stack and ``self.fp8`` (innermost region
 governs) in each forward, as TE's modules do. megatron-core's TE linears are megatron's own
 source text executed over that stand-in (section "megatron-core's TE linears"). The numerics of
-FP8 are tested on a GPU in ``tests/gpu/test_te_fp8_gpu.py`` and ``benchmarks/gpu/te_check.py``.
+FP8 are tested on a GPU in ``tests/gpu/test_te_fp8_gpu.py`` and by ``gnmr-gpu-check``
+(:mod:`gnmr_dist.train.gpu_check`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 The stand-in TE and megatron's own source text executed over it come from ``test_te_fp8``;
 megatron's ``fp4_utils.get_fp4_context`` / ``get_fp4_recipe`` are read from the installed
 megatron-core the same way. What the stand-ins cannot show (FP4 numerics, the GEMMs) is checked
-on a Blackwell GPU by ``benchmarks/gpu/te_check.py``; on Hopper that script checks the refusal.
+on a Blackwell GPU by ``gnmr-gpu-check`` (:mod:`gnmr_dist.train.gpu_check`); on Hopper that
+command checks the refusal.
 """
 
 from __future__ import annotations

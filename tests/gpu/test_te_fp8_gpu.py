@@ -15,7 +15,8 @@ with plain TE on an identical copy of the stack:
 * the step time of the backend with an empty plan stays within 1.3x of plain TE FP8;
 * with megatron-core: one projection of a megatron ``GPTModel`` (TE layer spec, tensorwise FP8)
   recovered through its ``te_quant_params`` runs exactly as that module in BF16 while its
-  neighbour runs FP8 (``benchmarks.gpu.te_check.check_megatron_operator``).
+  neighbour runs FP8 (``gnmr-gpu-check``'s ``megatron_operator[bf16]``,
+  :func:`gnmr_dist.train.gpu_check.mcore_checks.check_megatron_operator`).
 """
 
 from __future__ import annotations
@@ -191,9 +192,19 @@ def test_flipping_units_under_delayed_scaling(reseed):
 
 
 def _median_step_ms(step: Callable[[], object], iters: int = 10) -> float:
-    from benchmarks.gpu.te_check import median_ms  # the check script's timer (3 warm-up steps)
+    """Median wall time of ``step`` after 3 warm-up calls, synchronised on both sides."""
+    import time
 
-    return median_ms(step, iters)
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(1e3 * (time.perf_counter() - start))
+    return sorted(times)[len(times) // 2]
 
 
 def test_step_time_of_the_switching_backend():
@@ -225,7 +236,8 @@ def test_step_time_of_the_switching_backend():
 
 def test_megatron_operator_recovered_through_te_quant_params():
     pytest.importorskip("megatron.core", reason="needs megatron-core")
-    from benchmarks.gpu.te_check import check_megatron_operator, parse_args
+    from gnmr_dist.train.gpu_check.common import Context
+    from gnmr_dist.train.gpu_check.mcore_checks import check_megatron_operator
 
-    check = check_megatron_operator(te, parse_args([]))
-    assert check.ok and not check.skipped, check.detail
+    outcome = check_megatron_operator(Context(), recovery="bf16", low="tensorwise")
+    assert outcome.ok, outcome.detail
