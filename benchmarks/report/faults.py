@@ -17,6 +17,12 @@ when the two static arms alone have more waits outside it, named as in progress
 comparison pairs its two arms on the design's points over every seed that has both there
 (:meth:`FaultRegime.pair_design`): a power run adds seeds for the compared arms only. No torch:
 the report computes from the records.
+
+**One host per branch point.** The same commit trains other bits on another CPU, so a trunk
+rebuilt on another host is another trunk, and two arms of one (seed, point) recorded on two hosts
+did not start from the same checkpoint. Every (seed, point) is read on one host, the host of its
+BF16 branch (:func:`one_host`); the other host's records there are set aside and counted, and a
+regime beside another pairs only the (seed, point) both recorded on one host.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from benchmarks.harness.branch_stats import (
     troubles,
 )
 from benchmarks.harness.markdown import markdown_table
+from benchmarks.harness.provenance import UNKNOWN
 from benchmarks.harness.stats import interval, plus_minus
 from benchmarks.report.source import Source
 from benchmarks.report.words import listing, ordinal, resolved
@@ -130,6 +137,45 @@ def pm(pair: Sequence[float] | None, digits: int = 4) -> str:
 
 def pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
+
+
+# -- one host per branch point ---------------------------------------------------------------
+
+REFERENCE = "BF16"
+"""The arm whose host a (seed, point) is read on (every figure pairs with it or its trunk)."""
+
+
+def machine(record: dict[str, Any]) -> str:
+    """The host a record was trained on, as its provenance states it (CPU model and the ISA
+    torch dispatched to); ``not recorded`` without one."""
+    h = record.get("provenance", {}).get("host")
+    return f"{h['cpu']}, ISA {h['isa']}" if isinstance(h, dict) else UNKNOWN
+
+
+def one_host(records: Records) -> tuple[Records, Records]:
+    """(kept, set aside): per (seed, point), the records trained on the host of its
+    :data:`REFERENCE` branch (without one, the host with the most records there, ties by
+    name) are kept, the others set aside."""
+    hosts: dict[tuple[int, int], dict[str, int]] = {}
+    for (_arm, s, p), r in records.items():
+        counts = hosts.setdefault((s, p), {})
+        counts[machine(r)] = counts.get(machine(r), 0) + 1
+    chosen = {}
+    for (s, p), counts in hosts.items():
+        ref = records.get((REFERENCE, s, p))
+        best = sorted(counts, key=lambda h: (-counts[h], h))[0]
+        chosen[(s, p)] = machine(ref) if ref is not None else best
+    kept: Records = {}
+    aside: Records = {}
+    for key, r in records.items():
+        (kept if machine(r) == chosen[(key[1], key[2])] else aside)[key] = r
+    return kept, aside
+
+
+def same_host(a: Records, b: Records, seed: int, point: int) -> bool:
+    """Whether two regimes' (seed, point) were read on one host (their BF16 branches')."""
+    ra, rb = a.get((REFERENCE, seed, point)), b.get((REFERENCE, seed, point))
+    return ra is not None and rb is not None and machine(ra) == machine(rb)
 
 
 # -- the design ---------------------------------------------------------------------------------
@@ -244,7 +290,7 @@ class FaultRegime:
 
     def __init__(self, src: Source, name: str) -> None:
         self.src, self.name = src, name
-        self.records: Records = src.records(name, family=FAMILY)
+        self.records, self.set_aside = one_host(src.records(name, family=FAMILY))
         self.arms = sorted({a for a, _, _ in self.records if not a.startswith(SUBSET)}, key=rank)
         self.low = next((r for k, r in self.records.items() if k[0] == "low-cost"), None)
         self.evals = sorted(int(e) for e in self.low["heldout"]) if self.low else []
@@ -433,15 +479,23 @@ class FaultRegime:
         """This regime beside :data:`COUNTERPART`'s on this design's seeds and points (the
         counterpart's records of the same (seed, point), which start from the same trunk
         checkpoint): each one's static gap, nulls and arms' shares of the gap (95%), and the
-        differences across the two, paired on each seed (exploratory). ``None`` without a
-        counterpart or while it lacks a branch of the design."""
+        differences across the two, paired on each seed (exploratory), on the design's seeds
+        that the counterpart has at every point on the same host (:func:`same_host`): its
+        ``table`` is ``None`` below :data:`MIN_SEEDS` of them. ``None`` without a
+        counterpart."""
         name, d = COUNTERPART.get(self.name), self.design
         if name is None or d is None:
             return None
         other = FaultRegime(self.src, name)
         arms = [a for a in ("low-cost", "BF16", *NULLS, *BESIDE_ARMS) if a in self.table_arms]
-        if complete_seeds(other.records, arms, d.seeds, d.points) != list(d.seeds):
-            return None
+        hosts = [
+            s
+            for s in complete_seeds(other.records, arms, d.seeds, d.points)
+            if all(same_host(self.records, other.records, s, p) for p in d.points)
+        ]
+        if len(hosts) < MIN_SEEDS:
+            return {"other": name, "table": None, "shares": {}, "seeds": hosts}
+        d = replace(d, seeds=tuple(hosts))
         merged = {
             (f"{t}:{a}", s, p): r
             for t, g in (("a", self), ("b", other))
@@ -464,7 +518,18 @@ class FaultRegime:
             diff = paired(merged, d, f"a:{arm}", f"b:{arm}")
             rows.append([f"held-out, {arm}", "-", "-", pm(diff)])
         header = ["figure", self.name, name, f"{self.name} - {name}, paired"]
-        return {"other": name, "table": markdown_table(header, rows), "shares": shares}
+        table = markdown_table(header, rows)
+        return {"other": name, "table": table, "shares": shares, "seeds": list(d.seeds)}
+
+    def aside(self) -> dict[str, Any] | None:
+        """What :func:`one_host` set aside: the count, the (seed, point) it touched and the
+        hosts (``None`` when every record is on its branch point's host)."""
+        if not self.set_aside:
+            return None
+        where = sorted({(s, p) for _, s, p in self.set_aside})
+        arms = sorted({a for a, _, _ in self.set_aside}, key=rank)
+        hosts = sorted({machine(r) for r in self.set_aside.values()})
+        return {"n": len(self.set_aside), "where": where, "arms": arms, "hosts": hosts}
 
     # -- where the late rules act
 

@@ -17,6 +17,7 @@ from benchmarks.harness import cost
 from benchmarks.harness.branch_stats import share_closed
 from benchmarks.report.faults import FaultRegime, work
 from benchmarks.report.faults import context as fault_context
+from benchmarks.report.rests_on import rests_on
 from benchmarks.report.seed_branch import regimes as seed_regimes
 from benchmarks.report.source import Source
 
@@ -47,6 +48,7 @@ def local(r: FaultRegime) -> dict[str, Any] | None:
                 "kind": kind(share, verdicts, arm),
                 "level": level_with(r, arm, share),
                 "speedup": speedups(r, arm),
+                "rests": rests_on(r, k),
             }
         )
     seeds = len(d.seeds)
@@ -108,7 +110,8 @@ def context(src: Source) -> dict[str, Any]:
     the bar (:func:`local`, each budget with its :func:`kind`), ``quiet``, those whose static
     gap is not resolved, and ``noisy``, the rest (a gap, but nulls above the bar); ``pilots``:
     the others; ``seed_words``: (regime, verdicts) of the seed experiments."""
-    regimes: list[FaultRegime] = fault_context(src)["faults"]
+    faults = fault_context(src)
+    regimes: list[FaultRegime] = faults["faults"]
     swept = [r for r in regimes if r.design is not None and len(r.design.seeds) >= SWEPT]
     advice = [a for a in (local(r) for r in swept) if a is not None]
     quiet = [r for r in swept if not r.bar()["resolved"]]
@@ -117,4 +120,5 @@ def context(src: Source) -> dict[str, Any]:
     pilots = [r for r in regimes if r not in swept]
     seeds = [(s, s.verdicts()) for s in seed_regimes(src) if s.records and s.design]
     names = {"advice": advice, "quiet": quiet, "noisy": noisy, "pilots": pilots}
-    return names | {"seed_words": seeds}
+    shared = {k: faults[k] for k in ("fpm", "prereg_level")}  # what rests_on.md.j2 reads
+    return names | {"seed_words": seeds} | shared
