@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import struct
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -55,7 +57,7 @@ def check_data_split(data_path: Sequence[str] | None, split: str | None, mock: b
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     prefix, split = data_path[0], split or _LEGACY_SPLIT
-    n = len(IndexedDataset(prefix, mmap=True).sequence_lengths)
+    n = _sequence_count(prefix, IndexedDataset)
     matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
     for name, bounds in zip(("train", "valid", "test"), matrix, strict=True):
         if bounds is not None and round(bounds[0] * n) == round(bounds[1] * n):
@@ -65,6 +67,27 @@ def check_data_split(data_path: Sequence[str] | None, split: str | None, mock: b
                 f"empty split. Write more documents (gnmr-prepare-data writes one per file) or "
                 f"give the {name} split weight 0"
             )
+
+
+def _sequence_count(prefix: str, indexed_dataset: Any) -> int:
+    """The sequences in ``prefix.idx``, read by megatron-core's own ``IndexedDataset``;
+    ``ValueError`` naming ``--data-path`` when the file is not an index it can read (another
+    format, a truncated write). The header is checked first: megatron's reader asserts on it
+    after building half an object, whose finalizer then prints a second traceback."""
+    from megatron.core.datasets.indexed_dataset import _INDEX_HEADER
+
+    idx = Path(prefix + ".idx")
+    fix = "write it again with gnmr-prepare-data (or megatron's tools/preprocess_data.py)"
+    with idx.open("rb") as stream:
+        head = stream.read(len(_INDEX_HEADER) + 8 + 1 + 8 + 8)  # header, version, dtype, counts
+    if len(head) < len(_INDEX_HEADER) + 25 or not head.startswith(_INDEX_HEADER):
+        raise ValueError(f"--data-path {prefix}: {idx} is not a megatron-core index file: {fix}")
+    try:
+        return len(indexed_dataset(prefix, mmap=True).sequence_lengths)
+    except (AssertionError, ValueError, OSError, struct.error) as err:
+        raise ValueError(
+            f"--data-path {prefix}: megatron-core cannot read {idx} ({err}): {fix}"
+        ) from None
 
 
 def check_args(argv: Sequence[str], world_size: int, check_host: bool = True) -> None:

@@ -46,3 +46,22 @@ def test_a_split_without_a_sequence_is_refused_before_megatron_loops_on_it(tmp_p
     check_data_split(["0.5", prefix, "0.5", prefix], "90,5,5", mock=False)  # a blend: not read
     check_data_split([prefix], "90,5,5", mock=True)
     check_data_split([str(tmp_path / "elsewhere")], "90,5,5", mock=False)  # not on this host
+
+
+def test_an_index_megatron_cannot_read_is_refused_naming_the_data_path(tmp_path, capfd):
+    """Another file under the ``.idx`` name, or one cut short, is a ``ValueError`` naming
+    ``--data-path`` and the fix, not megatron's assertion (and its finalizer's traceback)."""
+    from gnmr_dist.train.megatron_lm import check_data_split
+
+    (tmp_path / "texts").mkdir()
+    for i in range(12):
+        (tmp_path / "texts" / f"{i:02}.txt").write_text(f"document {i}")
+    write_indexed_dataset(tmp_path / "texts", tmp_path / "doc")
+    good = (tmp_path / "doc.idx").read_bytes()
+    prefix = str(tmp_path / "bad")
+    (tmp_path / "bad.bin").write_bytes((tmp_path / "doc.bin").read_bytes())
+    for text in (b"not an index at all", good[:20], good[:40]):
+        (tmp_path / "bad.idx").write_bytes(text)
+        with pytest.raises(ValueError, match=rf"--data-path {prefix}: .*write it again with gnmr"):
+            check_data_split([prefix], "90,5,5", mock=False)
+    assert "Traceback" not in capfd.readouterr().err
