@@ -193,6 +193,9 @@ class Arm:
     units: tuple[int, ...] = ()
     """``fixed`` policy: the units on the recovery path at every step (the loss oracle's set,
     or one unit alone)."""
+    lean_rise: float = 0.0
+    """``GNMR+e lean``: the controller's damage term counts a unit's ``e`` only above this many
+    times its own usual level (:mod:`benchmarks.harness.lean`; 0: the plain ``e``)."""
     gemm_dtype: str | None = None
     """The dtype the linears' GEMMs compute in (``"bf16"``: operands cast to BF16, the output
     back, as a BF16 model hands them; ``None``: the model's fp32), on both paths
@@ -222,6 +225,11 @@ class Arm:
             raise ValueError(f"arm {self.name}: the AutoswitchGemm rule runs on fp8_emulated")
         if self.gemm_dtype is not None and self.backend is None:
             raise ValueError(f"arm {self.name}: gemm_dtype acts on a backend's GEMMs")
+        if self.lean_rise and (self.lean_rise <= 1 or "gamma" not in self.controller):
+            raise ValueError(
+                f"arm {self.name}: lean_rise ({self.lean_rise}) must be > 1 and needs the damage "
+                "term (controller gamma)"
+            )
         if self.oracle_by not in ("grad", "update"):
             raise ValueError(f"arm {self.name}: oracle_by must be 'grad' or 'update'")
 

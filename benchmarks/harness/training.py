@@ -17,6 +17,7 @@ import torch
 
 from benchmarks.harness.arms import Arm, ArmResult, Setup
 from benchmarks.harness.forwards import AutoswitchGemms, install_forwards
+from benchmarks.harness.lean import LeanErrors
 from benchmarks.harness.model import (
     Batches,
     build_model,
@@ -168,9 +169,14 @@ class ArmRun:
         uses_errors = self.cfg.gamma is not None
         error_fn = backend.error_sums if uses_errors and backend is not None else None
         gemms = self.arm.gemms or GEMM_ORDER
-        return GNMRRuntime(
+        runtime = GNMRRuntime(
             self.registry, self.cfg, error_fn=error_fn, error_every=every, gemms=gemms
         )
+        if self.arm.lean_rise:  # the lean arm's damage term (benchmarks/harness/lean.py)
+            ctrl, gamma = runtime.controller, self.arm.controller["gamma"]
+            lean = LeanErrors(ctrl.step, self.registry.num_units, gamma, self.arm.lean_rise)
+            setattr(ctrl, "step", lean)  # noqa: B010 (an instance's method, replaced)
+        return runtime
 
     def _probe(self) -> RecoveryProbe | None:
         """The recovery-gap probe of an arm that probes (or selects by it: the oracle)."""

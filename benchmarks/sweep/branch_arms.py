@@ -11,9 +11,13 @@ from typing import Any
 
 from benchmarks.harness.arms import Arm
 from benchmarks.harness.branch import NULL_ARMS
+from benchmarks.harness.lean import LEAN_RISE
 from benchmarks.sweep.regimes import Regime
 
 ERROR_EVERY = 8
+OFF = 1e30
+"""A norm threshold (``alpha``, ``beta``) no finite score reaches: the ``e-only`` arms' norm terms
+off (a non-finite norm still scores +inf and exceeds, as in every arm)."""
 NVIDIA_SHARE = 0.15
 """NVIDIA keeps about 15% of the linear layers in BF16 (arXiv 2509.25149)."""
 
@@ -68,7 +72,11 @@ NVIDIA_LATE_FROM = 0.82
 def fault_arms(regime: Regime, budgets: Sequence[int], units: int) -> list[tuple[Arm, bool]]:
     """(arm, perturbed) of a fault regime (issue 35): the controls, NVIDIA's three rules, TE
     AutoswitchGemm's rule and, per budget ``k``, random-k, seed GNMR, GNMR+e, the gradient-gap
-    oracle, the capped AutoswitchGemm rule and GNMR+e v2.
+    oracle, the capped AutoswitchGemm rule, GNMR+e v2 and issue 44's ablation: ``e-only k``
+    (GNMR+e with the norm thresholds off: the same damage term, ``gamma``, lock and budget) and
+    ``GNMR+e lean k`` (GNMR+e whose damage term counts a unit's ``e`` only where it rises
+    :data:`~benchmarks.harness.lean.LEAN_RISE` times above the unit's usual level,
+    :mod:`benchmarks.harness.lean`).
 
     Spend: the time rules are placed on the trunk's schedule (``T`` steps) and sized in a run's
     terms, ``share = k / units`` of the unit-steps (all GEMMs in the last ``share T`` steps;
@@ -123,7 +131,29 @@ def fault_arms(regime: Regime, budgets: Sequence[int], units: int) -> list[tuple
         if switch:
             arms.append((Arm(f"TE autoswitch {k}", "autoswitch_k", max_active=k, **q), False))
         arms.append((Arm(f"oracle {k}", "oracle", max_active=k, **q), False))
+        arms += _ablation(k, e, q)
     return arms
+
+
+def _ablation(k: int, e: dict[str, Any], q: dict[str, Any]) -> list[tuple[Arm, bool]]:
+    """Issue 44's ablation of ``GNMR+e k`` (:func:`fault_arms`): its norm terms off, and its
+    damage term lean."""
+    only = {**e, "alpha": OFF, "beta": OFF}
+    return [
+        (Arm(f"e-only {k}", "gnmr", max_active=k, controller=only, error_every=1, **q), False),
+        (
+            Arm(
+                f"GNMR+e lean {k}",
+                "gnmr",
+                max_active=k,
+                controller=e,
+                error_every=1,
+                lean_rise=LEAN_RISE,
+                **q,
+            ),
+            False,
+        ),
+    ]
 
 
 def seed_arms(regime: Regime, budgets: Sequence[int], units: int) -> list[tuple[Arm, bool]]:

@@ -312,6 +312,22 @@ without the fault (``python -m benchmarks.sweep.gamma``, seed 1234 after step 25
 measured before any of its branches ran."""
 
 
+ABLATION = ("outlier_delayed", "outlier_fp8_tensor")
+"""The regimes of issue 44's ablation (``e-only 4``, ``GNMR+e lean 4``): each is run again as
+``<name>_ablation``, the same regime (setup, outlier, trunks, ``gamma``) with its own records
+file, so that every arm of its pre-registered comparisons is recorded from one commit on one
+host (docs/benchmarks.md#sweep-faults, the ablation)."""
+
+FAULT_REGIMES |= {
+    f"{n}_ablation": replace(
+        FAULT_REGIMES[n],
+        name=f"{n}_ablation",
+        description=FAULT_REGIMES[n].description + "; issue 44's ablation, its own records",
+    )
+    for n in ABLATION
+}
+
+
 def _seed(name: str, description: str, setup: Setup, backend: str, **kw: Any) -> Regime:
     """A seed experiment on the branch estimator: its own trunks (its recovery path)."""
     return Regime(name, description, setup, backend, family="seed", trunk=name, **kw)

@@ -1,0 +1,70 @@
+"""Issue 44's ablation: the e-only and lean arms are GNMR+e with one thing changed, the lean
+score counts only rises above a unit's own usual level."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from benchmarks.harness.arms import Arm
+from benchmarks.harness.lean import LeanErrors, lean_errors
+from benchmarks.sweep.branch_arms import OFF, fault_arms
+from benchmarks.sweep.regimes import FAULT_REGIMES
+
+
+def test_lean_score_counts_only_rises_above_the_units_own_level():
+    base = torch.zeros(3, dtype=torch.float64)
+    count = torch.zeros(3, dtype=torch.int64)
+    gamma, rho = 0.1, 2.0
+    first = lean_errors(torch.tensor([0.5, 0.05, 0.2]), base, count, gamma, rho)
+    assert first.tolist() == [0.0, 0.0, 0.0]  # no baseline yet: silent
+    assert base.tolist() == pytest.approx([0.5, 0.05, 0.2])
+    # unit 0 stays at its standing 0.6 (< 2 x 0.5): e' = 0.6 * 0.1 / 1.0 = 0.06 < gamma;
+    # unit 1 rises 10x past gamma: e' = 0.5 * 0.1 / 0.1 = 0.5; unit 2 is not finite
+    e = lean_errors(torch.tensor([0.6, 0.5, math.inf]), base, count, gamma, rho)
+    assert e[0].item() == pytest.approx(0.06) and e[0] < gamma
+    assert e[1].item() == pytest.approx(0.5) and e[1] > gamma
+    assert math.isinf(e[2].item())
+    # the rise and the non-finite value stay out of the baseline; the usual step enters it
+    assert base.tolist() == pytest.approx([0.55, 0.05, 0.2])
+    assert count.tolist() == [2, 1, 1]
+    # a held fault stays a rise: its baseline does not absorb it
+    again = lean_errors(torch.tensor([0.55, 0.5, 0.2]), base, count, gamma, rho)
+    assert again[1].item() == pytest.approx(0.5)
+    assert base[1].item() == pytest.approx(0.05)
+
+
+def test_lean_errors_wraps_the_controllers_step():
+    seen = []
+
+    def inner(norms, *, errors=None, lr=None):
+        seen.append(errors)
+        return norms
+
+    lean = LeanErrors(inner, 2, gamma=0.1, rise=2.0)
+    lean([1.0, 1.0], errors=torch.tensor([0.3, 0.3]))
+    lean([1.0, 1.0], errors=torch.tensor([0.3, 0.9]))
+    assert seen[0].tolist() == [0.0, 0.0]
+    assert seen[1].tolist() == pytest.approx([0.3 * 0.1 / 0.6, 0.9 * 0.1 / 0.6])
+    with pytest.raises(ValueError, match="rise must be > 1"):
+        LeanErrors(inner, 2, gamma=0.1, rise=1.0)
+
+
+def test_the_ablation_arms_change_one_thing_of_gnmr_e():
+    for name in ("outlier_delayed_ablation", "outlier_fp8_tensor_ablation"):
+        regime = FAULT_REGIMES[name]
+        parent = FAULT_REGIMES[name.removesuffix("_ablation")]
+        assert (regime.setup, regime.gamma, regime.trunk) == (
+            parent.setup,
+            parent.gamma,
+            parent.trunk,
+        )
+        arms = {a.name: a for a, _ in fault_arms(regime, [4], regime.units)}
+        e, only, lean = arms["GNMR+e 4"], arms["e-only 4"], arms["GNMR+e lean 4"]
+        assert only.controller == {**e.controller, "alpha": OFF, "beta": OFF}
+        assert (only.max_active, only.error_every, only.lean_rise) == (4, 1, 0.0)
+        assert lean.controller == e.controller and lean.lean_rise == 4.0
+    with pytest.raises(ValueError, match="lean_rise"):
+        Arm("x", "gnmr", backend="fp8_emulated", max_active=4, lean_rise=2.0)
