@@ -17,6 +17,16 @@ interval over seeds of the paired held-out difference; "better" or "worse" when 
 else "not resolved". Every other figure of the tables is exploratory: a 95% interval, no
 verdict. The regimes are separate questions (a user stands in one), so the family is a
 regime's four comparisons.
+
+**The ablation** (issue 44; registered before any of its branches ran). Two arms take GNMR+e
+apart: ``e-only k``, GNMR+e with the norm thresholds off (the same damage term, ``gamma``,
+lock and budget), and ``GNMR+e lean k``, GNMR+e whose damage term counts a unit only where its
+``e`` rises above its own usual level (:mod:`benchmarks.harness.lean`), so that standing damage
+does not hold the budget. They run in the regimes ``outlier_delayed_ablation`` and
+``outlier_fp8_tensor_ablation`` (the parents' setup, outlier, trunks and ``gamma``, their own
+records: every arm of a comparison from one commit and one host), with their own family of four
+(:data:`ABLATION_COMPARISONS`, the same 98.75% level), the seeds and stopping rule of
+:data:`STOPPING` and a tie read by :func:`tie` (:data:`TIE_MARGIN`).
 """
 
 from __future__ import annotations
@@ -27,13 +37,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = [
+    "ABLATION_COMPARISONS",
     "COMPARISONS",
     "FAMILY_ALPHA",
     "STOPPING",
     "Comparison",
     "Stopping",
+    "family",
     "sign_test",
     "t_quantile",
+    "tie",
     "verdict",
 ]
 
@@ -63,6 +76,41 @@ def comparisons(k: int) -> tuple[Comparison, ...]:
 
 COMPARISONS = comparisons(4)
 """The fault sweeps' four, at NVIDIA's budget (4 of 28 units)."""
+
+
+def ablation(k: int) -> tuple[Comparison, ...]:
+    """Issue 44's four at budget ``k`` (module docstring)."""
+    e, only, lean, rnd = f"GNMR+e {k}", f"e-only {k}", f"GNMR+e lean {k}", f"random {k}"
+    return (
+        Comparison(only, e, "the norm terms add nothing to the error term (a tie: tie())"),
+        Comparison(lean, e, "leaving standing damage out of the budget costs nothing"),
+        Comparison(lean, rnd, "the lean arm is better than chance at the same budget"),
+        Comparison(only, rnd, "the error term alone is better than chance at the same budget"),
+    )
+
+
+ABLATION_COMPARISONS = ablation(4)
+"""The ablation's four, at NVIDIA's budget."""
+
+ABLATION_REGIMES = ("outlier_delayed_ablation", "outlier_fp8_tensor_ablation")
+"""The regimes whose family is :data:`ABLATION_COMPARISONS`."""
+
+
+def family(regime: str, k: int) -> tuple[Comparison, ...]:
+    """The pre-registered comparisons of ``regime`` at budget ``k``."""
+    return ablation(k) if regime in ABLATION_REGIMES else comparisons(k)
+
+
+TIE_MARGIN = 0.1
+"""A pre-registered comparison ``ties`` when its Bonferroni-adjusted interval lies inside
+``+- TIE_MARGIN`` times the regime's static gap (low-cost - BF16, its mean over the same seeds and
+points): the two arms' shares of the gap closed differ by less than 0.1 at that level. "Not
+resolved" alone is no tie."""
+
+
+def tie(mean: float, half: float, gap: float, margin: float = TIE_MARGIN) -> bool:
+    """Whether ``mean +- half`` lies inside ``+- margin |gap|`` (:data:`TIE_MARGIN`)."""
+    return not math.isnan(half) and abs(mean) + half < margin * abs(gap)
 
 
 def verdict(diffs: Sequence[float], family: int = len(COMPARISONS)) -> tuple[float, float, str]:
@@ -106,6 +154,25 @@ _CHOSEN = (
     "pilot: it is the selection sweeps' delayed regime's value, registered with the comparisons"
 )
 
+ABLATION_SEEDS = (1234, 7, 42, 5, 11, 13, 17, 23)
+"""The ablation's seeds, fixed before it ran: the parents' first eight (the fault strikes layers
+3, 2, 0, 2, 3, 2, 3, 2), sized to the CPU time (seven arms x five points x eight seeds x two
+regimes at about 75 s of one core per seed and point: about 50 minutes on two cores, measured
+from the parents' records on this host). The stopping rule: these eight, no extension whatever
+the intervals; read once every branch is in. A sweep cut for time is read on the seeds complete
+in both arms of a comparison (they run seed by seed, in this order) and says so."""
+
+ABLATION_ARMS = ("low-cost", "BF16", "null BF16 (1e-6)", "GNMR+e 4", "e-only 4", "GNMR+e lean 4")
+ABLATION_ARMS += ("random 4",)
+"""The ablation's arms in both regimes: the statics, the BF16 null, and the compared arms."""
+
+_ABLATION_CHOSEN = (
+    "the parent regime's outlier and gamma (fixed in issue 35); the arms, the lean arm's rise "
+    "(4) and the seeds were fixed before any branch of the ablation ran (issue 44), the rise "
+    "after a look at e in one outlier_delayed branch (seed 7, point 100) and two smoke branches "
+    "of the lean arm (seed 1234, point 100, rises 2 and 4), none of them among the records"
+)
+
 STOPPING: dict[str, Stopping] = {
     "outlier_delayed": Stopping(
         planned=(1234, 7, 42, 5, 11, 13, 17, 23, 29, 31),
@@ -120,6 +187,16 @@ STOPPING: dict[str, Stopping] = {
         looks=(5, 10),
         why="no comparison was resolved at five seeds",
         chosen=_CHOSEN,
+    ),
+    "outlier_delayed_ablation": Stopping(
+        planned=ABLATION_SEEDS,
+        looks=(len(ABLATION_SEEDS),),
+        chosen=_ABLATION_CHOSEN,
+    ),
+    "outlier_fp8_tensor_ablation": Stopping(
+        planned=ABLATION_SEEDS,
+        looks=(len(ABLATION_SEEDS),),
+        chosen=_ABLATION_CHOSEN,
     ),
     "outlier_torchao_tensorwise": Stopping(
         planned=(1234, 7, 42, 5, 11),

@@ -1,5 +1,6 @@
 """Issue 44's ablation: the e-only and lean arms are GNMR+e with one thing changed, the lean
-score counts only rises above a unit's own usual level."""
+score counts only rises above a unit's own usual level, and the comparisons, seeds and stopping
+rule are registered before the sweep."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import math
 import pytest
 import torch
 
+from benchmarks.harness import preregistered as pr
 from benchmarks.harness.arms import Arm
 from benchmarks.harness.lean import LeanErrors, lean_errors
 from benchmarks.sweep.branch_arms import OFF, fault_arms
@@ -53,7 +55,7 @@ def test_lean_errors_wraps_the_controllers_step():
 
 
 def test_the_ablation_arms_change_one_thing_of_gnmr_e():
-    for name in ("outlier_delayed_ablation", "outlier_fp8_tensor_ablation"):
+    for name in pr.ABLATION_REGIMES:
         regime = FAULT_REGIMES[name]
         parent = FAULT_REGIMES[name.removesuffix("_ablation")]
         assert (regime.setup, regime.gamma, regime.trunk) == (
@@ -66,5 +68,30 @@ def test_the_ablation_arms_change_one_thing_of_gnmr_e():
         assert only.controller == {**e.controller, "alpha": OFF, "beta": OFF}
         assert (only.max_active, only.error_every, only.lean_rise) == (4, 1, 0.0)
         assert lean.controller == e.controller and lean.lean_rise == 4.0
+        assert set(pr.ABLATION_ARMS) <= set(arms)
     with pytest.raises(ValueError, match="lean_rise"):
         Arm("x", "gnmr", backend="fp8_emulated", max_active=4, lean_rise=2.0)
+
+
+def test_the_ablation_is_registered_with_its_seeds_and_stopping_rule():
+    names = [(c.arm, c.rival) for c in pr.ABLATION_COMPARISONS]
+    assert names == [
+        ("e-only 4", "GNMR+e 4"),
+        ("GNMR+e lean 4", "GNMR+e 4"),
+        ("GNMR+e lean 4", "random 4"),
+        ("e-only 4", "random 4"),
+    ]
+    assert len(pr.ABLATION_COMPARISONS) == len(pr.COMPARISONS)  # the same 98.75% level
+    for name in pr.ABLATION_REGIMES:
+        assert pr.family(name, 4) == pr.ABLATION_COMPARISONS
+        stop = pr.STOPPING[name]
+        assert stop.planned == (1234, 7, 42, 5, 11, 13, 17, 23) and stop.added == ()
+        assert stop.looks == (8,)
+    assert pr.family("outlier_delayed", 4) == pr.COMPARISONS
+
+
+def test_a_tie_is_an_interval_inside_the_margin():
+    assert pr.tie(0.001, 0.003, gap=0.05)  # 0.004 < 0.005
+    assert not pr.tie(0.001, 0.0045, gap=0.05)
+    assert not pr.tie(0.0, math.nan, gap=0.05)
+    assert not pr.tie(-0.02, 0.001, gap=0.05)
