@@ -10,6 +10,8 @@ or the rule's) rounds what it is given. The trained parameter stays ``W``, so th
 the error score of the GEMM on ``W``'s gradient (``scale_gradient_columns``, which
 ``fp8_emulated`` and ``torchao_fp8`` have): the outlier's scale alone must not raise ``B(u)``,
 only the damage it does.
+A gradient-visible outlier (:mod:`benchmarks.harness.fault_shapes`) hands ``W`` the gradient
+of ``V = W D^-1`` instead, and the error score is taken on it as the GEMM computes it.
 
 ``gemm_dtype`` (:attr:`benchmarks.harness.arms.Arm.gemm_dtype`) runs every GEMM on operands cast
 to that dtype and casts its output back, as a model whose linears compute in BF16 hands them
@@ -27,6 +29,7 @@ from torch import nn
 
 from benchmarks.harness.arms import Outlier
 from benchmarks.harness.autoswitch import GemmLedger, Switch
+from benchmarks.harness.fault_shapes import PassGradient
 from gnmr_dist.backends.base import RECOVERY
 from gnmr_dist.backends.emulated import EmulatedBackend
 from gnmr_dist.backends.operators import Gemm
@@ -122,6 +125,10 @@ def install_forwards(
                 y = gemm(x, weight, bias)
                 return y if dtype is None else y.to(input.dtype)
             d = _scale_vector(x.shape[-1], outlier.channel, f, x)  # type: ignore[union-attr]
+            if getattr(outlier, "visible", False):  # W.grad and B(u) are V = W D^-1's
+                v = PassGradient.apply(weight, d)  # type: ignore[no-untyped-call]
+                y = gemm(x * d, v, bias)
+                return y if dtype is None else y.to(input.dtype)
             backend.scale_gradient_columns(op, d.reciprocal())  # B(u) of W's own gradient
             try:
                 y = gemm(x * d, weight / d, bias)

@@ -40,10 +40,15 @@ from benchmarks.harness.branch_stats import Design, Records
 from benchmarks.harness.common import RESULTS, arg_parser, start_cli
 from benchmarks.harness.provenance import record
 from benchmarks.sweep.branch_arms import make_arms, step_time_arms
+from benchmarks.sweep.fault_grid import GRID_REGIMES
 from benchmarks.sweep.fp4_step_time import save, step_time
-from benchmarks.sweep.regimes import BRANCH_REGIMES, Regime
+from benchmarks.sweep.regimes import BRANCH_REGIMES as SWEEP_REGIMES
+from benchmarks.sweep.regimes import Regime
 
 logger = logging.getLogger(__name__)
+
+BRANCH_REGIMES = {**SWEEP_REGIMES, **GRID_REGIMES}
+"""The branch regimes and the cells of the fault grid (:mod:`benchmarks.sweep.fault_grid`)."""
 
 SEEDS = (1234, 7, 42, 5, 11)
 BUDGETS = (4,)
@@ -159,7 +164,7 @@ def run_branches(
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = arg_parser(__doc__)
-    p.add_argument("--regime", choices=sorted(BRANCH_REGIMES), default="nvfp4")
+    p.add_argument("--regime", choices=sorted(SWEEP_REGIMES), default="nvfp4")
     p.add_argument("--seeds", default=",".join(map(str, SEEDS)))
     p.add_argument("--budgets", default=",".join(map(str, BUDGETS)))
     p.add_argument("--jobs", type=int, default=2, help="worker processes (one thread each)")

@@ -1,0 +1,120 @@
+"""Issue 44's faults as real models have them: the onsets' schedules, the gradient-visible
+outlier's gradient, the grid's cells and the break-even arithmetic."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from benchmarks.harness.arms import Arm
+from benchmarks.harness.break_even import advantage, break_even
+from benchmarks.harness.fault_shapes import WINDOW, ShapedOutlier, shaped_plan
+from benchmarks.harness.model import Batches
+from benchmarks.harness.training import ArmRun
+from benchmarks.sweep import fault_grid
+from tests.benchmarks.test_harness import tiny
+
+Q = {"backend": "fp8_emulated", "low_cost": {"format": "e4m3"}, "recovery": {"format": "bf16"}}
+
+
+def _factors(log2_peak: int, onset: str) -> list[float | None]:
+    o = shaped_plan(log2_peak, onset).at(7, 100, 4, 344)
+    return [o.factor(t) for t in range(o.start - 1, o.start + o.length + 1)]
+
+
+def test_instant_and_rising_onsets_reach_the_magnitude_in_the_same_window():
+    inst = _factors(13, "instant")
+    assert inst[0] is None and inst[-1] is None and len(inst) == WINDOW + 2
+    assert set(inst[1:-1]) == {2.0**13}
+    rise = _factors(13, "rise")  # x4 per step, capped: 4, 16, ..., 4^6, then 2^13
+    assert rise[1:9] == [4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 2.0**13, 2.0**13]
+    assert len(rise) == WINDOW + 2 and max(f for f in rise if f) == 2.0**13
+    # the present RISE (x4 to 2^20 in 10 steps, held 25) is the grid's 2^20 rise
+    o = shaped_plan(20, "rise").at(7, 100, 4, 344)
+    assert (o.growth, o.rise, o.hold) == (4.0, 10, 25) and o.factor(o.start + 9) == 2.0**20
+
+
+def test_the_slow_onset_emerges_over_200_steps_in_powers_of_two():
+    f = _factors(10, "slow")[1:-1]
+    assert len(f) == 220  # 200 emerging, 20 held
+    logs = [math.log2(x) for x in f if x is not None]
+    assert all(x.is_integer() for x in logs)
+    assert logs == sorted(logs) and logs[0] == 0 and logs[199] == 10 and logs[198] == 9
+    assert [logs.index(k) for k in (1, 5, 10)] == [19, 99, 199]  # one doubling per 20 steps
+    with pytest.raises(ValueError, match="power of two"):
+        ShapedOutlier("m", 1, 0, peak=3.0)
+    with pytest.raises(ValueError, match="onset"):
+        shaped_plan(10, "sudden")
+
+
+def _weight_grad(visible: bool) -> tuple[torch.Tensor, int, float]:
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    setup = tiny(steps=2)
+    f = 2.0**10
+    o = ShapedOutlier(
+        "model.layers.1.mlp.down_proj",
+        5,
+        start=1,
+        rise=1,
+        hold=3,
+        growth=f,
+        peak=f,
+        visible=visible,
+    )
+    s = replace(setup, outliers=(o,))
+    run = ArmRun(s, Arm("BF16", "recovery", **Q), Batches(s.heldout, s), evaluates=False)
+    weight = dict(run.model.named_modules())[o.module].weight
+    got: list[torch.Tensor] = []
+    weight.register_hook(lambda g: got.append(g.detach().clone()))
+    run.step(1, Batches(s.data, s))
+    return got[0], 5, f
+
+
+def test_the_visible_outlier_hands_w_the_small_columns_gradient():
+    """On the BF16 path (exact under powers of two) the visible outlier's ``W.grad`` is the
+    function-preserving one's with column c times f: the gradient of ``V = W D^-1``."""
+    plain, c, f = _weight_grad(False)
+    seen, _, _ = _weight_grad(True)
+    assert torch.equal(seen[:, c], plain[:, c] * f)
+    others = [j for j in range(plain.shape[1]) if j != c]
+    assert torch.equal(seen[:, others], plain[:, others])
+    assert seen.norm() > 30 * plain.norm()  # the monitor's and the clip's norm see it
+
+
+def test_break_even_arithmetic():
+    # 10 steps ahead of low-cost over 50 is 0.2; 15% of the work at twice the time; c 0.02
+    assert advantage(-0.01, 0.15, 0.001, 50, error=0.02) == pytest.approx(0.03)
+    assert advantage(0.0, 0.1, 0.0, 50) == pytest.approx(-0.1)
+    assert advantage(-0.01, 0.1, 0.0, 50) is None
+    b = break_even([-0.15] * 3, [0.35] * 3)  # phi 0.35 - (1 - phi) 0.15 = 0 at 0.3
+    assert b.phi == pytest.approx(0.3) and b.half == pytest.approx(0.0, abs=1e-12)
+    b = break_even([-0.1, -0.2, -0.15], [0.3, 0.4, 0.35])
+    assert b.phi == pytest.approx(0.15 / 0.5) and b.half > 0 and b.seeds == 3
+    assert break_even([0.01, 0.02], [0.3, 0.2]).phi == 0.0  # pays without faults
+    assert break_even([-0.1, -0.1], [-0.01, -0.02]).phi is None  # never pays
+    with pytest.raises(ValueError, match="paired"):
+        break_even([0.1], [])
+
+
+def test_the_grid_cells():
+    cells = fault_grid.CELLS
+    assert {f"m{m}_{o}" for m in fault_grid.MAGNITUDES for o in ("instant", "rise", "slow")} <= set(
+        cells
+    )
+    assert (
+        cells["m16_slow"].instrument.horizon == 225 and cells["m16_rise"].instrument.horizon == 50
+    )
+    assert cells["free"].setup.outlier_plan is None
+    assert cells["m20_rise"].setup.outlier_plan.peak == 2.0**20  # type: ignore[union-attr]
+    parent = fault_grid.PARENT
+    assert cells["m10_instant"].low_cost == parent.low_cost and cells["m10_instant"].gamma == 0.02
+    # a function-preserving cell shares the fault-free BF16 branches; a visible one runs its own
+    plain = [a.name for a, _ in fault_grid.arms_of("m20_rise", "statics")]
+    assert plain == ["low-cost", "null low-cost (1e-6)"]
+    assert len(fault_grid.arms_of("m20_rise_visible", "statics")) == 4
+    assert "GNMR 4" in [a.name for a, _ in fault_grid.arms_of("m20_rise_visible", "arms")]
+    assert "GNMR 4" not in [a.name for a, _ in fault_grid.arms_of("m20_rise", "arms")]
