@@ -66,7 +66,8 @@ SUBSET = ("loss oracle ", "single ")
 LATE = ("NVIDIA late", "late fwd")
 """Name prefixes of the time rules, which act only near the end of the trunk's schedule."""
 
-ORDER = ("random", "GNMR", "GNMR+e", "GNMR+e v2", "TE autoswitch", "oracle", "loss oracle")
+ORDER = ("random", "GNMR", "GNMR+e", "GNMR+e v2", "e-only", "GNMR+e lean", "TE autoswitch")
+ORDER += ("oracle", "loss oracle")
 """The budgeted policies (``<policy> <k>``), in the tables' order within a budget."""
 
 FIXED = ("low-cost", "BF16", *NULLS, "NVIDIA last", "TE autoswitch", *LATE)
@@ -433,13 +434,16 @@ class FaultRegime:
         return f"not run in this regime ({arm} is not among its arms)"
 
     def preregistered(self) -> list[dict[str, Any]]:
-        """The four comparisons per budget: per-seed paired differences over the comparison's
-        own grid (:meth:`pair_design`), with :func:`benchmarks.harness.preregistered.verdict`'s
-        Bonferroni-adjusted interval, and both arms' recovered work; ``missing``: the arms not
+        """The four comparisons per budget (the regime's family, :func:`benchmarks.harness.
+        preregistered.family`): per-seed paired differences over the comparison's own grid
+        (:meth:`pair_design`), with :func:`benchmarks.harness.preregistered.verdict`'s
+        Bonferroni-adjusted interval, the sign count (``below`` of ``n`` seeds negative, its
+        two-sided ``p``), the tie reading (:func:`~benchmarks.harness.preregistered.tie`, against
+        the static gap on the same grid) and both arms' recovered work; ``missing``: the arms not
         in the design yet."""
         out = []
         for k in self.budgets():
-            family = preregistered.comparisons(k)
+            family = preregistered.family(self.name, k)
             for c in family:
                 missing = [a for a in (c.arm, c.rival) if a not in self.table_arms]
                 why = [w for w in map(self.not_run, (c.arm, c.rival)) if w is not None]
@@ -451,25 +455,32 @@ class FaultRegime:
                     works = [work(self.records, dc, a) for a in (c.arm, c.rival)]
                     row |= {"mean": m, "half": h, "verdict": v, "work": works}
                     row |= {"spend": spend(*works), "seeds": len(diffs)}
+                    below, n, p = preregistered.sign_test(diffs)
+                    gap = paired(self.records, dc, "low-cost", "BF16")[0]
+                    ablation = self.name in preregistered.ABLATION_REGIMES
+                    tied = ablation and preregistered.tie(m, h, gap)
+                    row |= {"below": below, "n": n, "p": p, "tie": tied}
                 out.append(row)
         return out
 
     def preregistered_table(self) -> str:
         header = ["comparison", "question", "mean difference", "98.75% half-width", "verdict"]
-        header += ["recovered work (arm / rival)", "seeds"]
+        header += ["seeds below 0 (sign test p)", "recovered work (arm / rival)", "seeds"]
         rows = []
         for r in self.preregistered():
             c, name = r["c"], f"{r['c'].arm} - {r['c'].rival}"
             if r["not_run"]:
-                rows.append([name, c.question, "-", "-", r["not_run"][0], "-", "-"])
+                rows.append([name, c.question, "-", "-", r["not_run"][0], "-", "-", "-"])
                 continue
             if r["missing"]:
                 rows.append([name, c.question, "-", "-", f"waiting for {listing(r['missing'])}"])
-                rows[-1] += ["-", "-"]
+                rows[-1] += ["-", "-", "-"]
                 continue
             half = "-" if math.isnan(r["half"]) else f"{r['half']:.4f}"
             works = f"{pct(r['work'][0])} / {pct(r['work'][1])}"
-            row = [name, c.question, f"{r['mean']:+.4f}", half, r["verdict"], works]
+            verdict = r["verdict"] + (" (a tie)" if r["tie"] else "")
+            signs = f"{r['below']} of {r['n']} (p = {r['p']:.3f})"
+            row = [name, c.question, f"{r['mean']:+.4f}", half, verdict, signs, works]
             rows.append([*row, str(r["seeds"])])
         return markdown_table(header, rows)
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.harness import cost
+from benchmarks.harness import cost, preregistered
 from benchmarks.harness.branch_stats import share_closed
+from benchmarks.report.ablation import ablation
 from benchmarks.report.faults import FaultRegime, work
 from benchmarks.report.faults import context as fault_context
 from benchmarks.report.rests_on import rests_on
@@ -109,9 +110,11 @@ def context(src: Source) -> dict[str, Any]:
     """Of the fault regimes swept on :data:`SWEPT` seeds or more: ``advice``, those that pass
     the bar (:func:`local`, each budget with its :func:`kind`), ``quiet``, those whose static
     gap is not resolved, and ``noisy``, the rest (a gap, but nulls above the bar); ``pilots``:
-    the others; ``seed_words``: (regime, verdicts) of the seed experiments."""
+    the others; ``seed_words``: (regime, verdicts) of the seed experiments; ``ablation``: issue
+    44's ablation regimes (:mod:`.ablation`), kept out of the others."""
     faults = fault_context(src)
-    regimes: list[FaultRegime] = faults["faults"]
+    every: list[FaultRegime] = faults["faults"]
+    regimes = [r for r in every if r.name not in preregistered.ABLATION_REGIMES]
     swept = [r for r in regimes if r.design is not None and len(r.design.seeds) >= SWEPT]
     advice = [a for a in (local(r) for r in swept) if a is not None]
     quiet = [r for r in swept if not r.bar()["resolved"]]
@@ -121,4 +124,4 @@ def context(src: Source) -> dict[str, Any]:
     seeds = [(s, s.verdicts()) for s in seed_regimes(src) if s.records and s.design]
     names = {"advice": advice, "quiet": quiet, "noisy": noisy, "pilots": pilots}
     shared = {k: faults[k] for k in ("fpm", "prereg_level")}  # what rests_on.md.j2 reads
-    return names | {"seed_words": seeds} | shared
+    return names | {"seed_words": seeds, "ablation": ablation(every)} | shared

@@ -95,3 +95,39 @@ def test_a_tie_is_an_interval_inside_the_margin():
     assert not pr.tie(0.001, 0.0045, gap=0.05)
     assert not pr.tie(0.0, math.nan, gap=0.05)
     assert not pr.tie(-0.02, 0.001, gap=0.05)
+
+
+ABLATION_ARMS = {  # arm -> (held-out minus BF16's, recovered work), as test_report's records
+    "low-cost": (0.010, 0.0),
+    "BF16": (0.0, 1.0),
+    "null BF16 (1e-6)": (0.0, 1.0),
+    "random 4": (0.008, 4 / 28),
+    "GNMR+e 4": (0.004, 4 / 28),
+    "e-only 4": (0.004, 4 / 28),
+    "GNMR+e lean 4": (0.005, 1 / 28),
+}
+
+
+def test_the_ablation_renders_its_own_family_with_sign_counts(tmp_path):
+    from benchmarks.report.ablation import ablation
+    from benchmarks.report.faults import FaultRegime
+    from benchmarks.report.source import Source
+    from tests.benchmarks.test_report import _fault_records, _fault_section, _write_faults
+
+    _write_faults(tmp_path, _fault_records(ABLATION_ARMS), "outlier_delayed_ablation")
+    _write_faults(tmp_path, _fault_records(), "outlier_delayed")
+    text = _fault_section(tmp_path)
+    for c in pr.ABLATION_COMPARISONS:
+        assert f"| {c.arm} - {c.rival} | {c.question} |" in text
+    assert "| GNMR+e 4 - random 4 |" in text  # the parent keeps its own four
+    r = FaultRegime(Source(tmp_path), "outlier_delayed_ablation")
+    rows = {(p["c"].arm, p["c"].rival): p for p in r.preregistered()}
+    lean = rows[("GNMR+e lean 4", "random 4")]
+    assert (lean["below"], lean["n"], lean["verdict"]) == (4, 4, "better")
+    assert "4 of 4 seeds below 0 (sign test p = 0.125)" in text
+    only = rows[("e-only 4", "GNMR+e 4")]
+    assert only["tie"] == pr.tie(only["mean"], only["half"], 0.010)
+    assert (only["verdict"] + (" (a tie)" if only["tie"] else "")) in text
+    got = ablation([r, FaultRegime(Source(tmp_path), "outlier_delayed")])
+    assert [a["parent"] for a in got] == ["outlier_delayed"] and got[0]["planned"] == 8
+    assert got[0]["arms"]["GNMR+e lean 4"]["work"] == pytest.approx(1 / 28)
