@@ -1,30 +1,51 @@
-"""Cost at matched loss (issue 35): each arm's effective speed-up over BF16 once its loss is paid.
+"""Cost at matched loss (issues 35 and 44): each arm's effective speed-up over BF16 once its loss
+is paid, bounded by the run's schedule.
 
 Throughput alone hides the loss a low-precision recipe costs. This module turns a branch sweep's
-records (:mod:`benchmarks.harness.branch`, by (arm, seed, point)) into one figure per arm and
+records (:mod:`benchmarks.harness.branch`, by (arm, seed, point)) into figures per arm and
 hardware: how much faster than BF16 the arm reaches the loss BF16 reaches after the branch's
-``horizon`` steps. Per (seed, branch point), with ``h_a(e)`` arm ``a``'s held-out loss ``e``
-steps into the branch, ``H`` the horizon (50) and ``E`` the evaluation before it (25)::
+``horizon`` steps. Per (seed, branch point ``p``), with ``h_a(e)`` arm ``a``'s held-out loss
+``e`` steps into the branch, ``H`` the horizon (50), ``E`` the evaluation before it (25) and
+``T`` the trunk's schedule (400 steps)::
 
     r = (h_BF16(E) - h_BF16(H)) / (H - E)      the trunk's local rate of progress (nats / step)
     g = h_arm(H) - h_BF16(H)                   the arm's held-out gap to BF16
     D = g / r                                  steps it must add to match BF16 (< 0: it is ahead)
+    L = T - p - H                              steps the schedule leaves after the branch
     s = flops_recovered                        share of the linear-layer GEMM FLOPs on recovery
-    t = (1 - s) / R(low) + s / R(recovery)     one step's time against BF16 on the hardware
-    S = H / ((H + D) * t)                      effective speed-up over BF16 at matched loss
+    c = C / error_every                        the error term's measured cost per step, as a
+                                               share of a low-cost step (arms with ``gamma``)
+    t = (1 - s) / R(low) + s / R(recovery) + c / R(low)   one step's time against BF16
+
+**Bounded by the schedule.** A branch with ``D > L`` cannot reach BF16's loss inside the run: it
+is *not reached*, counted and shown, and its arm gets no extra-step figure and no speed-up. A
+branch point that ends the schedule (``L = 0``) leaves no step to match in: there any arm behind
+BF16, by however little, never matches (the BF16 null control itself is behind on about half of
+those branches), so such points are counted apart ("behind at the schedule's end") and left out
+of the extra steps and speed-ups of every arm alike: a choice the design fixes, not the outcome.
+
+**At the mean, not the mean of ratios.** Per seed, ``D_s`` and ``t_s`` are the means over its
+branch points with steps left; the speed-up is taken at the means over seeds,
+``S = H / ((H + mean D) * mean t)``, and its 95% interval by the delta method over seeds, paired
+(each seed's ``(D_s, t_s)`` linearized together: ``S (1 - (D_s - mean D) / (H + mean D) -
+(t_s - mean t) / mean t)``, Student-t over seeds). The old model averaged per-branch ratios
+``H / ((H + D) t)``, which is convex in ``D``: a few branches far ahead or behind moved it, and
+it was larger than the ratio at the mean (benchmarks/report/rests_on.py shows both).
+
+**Steps to target** (:func:`steps_to_target`): the first evaluation step at which the arm's
+held-out loss is at or below the BF16 branch's final loss, ``h_BF16(H)``; "not by H" where it
+never is. Its resolution is the evaluation spacing: the step lies in the ``E`` steps before it.
 
 ``R(format)`` is the hardware's peak dense GEMM throughput of the format relative to BF16
 (:data:`THROUGHPUT`). ``S`` is 1 for the BF16 arm by construction and ``R(low)`` for a low-cost
-path with no loss gap. A seed's figure is the mean over its branch points; the estimate and its
-95% Student-t interval are taken over seeds (the figure is propagated per seed, then the
-interval), as every other branch figure (:mod:`benchmarks.harness.branch_stats`).
-
-Undefined cases (``r <= 0`` with a nonzero gap, ``H + D <= 0``, a non-finite loss) are reported,
-never divided through; a format the hardware has no GEMMs for is ``n/a``; a path that does not
-change GEMM throughput (``act_quant``) or whose format is not in the table is ``not priced``;
-``int8`` (the LoRA experiment's frozen base) is priced from :data:`INT8_RATE`.
-Records without ``flops_recovered`` fall back to the unit-step share (:func:`flops_share`). The
-assumptions are :func:`assumptions`, printed beside the table. No torch.
+path with no loss gap and no error term. Undefined cases (``r <= 0`` with a nonzero gap,
+``H + D <= 0``, a non-finite loss) are reported, never divided through; a format the hardware
+has no GEMMs for is ``n/a``; a path that does not change GEMM throughput (``act_quant``) or whose
+format is not in the table is ``not priced``; ``int8`` (the LoRA experiment's frozen base) is
+priced from :data:`INT8_RATE`. Records without ``flops_recovered`` fall back to the unit-step
+share (:func:`flops_share`). The error term's cost ``C`` is the caller's (:class:`ErrorCost`, a
+measured figure the report reads from its result file). The assumptions are
+:func:`assumptions`, printed beside the table. No torch.
 """
 
 from __future__ import annotations
@@ -46,19 +67,26 @@ __all__ = [
     "THROUGHPUT",
     "TORCHAO_GEMMS",
     "BranchCost",
+    "ErrorCost",
     "Formats",
     "Price",
     "SeedCost",
     "assumptions",
     "branch_cost",
     "cost_table",
+    "error_every",
+    "error_share",
     "extra_steps",
     "flops_share",
+    "hardware_groups",
     "local_rate",
     "price",
+    "priced_points",
     "seed_costs",
     "speedup",
+    "speedup_at_mean",
     "step_time",
+    "steps_to_target",
     "summarize_costs",
 ]
 
@@ -108,6 +136,10 @@ INT8 against 989 TFLOPS BF16; B200 4.5 POPS INT8 against 2.25 PFLOPS BF16). GB30
 Ultra) cut its INT8 rate and the figure is not recorded here: the int8 backend is not priced
 there."""
 
+AUTOSWITCH_STATISTICS = "not timed (its statistics)"
+"""The error-term cell of TE AutoswitchGemm's arms: their per-GEMM statistics (underflow share
+and MSE of each quantized input, every step) are not timed in this repository, so not priced."""
+
 _NOT_GEMM = {
     "act_quant": "act_quant quantizes the saved activations (a memory saving); its GEMMs run in "
     "the model's dtype on both paths, so GEMM throughput does not change",
@@ -147,9 +179,21 @@ class Price:
 
 
 @dataclass(frozen=True)
+class ErrorCost:
+    """What measuring the error term (``gamma``'s sums) costs: one measuring step's extra time as
+    a share of a low-cost step (``share``), and where that figure was measured (``source``)."""
+
+    share: float
+    source: str
+
+
+@dataclass(frozen=True)
 class BranchCost:
-    """One (arm, seed, point): the rate, gap, extra steps, step time and speed-up; ``None``
-    figures with a ``note`` where the conversion is undefined or the path is not priced."""
+    """One (arm, seed, point): the rate, gap, extra steps, the steps the schedule leaves
+    (``left``, ``None``: unbounded), step time and the branch's own ratio ``H / ((H + D) t)``
+    (``speedup``: never averaged into an arm's figure); ``None`` figures with a ``note`` where
+    the conversion is undefined, the branch does not reach BF16's loss in the schedule, or the
+    path is not priced."""
 
     rate: float
     gap: float
@@ -158,21 +202,32 @@ class BranchCost:
     time: float | None
     speedup: float | None
     note: str | None = None
+    left: int | None = None
+
+    @property
+    def reached(self) -> bool | None:
+        """Whether the arm matches BF16's loss inside the schedule (``None``: undefined)."""
+        if self.extra_steps is None:
+            return None
+        return self.left is None or self.extra_steps <= self.left
 
 
 @dataclass(frozen=True)
 class SeedCost:
-    """One seed of one arm: the means over its branch points (``None`` with a ``note`` when a
-    branch's figure is undefined or the formats are not priced)."""
+    """One seed of one arm over its branch points with steps left in the schedule: the means of
+    the extra steps and the step time (``None`` with a ``note`` when a branch is undefined or
+    not reached, or the formats are not priced), the branches not reached, and the FLOP share
+    over every branch point."""
 
     seed: int
     flops_recovered: float
     extra_steps: float | None
     time: float | None
-    speedup: float | None
     note: str | None = None
     fallbacks: int = 0
     """Branches whose FLOP share fell back to the unit-step share (old records)."""
+    not_reached: int = 0
+    """Branches with steps left whose extra steps exceed them."""
 
 
 # -- pricing -----------------------------------------------------------------------------------
@@ -272,12 +327,13 @@ def extra_steps(gap: float, rate: float) -> float | None:
     return gap / rate
 
 
-def step_time(share: float, p: Price) -> float:
+def step_time(share: float, p: Price, error: float = 0.0) -> float:
     """One step's linear-layer GEMM time against BF16 with ``share`` of the FLOPs on the
-    recovery path: ``(1 - s) / R(low) + s / R(recovery)``."""
+    recovery path and ``error`` (a share of a low-cost step) spent measuring the error term:
+    ``(1 - s) / R(low) + s / R(recovery) + c / R(low)``."""
     if p.low is None or p.recovery is None:
         raise ValueError(f"the paths are not priced: {p.note}")
-    return (1 - share) * p.low + share * p.recovery
+    return (1 - share) * p.low + share * p.recovery + error * p.low
 
 
 def speedup(horizon: int, extra: float, time: float) -> float | None:
@@ -290,6 +346,23 @@ def speedup(horizon: int, extra: float, time: float) -> float | None:
     return horizon / (steps * time)
 
 
+def speedup_at_mean(
+    horizon: int, extras: Sequence[float], times: Sequence[float]
+) -> tuple[float, float] | None:
+    """The speed-up at the mean extra steps and mean step time over seeds, and the 95%
+    half-width of the delta method over seeds, paired: each seed's ``(D_s, t_s)`` linearized
+    together around the means, ``S (1 - (D_s - D) / (H + D) - (t_s - t) / t)``, Student-t over
+    the seeds (NaN for one seed). ``None`` where ``H + D <= 0``."""
+    d, t = statistics.fmean(extras), statistics.fmean(times)
+    s = speedup(horizon, d, t)
+    if s is None:
+        return None
+    lin = [
+        s * (1 - (x - d) / (horizon + d) - (y - t) / t) for x, y in zip(extras, times, strict=True)
+    ]
+    return s, interval(lin)[1]
+
+
 def flops_share(record: Mapping[str, Any]) -> tuple[float, bool]:
     """A branch's share of linear-layer GEMM FLOPs on the recovery path, and whether it fell
     back to ``recovered_unit_steps / unit_steps`` (records written before ``flops_recovered``
@@ -297,6 +370,24 @@ def flops_share(record: Mapping[str, Any]) -> tuple[float, bool]:
     if record.get("flops_recovered") is not None:
         return float(record["flops_recovered"]), False
     return record["recovered_unit_steps"] / record["unit_steps"], True
+
+
+def error_every(record: Mapping[str, Any]) -> int | None:
+    """Every how many steps the arm measures the error term (``gamma`` set in its controller
+    block, ``error_every`` of its spec, default 1), or ``None`` where it does not."""
+    spec = record.get("arm_spec") or {}
+    if not (spec.get("controller") or {}).get("gamma"):
+        return None
+    return int(spec.get("error_every") or 1)
+
+
+def error_share(record: Mapping[str, Any], error: ErrorCost | None) -> float | None:
+    """The error term's cost per step as a share of a low-cost step, ``C / error_every``: 0 for
+    an arm that does not measure it, ``None`` for one that does when no cost is known."""
+    every = error_every(record)
+    if every is None:
+        return 0.0
+    return None if error is None else error.share / every
 
 
 def _early(ref: Mapping[str, Any], horizon: int) -> int:
@@ -307,30 +398,54 @@ def _early(ref: Mapping[str, Any], horizon: int) -> int:
     return max(earlier)
 
 
+def steps_to_target(arm: Mapping[str, Any], ref: Mapping[str, Any], horizon: int) -> int | None:
+    """The first evaluation step of ``arm``'s branch at which its held-out loss is at or below
+    the reference's at ``horizon`` (BF16's final loss); ``None``: not by ``horizon``. The
+    resolution is the evaluation spacing."""
+    target = float(ref["heldout"][str(horizon)])
+    for e in sorted(int(k) for k in arm["heldout"] if int(k) <= horizon):
+        if float(arm["heldout"][str(e)]) <= target:
+            return e
+    return None
+
+
 def branch_cost(
-    arm: Mapping[str, Any], ref: Mapping[str, Any], horizon: int, p: Price
+    arm: Mapping[str, Any],
+    ref: Mapping[str, Any],
+    horizon: int,
+    p: Price,
+    left: int | None = None,
+    error: float | None = 0.0,
 ) -> BranchCost:
     """The model on one branch: ``arm``'s record against the reference (BF16) branch ``ref`` of
-    the same seed and point."""
+    the same seed and point; ``left``: the steps the schedule leaves after the branch (``None``:
+    unbounded); ``error``: the error term's cost per step (:func:`error_share`)."""
     early = _early(ref, horizon)
     h_ref = float(ref["heldout"][str(horizon)])
     rate = local_rate(float(ref["heldout"][str(early)]), h_ref, horizon - early)
     gap = float(arm["heldout"][str(horizon)]) - h_ref
     share, _ = flops_share(arm)
     if not (math.isfinite(rate) and math.isfinite(gap)):
-        return BranchCost(rate, gap, share, None, None, None, "undefined: a loss is not finite")
+        note = "undefined: a loss is not finite"
+        return BranchCost(rate, gap, share, None, None, None, note, left)
     extra = extra_steps(gap, rate)
     if extra is None:
         note = "undefined: no measurable progress (r <= 0)"
-        return BranchCost(rate, gap, share, None, None, None, note)
+        return BranchCost(rate, gap, share, None, None, None, note, left)
     if p.note is not None:
-        return BranchCost(rate, gap, share, extra, None, None, p.note)
-    t = step_time(share, p)
+        return BranchCost(rate, gap, share, extra, None, None, p.note, left)
+    if error is None:
+        note = "not priced: the error term's cost is not known"
+        return BranchCost(rate, gap, share, extra, None, None, note, left)
+    t = step_time(share, p, error)
+    if left is not None and extra > left:
+        note = f"not reached: {extra:.0f} extra steps, {left} left in the schedule"
+        return BranchCost(rate, gap, share, extra, t, None, note, left)
     s = speedup(horizon, extra, t)
     if s is None:
         note = "undefined: ahead by more than the horizon's progress"
-        return BranchCost(rate, gap, share, extra, t, None, note)
-    return BranchCost(rate, gap, share, extra, t, s)
+        return BranchCost(rate, gap, share, extra, t, None, note, left)
+    return BranchCost(rate, gap, share, extra, t, s, None, left)
 
 
 # -- per seed, per arm -------------------------------------------------------------------------
@@ -346,10 +461,13 @@ def _arms(records: Records, d: Design, arms: Sequence[str] | None) -> list[str]:
     return [a for a in names if _complete(records, d, a)]
 
 
-def _mean(values: Sequence[float | None]) -> float | None:
-    if any(v is None for v in values):
-        return None
-    return statistics.fmean(v for v in values if v is not None)
+def _left(d: Design, point: int, schedule: int | None) -> int | None:
+    return None if schedule is None else schedule - point - d.horizon
+
+
+def priced_points(d: Design, schedule: int | None) -> tuple[int, ...]:
+    """The design's branch points that leave steps in the schedule (all without one)."""
+    return tuple(p for p in d.points if schedule is None or schedule - p - d.horizon > 0)
 
 
 def seed_costs(
@@ -358,39 +476,52 @@ def seed_costs(
     formats: Formats,
     hardware: str,
     arms: Sequence[str] | None = None,
+    schedule: int | None = None,
+    error: ErrorCost | None = None,
 ) -> dict[str, list[SeedCost]]:
     """Per arm with every branch done (``arms``: those, else every arm in the records), per seed
-    of ``d``: the means over the seed's branch points of the FLOP share, the extra steps to
-    match ``d.high`` (BF16), the step time and the speed-up on ``hardware``. A seed any of whose
-    branches is undefined gets ``None`` figures and the first such branch's note. Nothing when
-    the reference arm is incomplete."""
+    of ``d``: over its branch points with steps left in ``schedule`` (the trunk's length;
+    ``None``: unbounded), the means of the extra steps to match ``d.high`` (BF16) and of the
+    step time on ``hardware`` (the error term's cost ``error`` added where the arm measures
+    it), and the branches not reached; the FLOP share over every point. A seed any of whose
+    branches is undefined or not reached gets ``None`` figures and the first such note. Nothing
+    when the reference arm is incomplete."""
     if not _complete(records, d, d.high):
         return {}
     p = price(formats, hardware)
+    priced = priced_points(d, schedule)
     out: dict[str, list[SeedCost]] = {}
     for arm in _arms(records, d, arms):
         rows = []
         for seed in d.seeds:
+            recs = {pt: records[(arm, seed, pt)] for pt in d.points}
             costs = [
-                branch_cost(records[(arm, seed, pt)], records[(d.high, seed, pt)], d.horizon, p)
-                for pt in d.points
+                branch_cost(
+                    recs[pt],
+                    records[(d.high, seed, pt)],
+                    d.horizon,
+                    p,
+                    _left(d, pt, schedule),
+                    error_share(recs[pt], error),
+                )
+                for pt in priced
             ]
-            fallbacks = sum(flops_share(records[(arm, seed, pt)])[1] for pt in d.points)
-            undefined = [
+            missing = [
                 f"{c.note} at point {pt}"
-                for c, pt in zip(costs, d.points, strict=True)
-                if c.note is not None and c.note.startswith("undefined")
+                for c, pt in zip(costs, priced, strict=True)
+                if c.note is not None and c.note.startswith(("undefined", "not reached"))
             ]
-            note = undefined[0] if undefined else p.note
+            known = not missing and costs and all(c.extra_steps is not None for c in costs)
+            timed = known and all(c.time is not None for c in costs)
             rows.append(
                 SeedCost(
                     seed,
-                    statistics.fmean(c.flops_recovered for c in costs),
-                    _mean([c.extra_steps for c in costs]),
-                    _mean([c.time for c in costs]),
-                    _mean([c.speedup for c in costs]),
-                    note,
-                    fallbacks,
+                    statistics.fmean(flops_share(r)[0] for r in recs.values()),
+                    statistics.fmean(c.extra_steps or 0.0 for c in costs) if known else None,
+                    statistics.fmean(c.time or 0.0 for c in costs) if timed else None,
+                    missing[0] if missing else next((c.note for c in costs if c.note), None),
+                    sum(flops_share(r)[1] for r in recs.values()),
+                    sum(c.reached is False for c in costs),
                 )
             )
         out[arm] = rows
@@ -404,41 +535,96 @@ def _figure(values: Sequence[float | None]) -> tuple[float, float] | None:
     return interval([v for v in values if v is not None])
 
 
+def _reach(records: Records, d: Design, arm: str, schedule: int | None) -> dict[str, Any]:
+    """Hardware-independent: steps to BF16's final loss per branch (counts by evaluation step,
+    ``None``: not by the horizon) and the branches behind BF16 at points that end the
+    schedule."""
+    to: dict[int | None, int] = {}
+    behind = ends = 0
+    for s in d.seeds:
+        for pt in d.points:
+            a, ref = records[(arm, s, pt)], records[(d.high, s, pt)]
+            e = steps_to_target(a, ref, d.horizon)
+            to[e] = to.get(e, 0) + 1
+            if pt not in priced_points(d, schedule):
+                ends += 1
+                behind += float(a["heldout"][str(d.horizon)]) > float(
+                    ref["heldout"][str(d.horizon)]
+                )
+    return {"to_target": to, "at_end": (behind, ends) if ends else None}
+
+
 def summarize_costs(
     records: Records,
     d: Design,
     formats: Formats,
     hardware: Sequence[str] = HARDWARE,
     arms: Sequence[str] | None = None,
+    schedule: int | None = None,
+    error: ErrorCost | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Per arm: the mean FLOP share, the extra steps to match BF16 (mean, 95% half-width over
-    seeds), the branches whose share fell back to unit-steps, and per hardware the speed-up at
-    matched loss and the step time (mean, 95% half-width over seeds; ``None`` with a ``note``
-    when undefined or not priced) and the per-seed speed-ups."""
+    """Per arm: the mean FLOP share, the branches whose share fell back to unit-steps, the error
+    term's cost per step (``None``: not measured by the arm), the branches not reached in
+    ``schedule`` (of those with steps left) and behind at its end, the steps to BF16's final
+    loss (counts by evaluation step), the extra steps to match BF16 (mean, 95% half-width over
+    seeds; ``None`` with a note when a branch is undefined or not reached), and per hardware
+    the speed-up at matched loss at the mean extra steps (:func:`speedup_at_mean`) and the
+    step time (``None`` with a ``note`` when undefined, not reached or not priced)."""
     out: dict[str, dict[str, Any]] = {}
+    n_priced = len(d.seeds) * len(priced_points(d, schedule))
     for hw in hardware:
-        for arm, rows in seed_costs(records, d, formats, hw, arms).items():
-            undefined = [f"seed {r.seed}: {r.note}" for r in rows if r.extra_steps is None]
-            row = out.setdefault(
-                arm,
-                {
+        for arm, rows in seed_costs(records, d, formats, hw, arms, schedule, error).items():
+            row = out.get(arm)
+            if row is None:
+                n = sum(r.not_reached for r in rows)
+                spec = records[(arm, d.seeds[0], d.points[0])]
+                every = error_every(spec)
+                notes = [f"seed {r.seed}: {r.note}" for r in rows if r.extra_steps is None]
+                row = out[arm] = {
                     "flops_recovered": statistics.fmean(r.flops_recovered for r in rows),
                     "flops_from_unit_steps": sum(r.fallbacks for r in rows),
+                    "error": (
+                        (error_share(spec, error), every)
+                        if every is not None
+                        else AUTOSWITCH_STATISTICS
+                        if str(spec.get("arm_spec", {}).get("policy", "")).startswith("autoswitch")
+                        else None
+                    ),
+                    "not_reached": (n, n_priced),
                     "extra_steps": _figure([r.extra_steps for r in rows]),
-                    "extra_steps_note": undefined[0] if undefined else None,
+                    "extra_steps_note": (
+                        f"not reached on {n} of {n_priced}"
+                        if n
+                        else (notes[0] if notes else None)
+                        if n_priced
+                        else "no branch point leaves steps in the schedule"
+                    ),
                     "hardware": {},
-                },
-            )
-            speed = _figure([r.speedup for r in rows])
-            notes = [f"seed {r.seed}: {r.note}" for r in rows if r.speedup is None and r.note]
-            p_note = price(formats, hw).note
-            row["hardware"][hw] = {
-                "speedup": speed,
-                "time": _figure([r.time for r in rows]),
-                "per_seed": [r.speedup for r in rows],
-                "note": None if speed is not None else (p_note or (notes[0] if notes else None)),
-            }
+                } | _reach(records, d, arm, schedule)
+            row["hardware"][hw] = _hardware(rows, d.horizon, row, price(formats, hw).note)
     return out
+
+
+def _hardware(
+    rows: Sequence[SeedCost], horizon: int, row: Mapping[str, Any], p_note: str | None
+) -> dict[str, Any]:
+    """One hardware's cell: the speed-up at the mean (or why there is none) and the step time."""
+    times = [r.time for r in rows]
+    speed = None
+    if row["extra_steps"] is not None and not any(t is None for t in times):
+        speed = speedup_at_mean(
+            horizon, [r.extra_steps or 0.0 for r in rows], [t or 0.0 for t in times]
+        )
+    note = None
+    if speed is None:
+        notes = [f"seed {r.seed}: {r.note}" for r in rows if r.note]
+        if p_note is not None:
+            note = p_note
+        elif row["not_reached"][0]:
+            note = row["extra_steps_note"]
+        else:
+            note = notes[0] if notes else "undefined: H + D <= 0 at the mean"
+    return {"speedup": speed, "time": _figure(times), "note": note}
 
 
 # -- the table and its assumptions -------------------------------------------------------------
@@ -453,19 +639,58 @@ def _cell(pair: tuple[float, float] | None, note: str | None, digits: int = 2) -
     return f"{m:.{digits}f} +- {h:.{digits}f}"
 
 
+def _error_cell(error: tuple[float | None, int] | str | None) -> str:
+    if error is None or isinstance(error, str):
+        return error or "-"
+    share, every = error
+    when = "every step" if every == 1 else f"every {every} steps"
+    return "not known" if share is None else f"+{100 * share:.1f}% ({when})"
+
+
+def _to_target_cell(to: Mapping[int | None, int], horizon: int) -> str:
+    parts = [f"by {e}: {n}" for e, n in sorted((e, n) for e, n in to.items() if e is not None)]
+    if to.get(None):
+        parts.append(f"not by {horizon}: {to[None]}")
+    return ", ".join(parts)
+
+
+def hardware_groups(
+    summary: Mapping[str, Mapping[str, Any]], hardware: Sequence[str] = HARDWARE
+) -> list[tuple[str, ...]]:
+    """The hardware models whose speed-up cells are the same for every arm, grouped (in
+    ``hardware``'s order): one column per group, so a column appears only where ratios differ."""
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for hw in hardware:
+        cells = tuple(_speed_cell(r, hw) for r in summary.values())
+        groups.setdefault(cells, []).append(hw)
+    return [tuple(g) for g in groups.values()]
+
+
+def _speed_cell(r: Mapping[str, Any], hw: str) -> str:
+    c = r["hardware"].get(hw)
+    return "-" if c is None else _cell(c["speedup"], c["note"])
+
+
 def cost_table(
     summary: Mapping[str, Mapping[str, Any]],
     hardware: Sequence[str] = HARDWARE,
     details: bool = True,
+    horizon: int = 50,
 ) -> str:
-    """One row per arm of :func:`summarize_costs`, one column per hardware: the speed-up over
-    BF16 at matched loss (``2.31 +- 0.12``, or the note: ``n/a (no FP4 GEMMs)``, ``not priced:
-    ...``, ``undefined ...``). ``details``: also the recovered share of GEMM FLOPs and the extra
-    steps to match BF16 (hardware-independent)."""
+    """One row per arm of :func:`summarize_costs`, one column per group of hardware models whose
+    speed-ups at matched loss are the same (:func:`hardware_groups`): ``2.31 +- 0.12``, or the
+    note (``not reached on 3 of 40``, ``n/a (no FP4 GEMMs)``, ``not priced: ...``,
+    ``undefined ...``). ``details``: also the recovered share of GEMM FLOPs, the error term's
+    cost, the extra steps to match BF16, the branches behind BF16 at the schedule's end (where
+    the design has such points) and the steps to BF16's final loss (hardware-independent)."""
+    groups = hardware_groups(summary, hardware) if summary else [(hw,) for hw in hardware]
+    ends = details and any(r.get("at_end") for r in summary.values())
     header = ["arm"]
     if details:
-        header += ["recovered GEMM FLOPs", "extra steps to match BF16"]
-    header += [f"speed-up at matched loss, {hw}" for hw in hardware]
+        header += ["recovered GEMM FLOPs", "error term's cost", "extra steps to match BF16"]
+        header += ["behind BF16 at the schedule's end"] if ends else []
+        header += ["reaches BF16's final loss (branches, by evaluation step)"]
+    header += [f"speed-up at matched loss, {', '.join(g)}" for g in groups]
     rows = []
     for arm, r in summary.items():
         cells = [arm]
@@ -473,30 +698,58 @@ def cost_table(
             flops = f"{100 * r['flops_recovered']:.1f}%"
             if r["flops_from_unit_steps"]:
                 flops += " (unit-steps)"
-            cells += [flops, _cell(r["extra_steps"], r["extra_steps_note"], 1)]
-        for hw in hardware:
-            c = r["hardware"].get(hw)
-            cells.append("-" if c is None else _cell(c["speedup"], c["note"]))
+            cells += [flops, _error_cell(r["error"])]
+            cells.append(_cell(r["extra_steps"], r["extra_steps_note"], 1))
+            if ends:
+                behind, n = r["at_end"] or (0, 0)
+                cells.append(f"{behind} of {n}" if n else "-")
+            cells.append(_to_target_cell(r["to_target"], horizon))
+        cells += [_speed_cell(r, g[0]) for g in groups]
         rows.append(cells)
     return markdown_table(header, rows)
 
 
-def assumptions(formats: Formats | None = None, horizon: int = 50, early: int = 25) -> list[str]:
+def assumptions(
+    formats: Formats | None = None,
+    horizon: int = 50,
+    early: int = 25,
+    schedule: int | None = None,
+    error: ErrorCost | None = None,
+) -> list[str]:
     """The cost model's assumptions, one line each, to print beside :func:`cost_table` (with
     ``formats``: also which formats were priced and at what rates)."""
+    end = "T" if schedule is None else str(schedule)
     lines = [
         f"Speed-up over BF16 at matched loss: S = H / ((H + D) * t), H = {horizon} steps; D = "
         f"g / r, g the arm's held-out gap to BF16 after H steps, r = (h_BF16({early}) - "
         f"h_BF16({horizon})) / {horizon - early} the trunk's local rate of progress on the same "
-        "branch; t = (1 - s) / R(low) + s / R(recovery), s the recovered share of linear-layer "
-        "GEMM FLOPs. Per branch, mean over a seed's branch points, 95% Student-t interval over "
-        "seeds.",
+        "branch; t = (1 - s) / R(low) + s / R(recovery) + c / R(low), s the recovered share of "
+        "linear-layer GEMM FLOPs, c the error term's cost per step (below).",
+        f"Bounded by the schedule: a branch from point p has L = {end} - p - H steps left in the "
+        "trunk's schedule; one that needs D > L extra steps does not reach BF16's loss inside "
+        "the run and is counted 'not reached'; an arm with any such branch gets no extra-step "
+        "figure and no speed-up. A point that ends the schedule (L = 0) leaves no step to match "
+        "in, so there any gap above 0, however small, is never closed (the BF16 null control "
+        "itself is behind on about half of such branches): those branches are counted apart "
+        "('behind BF16 at the schedule's end') and left out of the extra steps and speed-ups of "
+        "every arm alike.",
+        "At the mean: per seed the mean D and t over its branch points with steps left; S is "
+        "taken at the means over seeds, not as the mean of per-branch ratios (convex in D, which "
+        "flattered an arm with a spread of gaps); its 95% interval is the delta method over "
+        "seeds, paired (each seed's D and t linearized together, Student-t).",
+        f"Reaches BF16's final loss: the first evaluation step ({early}, {horizon}) at which the "
+        "arm's held-out loss is at or below the BF16 branch's after H steps, counted over "
+        f"branches; the resolution is the {horizon - early} steps between evaluations (a branch "
+        f"'by {horizon}' got there somewhere in steps {early + 1} to {horizon}); an arm level "
+        "with BF16 is at or below it on about half of the branches by chance (the BF16 null "
+        "control's count is that noise floor).",
         "Only the linear layers' GEMMs are priced (fprop, dgrad, wgrad); attention's score and "
         "softmax GEMMs, norms, embeddings, the optimizer, communication and the quantization "
         "kernels are not. By Amdahl's law real end-to-end speed-ups are smaller.",
         "R are peak dense GEMM throughput ratios to BF16, not measured ones: B200 FP4 (NVFP4, "
         "MXFP4, per-tensor E2M1) 4, FP8 and FP6 2, BF16 1; GB300 FP4 6, FP8 and FP6 2, BF16 1; "
-        "Hopper (H100 / H200) FP8 2, BF16 1, no FP4 or FP6 GEMMs (such a recipe is n/a there).",
+        "Hopper (H100 / H200) FP8 2, BF16 1, no FP4 or FP6 GEMMs (such a recipe is n/a there). "
+        "Hardware models whose speed-ups are the same for every arm share one column.",
         "A GEMM whose operands differ in format (grad_format) runs at the slower operand's "
         "rate; a path's rate is the mean over its three equal-FLOP GEMMs.",
         "torchao_fp8: tensorwise (e4m3 x and W, e5m2 dy) and rowwise run all three GEMMs at "
@@ -505,13 +758,18 @@ def assumptions(formats: Formats | None = None, horizon: int = 50, early: int = 
         "Hopper, from NVIDIA's datasheets; GB300's is not in the table, so not priced there), "
         "dgrad in high precision, no wgrad for a frozen weight: 1 / R(low) = (1 / 2 + 1) / 2.",
         "The local rate of progress is taken as linear over the extra steps (D steps at the "
-        "rate measured over the branch's last steps); it is undefined where BF16 made no "
-        "measurable progress (r <= 0), and so is S where the arm is ahead by more than the "
-        "horizon's progress (H + D <= 0).",
+        "rate measured over the branch's last steps; the cosine schedule slows it, so D is "
+        "rather too small than too large); it is undefined where BF16 made no measurable "
+        "progress (r <= 0), and so is S where the arm is ahead by more than the horizon's "
+        "progress (H + D <= 0).",
         "The recovery path's GEMMs run at their own format's rate, with no cost for switching "
         "paths between units or steps.",
-        "GNMR's own overhead (monitor, controller, error score) is not priced: it is measured "
-        "separately (benchmarks/results/overhead_v2.json).",
+        _error_line(error),
+        "GNMR's monitor and controller are not priced beyond the error term's figure (measured "
+        "separately: benchmarks/results/overhead_v2.json); neither are TE AutoswitchGemm's "
+        "per-GEMM statistics (underflow share and MSE of each quantized input, every step: not "
+        "timed in this repository, so its arms' figures leave that cost out) nor the oracles' "
+        "extra passes (not deployable).",
         "The reference arm is the regime's recovery path on every unit (named BF16); where that "
         "path is not BF16 the speed-ups are over BF16 throughput at the recovery path's loss.",
         "Records without flops_recovered price the recovered unit-step share instead (marked "
@@ -520,6 +778,18 @@ def assumptions(formats: Formats | None = None, horizon: int = 50, early: int = 
     if formats is not None:
         lines.append(f"Priced: {_describe(formats)}.")
     return lines
+
+
+def _error_line(error: ErrorCost | None) -> str:
+    head = (
+        "The error term (gamma): an arm that measures it pays c = C / error_every per step (its "
+        "records' error_every), C the measured extra time of a measuring step as a share of a "
+        "low-cost step"
+    )
+    if error is None:
+        tail = " (each table names its C and where it was measured); an arm whose C is not "
+        return head + tail + "known is not priced."
+    return head + f": C = {100 * error.share:.1f}% ({error.source})."
 
 
 def _describe(formats: Formats) -> str:

@@ -50,6 +50,7 @@ from benchmarks.harness.branch_stats import (
 from benchmarks.harness.markdown import markdown_table
 from benchmarks.harness.provenance import UNKNOWN
 from benchmarks.harness.stats import interval, plus_minus
+from benchmarks.report.error_cost import error_cost
 from benchmarks.report.source import Source
 from benchmarks.report.words import listing, ordinal, resolved
 
@@ -582,15 +583,34 @@ class FaultRegime:
         s = self.spec()
         return cost.Formats(s["backend"], s["low_cost"], s["recovery"])
 
-    def cost_table(self) -> str:
+    def error_cost(self) -> cost.ErrorCost | None:
+        """The error term's measured cost for this regime's backend (:mod:`.error_cost`)."""
+        return error_cost(self.src, self.formats().backend)
+
+    @cached_property
+    def costs(self) -> dict[str, dict[str, Any]]:
+        """:func:`benchmarks.harness.cost.summarize_costs` of the design's arms, bounded by the
+        trunk's schedule (:data:`SCHEDULE_END`), the error term priced."""
         d, arms = self.design, self.table_arms
-        return cost.cost_table(cost.summarize_costs(self.records, d, self.formats(), arms=arms))
+        return cost.summarize_costs(
+            self.records,
+            d,
+            self.formats(),
+            arms=arms,
+            schedule=SCHEDULE_END,
+            error=self.error_cost(),
+        )
+
+    def cost_table(self) -> str:
+        return cost.cost_table(self.costs, horizon=self.horizon)
 
     def priced(self) -> str:
-        """The formats priced and at what rates: the last of the cost model's assumption lines
-        when given the formats."""
+        """The formats priced and at what rates (the last of the cost model's assumption lines
+        when given the formats), and the error term's cost ``C`` with its source."""
         line = cost.assumptions(self.formats(), self.horizon, self.evals[0])[-1]
-        return line.removesuffix(".")
+        e = self.error_cost()
+        c = "not known" if e is None else f"{100 * e.share:.1f}% ({e.source})"
+        return f"{line.removesuffix('.')}; the error term's C = {c}"
 
 
 def _beside_gap(a: Records, b: Records, merged: Records, d: Design) -> list[str]:
@@ -689,7 +709,7 @@ def context(src: Source) -> dict[str, Any]:
     return {
         "faults": regimes,
         "fault_evals": evals,
-        "fault_assumptions": cost.assumptions(None, evals[-1], evals[0]),
+        "fault_assumptions": cost.assumptions(None, evals[-1], evals[0], SCHEDULE_END),
         "prereg_level": f"{100 * level:g}%",
         "family_size": len(preregistered.COMPARISONS),
         "schedule_end": SCHEDULE_END,

@@ -23,6 +23,7 @@ from benchmarks.harness.branch_stats import (
     verdict,
 )
 from benchmarks.harness.stats import t95
+from benchmarks.report.error_cost import error_cost
 from benchmarks.report.source import Source
 from benchmarks.report.words import listing, resolved, span
 
@@ -123,11 +124,18 @@ class Sweep:
     def costs(self) -> dict[str, dict[str, Any]]:
         """:func:`benchmarks.harness.cost.summarize_costs` of the design's arms."""
         d = Design(tuple(self.seeds), tuple(self.points), self.horizon)
-        return cost.summarize_costs(self.records, d, self.formats(), arms=list(self.summary))
+        return cost.summarize_costs(
+            self.records,
+            d,
+            self.formats(),
+            arms=list(self.summary),
+            schedule=self.inst["trunk_steps"],
+            error=error_cost(self.src, self.formats().backend),
+        )
 
     def cost_table(self) -> str:
         """The cost at matched loss of every arm, per hardware (:mod:`benchmarks.harness.cost`)."""
-        return cost.cost_table(self.costs)
+        return cost.cost_table(self.costs, horizon=self.horizon)
 
     def unit_step_costs(self) -> bool:
         """Whether any branch's FLOP share fell back to its unit-step share (no
@@ -137,7 +145,9 @@ class Sweep:
     def priced(self) -> str:
         """The formats priced and at what rates (the cost model's last assumption line)."""
         line = cost.assumptions(self.formats(), self.horizon, self.early_eval)[-1]
-        return line[0].lower() + line[1:].removesuffix(".")
+        e = error_cost(self.src, self.formats().backend)
+        c = "not known" if e is None else f"{100 * e.share:.1f}% ({e.source})"
+        return f"{line[0].lower()}{line[1:].removesuffix('.')}; the error term's C = {c}"
 
     @property
     def early_eval(self) -> int:
@@ -347,7 +357,9 @@ def context(src: Source) -> dict[str, Any]:
     step = "sweep_fp4_step_time_nvfp4"
     return {
         "cost_sweeps": [nv, sw["mx_all"], sw["st_all"], sw["st"]],
-        "cost_assumptions": cost.assumptions(None, nv.horizon, nv.early_eval),
+        "cost_assumptions": cost.assumptions(
+            None, nv.horizon, nv.early_eval, nv.inst["trunk_steps"]
+        ),
         **sw,
         "sweeps": list(sw.values()),
         "CLI": CLI,

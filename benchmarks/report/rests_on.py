@@ -17,8 +17,10 @@ For a regime that passes the noise bar and its ``GNMR+e k`` arm (:func:`rests_on
   leaves the trained weight's gradient alone, so the norms cannot see it by construction;
 - **after the window**: the static gap at every evaluation (a stale delayed-scaling history keeps
   damaging after the fault ends; current scaling heals);
-- **the cost model's convexity**: the largest extra-step count of one branch and the low-cost
-  path's speed-up at the mean extra steps beside the mean of the per-branch speed-ups;
+- **the old cost model's flaws against the bounded one**: the largest extra-step count of one
+  branch and the low-cost path's speed-up at the mean extra steps beside the mean of the
+  per-branch speed-ups (the old model), then the branches that do not reach BF16's loss inside
+  the schedule and the speed-ups as the bounded model gives them (:mod:`benchmarks.harness.cost`);
 - **the stopping history** (:data:`benchmarks.harness.preregistered.STOPPING`): the verdicts at
   the seeds planned before the sweep, the seeds added after that look, and the sign count of
   each comparison at the end.
@@ -39,6 +41,7 @@ from benchmarks.harness.stats import interval
 from benchmarks.report.faults import (
     FAMILY,
     PROJECTIONS,
+    SCHEDULE_END,
     FaultRegime,
     complete_seeds,
     one_host,
@@ -163,10 +166,12 @@ def _stopping(r: FaultRegime, k: int) -> dict[str, Any] | None:
     return {"stop": stop, "first": first, "final": final, "family": family}
 
 
-def _convexity(r: FaultRegime) -> dict[str, Any] | None:
-    """The old cost model's two flatteries on the low-cost arm: the largest extra-step count of
-    one branch, and the speed-up at the mean extra steps beside the mean of per-branch speed-ups
-    (B200)."""
+def _convexity(r: FaultRegime, k: int) -> dict[str, Any] | None:
+    """The old cost model's two flatteries on the low-cost arm, against the bounded model
+    (B200): the largest extra-step count of one branch (unbounded), the mean of per-branch
+    speed-ups beside the speed-up at the mean extra steps; then, from :attr:`FaultRegime.costs`,
+    the branches not reached in the schedule (of those with steps left) and behind at its end,
+    and the low-cost path's and ``GNMR+e k``'s speed-ups as the tables now give them."""
     d = r.design
     p = cost.price(r.formats(), "B200")
     if p.note is not None:
@@ -181,19 +186,38 @@ def _convexity(r: FaultRegime) -> dict[str, Any] | None:
         ]
         if any(c.extra_steps is None or c.speedup is None for c in row):
             return None
-        branches += row
+        branches += zip(d.points, row, strict=True)
         seeds.append(row)
     extra = statistics.fmean(statistics.fmean(c.extra_steps for c in row) for row in seeds)
     ratios = statistics.fmean(statistics.fmean(c.speedup for c in row) for row in seeds)
     t = cost.step_time(0.0, p)
-    worst = max(branches, key=lambda c: c.extra_steps or 0.0)
+    point, worst = max(branches, key=lambda b: b[1].extra_steps or 0.0)
+    arm = f"GNMR+e {k}"
+    now = {
+        a: r.costs[a] | {"b200": r.costs[a]["hardware"]["B200"]}
+        for a in ("low-cost", arm)
+        if a in r.costs
+    }
     return {
         "max_extra": worst.extra_steps,
+        "past_end": point + d.horizon + (worst.extra_steps or 0.0) > SCHEDULE_END,
         "mean_extra": extra,
         "mean_of_ratios": ratios,
         "at_mean": d.horizon / ((d.horizon + extra) * t),
         "horizon": d.horizon,
+        "schedule": SCHEDULE_END,
+        "arm": arm,
+        "now": now,
+        "null_at_end": _at_end(r.costs.get("null BF16 (1e-6)")),
     }
+
+
+def _at_end(row: dict[str, Any] | None) -> str | None:
+    """``2 of 10``: an arm's branches behind BF16 at points that end the schedule."""
+    if row is None or row.get("at_end") is None:
+        return None
+    behind, n = row["at_end"]
+    return f"{behind} of {n}"
 
 
 def rests_on(r: FaultRegime, k: int) -> dict[str, Any] | None:
@@ -244,6 +268,6 @@ def rests_on(r: FaultRegime, k: int) -> dict[str, Any] | None:
             else None
         ),
         "gap_at": gap_at,
-        "convexity": _convexity(r),
+        "convexity": _convexity(r, k),
         "stopping": _stopping(r, k),
     }

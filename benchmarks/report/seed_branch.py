@@ -44,7 +44,16 @@ from benchmarks.harness.branch_stats import (
     troubles,
 )
 from benchmarks.harness.markdown import markdown_table
-from benchmarks.report.faults import choose_arms, pct, pm, progress, reach, work
+from benchmarks.report.error_cost import error_cost
+from benchmarks.report.faults import (
+    SCHEDULE_END,
+    choose_arms,
+    pct,
+    pm,
+    progress,
+    reach,
+    work,
+)
 from benchmarks.report.source import Source
 from benchmarks.report.words import listing
 
@@ -56,6 +65,11 @@ LOW_NULL = "null low-cost (1e-6)"
 
 ORDER = ("random", "GNMR", "GNMR+e", "oracle")
 """The budgeted policies (``<policy> <k>``), in the tables' order within a budget."""
+
+SCHEDULES = {"seed_act_quant": 300, "seed_lora_int8": 200}
+"""The trunk's schedule of the seed regimes whose ``Instrument.trunk_steps`` is not the fault
+regimes' (:data:`benchmarks.report.faults.SCHEDULE_END`), which bounds the cost model's extra
+steps (``tests/benchmarks/test_cost_bounds.py`` checks them against the regimes)."""
 
 CONTROLS = ("NVIDIA last", "random", "GNMR+e", "oracle")
 """The policies whose shares stand beside GNMR's verdict (by name prefix)."""
@@ -360,16 +374,27 @@ class SeedRegime:
         """:func:`benchmarks.harness.cost.cost_table` on the design's arms against the recovery
         arm (the speed-up columns left out when the formats are not priced)."""
         d = self.design
-        summary = cost.summarize_costs(self.records, d, self.formats(), arms=self.table_arms)
+        summary = cost.summarize_costs(
+            self.records,
+            d,
+            self.formats(),
+            arms=self.table_arms,
+            schedule=SCHEDULES.get(self.name, SCHEDULE_END),
+            error=error_cost(self.src, self.formats().backend),
+        )
         hardware = () if self.unpriced() else cost.HARDWARE
-        table = cost.cost_table(summary, hardware)
-        return table.replace("extra steps to match BF16", f"extra steps to match {d.high}", 1)
+        table = cost.cost_table(summary, hardware, horizon=self.horizon)
+        head, _, body = table.partition("\n")
+        return f"{head.replace('BF16', d.high)}\n{body}"
 
     def priced(self) -> str:
-        """The formats priced and at what rates (the cost model's last assumption line)."""
+        """The formats priced and at what rates (the cost model's last assumption line), and the
+        error term's cost ``C`` with its source."""
         early = max([e for e in self.evals if e < self.horizon], default=self.horizon)
         line = cost.assumptions(self.formats(), self.horizon, early)[-1]
-        return line[0].lower() + line[1:].removesuffix(".")
+        e = error_cost(self.src, self.formats().backend)
+        c = "not known" if e is None else f"{100 * e.share:.1f}% ({e.source})"
+        return f"{line[0].lower()}{line[1:].removesuffix('.')}; the error term's C = {c}"
 
 
 def regimes(src: Source) -> list[SeedRegime]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.harness import cost, preregistered
+from benchmarks.harness import preregistered
 from benchmarks.harness.branch_stats import share_closed
 from benchmarks.report.ablation import ablation
 from benchmarks.report.faults import FaultRegime, work
@@ -80,10 +80,11 @@ def level_with(r: FaultRegime, arm: str, share: tuple[float, float]) -> list[str
 
 def speedups(r: FaultRegime, arm: str, hardware: str = "B200") -> dict[str, Any]:
     """``arm``'s and the low-cost path's speed-up over BF16 at matched loss on ``hardware``
-    (:mod:`benchmarks.harness.cost`: mean and 95% half-width; ``None`` where not priced)."""
-    costs = cost.summarize_costs(r.records, r.design, r.formats(), [hardware], [arm, "low-cost"])
-    got = {a: costs[a]["hardware"][hardware] for a in (arm, "low-cost")}
-    return {"hardware": hardware, "arm": got[arm]["speedup"], "low": got["low-cost"]["speedup"]}
+    (:attr:`FaultRegime.costs`): per arm ``value`` (mean and 95% half-width) or ``None`` with
+    the ``note`` saying why (not reached in the schedule, not priced)."""
+    cells = {a: r.costs[a]["hardware"][hardware] for a in (arm, "low-cost")}
+    got = {a: {"value": c["speedup"], "note": c["note"]} for a, c in cells.items()}
+    return {"hardware": hardware, "arm": got[arm], "low": got["low-cost"]}
 
 
 SWEPT = 5
