@@ -24,6 +24,7 @@ import jinja2
 
 from benchmarks.harness.branch_stats import SPIKE, table
 from benchmarks.report import (
+    fault_grid,
     faults,
     fp4,
     overhead,
@@ -41,7 +42,7 @@ DOCUMENT = Path(__file__).resolve().parents[1] / "RESULTS.md"
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 
-SECTIONS = (summary, fp4, faults, seed_branch, selection, seed, overhead, shadow)
+SECTIONS = (summary, fp4, faults, fault_grid, seed_branch, selection, seed, overhead, shadow)
 """The modules whose ``context(src)`` give the sections' templates their names."""
 
 

@@ -118,3 +118,70 @@ def test_the_grid_cells():
     assert len(fault_grid.arms_of("m20_rise_visible", "statics")) == 4
     assert "GNMR 4" in [a.name for a, _ in fault_grid.arms_of("m20_rise_visible", "arms")]
     assert "GNMR 4" not in [a.name for a, _ in fault_grid.arms_of("m20_rise", "arms")]
+
+
+def _record(arm, seed, h, losses, work=0.0, host="cpu A"):
+    return {
+        "arm": arm,
+        "seed": seed,
+        "point": 100,
+        "heldout": {str(k): v for k, v in losses.items()},
+        "flops_recovered": work,
+        "unit_recovered": [0] * 28,
+        "outliers": [],
+        "train_loss": [1.0] * h,
+        "provenance": {"host": {"cpu": host, "isa": "AVX512"}},
+    }
+
+
+def test_the_grid_report_pairs_a_cell_with_the_fault_free_bf16_and_breaks_even(tmp_path):
+    """A function-preserving cell reads BF16 from free_long at its horizon; the break-even of an
+    arm follows the arithmetic from the records (rate from free_long's BF16, 25 steps)."""
+    import json
+
+    from benchmarks.report import fault_grid as report
+    from benchmarks.report.source import Source
+
+    seeds = (1234, 7, 42, 5, 11)
+    folder = tmp_path / "fault_grid"
+    folder.mkdir()
+    files: dict[str, list[dict]] = {"grid_free_long": [], "grid_free": [], "grid_m20_rise": []}
+    for i, s in enumerate(seeds):
+        bf = {25: 3.0 + 0.01 * i, 50: 2.95 + 0.01 * i}  # rate 0.002 nats / step
+        files["grid_free_long"] += [
+            _record("BF16", s, 225, {**bf, 225: 2.5}),
+            _record("null BF16 (1e-6)", s, 225, {**bf, 225: 2.5}),
+        ]
+        low_f, low_0 = bf[50] + 0.04 + 0.002 * i, bf[50] + 0.001
+        files["grid_m20_rise"] += [
+            _record("low-cost", s, 50, {25: 0, 50: low_f}),
+            _record("null low-cost (1e-6)", s, 50, {25: 0, 50: low_f}),
+            _record("GNMR+e 4", s, 50, {25: 0, 50: bf[50] + 0.001}, work=0.15),
+        ]
+        files["grid_free"] += [
+            _record("low-cost", s, 50, {25: 0, 50: low_0}),
+            _record("null low-cost (1e-6)", s, 50, {25: 0, 50: low_0}),
+            _record("GNMR+e 4", s, 50, {25: 0, 50: low_0}, work=0.15),
+        ]
+    for name, rows in files.items():
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    src = Source(tmp_path)
+    row = report.cell_row("m20_rise", report.records(src, "m20_rise"))
+    assert row["seeds"] == list(seeds) and row["resolved"]
+    assert row["gap"] == pytest.approx([0.04 + 0.002 * i for i in range(5)])
+    assert row["arms"]["GNMR+e 4"]["vs_low"] == pytest.approx(
+        [-0.039 - 0.002 * i for i in range(5)]
+    )
+    free = report.cell_row("free", report.records(src, "free"))
+    _, found = report.break_even_rows(src, {"m20_rise": row} | _empty(), free, error=0.0)
+    # a_0 = -0.15 (no gain, 15% of the work at twice the time); a_f = gain / 0.002 / 50 - 0.15
+    a_f = [(0.039 + 0.002 * i) / 0.002 / 50 - 0.15 for i in range(5)]
+    mean_af = sum(a_f) / 5
+    assert found[0]["phi"] == pytest.approx(0.15 / (0.15 + mean_af))
+    assert "not yet run" in report.statics_table({"m20_rise": row} | _empty())
+
+
+def _empty():
+    from benchmarks.report import fault_grid as report
+
+    return {c: {"seeds": [], "arms": {}} for c, _, _ in report._cells() if c != "m20_rise"}
