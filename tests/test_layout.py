@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("gnmr_dist", "megatron_patches", "benchmarks")
 
 LAYERS: tuple[tuple[str, ...], ...] = (
+    ("gnmr_dist.state",),  # the saved state's one owner: torch and numpy only
     ("gnmr_dist.core",),  # the algorithm: torch and numpy only
     ("gnmr_dist.distributed", "gnmr_dist.telemetry", "gnmr_dist.data"),
     ("gnmr_dist.backends",),  # precision paths, switched per unit
@@ -110,15 +111,15 @@ def test_every_import_points_down_the_layers():
 
 def test_an_upward_import_is_caught_at_module_level_and_inside_a_function():
     sources = _tree()
-    state = "gnmr_dist/core/state.py"
+    state = "gnmr_dist/state/controller.py"
     sources[state] += "\n\ndef _late():\n    from gnmr_dist.train.common import setup_logging\n"
     sources["gnmr_dist/backends/base.py"] += "\nimport gnmr_dist.integrations.session\n"
     sources["gnmr_dist/telemetry/trace.py"] += "\nfrom gnmr_dist.distributed import comm\n"
     found = upward_imports(sources)
     assert len(found) == 3, found
     assert found[0].startswith("gnmr_dist/backends/base.py:") and "integrations.session" in found[0]
-    assert "gnmr_dist.core.state (layer 0" in found[1] and "gnmr_dist.train.common" in found[1]
-    assert "telemetry.trace" in found[2] and "(layer 1, gnmr_dist.distributed)" in found[2]
+    assert "gnmr_dist.state.controller (layer 0" in found[1] and "train.common" in found[1]
+    assert "telemetry.trace" in found[2] and "(layer 2, gnmr_dist.distributed)" in found[2]
 
 
 def test_a_module_outside_every_layer_is_named():
@@ -146,6 +147,7 @@ def test_the_report_reads_result_files_and_the_harness_only():
 # ------------------------------------------------------------------------ the framework boundary
 
 FRAMEWORK_FREE = (
+    "gnmr_dist.state",
     "gnmr_dist.core",
     "gnmr_dist.distributed",
     "gnmr_dist.telemetry",
@@ -215,10 +217,10 @@ def test_a_framework_fact_below_the_integrations_is_caught():
     sources["gnmr_dist/backends/base.py"] += (
         "\n\ndef _late():\n    from megatron.core.tensor_parallel import mappings\n"
     )
-    sources["gnmr_dist/core/state.py"] += "\nimport deepspeed.comm\n"
+    sources["gnmr_dist/state/controller.py"] += "\nimport deepspeed.comm\n"
     sources["gnmr_dist/integrations/session.py"] += "\nimport deepspeed\n"  # allowed there
     found = framework_facts(sources)
     assert len(found) == 3, found
     assert found[0].startswith("gnmr_dist/backends/base.py:") and "megatron.core" in found[0]
-    assert found[1].startswith("gnmr_dist/core/state.py:") and "deepspeed.comm" in found[1]
-    assert found[2].startswith("gnmr_dist/distributed/units.py:") and "MEGATRON_LINEARS" in found[2]
+    assert found[1].startswith("gnmr_dist/distributed/units.py:") and "MEGATRON_LINEARS" in found[1]
+    assert found[2].startswith("gnmr_dist/state/controller.py:") and "deepspeed.comm" in found[2]

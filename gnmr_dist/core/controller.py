@@ -50,17 +50,11 @@ from gnmr_dist.core.inputs import (
     unit_costs,
     unit_vector,
 )
-from gnmr_dist.core.integrity import open_state, seal
-from gnmr_dist.core.state import STATE_VERSION, check_state, conform
+from gnmr_dist.state import STATE_VERSION, check_state, fit, numpy_copy, open_state, seal
 
 __all__ = ["STATE_VERSION", "GNMRController"]
 
 logger = logging.getLogger(__name__)
-
-
-def _array(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
-    """A numpy copy of a loaded state tensor (whatever its autograd flag or layout)."""
-    return t.detach().to(device="cpu", dtype=dtype).contiguous().numpy().copy()
 
 
 class GNMRController:
@@ -280,13 +274,17 @@ class GNMRController:
     # ------------------------------------------------------------------ checkpointing
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain tensors, ints and a JSON-like config: safe for ``weights_only=True`` loads.
+        """:meth:`snapshot`, sealed (:func:`gnmr_dist.state.seal`): the dict a caller of the
+        bare controller hands to ``torch.save``. Plain tensors, ints and a JSON-like config:
+        safe for ``weights_only=True`` loads."""
+        return seal(self.snapshot())
 
-        Format :data:`~gnmr_dist.core.state.STATE_VERSION` (2, docs/algorithm.md#state-and-resume):
-        the history and locks of format 1, then the latches, the learning-rate peak, the
-        accounting and the plan that runs next. Sealed with a per-field checksum
-        (:mod:`gnmr_dist.core.integrity`).
-        """
+    def snapshot(self) -> dict[str, Any]:
+        """The state as plain data, a copy, unsealed: format
+        :data:`~gnmr_dist.state.STATE_VERSION` (2, docs/algorithm.md#state-and-resume), the
+        history and locks of format 1, then the latches, the learning-rate peak, the accounting
+        and the plan that runs next. A runtime saves it as one part of its run state
+        (:mod:`gnmr_dist.state.run`), which is sealed once."""
         plan = np.zeros(self.num_units, dtype=bool)
         plan[self._plan] = True
         arrays = {
@@ -300,18 +298,16 @@ class GNMRController:
             "nonfinite": self._nonfinite,
             "plan": plan,
         }
-        return seal(
-            {
-                "version": STATE_VERSION,
-                "num_units": self.num_units,
-                "step": self._step,
-                "config": self.config.to_dict(),
-                "eligible": self.eligible.clone(),
-                **{k: torch.from_numpy(v.copy()) for k, v in arrays.items()},
-                "lr_peak": torch.tensor(self._lr_peak, dtype=torch.float64),
-                "first_nonfinite": torch.tensor(self._first_nonfinite, dtype=torch.int64),
-            }
-        )
+        return {
+            "version": STATE_VERSION,
+            "num_units": self.num_units,
+            "step": self._step,
+            "config": self.config.to_dict(),
+            "eligible": self.eligible.clone(),
+            **{k: torch.from_numpy(v.copy()) for k, v in arrays.items()},
+            "lr_peak": torch.tensor(self._lr_peak, dtype=torch.float64),
+            "first_nonfinite": torch.tensor(self._first_nonfinite, dtype=torch.int64),
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a :meth:`state_dict` (format 2, or 1: no latches, a zero learning-rate peak,
@@ -319,17 +315,21 @@ class GNMRController:
 
         ``num_units`` and ``window`` must match this controller (they fix the state's shapes).
         Other policy fields may differ: the current config wins and the difference is logged,
-        so a run can be resumed with a retuned policy (:func:`~gnmr_dist.core.state.conform`
-        fits the saved locks and latches to it).
+        so a run can be resumed with a retuned policy (:func:`gnmr_dist.state.fit` fits the
+        saved locks, latches and plan to it).
 
         The state must match its checksum (``StateIntegrityError``, a ``ValueError``, names
         each altered field) and satisfy the algorithm's invariants (``ValueError`` naming the
-        entry, :mod:`gnmr_dist.core.state`); a state written before checksums existed loads
-        with a warning.
+        entry, :mod:`gnmr_dist.state.controller`); a state written before checksums existed
+        loads with a warning. Nothing is restored from a state that fails.
         """
-        state = check_state(
-            open_state(state, "GNMR controller state"), self.num_units, self.config.window
-        )
+        body = open_state(state, "GNMR controller state")
+        self.restore(check_state(body, self.num_units, self.config.window, GNMRConfig.from_dict))
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Take over a *checked* format-2 state (:func:`gnmr_dist.state.check_state`, or the
+        controller part of :func:`gnmr_dist.state.read_run`): its step, history and accounting,
+        with the locks, latches and plan fitted to the current policy."""
         saved_cfg = dict(state["config"])
         if saved_cfg != self.config.to_dict():
             logger.warning(
@@ -341,33 +341,16 @@ class GNMRController:
             logger.warning(
                 "GNMR state was saved with a different eligibility mask; using the current one"
             )
-        self._restore(state)
-
-    def _restore(self, state: Mapping[str, Any]) -> None:
-        """Take over a checked format-2 state's step, history, locks, latches and accounting."""
+        self._lock, self._latched, self._plan = fit(
+            state, self._eligible, self._units.pinned, self.config
+        )
         self._step = int(state["step"])
-        self._sum = _array(state["norm_sum"], torch.float64)
-        self._count = _array(state["norm_count"], torch.int64)
-        self._wbuf = _array(state["window_buffer"], torch.float64)
-        self._wlen = _array(state["window_len"], torch.int64)
-        lock, latched = _array(state["lock"], torch.int64), _array(state["latched"], torch.int64)
-        self._lock, self._latched = conform(lock, latched, self._eligible, self.config, self._step)
+        self._sum = numpy_copy(state["norm_sum"], torch.float64)
+        self._count = numpy_copy(state["norm_count"], torch.int64)
+        self._wbuf = numpy_copy(state["window_buffer"], torch.float64)
+        self._wlen = numpy_copy(state["window_len"], torch.int64)
         self._lr_peak = float(state["lr_peak"])
-        self._recovered = _array(state["recovered"], torch.int64)
-        self._nonfinite = _array(state["nonfinite"], torch.int64)
+        self._recovered = numpy_copy(state["recovered"], torch.int64)
+        self._nonfinite = numpy_copy(state["nonfinite"], torch.int64)
         at, unit = state["first_nonfinite"].tolist()
         self._first_nonfinite = (int(at), int(unit))
-        self._plan = self._conformed_plan(np.flatnonzero(_array(state["plan"], torch.bool)))
-
-    def _conformed_plan(self, saved: np.ndarray) -> np.ndarray:
-        """The saved plan under the current policy, as the runtime conforms the plan it runs
-        (``GNMRRuntime._conformed``): the lock and latch holders, the saved units pinned now,
-        then the other saved eligible units up to ``k_t`` of the saved step. So a state saved
-        right after a resume with another eligibility mask or budget loads again, and
-        ``recovered`` counts the units that ran; unchanged when the policy is."""
-        held = saved[(self._lock[saved] > 0) | (self._latched[saved] > 0)]
-        pins = self._units.pinned
-        pinned = saved[np.isin(saved, pins) & ~np.isin(saved, held)]
-        rest = saved[self._eligible[saved] & ~np.isin(saved, held) & ~np.isin(saved, pins)]
-        room = max(0, self.config.budget_bound(max(self._step, 1)) - held.size)
-        return np.sort(np.concatenate([held, pinned, rest[:room]])).astype(np.int64)

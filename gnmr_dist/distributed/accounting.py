@@ -140,29 +140,6 @@ class AccountingSummary:
         }
 
 
-_BIG = 2**62
-"""No count bound but the type's (the skipped steps are not counted by the controller)."""
-
-
-def _count_vector(value: Any, shape: tuple[int, ...], key: str, bound: int) -> np.ndarray:
-    """A saved count tensor as int64 of ``shape``, each in ``[0, bound]``; ``ValueError``
-    naming ``accounting.<key>`` otherwise."""
-    ok = isinstance(value, torch.Tensor) and not value.dtype.is_floating_point
-    if not ok or value.dtype in (torch.bool,) or value.dtype.is_complex:
-        raise ValueError(f"GNMR state is corrupted: accounting.{key} is not an integer tensor")
-    if tuple(value.shape) != shape:
-        raise ValueError(
-            f"GNMR state: accounting.{key} has shape {list(value.shape)}, expected {list(shape)}; "
-            "the state was saved for another model"
-        )
-    out: np.ndarray = value.detach().to(torch.int64).cpu().numpy().copy()
-    if out.size and (int(out.min()) < 0 or int(out.max()) > bound):
-        raise ValueError(
-            f"GNMR state is corrupted: accounting.{key} holds a count outside [0, {bound}]"
-        )
-    return out
-
-
 class RunAccounting:
     """The runtime's part of the accounting (module docstring): per-GEMM recovered steps and
     the non-finite norms of skipped steps, over ``names`` (the units, in id order), with
@@ -187,6 +164,7 @@ class RunAccounting:
         self.gemm_steps = np.zeros((u, len(GEMM_ORDER)), dtype=np.int64)
         self.skipped_nonfinite = np.zeros(u, dtype=np.int64)
         self.skipped_first = (0, -1)
+        self._seen: NonFinite | None = None  # the run's first event, when this process saw it
 
     def ran(self, units: Collection[int]) -> None:
         """An applied step ran ``units`` on the recovery path."""
@@ -194,9 +172,29 @@ class RunAccounting:
             ids = np.fromiter(units, dtype=np.int64)
             self.gemm_steps[np.ix_(ids, np.flatnonzero(self.gemms))] += 1
 
-    def skipped(self, step: int, norms: torch.Tensor, first_known: bool) -> NonFinite | None:
-        """A step ``step`` the framework skipped with the reduced ``norms``: count its non-finite
-        units; the first event of the run when ``first_known`` is False and there is one."""
+    def note(
+        self,
+        step: int,
+        norms: torch.Tensor,
+        controller_first: tuple[int, int] | None,
+        skipped: bool,
+    ) -> NonFinite | None:
+        """Step ``step``'s reduced ``norms``, a step the framework ``skipped`` (its non-finite
+        units are counted here) or one the controller decided (``controller_first``: its first
+        non-finite ``(step, unit)`` after that decision). Returns the run's first non-finite
+        event when it is this step's, with its value, else ``None``: the one place that event
+        is decided (module docstring)."""
+        if skipped:
+            return self._skipped(step, norms, controller_first is not None)
+        if controller_first is None or controller_first[0] != step or self.skipped_first[0]:
+            return None
+        unit = controller_first[1]
+        bad = int((~torch.isfinite(norms)).sum())
+        self._seen = NonFinite(step, unit, self.names[unit], float(norms[unit]), bad, False)
+        return self._seen
+
+    def _skipped(self, step: int, norms: torch.Tensor, first_known: bool) -> NonFinite | None:
+        """Count a skipped step's non-finite units; the run's first event when there was none."""
         bad = ~torch.isfinite(norms.detach().cpu().double())
         if not bool(bad.any()):
             return None
@@ -205,11 +203,16 @@ class RunAccounting:
             return None
         unit = int(torch.nonzero(bad)[0])
         self.skipped_first = (step, unit)
-        return NonFinite(step, unit, self.names[unit], float(norms[unit]), int(bad.sum()), True)
+        value = float(norms[unit])
+        self._seen = NonFinite(step, unit, self.names[unit], value, int(bad.sum()), True)
+        return self._seen
 
     def first(self, controller_first: tuple[int, int] | None) -> NonFinite | None:
-        """The run's first non-finite event, of the controller's (``(step, unit)``) and the
-        skipped steps' (module docstring), without its value."""
+        """The run's first non-finite event: the earlier of the controller's (``(step,
+        unit)``) and the skipped steps' (module docstring); with its value when this process
+        saw it, else (after a resume) with NaN and 0."""
+        if self._seen is not None:
+            return self._seen
         events = []
         if self.skipped_first[0]:
             events.append((self.skipped_first[0], 0, self.skipped_first[1]))
@@ -255,36 +258,15 @@ class RunAccounting:
             "skipped_first": torch.tensor(self.skipped_first, dtype=torch.int64),
         }
 
-    def load(self, state: Mapping[str, Any] | None, step: int, recovered: torch.Tensor) -> None:
-        """Restore :meth:`state` (checked: shapes, counts in ``[0, step]`` for the GEMMs, a first
-        event that agrees with its counts); ``None`` (a state from before this accounting):
-        every GEMM of ``gnmr.gemms`` is taken to have run the controller's ``recovered`` steps,
-        no skipped step was non-finite."""
-        u = len(self.names)
+    def load(self, state: Mapping[str, torch.Tensor] | None, recovered: torch.Tensor) -> None:
+        """Take over a checked :meth:`state` (:func:`gnmr_dist.state.read_run` checked it);
+        ``None`` (a state from before this accounting): every GEMM of ``gnmr.gemms`` is taken to
+        have run the controller's ``recovered`` steps, no skipped step was non-finite."""
+        self.reset()
         if state is None:
             self.gemm_steps = np.outer(recovered.numpy(), self.gemms).astype(np.int64)
-            self.skipped_nonfinite = np.zeros(u, dtype=np.int64)
-            self.skipped_first = (0, -1)
             return
-        if not isinstance(state, Mapping):
-            raise ValueError("GNMR state is corrupted: accounting is not a mapping")
-        keys = ("gemm_steps", "skipped_nonfinite", "skipped_first")
-        missing = [k for k in keys if k not in state]
-        if missing:
-            raise ValueError(f"GNMR state is corrupted: accounting lacks {missing}")
-        gemm_steps = _count_vector(state["gemm_steps"], (u, len(GEMM_ORDER)), "gemm_steps", step)
-        skipped = _count_vector(state["skipped_nonfinite"], (u,), "skipped_nonfinite", _BIG)
-        first = state["skipped_first"]
-        if isinstance(first, torch.Tensor) and first.dtype == torch.int64 and first.numel() == 2:
-            at, unit = (int(v) for v in first.tolist())
-        else:
-            at, unit = -1, -2  # refused below
-        unset = at == 0 and unit == -1  # also when an earlier decided step came first
-        fits = unset or (1 <= at <= step + 1 and 0 <= unit < u and skipped[unit] > 0)
-        if not fits:
-            raise ValueError(
-                f"GNMR state is corrupted: accounting.skipped_first={[at, unit]} does not agree "
-                "with the skipped steps' non-finite counts"
-            )
-        self.gemm_steps, self.skipped_nonfinite = gemm_steps, skipped
-        self.skipped_first = (at, unit)
+        self.gemm_steps = state["gemm_steps"].numpy().copy()
+        self.skipped_nonfinite = state["skipped_nonfinite"].numpy().copy()
+        at, unit = state["skipped_first"].tolist()
+        self.skipped_first = (int(at), int(unit))

@@ -38,8 +38,6 @@ from typing import Any
 import torch
 
 from gnmr_dist.core import Decision, GNMRConfig, GNMRController
-from gnmr_dist.core.integrity import open_state, seal
-from gnmr_dist.core.state import StateMismatchError
 from gnmr_dist.distributed.accounting import (
     GEMM_ORDER,
     AccountingSummary,
@@ -49,6 +47,7 @@ from gnmr_dist.distributed.accounting import (
 from gnmr_dist.distributed.comm import Group, all_gather_objects
 from gnmr_dist.distributed.monitor import ErrorFn, GradFn, GradNormMonitor, UnitNorms
 from gnmr_dist.distributed.units import UnitRegistry
+from gnmr_dist.state import RunState, read_run, write_run
 
 __all__ = ["GNMRRuntime", "Plan", "build_controller", "check_same_decision", "decision_digest"]
 
@@ -196,7 +195,6 @@ class GNMRRuntime:
         self.registry = registry
         self.controller = controller or build_controller(registry, config, gemms)
         self.accounting = RunAccounting(registry.names, gemms, registry.sizes)
-        self._first: NonFinite | None = None  # the first event, as this process saw it
         self.uses_errors = self.controller.config.gamma is not None
         self.monitor = GradNormMonitor(
             registry,
@@ -223,7 +221,6 @@ class GNMRRuntime:
         counts."""
         self.controller.reset()
         self.accounting.reset()
-        self._first = None
         self._last_errors = None
         self.plan = Plan(step=1, active=frozenset(), names=())
 
@@ -291,27 +288,14 @@ class GNMRRuntime:
     def _name_first(self, step: int, norms: UnitNorms, *, skipped: bool) -> None:
         """Count a skipped step's non-finite units; log the run's first non-finite event, once,
         when it is this step's (the same line on every rank: the norms are reduced)."""
-        if skipped:
-            known = self.controller.first_nonfinite is not None
-            event = self.accounting.skipped(step, norms.norms, known)
-        else:
-            first = self.controller.first_nonfinite
-            if first is None or first[0] != step or self.accounting.skipped_first[0]:
-                return
-            n = norms.norms
-            bad = int((~torch.isfinite(n)).sum())
-            name = self.registry.names[first[1]]
-            event = NonFinite(step, first[1], name, float(n[first[1]]), bad, False)
+        event = self.accounting.note(step, norms.norms, self.controller.first_nonfinite, skipped)
         if event is not None:
-            self._first = event
             logger.warning("%s", event.line(self.registry.num_units))
 
     @property
     def first_nonfinite(self) -> NonFinite | None:
         """The run's first non-finite gradient norm (``None``: none so far); its value and
         count are known when this process saw it (NaN and 0 after a resume)."""
-        if self._first is not None:
-            return self._first
         return self.accounting.first(self.controller.first_nonfinite)
 
     def summary(self) -> AccountingSummary:
@@ -329,142 +313,51 @@ class GNMRRuntime:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """Controller state plus the unit names, the current plan and the runtime's accounting
-        (``weights_only``-safe), sealed with a per-field checksum
-        (:mod:`gnmr_dist.core.integrity`); with ``error_every > 1`` also the carried error score
-        (``last_errors``), so a resumed run decides as an uninterrupted one between two
-        measured steps."""
-        return seal(self.state_body())
+        """:meth:`snapshot` as one sealed dict of run-state format 3
+        (:func:`gnmr_dist.state.write_run`), ``weights_only``-safe: what a caller of the runtime
+        hands to ``torch.save``."""
+        return write_run(self.snapshot())
 
-    def state_body(self) -> dict[str, Any]:
-        """:meth:`state_dict` without its checksum, for a layer that seals a larger state."""
-        state: dict[str, Any] = {
-            "controller": self.controller.state_dict(),
-            "unit_names": list(self.registry.names),
-            "plan_active": sorted(self.plan.active),
-            "accounting": self.accounting.state(),
-        }
-        if self.uses_errors and self.error_every > 1 and self._last_errors is not None:
-            state["last_errors"] = self._last_errors.clone()
-        return state
+    def snapshot(self) -> RunState:
+        """The run's state as plain parts: the controller's (with the plan it runs next), the
+        unit names, the runtime's accounting and, with ``error_every > 1``, the carried error
+        score (``last_errors``), so a resumed run decides as an uninterrupted one between two
+        measured steps."""
+        errors = self._last_errors if self.uses_errors and self.error_every > 1 else None
+        return RunState(
+            controller=self.controller.snapshot(),
+            unit_names=list(self.registry.names),
+            accounting=self.accounting.state(),
+            last_errors=None if errors is None else errors.clone(),
+        )
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` after checking its checksum (a state without one, from
-        an earlier release, loads with a warning); the units must be the same (any layout)."""
-        body = open_state(state, "GNMR runtime state")
-        self.restore(body)
+        """Restore :meth:`state_dict` (run-state format 1, 2 or 3) after
+        :func:`gnmr_dist.state.read_run` checked all of it: its checksum (a state without one,
+        from an earlier release, loads with a warning), the unit names (any layout), the
+        controller part, the plan and the accounting. Nothing is restored from a state that
+        fails."""
+        self.restore(self.read(state))
 
-    def restore(self, state: Mapping[str, Any]) -> None:
-        """Restore an already verified :meth:`state_body`: unit names, then the controller
-        (its own checksum and invariants), then the plan, checked against the controller, and
-        the accounting (a state without one: :meth:`RunAccounting.load`)."""
-        names = state.get("unit_names", [])
-        if not isinstance(names, list) or names != list(self.registry.names):
-            names = list(names) if isinstance(names, list | tuple) else []
-            diff = sorted(set(map(str, names)) ^ set(self.registry.names))[:5]
-            raise StateMismatchError(
-                f"GNMR state was saved for {len(names)} units, this model has "
-                f"{self.registry.num_units}; first differing names: {diff}; the unit list must "
-                "match: resume with the model, gnmr.units and gnmr.include/exclude it was saved "
-                "with"
-            )
-        if "controller" not in state or "plan_active" not in state:
-            raise ValueError("GNMR state is corrupted: it has no 'controller' or 'plan_active'")
-        saved, before = state["controller"], self.controller.state_dict()
-        self.controller.load_state_dict(saved)
-        ctrl, kept = self.controller, self.accounting.state()
-        try:
-            active = _saved_plan(state["plan_active"], saved)
-            errors = _carried_errors(state.get("last_errors"), self.registry.num_units)
-            self.accounting.load(state.get("accounting"), ctrl.step_count, ctrl.recovered)
-        except ValueError:
-            ctrl.load_state_dict(before)  # nothing is restored from a bad state
-            self.accounting.load(kept, ctrl.step_count, ctrl.recovered)
-            raise
-        self._first = None
-        self._last_errors = errors
-        self.plan = self._plan_for(self.controller.step_count + 1, self._conformed(active))
+    def read(self, state: Mapping[str, Any], what: str = "GNMR runtime state") -> RunState:
+        """``state`` checked for this runtime's units and window (:func:`~gnmr_dist.state.
+        read_run`), not yet restored."""
+        window = self.controller.config.window
+        return read_run(
+            state,
+            names=self.registry.names,
+            window=window,
+            policy_of=GNMRConfig.from_dict,
+            what=what,
+        )
 
-    def _conformed(self, active: tuple[int, ...]) -> tuple[int, ...]:
-        """The saved plan under the current policy (a resume may lower the budget, change the
-        eligible or the pinned units): the controller's lock and latch holders, the saved units
-        pinned under the current mask (outside the budget), then the other saved units that
-        are still eligible, up to the budget ``k_t`` of the saved step (on the lr_decay clock,
-        which needs the learning rate, its bound ``max(start, end)``); unchanged when the
-        policy is."""
+    def restore(self, run: RunState) -> None:
+        """Take over a checked :class:`~gnmr_dist.state.RunState`: the controller (its locks,
+        latches and plan fitted to the current policy, :func:`gnmr_dist.state.fit`), the
+        accounting and the carried error score; the plan the next step runs is the
+        controller's."""
         ctrl = self.controller
-        locks, latches = ctrl.locks, ctrl.latches
-        held = [u for u in active if int(locks[u]) > 0 or int(latches[u]) > 0]
-        cfg = ctrl.config
-        mask = cfg.pinned.mask(self.registry.names) if cfg.pinned is not None else None
-        pinned = [u for u in active if mask is not None and mask[u] and bool(ctrl.eligible[u])]
-        rest = [u for u in active if u not in held and u not in pinned and bool(ctrl.eligible[u])]
-        room = max(0, cfg.budget_bound(max(ctrl.step_count, 1)) - len(held))
-        return tuple(sorted(set(held + pinned + rest[:room])))
-
-
-def _saved_plan(plan: Any, controller: Mapping[str, Any]) -> tuple[int, ...]:
-    """A saved ``plan_active`` checked against the saved controller it was decided by: distinct
-    unit ids in range, eligible, every lock (and latch) holder among them (the policy clears
-    both on every unit outside the plan), and within the controller's own saved plan (state
-    format 2; equal to it unless a resume conformed it to a tighter policy, which only drops
-    units); a format-1 controller, which has no plan of its own, bounds it by its integer
-    ``max_active``."""
-    u = int(controller["num_units"])
-    if not isinstance(plan, list | tuple) or not all(
-        isinstance(i, int) and not isinstance(i, bool) for i in plan
-    ):
-        raise ValueError(f"GNMR state is corrupted: plan_active={plan!r:.80} is not a list of ids")
-    ids = tuple(sorted(plan))
-    bad = [i for i in ids if not 0 <= i < u]
-    if bad or len(set(ids)) != len(ids):
-        raise ValueError(
-            f"GNMR state is corrupted: plan_active={list(plan)} holds ids outside [0, {u}) or "
-            "twice; is this state from another model?"
-        )
-    max_active = controller["config"]["max_active"]
-    holds = controller["lock"] > 0
-    if "latched" in controller:
-        holds = holds | (controller["latched"] > 0)
-    held = set(torch.nonzero(holds).flatten().tolist())
-    ineligible = [i for i in ids if not bool(controller["eligible"][i])]
-    own = controller.get("plan")
-    too_many = own is None and isinstance(max_active, int) and len(ids) > max_active
-    if too_many or ineligible or not held <= set(ids):
-        raise ValueError(
-            f"GNMR state is corrupted: plan_active={list(ids)} does not fit its controller "
-            f"(max_active={max_active}, ineligible ids {ineligible}, lock holders {sorted(held)} "
-            "must all be active)"
-        )
-    if own is not None:
-        decided = torch.nonzero(own).flatten().tolist()
-        if not set(ids) <= set(decided):
-            raise ValueError(
-                f"GNMR state is corrupted: plan_active={list(ids)} is not within the plan its "
-                f"controller decided, {decided}"
-            )
-    return ids
-
-
-def _carried_errors(saved: Any, num_units: int) -> torch.Tensor | None:
-    """A saved ``last_errors`` as float64 [U] (``None``: none saved, e.g. ``error_every = 1``):
-    real, one per unit, each >= 0 or non-finite (a non-finite score scores +inf)."""
-    if saved is None:
-        return None
-    if not isinstance(saved, torch.Tensor) or saved.dtype.is_complex or saved.dtype == torch.bool:
-        raise ValueError(
-            f"GNMR state is corrupted: last_errors is not a real tensor ({saved!r:.60})"
-        )
-    errors = saved.detach().to(torch.float64).flatten().clone()
-    if errors.numel() != num_units:
-        raise ValueError(
-            f"GNMR state: last_errors holds {errors.numel()} values for {num_units} units; the "
-            "state was saved for another model"
-        )
-    negative = (errors < 0) & torch.isfinite(errors)
-    if bool(negative.any()):
-        unit = int(negative.nonzero()[0])
-        raise ValueError(
-            f"GNMR state is corrupted: last_errors[{unit}] = {float(errors[unit])} < 0"
-        )
-    return errors
+        ctrl.restore(run.controller)
+        self.accounting.load(run.accounting, ctrl.recovered)
+        self._last_errors = run.last_errors
+        self.plan = self._plan_for(ctrl.step_count + 1, ctrl.plan)

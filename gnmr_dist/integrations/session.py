@@ -17,17 +17,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from gnmr_dist.backends import PrecisionBackend
 from gnmr_dist.core import Decision, GNMRController
-from gnmr_dist.core.integrity import open_state, seal
 from gnmr_dist.distributed import AccountingSummary, GNMRRuntime, Plan, UnitRegistry
 from gnmr_dist.distributed.accounting import GEMM_ORDER
 from gnmr_dist.distributed.monitor import ErrorFn, UnitNorms
 from gnmr_dist.integrations.config import GNMRBlock
+from gnmr_dist.state import RunState, write_run
 from gnmr_dist.telemetry import TraceHeader, TraceWriter
 
 __all__ = [
@@ -325,15 +326,20 @@ class IntegrationSession:
         if self.backend is not None:
             self.backend.apply(self.runtime.plan.active, self.runtime.plan.step)
 
-    def state_dict(self) -> dict[str, Any]:
-        """Controller state, unit names, plan and skipped-step count (plain, rank-identical,
-        ``weights_only``-safe), plus what the integration keeps (:meth:`_extra_state`), sealed
-        with a per-field checksum."""
-        return seal({**self.runtime.state_body(), "skipped": self.skipped, **self._extra_state()})
+    def snapshot(self) -> RunState:
+        """The runtime's :meth:`~gnmr_dist.distributed.GNMRRuntime.snapshot` with what the
+        integration keeps: the skipped-step count and the skipped attempts no trace record
+        reported yet (:meth:`_pending`)."""
+        return replace(self.runtime.snapshot(), skipped=self.skipped, pending=self._pending())
 
-    def _extra_state(self) -> dict[str, Any]:
-        """Further top-level entries of :meth:`state_dict` (none here)."""
-        return {}
+    def _pending(self) -> tuple[int, list[int]]:
+        """``(attempts, non-finite unit ids)`` skipped since the last decision (none here)."""
+        return 0, []
+
+    def state_dict(self) -> dict[str, Any]:
+        """:meth:`snapshot` as one sealed dict (:func:`gnmr_dist.state.write_run`): plain,
+        rank-identical and ``weights_only``-safe, what the integration writes to disk."""
+        return write_run(self.snapshot())
 
     def reset(self) -> None:
         """Start the controller fresh (``on_missing_state`` / ``on_corrupt_state`` ``"fresh"``)
@@ -346,14 +352,14 @@ class IntegrationSession:
         """Restore :meth:`state_dict` (any parallel layout) and apply the restored plan.
 
         Raises ``ValueError`` when the state does not match its checksum
-        (:class:`~gnmr_dist.core.integrity.StateIntegrityError`, naming each altered field) or
-        breaks an invariant of the algorithm (naming the entry); nothing is restored then. A
-        state without a checksum (an earlier release) loads with a warning.
+        (:class:`~gnmr_dist.state.StateIntegrityError`, naming each altered field) or breaks an
+        invariant of the algorithm (naming the entry); nothing is restored then. A state without
+        a checksum (an earlier release) loads with a warning.
         """
-        body = open_state(state, "GNMR state")
-        skipped = body.get("skipped", 0)
-        if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
-            raise ValueError(f"GNMR state is corrupted: skipped={skipped!r} is not a count")
-        self.runtime.restore(body)
-        self.skipped = skipped
+        self.restore(self.runtime.read(state, "GNMR state"))
+
+    def restore(self, run: RunState) -> None:
+        """Take over a checked run state (:meth:`GNMRRuntime.read`) and apply its plan."""
+        self.runtime.restore(run)
+        self.skipped = run.skipped or 0
         self._apply_plan()

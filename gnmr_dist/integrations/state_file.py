@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from gnmr_dist.core.state import StateMismatchError
 from gnmr_dist.integrations.config import GNMRBlock
+from gnmr_dist.state import StateMismatchError
 
 __all__ = ["read_state", "restart_drill", "restore_or_refuse", "write_atomic"]
 

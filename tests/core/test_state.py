@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gnmr_dist import GNMRConfig, GNMRController
-from gnmr_dist.core.integrity import StateIntegrityError, seal, unseal
+from gnmr_dist.state import StateIntegrityError, seal, unseal
 
 
 def trained(u=3, steps=12, **cfg):

@@ -15,7 +15,7 @@ from torch import nn
 
 from gnmr_dist.backends.gemms import GEMMS
 from gnmr_dist.core import GNMRConfig, GNMRController
-from gnmr_dist.core.integrity import seal, unseal
+from gnmr_dist.state import seal, unseal
 from gnmr_dist.distributed import GNMRRuntime, UnitNorms, UnitRegistry, operator_shapes
 from gnmr_dist.distributed.accounting import GEMM_ORDER, AccountingSummary
 from tests import multiproc

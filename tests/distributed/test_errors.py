@@ -237,7 +237,7 @@ def test_a_resume_with_a_tighter_policy_saves_states_that_load_again():
 
 
 def test_a_refused_plan_restores_nothing():
-    from gnmr_dist.core.integrity import seal, unseal
+    from gnmr_dist.state import seal, unseal
 
     runtime = _spiked_runtime(GNMRConfig(warmup_steps=0, max_active=3, lock_steps=10))
     body, _ = unseal(runtime.state_dict(), "state")

@@ -9,11 +9,10 @@ import torch
 
 from gnmr_dist import GNMRConfig
 from gnmr_dist.backends import get_backend
-from gnmr_dist.core.integrity import open_state, seal
-from gnmr_dist.core.state import STATE_VERSION
 from gnmr_dist.distributed import GNMRRuntime, UnitRegistry
 from gnmr_dist.integrations.config import GNMRBlock
 from gnmr_dist.integrations.state_file import read_state, restore_or_refuse, write_atomic
+from gnmr_dist.state import STATE_VERSION, open_state, seal
 from tests.backends.external import RoundedBackend  # registers test_rounded
 from tests.distributed.toy import Toy
 

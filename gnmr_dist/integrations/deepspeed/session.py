@@ -42,7 +42,6 @@ import torch.distributed as dist
 
 from gnmr_dist.backends import PrecisionBackend, StepReport
 from gnmr_dist.core import Decision
-from gnmr_dist.core.integrity import unseal
 from gnmr_dist.distributed import GNMRRuntime, UnitNorms, UnitRegistry
 from gnmr_dist.distributed.probe import ProbeResult, RecoveryProbe
 from gnmr_dist.integrations.config import GNMRBlock
@@ -58,6 +57,7 @@ from gnmr_dist.integrations.session import (
     trace_fields,
 )
 from gnmr_dist.integrations.state_file import read_state, restore_or_refuse, write_atomic
+from gnmr_dist.state import RunState
 from gnmr_dist.telemetry import TraceWriter
 from gnmr_dist.telemetry.selection import top_k
 from gnmr_dist.telemetry.trace import ProbeRecord
@@ -374,22 +374,16 @@ class DeepSpeedGNMR(IntegrationSession):
 
     # ------------------------------------------------------------------ state
 
-    def _extra_state(self) -> dict[str, Any]:
+    def _pending(self) -> tuple[int, list[int]]:
         """The attempts skipped since the last decision, which the next trace record reports
-        (``skipped_pending``; only while there are some, so other states are as before)."""
-        if not self._skipped_attempts:
-            return {}
-        pending = {"attempts": self._skipped_attempts, "nonfinite": list(self._skipped_nonfinite)}
-        return {"skipped_pending": pending}
+        (saved as ``skipped_pending``, only while there are some)."""
+        return self._skipped_attempts, list(self._skipped_nonfinite)
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """:meth:`IntegrationSession.load_state_dict`, and the skipped attempts the saved run
-        had not reported yet (``ValueError`` when they do not fit the state: nothing is
-        restored)."""
-        body, _ = unseal(state, "GNMR state")
-        pending = _pending(body.get("skipped_pending"), body.get("skipped"), self.registry)
-        super().load_state_dict(state)
-        self._skipped_attempts, self._skipped_nonfinite = pending
+    def restore(self, run: RunState) -> None:
+        """:meth:`IntegrationSession.restore`, and the skipped attempts the saved run had not
+        reported yet (checked with the rest by :func:`gnmr_dist.state.read_run`)."""
+        super().restore(run)
+        self._skipped_attempts, self._skipped_nonfinite = run.pending[0], list(run.pending[1])
 
     def reset(self) -> None:
         super().reset()
@@ -438,30 +432,6 @@ class DeepSpeedGNMR(IntegrationSession):
             f"gnmr: the controller starts fresh at engine step {at} and counts its steps from 1 "
             "again (the trace: extra.engine_step in each record, meta.engine_step_at_start)"
         )
-
-
-def _pending(value: Any, skipped: Any, registry: UnitRegistry) -> tuple[int, list[int]]:
-    """A saved ``skipped_pending`` entry as ``(attempts, non-finite unit ids)``; ``(0, [])``
-    when absent. ``ValueError`` when it does not fit: at most ``skipped`` attempts, each with
-    at most every unit once."""
-    if value is None:
-        return 0, []
-    entry = value if isinstance(value, Mapping) else {}
-    attempts, units, u = entry.get("attempts"), entry.get("nonfinite"), registry.num_units
-    if (
-        isinstance(attempts, int)
-        and not isinstance(attempts, bool)
-        and isinstance(skipped, int)
-        and 1 <= attempts <= skipped
-        and isinstance(units, list)
-        and len(units) <= attempts * u
-        and all(type(i) is int and 0 <= i < u for i in units)
-    ):
-        return attempts, list(units)
-    raise ValueError(
-        f"GNMR state is corrupted: skipped_pending={value!r:.120} does not fit "
-        f"skipped={skipped!r} and {u} units"
-    )
 
 
 def _latest_tag(load_dir: str) -> str | None:

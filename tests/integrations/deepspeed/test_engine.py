@@ -319,7 +319,7 @@ def _bad_state_worker(rank, world, ckpt, stride):
     import dataclasses
 
     import gnmr_dist.deepspeed as gds
-    from gnmr_dist.core.integrity import seal
+    from gnmr_dist.state import seal
     from gnmr_dist.integrations.state_file import read_state, restore_or_refuse
 
     dsc.no_shm_build()

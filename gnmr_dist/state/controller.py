@@ -1,4 +1,4 @@
-"""Validation of a saved controller state before it is loaded.
+"""The controller's part of a saved state: its format, its checks, and how it fits a new policy.
 
 A checkpoint can be truncated, come from another model (different U), another window length or a
 future format. Each must fail loudly with what is wrong and what to do, never load into a
@@ -7,7 +7,9 @@ controller that then makes silently different decisions.
 Format 1 holds the history and the locks; format 2 (:data:`STATE_VERSION`) adds ``latched``,
 ``lr_peak``, the accounting (``recovered``, ``nonfinite``, ``first_nonfinite``) and the ``plan``
 (docs/algorithm.md#state-and-resume). :func:`check_state` returns a format-1 state upgraded: no
-latches, a zero peak, zero counts and an empty plan.
+latches, a zero peak, zero counts and an empty plan. Inside a run state (:mod:`.run`, format 3)
+the controller part carries no plan: the run's ``plan_active`` is the one copy, and
+:func:`check_state` leaves the plan's checks to the run's reader (``plan_in_run=True``).
 
 Beyond keys, shapes and dtypes, a state must satisfy what the algorithm implies of any state it
 can reach after ``step`` decisions with its saved policy, so that a hand-edited or otherwise
@@ -24,30 +26,52 @@ impossible state is refused even where no checksum covers it:
 * ``0 <= recovered(u) <= max(step - 1, 0)``; ``nonfinite(u) >= 0`` with ``norm_count(u) +
   nonfinite(u) <= step``; ``first_nonfinite`` ``[0, -1]`` exactly while every ``nonfinite`` is
   0, else a step in ``[1, step]`` and a unit with ``nonfinite >= 1``; ``lr_peak`` finite ``>= 0``.
+
+The saved policy is read with the ``policy_of`` the caller passes (the controller passes
+``GNMRConfig.from_dict``): this layer sits below the algorithm and knows no policy class, only
+the three things it asks of one (:class:`Policy`). :func:`fit` is the one rule that fits a checked
+state to the policy a run resumes with.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from gnmr_dist.core.config import GNMRConfig
-
 __all__ = [
     "STATE_VERSION",
+    "Policy",
+    "PolicyOf",
     "StateMismatchError",
     "check_invariants",
     "check_state",
-    "conform",
+    "fit",
+    "numpy_copy",
 ]
 
 STATE_VERSION = 2
 """The format :meth:`GNMRController.state_dict <gnmr_dist.core.controller.GNMRController.
 state_dict>` writes; 1 is read too (module docstring)."""
+
+
+class Policy(Protocol):
+    """What the checks and :func:`fit` ask of a policy (``GNMRConfig`` has it)."""
+
+    @property
+    def lock_steps(self) -> int: ...
+
+    @property
+    def latch(self) -> object | None: ...
+
+    def budget_bound(self, step: int) -> int: ...
+
+
+PolicyOf = Callable[[Mapping[str, Any]], Policy]
+"""A saved ``config`` entry -> its policy; ``TypeError`` or ``ValueError`` when it is none."""
 
 _TENSORS: dict[str, torch.dtype] = {
     "eligible": torch.bool,
@@ -146,14 +170,14 @@ def _check_history(state: Mapping[str, Any], window: int) -> None:
         )
 
 
-def _saved_policy(config: Mapping[str, Any]) -> GNMRConfig:
+def _saved_policy(config: Mapping[str, Any], policy_of: PolicyOf) -> Policy:
     try:
-        return GNMRConfig.from_dict(config)
+        return policy_of(config)
     except (TypeError, ValueError) as err:
         raise _corrupted("config", f"is not a policy ({err})") from None
 
 
-def _check_locks(state: Mapping[str, Any], policy: GNMRConfig, step: int) -> None:
+def _check_locks(state: Mapping[str, Any], policy: Policy, step: int) -> None:
     lock, eligible = state["lock"], state["eligible"]
     lock_steps, budget = policy.lock_steps, policy.budget_bound(step)
     bad = (lock < 0) | (lock > lock_steps) | ((lock > 0) & ~eligible)
@@ -169,7 +193,7 @@ def _check_locks(state: Mapping[str, Any], policy: GNMRConfig, step: int) -> Non
         raise _corrupted("lock", f"is held by {held} units, more than max_active={budget}")
 
 
-def _check_latches(state: Mapping[str, Any], policy: GNMRConfig, step: int) -> None:
+def _check_latches(state: Mapping[str, Any], policy: Policy, step: int) -> None:
     latched, eligible = state["latched"], state["eligible"]
     bad = (latched < 0) | (latched > step) | ((latched > 0) & ~eligible)
     if policy.latch is None:
@@ -189,7 +213,9 @@ def _check_latches(state: Mapping[str, Any], policy: GNMRConfig, step: int) -> N
             f"with the locks is held by {int(held.sum())} units, more than "
             f"max_active={policy.budget_bound(step)}",
         )
-    plan = state["plan"]
+    plan = state.get("plan")
+    if plan is None:  # inside a run state: read_run checks plan_active against these holders
+        return
     if state["version"] >= 2 and bool((held & ~plan).any()):
         raise _corrupted(f"plan[{_first(held & ~plan)}]", "is False for a lock or latch holder")
     if bool((plan & ~eligible).any()):
@@ -230,15 +256,16 @@ def _check_first_nonfinite(state: Mapping[str, Any], step: int) -> None:
         )
 
 
-def check_invariants(state: Mapping[str, Any], window: int) -> None:
+def check_invariants(state: Mapping[str, Any], window: int, policy_of: PolicyOf) -> None:
     """Raise ``ValueError`` naming the first entry of a (well-shaped, format-2 or upgraded)
-    state that no run of the algorithm can reach (module docstring)."""
+    state that no run of the algorithm can reach (module docstring); ``policy_of`` reads the
+    saved policy."""
     step = state["step"]
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise _corrupted("step", f"= {step!r} is not an integer >= 0")
     _check_counts(state, window, step)
     _check_history(state, window)
-    policy = _saved_policy(state["config"])
+    policy = _saved_policy(state["config"], policy_of)
     _check_locks(state, policy, step)
     _check_latches(state, policy, step)
     _check_accounting(state, step)
@@ -258,10 +285,19 @@ def _upgraded(state: Mapping[str, Any], num_units: int) -> dict[str, Any]:
     }
 
 
-def check_state(state: Mapping[str, Any], num_units: int, window: int) -> dict[str, Any]:
+def check_state(
+    state: Mapping[str, Any],
+    num_units: int,
+    window: int,
+    policy_of: PolicyOf,
+    *,
+    plan_in_run: bool = False,
+) -> dict[str, Any]:
     """``state`` in format 2 (upgraded from 1) after checking it fits (``num_units``,
     ``window``) and every invariant; ``ValueError`` (:class:`StateMismatchError` for an intact
-    state saved under other settings) naming the entry otherwise."""
+    state saved under other settings) naming the entry otherwise. ``policy_of`` reads the saved
+    policy. ``plan_in_run``: the controller part of a run state, whose plan is the run's
+    ``plan_active``: returned without a ``plan``, which the caller checks and adds."""
     if not isinstance(state, Mapping):
         raise ValueError(f"GNMR state must be a dict, got {type(state).__name__}")
     missing = [k for k in _KEYS if k not in state]
@@ -273,15 +309,18 @@ def check_state(state: Mapping[str, Any], num_units: int, window: int) -> dict[s
             f"GNMR state has format version {version!r}; this gnmr-dist reads versions 1 and "
             f"{STATE_VERSION}: resume with the gnmr-dist release that wrote it"
         )
-    missing = [k for k in _TENSORS_2 if k not in state] if version == 2 else []
+    added = {k: v for k, v in _TENSORS_2.items() if not (plan_in_run and k == "plan")}
+    missing = [k for k in added if k not in state] if version == 2 else []
     if missing:
         raise ValueError(f"GNMR state is corrupted: format 2 without {missing}")
     _check_fit(state, num_units, window)
     full = dict(state) if version == 2 else _upgraded(state, num_units)
-    for key, dtype in {**_TENSORS, **_TENSORS_2}.items():
+    if plan_in_run:
+        full.pop("plan", None)  # a format-2 run's copy; plan_active is the one read
+    for key, dtype in {**_TENSORS, **added}.items():
         shape = (num_units, window) if key == "window_buffer" else (num_units,)
         _expect_tensor(full, key, _SHAPES.get(key, shape), dtype)
-    check_invariants(full, window)
+    check_invariants(full, window, policy_of)
     return full
 
 
@@ -301,21 +340,43 @@ def _check_fit(state: Mapping[str, Any], num_units: int, window: int) -> None:
         )
 
 
-def conform(
-    lock: np.ndarray, latched: np.ndarray, eligible: np.ndarray, policy: GNMRConfig, step: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Saved locks and latches under the current ``policy``: locks at most ``lock_steps``, both
-    only on ``eligible`` units, latches only with a ``latch``, and held by at most ``k_t`` units
-    at the saved ``step`` (the latched first by latch step, then the locks largest first, ties
-    to the lower id). What the next decision would enforce anyway, applied at load so that a
-    state saved under another policy satisfies this one's invariants; a no-op when the policy
-    is the saved one, so the resumed run is the uninterrupted one."""
+def numpy_copy(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
+    """A numpy copy of a checked state tensor (whatever its autograd flag or layout)."""
+    return t.detach().to(device="cpu", dtype=dtype).contiguous().numpy().copy()
+
+
+def fit(
+    state: Mapping[str, Any], eligible: np.ndarray, pinned: np.ndarray, policy: Policy
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(lock, latched, plan ids)`` of a checked format-2 ``state`` under the current
+    ``policy``: the one rule a resume applies, where the saved and the current policy (or
+    eligibility, or pinned units) differ.
+
+    Locks at most ``lock_steps``; locks and latches only on ``eligible`` units, latches only
+    with a ``latch``; both held by at most ``k_t`` units of the saved step (the latched first by
+    latch step, then the locks largest first, ties to the lower id). The plan keeps those
+    holders, the saved units ``pinned`` now (outside the budget; ids of eligible pinned units),
+    then the other saved eligible units up to ``k_t``. What the next decision would enforce
+    anyway, applied at load so that the restored state satisfies this policy's invariants and a
+    state saved right after loads again; a no-op when nothing changed, so the resumed run is the
+    uninterrupted one."""
+    step = int(state["step"])
+    lock = numpy_copy(state["lock"], torch.int64)
     lock = np.where(eligible, np.minimum(lock, policy.lock_steps), 0)
+    latched = numpy_copy(state["latched"], torch.int64)
     latched = np.where(eligible & (policy.latch is not None), latched, 0)
     held = np.flatnonzero((lock > 0) | (latched > 0))
     budget = policy.budget_bound(step)
     if held.size > budget:
+        # the latched first (earliest latch first), then the longest locks, ties to the lower id
         late = np.where(latched[held] > 0, latched[held], np.iinfo(np.int64).max)
         drop = held[np.lexsort((held, -lock[held], late))[budget:]]
         lock[drop], latched[drop] = 0, 0
-    return lock, latched
+    saved = np.flatnonzero(numpy_copy(state["plan"], torch.bool))
+    holds = (lock[saved] > 0) | (latched[saved] > 0)
+    is_pinned = np.isin(saved, pinned) & ~holds
+    rest = saved[eligible[saved] & ~holds & ~is_pinned]
+    # the plan's room is k_t of the step it runs at; a fresh state (step 0) plans step 1's
+    room = max(0, policy.budget_bound(max(step, 1)) - int(holds.sum()))
+    plan = np.concatenate([saved[holds], saved[is_pinned], rest[:room]])
+    return lock, latched, np.sort(plan).astype(np.int64)

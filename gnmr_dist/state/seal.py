@@ -12,9 +12,12 @@ row-major order (so the digest does not depend on strides, device or the pickle'
 a list its items in order; for a number, string, bool or ``None`` its type and ``repr``. Keys are
 walked in sorted order. :func:`unseal` recomputes every digest and raises
 :class:`StateIntegrityError` naming each leaf that is missing, was added, or no longer matches,
-so the message says which field is wrong. A nested state that was sealed by a lower layer (the
-controller's inside the runtime's) keeps its own ``checksum`` entry, which the outer seal covers
-as a leaf like any other.
+so the message says which field is wrong.
+
+A state is sealed once, by the one object whose ``state_dict()`` a caller hands to ``torch.save``
+(:mod:`gnmr_dist.state`): the parts inside it are plain. Formats 1 and 2 of a run state nested the
+controller's own seal inside the run's; such an inner ``checksum`` entry is a leaf of the outer
+seal like any other, and :func:`gnmr_dist.state.run.read_run` checks it too.
 
 Cost: one pass over the state's bytes per save and per load (a few kilobytes for U units and a
 window of W: ``U * (W + 5)`` numbers), nothing per training step.
