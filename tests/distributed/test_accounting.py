@@ -15,9 +15,9 @@ from torch import nn
 
 from gnmr_dist.backends.gemms import GEMMS
 from gnmr_dist.core import GNMRConfig, GNMRController
-from gnmr_dist.state import seal, unseal
 from gnmr_dist.distributed import GNMRRuntime, UnitNorms, UnitRegistry, operator_shapes
 from gnmr_dist.distributed.accounting import GEMM_ORDER, AccountingSummary
+from gnmr_dist.state import seal, unseal
 from tests import multiproc
 from tests.distributed.toy import FFN, HIDDEN, Toy
 

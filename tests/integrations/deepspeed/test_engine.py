@@ -319,8 +319,8 @@ def _bad_state_worker(rank, world, ckpt, stride):
     import dataclasses
 
     import gnmr_dist.deepspeed as gds
-    from gnmr_dist.state import seal
     from gnmr_dist.integrations.state_file import read_state, restore_or_refuse
+    from gnmr_dist.state import seal
 
     dsc.no_shm_build()
     engine, *_ = gds.initialize(model=dsc.llama(), config=dsc.ds_config(1, "fp32", GNMR))
