@@ -30,6 +30,10 @@ def nvidia_k(units: int) -> int:
 def make_arms(regime: Regime, budgets: Sequence[int], units: int) -> list[tuple[Arm, bool]]:
     """(arm, perturbed) of every control and budgeted policy (module docstring); a fault
     regime's are :func:`fault_arms`."""
+    if regime.arm_set == "compact":
+        return compact_arms(regime, budgets)
+    if regime.arm_set == "wgrad":
+        return wgrad_arms(regime, budgets)
     if regime.family == "faults":
         return fault_arms(regime, budgets, units)
     if regime.family == "seed":
@@ -154,6 +158,75 @@ def _ablation(k: int, e: dict[str, Any], q: dict[str, Any]) -> list[tuple[Arm, b
             False,
         ),
     ]
+
+
+def _statics(q: dict[str, Any]) -> list[tuple[Arm, bool]]:
+    """The two static paths and their null controls."""
+    return [
+        (Arm("low-cost", "static", **q), False),
+        (Arm("BF16", "recovery", **q), False),
+        (Arm(NULL_ARMS[0], "recovery", **q), True),
+        (Arm(NULL_ARMS[1], "static", **q), True),
+    ]
+
+
+def compact_arms(regime: Regime, budgets: Sequence[int]) -> list[tuple[Arm, bool]]:
+    """Issue 44's stage-5 fault regimes (TE's delayed defaults, the deep model): the statics and
+    nulls and, per budget ``k``, ``GNMR+e k`` and ``e-only k`` (the error term every step, as in
+    :func:`fault_arms`), ``random k`` and ``NVIDIA last-k``: NVIDIA's rule at the same ``k``,
+    the last ``k`` units of the model (not 15% of them: the question is the budget's
+    selection)."""
+    q, e = regime.backend_args(), regime.error_policy()
+    arms = _statics(q)
+    for k in budgets:
+        arms += [
+            (Arm(f"GNMR+e {k}", "gnmr", max_active=k, controller=e, error_every=1, **q), False),
+            _ablation(k, e, q)[0],
+            (Arm(f"random {k}", "random", max_active=k, **q), False),
+            (Arm(f"NVIDIA last-{k}", "last_units", max_active=k, **q), False),
+        ]
+    return arms
+
+
+WGRAD_ONLY = ("wgrad",)
+"""The GEMM subset of the wgrad-only arms (``gnmr.gemms``, docs/gemms.md)."""
+
+
+def wgrad_arms(regime: Regime, budgets: Sequence[int]) -> list[tuple[Arm, bool]]:
+    """The wgrad-only FP4 rows (issue 44, stage 5): the statics and nulls and, per budget ``k``,
+    whole-unit ``GNMR+e k`` and ``random k`` beside ``GNMR+e wgrad 3k`` and ``random wgrad 3k``,
+    which recover only the wgrad GEMM of up to ``3k`` units: a GEMM is a third of its unit's
+    work, so both spend at most the work of ``k`` units of the same sizes (random: the same
+    expected share, ``k / U``). The error term every :data:`ERROR_EVERY` steps, as in the FP4
+    sweeps; it measures the low-cost wgrad's error whatever the subset (docs/gemms.md), which
+    is what a wgrad-only recovery repairs."""
+    q, e = regime.backend_args(), regime.error_policy()
+    arms = _statics(q)
+    for k in budgets:
+        w = 3 * k
+        arms += [
+            (
+                Arm(
+                    f"GNMR+e {k}", "gnmr", max_active=k, controller=e, error_every=ERROR_EVERY, **q
+                ),
+                False,
+            ),
+            (Arm(f"random {k}", "random", max_active=k, **q), False),
+            (
+                Arm(
+                    f"GNMR+e wgrad {w}",
+                    "gnmr",
+                    max_active=w,
+                    controller=e,
+                    error_every=ERROR_EVERY,
+                    gemms=WGRAD_ONLY,
+                    **q,
+                ),
+                False,
+            ),
+            (Arm(f"random wgrad {w}", "random", max_active=w, gemms=WGRAD_ONLY, **q), False),
+        ]
+    return arms
 
 
 def seed_arms(regime: Regime, budgets: Sequence[int], units: int) -> list[tuple[Arm, bool]]:

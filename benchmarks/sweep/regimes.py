@@ -24,6 +24,7 @@ from benchmarks.harness.recipes import FP6_STRESS as FP6_TENSOR
 from benchmarks.harness.recipes import FP8_RECOVERY as FP8_BLOCK
 from benchmarks.harness.recipes import act_quant_policy
 from benchmarks.harness.recipes import fp6_fp8_policy as fp6_policy
+from gnmr_dist.backends.te_recipes import DELAYED_DEFAULTS
 
 __all__ = ["BRANCH_REGIMES", "FAULT_REGIMES", "FP4_REGIMES", "REGIMES", "SEED_REGIMES", "Regime"]
 
@@ -60,6 +61,9 @@ class Regime:
     not enter it."""
     instrument: Instrument = field(default_factory=Instrument)
     """The branch estimator's trunk, branch points and horizon (FP4 regimes)."""
+    arm_set: str = ""
+    """The arms a branch sweep runs (:func:`benchmarks.sweep.branch_arms.make_arms`): ``""``,
+    those of the regime's family; ``"compact"`` or ``"wgrad"``, issue 44's stage-5 sets."""
     stochastic: bool = False
     """Whether the low-cost path rounds stochastically (its seed is a null control)."""
     units: int = 28
@@ -204,11 +208,11 @@ def _fault(name: str, description: str, low_cost: dict[str, Any], **kw: Any) -> 
     return Regime(
         name,
         description,
-        replace(FP4_SETUP, outlier_plan=plan),
+        replace(kw.pop("setup", FP4_SETUP), outlier_plan=plan),
         kw.pop("backend", "fp8_emulated"),
         low_cost,
         recovery,
-        instrument=FAULT_POINTS,
+        instrument=kw.pop("instrument", FAULT_POINTS),
         family="faults",
         **kw,
     )
@@ -326,6 +330,96 @@ FAULT_REGIMES |= {
     )
     for n in ABLATION
 }
+
+
+# -- issue 44, stage 5 -------------------------------------------------------------------------
+
+FP8_TE_DELAYED = {
+    "format": "e4m3",
+    "grad_format": "e5m2",
+    "granularity": "tensor",
+    "scaling": "delayed",
+    **DELAYED_DEFAULTS,
+}
+"""Transformer Engine's ``DelayedScaling()`` as it comes: ``fp8_format=Format.HYBRID`` (e4m3 for
+x and W, e5m2 for dy, each scaled against its own format's maximum: 448 forward, 57344 backward),
+``amax_history_len=1024``, ``amax_compute_algo="max"``, ``margin=0`` (read from TE's
+``transformer_engine/common/recipe/__init__.py``, class ``DelayedScaling``, at commit 000b637;
+the ``te_fp8`` backend's defaults, :data:`gnmr_dist.backends.te_recipes.DELAYED_DEFAULTS`). A
+branch starts from a BF16 trunk with empty histories, so within a 50-step branch the 1024-step
+history never wraps: every scale is the max over the branch's steps so far."""
+
+DEEP_SETUP = replace(FP4_SETUP, layers=16, hidden=64, heads=4, ffn=172)
+"""A deeper, narrower Llama: 16 layers x 64 (4 heads of 16, SwiGLU width 172, the harness's
+ratio), 112 projection units, at the FP4 and fault regimes' lr 1e-3."""
+
+DEEP_POINTS = Instrument(points=(100,), late_at="schedule")
+"""The deep regime's instrument: the fault regimes' 400-step schedule and 50-step branches, one
+branch point (100), so its trunks train 100 steps."""
+
+WGRAD_POINTS = Instrument(points=(325,))
+"""The wgrad-only FP4 regimes' branch point: 325 of the FP4 regimes' points, where their
+records' static gaps were largest and steadiest over seeds (nvfp4 +0.0035, mxfp4 +0.0105 after
+50 steps, 5 seeds; read before this design was fixed)."""
+
+STAGE5_REGIMES = {
+    r.name: r
+    for r in (
+        _fault(
+            "outlier_delayed_hybrid",
+            "TE's delayed-scaling defaults (HYBRID: per-tensor e4m3 x and W, e5m2 dy; amax "
+            "history 1024, max) / BF16; outlier_delayed's rising outlier channel "
+            "(function-preserving)",
+            dict(FP8_TE_DELAYED),
+            outlier=RISE,
+            gamma=0.03,
+            arm_set="compact",
+        ),
+        _fault(
+            "outlier_delayed_deep",
+            "outlier_delayed on a deeper, narrower Llama (16 layers x 64, 112 units): per-tensor "
+            "e4m3 with delayed scaling (history 16) / BF16, the same rising outlier channel",
+            dict(FP8_DELAYED),
+            outlier=RISE,
+            gamma=0.003,
+            arm_set="compact",
+            units=112,
+            trunk="deep",
+            setup=DEEP_SETUP,
+            instrument=DEEP_POINTS,
+        ),
+        replace(
+            FP4_REGIMES["mxfp4"],
+            name="mxfp4_wgrad",
+            description=FP4_REGIMES["mxfp4"].description + "; wgrad-only recovery rows",
+            instrument=WGRAD_POINTS,
+            family="faults",
+            arm_set="wgrad",
+        ),
+        replace(
+            FP4_REGIMES["nvfp4"],
+            name="nvfp4_wgrad",
+            description=FP4_REGIMES["nvfp4"].description + "; wgrad-only recovery rows",
+            instrument=WGRAD_POINTS,
+            family="faults",
+            arm_set="wgrad",
+        ),
+    )
+}
+"""Issue 44's stage 5 (docs/benchmarks.md#sweep-stage-5): TE's delayed defaults as a delayed
+regime beside ``outlier_delayed``; ``outlier_delayed`` on a model of 112 units, where a budget of
+4 is 3.6% of them (14% in the 28-unit model); and the NVFP4 and MXFP4 uniform damage with
+wgrad-only recovery at the same linear-work share as whole-unit recovery. Each has its own
+records (``results/faults/<name>.jsonl``), comparisons and stopping rule
+(:mod:`benchmarks.harness.preregistered`). ``gamma``, measured with :mod:`benchmarks.sweep.gamma`
+on seed 1234's trunk before any branch ran: the fault regimes' ``outlier_delayed`` 0.02 scaled
+by the ratio of the static low-cost units' median ``e`` to ``outlier_delayed``'s at the same
+point, so that it sits at the same place among its units (as ``outlier_torchao_tensorwise``'s):
+HYBRID 0.1799 / 0.1231 after step 250 (0.029, set 0.03; e5m2 gradients round coarser), the deep
+model 0.01018 / 0.06741 after step 100 (0.0030; its narrower units' scores are smaller and more
+spread, quartiles 0.0020 and 0.022); the wgrad rows keep their parents' FP4 values."""
+
+FAULT_REGIMES |= STAGE5_REGIMES
 
 
 def _seed(name: str, description: str, setup: Setup, backend: str, **kw: Any) -> Regime:
