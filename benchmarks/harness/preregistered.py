@@ -27,6 +27,12 @@ does not hold the budget. They run in the regimes ``outlier_delayed_ablation`` a
 records: every arm of a comparison from one commit and one host), with their own family of four
 (:data:`ABLATION_COMPARISONS`, the same 98.75% level), the seeds and stopping rule of
 :data:`STOPPING` and a tie read by :func:`tie` (:data:`TIE_MARGIN`).
+
+**Stage 5** (issue 44; registered before any of its branches ran): TE's delayed-scaling defaults
+(``outlier_delayed_hybrid``) and the 112-unit model (``outlier_delayed_deep``) with the family
+:func:`compact`, and the wgrad-only FP4 rows (``mxfp4_wgrad``, ``nvfp4_wgrad``) with the family
+:func:`wgrad`, each of four at 98.75%, on :data:`STAGE5_SEEDS` at one branch point per seed, in
+the order :data:`STAGE5_ORDER`, no extension.
 """
 
 from __future__ import annotations
@@ -40,10 +46,12 @@ __all__ = [
     "ABLATION_COMPARISONS",
     "COMPARISONS",
     "FAMILY_ALPHA",
+    "STAGE5_FAMILIES",
     "STOPPING",
     "Comparison",
     "Stopping",
     "family",
+    "reads_ties",
     "sign_test",
     "t_quantile",
     "tie",
@@ -98,7 +106,15 @@ ABLATION_REGIMES = ("outlier_delayed_ablation", "outlier_fp8_tensor_ablation")
 
 def family(regime: str, k: int) -> tuple[Comparison, ...]:
     """The pre-registered comparisons of ``regime`` at budget ``k``."""
+    if regime in STAGE5_FAMILIES:
+        return STAGE5_FAMILIES[regime](k)
     return ablation(k) if regime in ABLATION_REGIMES else comparisons(k)
+
+
+def reads_ties(regime: str) -> bool:
+    """Whether ``regime``'s comparisons are read for a tie (:func:`tie`): the ablation's, and
+    stage 5's fault regimes, whose family holds ``e-only k - GNMR+e k``."""
+    return regime in ABLATION_REGIMES or STAGE5_FAMILIES.get(regime) is compact
 
 
 TIE_MARGIN = 0.1
@@ -259,6 +275,76 @@ STOPPING |= {
 }
 """The grid's stopping rule: these five seeds in every cell, no extension whatever the
 intervals; a cell is read once all its branches are in."""
+
+
+# -- issue 44, stage 5: TE's delayed defaults, the deep model, wgrad-only FP4 rows --------------
+
+
+def compact(k: int) -> tuple[Comparison, ...]:
+    """Stage 5's fault regimes (``outlier_delayed_hybrid``, ``outlier_delayed_deep``) at budget
+    ``k``: GNMR+e against chance and NVIDIA's rule at the same ``k``, and the ablation's two
+    e-only questions."""
+    e, only, rnd = f"GNMR+e {k}", f"e-only {k}", f"random {k}"
+    return (
+        Comparison(e, rnd, "better than chance at the same spend"),
+        Comparison(e, f"NVIDIA last-{k}", "better than NVIDIA's last-units rule at the same k"),
+        Comparison(only, e, "the norm terms add nothing to the error term (a tie)"),
+        Comparison(only, rnd, "the error term alone is better than chance at the same budget"),
+    )
+
+
+def wgrad(k: int) -> tuple[Comparison, ...]:
+    """The wgrad-only FP4 rows (``nvfp4_wgrad``, ``mxfp4_wgrad``) at whole-unit budget ``k``:
+    the wgrad GEMMs of ``3k`` units against ``k`` whole units (the same linear work), chosen by
+    GNMR+e and by chance."""
+    w, e, rnd = f"GNMR+e wgrad {3 * k}", f"GNMR+e {k}", f"random {k}"
+    return (
+        Comparison(w, e, "GNMR+e's wgrad GEMMs beat its whole units at the same work"),
+        Comparison(f"random wgrad {3 * k}", rnd, "wgrad GEMMs beat whole units, chosen by chance"),
+        Comparison(w, f"random wgrad {3 * k}", "GNMR+e chooses wgrad GEMMs better than chance"),
+        Comparison(e, rnd, "whole-unit GNMR+e is better than chance under uniform damage"),
+    )
+
+
+STAGE5_FAMILIES = {
+    "outlier_delayed_hybrid": compact,
+    "outlier_delayed_deep": compact,
+    "mxfp4_wgrad": wgrad,
+    "nvfp4_wgrad": wgrad,
+}
+"""Stage 5's regimes and their families of four (Bonferroni 98.75%, as every family here)."""
+
+STAGE5_SEEDS = (1234, 7, 42, 5, 11)
+"""Stage 5's seeds in every regime (the fault strikes layers 3, 2, 0, 2 and 3 of the 4-layer
+model; the deep model draws from 16), one branch point per seed: 100 in the fault regimes (the
+grid's), 325 in the wgrad regimes. Sized to the CPU time: two shared cores under a load of 6 to 8
+from two other sweeps, about five times an idle core's time per branch."""
+
+STAGE5_BUDGET = 4
+"""``k`` in every stage-5 regime: NVIDIA's 4 of 28 units (14%) in the 4-layer model, and the
+same absolute budget in the 112-unit deep model (3.6%: the share falls as units grow, as in real
+models, where a budget of 4 to 8 of 224 units of a 32-layer Llama is 2 to 4%); the wgrad rows at
+``3k = 12`` wgrad GEMMs."""
+
+STAGE5_ORDER = (
+    "mxfp4_wgrad, outlier_delayed_hybrid, outlier_delayed_deep (its trunks first), nvfp4_wgrad "
+    "(its branches cost about three times MXFP4's: run last); within a regime seed by seed, every "
+    "arm of a seed before the next seed. A regime cut for time is read on the seeds complete in "
+    "both arms of a comparison and says so; one not begun is shown as not yet run"
+)
+"""Stage 5's running order, fixed before any of its branches ran."""
+
+_STAGE5_CHOSEN = (
+    "fixed before any stage-5 branch ran (issue 44): the regimes, arms, budget, seeds, branch "
+    "points, comparisons and order; gamma measured beforehand with benchmarks.sweep.gamma on "
+    "seed 1234's trunk (no branch); the outlier is outlier_delayed's (x4 per step to 2^20, held "
+    "25 steps); no extension whatever the intervals"
+)
+
+STOPPING |= {
+    name: Stopping(planned=STAGE5_SEEDS, looks=(len(STAGE5_SEEDS),), chosen=_STAGE5_CHOSEN)
+    for name in STAGE5_FAMILIES
+}
 
 
 def sign_test(diffs: Sequence[float]) -> tuple[int, int, float]:
