@@ -68,7 +68,7 @@ LATE = ("NVIDIA late", "late fwd")
 """Name prefixes of the time rules, which act only near the end of the trunk's schedule."""
 
 ORDER = ("random", "GNMR", "GNMR+e", "GNMR+e v2", "e-only", "GNMR+e lean", "TE autoswitch")
-ORDER += ("oracle", "loss oracle")
+ORDER += ("oracle", "loss oracle", "random wgrad", "GNMR+e wgrad")
 """The budgeted policies (``<policy> <k>``), in the tables' order within a budget."""
 
 FIXED = ("low-cost", "BF16", *NULLS, "NVIDIA last", "TE autoswitch", *LATE)
@@ -326,8 +326,11 @@ class FaultRegime:
     def all_points(self) -> list[int]:
         return sorted({p for a, _, p in self.records if a in self.arms})
 
-    def outlier(self) -> dict[str, Any]:
-        """The fault plan, as the low-cost record states it (module and channel vary by seed)."""
+    def outlier(self) -> dict[str, Any] | None:
+        """The fault plan, as the low-cost record states it (module and channel vary by seed);
+        ``None`` for a regime without a fault (uniform damage: the wgrad-only FP4 rows)."""
+        if not self.low["outliers"]:
+            return None
         o = self.low["outliers"][0]
         peak = o["growth"] ** o["rise"]
         n = math.log2(peak)
@@ -347,7 +350,10 @@ class FaultRegime:
         the seed; the window opens ``offset`` steps after each branch point)."""
         out = []
         for s in self.design.seeds:
-            o = self.records[("low-cost", s, self.design.points[0])]["outliers"][0]
+            struck = self.records[("low-cost", s, self.design.points[0])]["outliers"]
+            if not struck:
+                continue
+            o = struck[0]
             out.append((s, unit_name(unit_of(o["module"])), o.get("channel")))
         return out
 
@@ -458,8 +464,8 @@ class FaultRegime:
                     row |= {"spend": spend(*works), "seeds": len(diffs)}
                     below, n, p = preregistered.sign_test(diffs)
                     gap = paired(self.records, dc, "low-cost", "BF16")[0]
-                    ablation = self.name in preregistered.ABLATION_REGIMES
-                    tied = ablation and preregistered.tie(m, h, gap)
+                    ties = preregistered.reads_ties(self.name)
+                    tied = ties and preregistered.tie(m, h, gap)
                     row |= {"below": below, "n": n, "p": p, "tie": tied}
                 out.append(row)
         return out

@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from benchmarks.harness import preregistered as pr
 from benchmarks.harness.arms import Arm
 from benchmarks.harness.model import Batches, build_model
 from benchmarks.sweep.branch_arms import OFF, make_arms
@@ -147,3 +148,39 @@ def test_wgrad_rows_spend_the_work_of_k_whole_units():
         assert run.gemm_high.tolist() == ([1, 1, 1] if arm.name == "whole" else [0, 0, 3])
     assert work["wgrad"] == pytest.approx(work["whole"])
     assert 0 < work["whole"] < 1
+
+
+def test_stage5_is_registered_with_arms_that_its_regimes_run():
+    for name, build in pr.STAGE5_FAMILIES.items():
+        regime = FAULT_REGIMES[name]
+        names = {a.name for a, _ in make_arms(regime, [pr.STAGE5_BUDGET], regime.units)}
+        family = pr.family(name, pr.STAGE5_BUDGET)
+        assert family == build(pr.STAGE5_BUDGET) and len(family) == 4
+        assert {x for c in family for x in (c.arm, c.rival)} <= names
+        assert pr.STOPPING[name].planned == pr.STAGE5_SEEDS and not pr.STOPPING[name].added
+        assert pr.reads_ties(name) == (regime.arm_set == "compact")
+    assert [(c.arm, c.rival) for c in pr.wgrad(4)][:2] == [
+        ("GNMR+e wgrad 12", "GNMR+e 4"),
+        ("random wgrad 12", "random 4"),
+    ]
+
+
+def test_a_regime_without_a_fault_renders_with_its_own_family(tmp_path):
+    from tests.benchmarks.test_report import _fault_record, _fault_section, _write_faults
+
+    arms = {"low-cost": (0.010, 0.0), "BF16": (0.0, 1.0), "null BF16 (1e-6)": (0.0, 1.0)}
+    arms |= {"null low-cost (1e-6)": (0.010, 0.0), "GNMR+e 4": (0.006, 4 / 28)}
+    arms |= {"random 4": (0.008, 4 / 28), "GNMR+e wgrad 12": (0.003, 4 / 28)}
+    arms |= {"random wgrad 12": (0.005, 4 / 28)}
+    rows = []
+    for s in (1, 2, 3, 4, 5):
+        for a, (offset, share) in arms.items():
+            r = _fault_record(a, s, 325, offset + 1e-4 * ((s * 3 + len(a)) % 3 - 1), share)
+            rows.append(r | {"outliers": []})
+    _write_faults(tmp_path, rows, name="nvfp4_wgrad")
+    text = _fault_section(tmp_path)
+    assert "no fault: the low-cost path's uniform damage" in text
+    assert "The fault struck" not in text
+    assert "| GNMR+e wgrad 12 - GNMR+e 4 | GNMR+e's wgrad GEMMs beat its whole units" in text
+    assert "| random wgrad 12 - random 4 | wgrad GEMMs beat whole units" in text
+    assert "(a tie)" not in text.split("GNMR+e wgrad 12 - GNMR+e 4")[1].split("|")[4]
