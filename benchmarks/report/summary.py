@@ -112,10 +112,14 @@ def context(src: Source) -> dict[str, Any]:
     the bar (:func:`local`, each budget with its :func:`kind`), ``quiet``, those whose static
     gap is not resolved, and ``noisy``, the rest (a gap, but nulls above the bar); ``pilots``:
     the others; ``seed_words``: (regime, verdicts) of the seed experiments; ``ablation``: issue
-    44's ablation regimes (:mod:`.ablation`), kept out of the others."""
+    44's ablation regimes (:mod:`.ablation`), kept out of the others; ``stage5``: (name,
+    its measured pre-registered comparisons, ``None`` when it has no records yet) of each of
+    issue 44's stage-5 regimes, also kept out (the wgrad rows have no fault to advise on)."""
     faults = fault_context(src)
     every: list[FaultRegime] = faults["faults"]
-    regimes = [r for r in every if r.name not in preregistered.ABLATION_REGIMES]
+    apart = {*preregistered.ABLATION_REGIMES, *preregistered.STAGE5_FAMILIES}
+    regimes = [r for r in every if r.name not in apart]  # each has its own words
+    have = {r.name: r for r in every}
     swept = [r for r in regimes if r.design is not None and len(r.design.seeds) >= SWEPT]
     advice = [a for a in (local(r) for r in swept) if a is not None]
     quiet = [r for r in swept if not r.bar()["resolved"]]
@@ -125,4 +129,7 @@ def context(src: Source) -> dict[str, Any]:
     seeds = [(s, s.verdicts()) for s in seed_regimes(src) if s.records and s.design]
     names = {"advice": advice, "quiet": quiet, "noisy": noisy, "pilots": pilots}
     shared = {k: faults[k] for k in ("fpm", "prereg_level")}  # what rests_on.md.j2 reads
+    stage5 = [(n, have.get(n)) for n in preregistered.STAGE5_FAMILIES]
+    measured = [(n, r and [p for p in r.preregistered() if "mean" in p]) for n, r in stage5]
+    names |= {"stage5": measured}
     return names | {"seed_words": seeds, "ablation": ablation(every)} | shared
