@@ -235,7 +235,7 @@ class GradNormMonitor:
         optimizer step overlaps the collective with the step. With ``error_fn`` the one
         all-reduce carries ``[U + 1 sums of squares, U error sums]``; ``with_errors=False``
         leaves the error sums out this step (``gnmr.error_every``: a step the backend did not
-        measure; :meth:`GNMRRuntime.errors_due` says which), ``None`` includes them whenever
+        measure; the step's :attr:`Plan.measure_errors` says which), ``None`` includes them whenever
         there is an ``error_fn``.
         """
         local = self.local_sum_of_squares()

@@ -64,6 +64,10 @@ class Plan:
     """Unit ids on the recovery path."""
     names: tuple[str, ...]
     """Their global names, in id order."""
+    measure_errors: bool = False
+    """Whether step ``step`` measures the damage term's error sums (``gnmr.gamma`` set and
+    ``step`` a multiple of ``gnmr.error_every``): decided with the plan and handed down with
+    it, so an integration reduces them with that step's norms without asking the runtime."""
 
     def __contains__(self, unit: object) -> bool:
         return unit in self.active
@@ -212,7 +216,7 @@ class GNMRRuntime:
             )
         self.check_group = check_group if check_group is not None else group
         self.check_consistency = check_consistency
-        self.plan = Plan(step=self.controller.step_count + 1, active=frozenset(), names=())
+        self.plan = self._plan_for(self.controller.step_count + 1, ())
         self.last_decision: Decision | None = None
         self.last_norms: UnitNorms | None = None
 
@@ -222,18 +226,17 @@ class GNMRRuntime:
         self.controller.reset()
         self.accounting.reset()
         self._last_errors = None
-        self.plan = Plan(step=1, active=frozenset(), names=())
+        self.plan = self._plan_for(1, ())
 
     def errors_due(self) -> bool:
-        """Whether the step being scored now carries measured error sums (``gnmr.gamma`` set
-        and the step a multiple of ``error_every``): the ``with_errors`` of the monitor."""
-        step = self.controller.step_count + 1
-        return self.uses_errors and step % self.error_every == 0
+        """:attr:`Plan.measure_errors` of the step being scored now (the plan's fact; kept for
+        callers that do not hold the plan)."""
+        return self.plan.measure_errors
 
     def step(self, *, lr: float | None = None) -> Decision:
         """Score this step's gradients (one all-reduce) and set the plan for the next step;
         ``lr``: as :meth:`observe`."""
-        return self.observe(self.monitor.compute(with_errors=self.errors_due()), lr=lr)
+        return self.observe(self.monitor.compute(with_errors=self.plan.measure_errors), lr=lr)
 
     def observe(self, norms: UnitNorms, *, lr: float | None = None) -> Decision:
         """Feed already-reduced norms to the controller and publish the next plan.
@@ -243,14 +246,14 @@ class GNMRRuntime:
         only tracked (its peak, in the state), so an integration passes it at every step.
 
         With ``gnmr.gamma`` set, ``norms.error_sums`` must hold the reduced ``B(u)`` on the steps
-        :meth:`errors_due` names; the controller gets ``errors = B / G``
+        whose plan says :attr:`Plan.measure_errors`; the controller gets ``errors = B / G``
         (:meth:`UnitNorms.relative_errors`), on the other steps the last one.
         """
         ran = self.plan.active
         if not self.uses_errors:
             decision = self.controller.step(norms.norms, lr=lr)
         else:
-            if not self.errors_due():  # carried (error_every); sums reduced anyway aren't measured
+            if not self.plan.measure_errors:  # carried (error_every): sums reduced anyway are stale
                 errors = self._last_errors
                 if errors is None:
                     errors = torch.zeros(self.registry.num_units, dtype=torch.float64)
@@ -308,9 +311,11 @@ class GNMRRuntime:
         )
 
     def _plan_for(self, step: int, active: tuple[int, ...]) -> Plan:
-        return Plan(
-            step=step, active=frozenset(active), names=tuple(self.registry.names[i] for i in active)
-        )
+        names = tuple(self.registry.names[i] for i in active)
+        # the error term's pacing is fixed at build (uses_errors, error_every): each plan
+        # carries whether its step measures, so no layer asks for it per step
+        measure = self.uses_errors and step % self.error_every == 0
+        return Plan(step=step, active=frozenset(active), names=names, measure_errors=measure)
 
     def state_dict(self) -> dict[str, Any]:
         """:meth:`snapshot` as one sealed dict of run-state format 3

@@ -276,6 +276,14 @@ class GNMRBlock:
     policy: GNMRConfig = field(default_factory=GNMRConfig)
     """The controller's settings, read from the controller's keys at the block's top level."""
 
+    @property
+    def measure_errors_every(self) -> int | None:
+        """Every how many steps the damage term's error sums are measured: ``error_every`` while
+        ``gamma`` is set, ``None`` while the error term is off. Decided here once; the
+        integrations read this fact (and the runtime's plan, :attr:`Plan.measure_errors
+        <gnmr_dist.distributed.Plan.measure_errors>`, for each step), never ``gamma`` again."""
+        return self.error_every if self.policy.gamma is not None else None
+
     @classmethod
     def keys(cls) -> tuple[str, ...]:
         """Every key a ``"gnmr"`` block may hold: the block's fields and the controller's."""
@@ -337,9 +345,10 @@ class GNMRBlock:
                 f"{path}.backend=null (observe only) nothing is recovered; set {path}.backend "
                 f"or drop {path}.gemms"
             )
-        if self.policy.gamma is not None:
+        scored = self.measure_errors_every is not None
+        if scored:
             _check_error_source(self.backend, path)
-        if self.policy.gamma is not None and "wgrad" not in self.gemms:
+        if scored and "wgrad" not in self.gemms:
             raise ValueError(
                 f"{path}.gamma scores the damage term e, a bound on what the low-cost numerics "
                 f"do to the weight gradient (the wgrad GEMM); with {path}.gemms="
@@ -347,7 +356,7 @@ class GNMRBlock:
                 "recovery cannot remove what e measures and a unit selected for e would stay "
                 f"selected unrepaired; add 'wgrad' to {path}.gemms or drop {path}.gamma"
             )
-        if self.error_every != 1 and self.policy.gamma is None:
+        if self.error_every != 1 and not scored:
             raise ValueError(
                 f"{path}.error_every={self.error_every} needs {path}.gamma (the error term it "
                 f"paces); set {path}.gamma or drop {path}.error_every"

@@ -50,7 +50,7 @@ def check_error_source(block: GNMRBlock, backend: PrecisionBackend | None) -> No
     """``ValueError`` when ``gnmr.gamma`` is set and ``backend`` reports no error sums (a block
     read by :meth:`GNMRBlock.from_dict` has refused it already; this guards one built by
     hand)."""
-    if block.policy.gamma is None or (backend is not None and backend.reports_errors):
+    if block.measure_errors_every is None or (backend is not None and backend.reports_errors):
         return
     raise ValueError(
         f"gnmr.gamma is set but gnmr.backend={block.backend!r} reports no per-unit error sums "
@@ -82,9 +82,10 @@ def error_source(
     and before training, and give the runtime the same ``error_every``.
     """
     check_error_source(block, backend)
-    if block.policy.gamma is None or backend is None:
+    every = block.measure_errors_every
+    if every is None or backend is None:
         return None
-    backend.track_errors(num_units, every=block.error_every)
+    backend.track_errors(num_units, every=every)
     return backend.error_sums
 
 

@@ -35,6 +35,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from gnmr_dist.backends import PrecisionBackend
 from gnmr_dist.distributed import GNMRRuntime, UnitRegistry
 from gnmr_dist.integrations.config import GNMRBlock
+from gnmr_dist.integrations.session import error_source
 
 try:
     from torchtitan.protocols.model import ModelConfigConverter
@@ -225,10 +226,7 @@ class TorchtitanSession:
         group = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
         registry = self._registry(self.model, group)
         b, backend = self.block, self.backend
-        scored = backend is not None and b.policy.gamma is not None
-        if scored:
-            assert backend is not None
-            backend.track_errors(registry.num_units, every=b.error_every)
+        error_fn = error_source(b, backend, registry.num_units)
         self.runtime = GNMRRuntime(
             registry,
             b.policy,
@@ -236,7 +234,7 @@ class TorchtitanSession:
             grad_fn=_local_grad,
             check_group=group,
             check_consistency=b.check_consistency,
-            error_fn=backend.error_sums if scored and backend is not None else None,
+            error_fn=error_fn,
             error_every=b.error_every,
             gemms=b.gemms,
         )

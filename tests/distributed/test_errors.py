@@ -150,6 +150,24 @@ def paced_runtimes(every: int):
     return u, step, make
 
 
+def test_each_plan_carries_whether_its_step_measures_the_error_sums():
+    """Decided once at build (gamma, error_every), handed down with every plan, a fresh and a
+    reset runtime included; never True without gamma."""
+    _, step, make = paced_runtimes(2)
+    runtime = make()
+    measured = []
+    for t in range(1, 6):
+        step[0] = t
+        assert runtime.plan.step == t
+        measured.append(runtime.plan.measure_errors)
+        runtime.step()
+    assert measured == [False, True, False, True, False]
+    runtime.reset()
+    assert runtime.plan.step == 1 and not runtime.plan.measure_errors
+    plain = GNMRRuntime(runtime.registry, GNMRConfig(warmup_steps=0), error_every=1)
+    assert not plain.plan.measure_errors and not plain.uses_errors
+
+
 def test_error_every_measures_on_its_steps_and_carries_the_score_between():
     u, step, make = paced_runtimes(3)
     runtime = make()

@@ -195,7 +195,7 @@ class DeepSpeedGNMR(IntegrationSession):
             # local sums now (gradients final, not yet unscaled/clipped/consumed); the one
             # all-reduce runs while the optimizer steps
             finish = self.runtime.monitor.start(
-                grad_scale=self._grad_scale(), with_errors=self.runtime.errors_due()
+                grad_scale=self._grad_scale(), with_errors=self.runtime.plan.measure_errors
             )
             lr = self._applied_lr()  # before the optimizer and the scheduler step: lr_t
             result = take_step(*args, **kwargs)

@@ -159,7 +159,7 @@ class MegatronGNMR(IntegrationSession):
         summed first: one extra all-reduce of U values over DP, the one collective the error
         term adds there.
         """
-        if not self.runtime.errors_due() or self._errors is not None:
+        if not self.runtime.plan.measure_errors or self._errors is not None:
             return None  # no gnmr.gamma, a step gnmr.error_every skips, or taken already
         errors = self.runtime.monitor.local_error_sums().to(device)  # times 1/dp
         errors = errors / self._loss_scale(device)
