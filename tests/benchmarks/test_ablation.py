@@ -87,6 +87,7 @@ def test_the_ablation_is_registered_with_its_seeds_and_stopping_rule():
         stop = pr.STOPPING[name]
         assert stop.planned == (1234, 7, 42, 5, 11, 13, 17, 23) and stop.added == ()
         assert stop.looks == (8,)
+    assert pr.ABLATION_POINTS == (100,) and "null BF16 (1e-6)" not in pr.ABLATION_ARMS
     assert pr.family("outlier_delayed", 4) == pr.COMPARISONS
 
 
