@@ -278,6 +278,18 @@ def _work1(src: Source, cell: str, arm: str, seed: int) -> float:
     return float(records(src, cell)[(arm, seed, POINT)]["flops_recovered"])
 
 
+def reproduced(src: Source) -> tuple[int, int]:
+    """(equal, compared): the 2^20 rise cell's low-cost and BF16 branches (the latter
+    ``free_long``'s, at 50 steps) against ``outlier_delayed``'s records of the same (seed, point),
+    the same fault recorded before the grid: equal held-out bits on how many."""
+    old = one_host(src.records("outlier_delayed", family="faults"))[0]
+    cell = records(src, "m20_rise")
+    keys = [(a, s, POINT) for a in ("low-cost", "BF16") for s in GRID_SEEDS]
+    keys = [k for k in keys if k in old and k in cell]
+    same = sum(old[k]["heldout"]["50"] == cell[k]["heldout"]["50"] for k in keys)
+    return same, len(keys)
+
+
 def context(src: Source) -> dict[str, Any]:
     """The names of ``templates/fault_grid.md.j2``."""
     names = [c for c, _, _ in _cells()]
@@ -309,6 +321,7 @@ def context(src: Source) -> dict[str, Any]:
             "not_run": [c for c in names if not rows[c]["seeds"] and not c.endswith("_visible")],
             "error": "not measured" if measured is None else f"{c:.3f}",
             "error_source": "" if measured is None else measured.source,
+            "reproduced": reproduced(src),
             "gate": GRID_GATE,
             "order": GRID_ORDER,
             "hosts": hosts,
