@@ -416,8 +416,9 @@ class FaultRegime:
 
     def budgets(self) -> list[int]:
         """The budgets of the GNMR+e arms recorded (in the design or waiting), else the
-        pre-registered one."""
-        ks = sorted({budget(a) for a in self.arms if a.startswith("GNMR+e ") and budget(a)})
+        pre-registered one; a wgrad-only arm's ``3k`` is not a budget of its own."""
+        gnmr = [a for a in self.arms if a.startswith("GNMR+e ") and "wgrad" not in a]
+        ks = sorted({budget(a) for a in gnmr if budget(a)})
         return ks or [budget(preregistered.COMPARISONS[0].arm)]
 
     def pair_design(self, arm: str, rival: str) -> Design | None:

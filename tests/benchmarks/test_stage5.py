@@ -184,3 +184,4 @@ def test_a_regime_without_a_fault_renders_with_its_own_family(tmp_path):
     assert "| GNMR+e wgrad 12 - GNMR+e 4 | GNMR+e's wgrad GEMMs beat its whole units" in text
     assert "| random wgrad 12 - random 4 | wgrad GEMMs beat whole units" in text
     assert "(a tie)" not in text.split("GNMR+e wgrad 12 - GNMR+e 4")[1].split("|")[4]
+    assert "GNMR+e wgrad 36" not in text  # 3k is not a budget of its own
