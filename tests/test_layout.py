@@ -25,6 +25,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("gnmr_dist.integrations.session", "gnmr_dist.integrations.state_file"),
     ("gnmr_dist.integrations",),  # framework glue: DeepSpeed, megatron-core, Trainer
     ("gnmr_dist.deepspeed", "megatron_patches", "gnmr_dist"),  # the public names
+    ("gnmr_dist.testing",),  # test apparatus: CPU stand-ins, drills, the torch reference
     ("gnmr_dist.train.common",),
     ("gnmr_dist.train",),  # the programs
     ("gnmr_dist.cli",),  # thin entry points
@@ -76,8 +77,53 @@ def _resolve(name: str, modules: set[str]) -> str:
     return name
 
 
+DEPRECATED_BRIDGES = {
+    "gnmr_dist.core": "gnmr_dist.testing.scores",
+    "megatron_patches": "gnmr_dist.testing.megatron_cpu",
+}
+"""Product modules that may import the testing package, inside a function only: the deprecated
+aliases of names that moved there in issue 45 (``gnmr_dist.core.risk_scores`` and friends,
+``megatron_patches.enable_cpu_compat`` and friends), for one release."""
+
+
+def _lazy_lines(tree: ast.AST) -> set[int]:
+    """Lines of the imports that run only when called (inside a function) or never (under
+    ``if TYPE_CHECKING``)."""
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        typing_only = isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) or typing_only:
+            lines |= {
+                n.lineno for n in ast.walk(node) if isinstance(n, ast.Import | ast.ImportFrom)
+            }
+    return lines
+
+
+def imports_of_testing(sources: dict[str, str]) -> list[str]:
+    """Every import of ``gnmr_dist.testing`` the product's rooms make: none at all, but the
+    programs' (``gnmr_dist.train``, ``gnmr_dist.cli``: their drill flags, the CPU switch of
+    ``gnmr-megatron-pretrain``) and :data:`DEPRECATED_BRIDGES`, and those only lazily."""
+    problems = []
+    for path, text in sorted(sources.items()):
+        module = _module_name(Path(path))
+        if module == "gnmr_dist.testing" or module.startswith("gnmr_dist.testing."):
+            continue
+        tree = ast.parse(text, filename=path)
+        lazy = _lazy_lines(tree)
+        programs = module.startswith(("gnmr_dist.train", "gnmr_dist.cli", "benchmarks"))
+        for line, target in _targets(tree, module, path.endswith("__init__.py")):
+            if not (target == "gnmr_dist.testing" or target.startswith("gnmr_dist.testing.")):
+                continue
+            bridge = DEPRECATED_BRIDGES.get(module)
+            allowed = programs or (bridge is not None and target.startswith(bridge))
+            if not (allowed and line in lazy):
+                problems.append(f"{path}:{line}: {module} imports {target}")
+    return problems
+
+
 def upward_imports(sources: dict[str, str]) -> list[str]:
-    """Every arrow against :data:`LAYERS` in ``sources`` (relative path -> text)."""
+    """Every arrow against :data:`LAYERS` in ``sources`` (relative path -> text); the lazy
+    imports of :data:`DEPRECATED_BRIDGES` are :func:`imports_of_testing`' to judge."""
     names = {_module_name(Path(p)): (p, text) for p, text in sources.items()}
     problems = []
     for module, (path, text) in sorted(names.items()):
@@ -89,6 +135,8 @@ def upward_imports(sources: dict[str, str]) -> list[str]:
         for line, target in _targets(tree, module, path.endswith("__init__.py")):
             there = _place(_resolve(target, set(names)))
             if there is None or there[1] == here[1] or there[0] < here[0]:
+                continue
+            if there[1] == "gnmr_dist.testing" and module in DEPRECATED_BRIDGES:
                 continue
             problems.append(
                 f"{path}:{line}: {module} (layer {here[0]}, {here[1]}) imports {target} "
@@ -127,6 +175,32 @@ def test_a_module_outside_every_layer_is_named():
     assert upward_imports(sources) == [
         "gnmr_dist_extra/x.py: gnmr_dist_extra.x is in no layer of LAYERS"
     ]
+
+
+def test_the_product_never_imports_the_testing_package():
+    assert imports_of_testing(_tree()) == []
+
+
+def test_an_import_of_the_testing_package_by_the_product_is_caught():
+    """At module level anywhere outside the programs, inside a function outside the programs
+    and the deprecated bridges, and at module level in a program; a program's lazy import and
+    a bridge's lazy alias pass."""
+    sources = _tree()
+    sources["gnmr_dist/backends/base.py"] += "\nfrom gnmr_dist.testing import scores\n"
+    sources["gnmr_dist/integrations/session.py"] += (
+        "\n\ndef _late():\n    from gnmr_dist.testing.megatron_cpu import cpu_compat\n"
+    )
+    sources["gnmr_dist/train/launch.py"] += "\nimport gnmr_dist.testing.drills\n"
+    sources["gnmr_dist/train/common.py"] += (
+        "\n\ndef _drill():\n    from gnmr_dist.testing.drills import restart_drill\n"
+    )
+    found = imports_of_testing(sources)
+    assert len(found) == 3, found
+    assert found[0].startswith("gnmr_dist/backends/base.py:") and "testing.scores" in found[0]
+    assert found[1].startswith("gnmr_dist/integrations/session.py:")
+    assert found[2].startswith("gnmr_dist/train/launch.py:")
+    placed = _place("gnmr_dist.testing.megatron_cpu.writer")  # covered by the table
+    assert placed is not None and placed[1] == "gnmr_dist.testing"
 
 
 def test_the_report_reads_result_files_and_the_harness_only():

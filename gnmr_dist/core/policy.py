@@ -11,7 +11,7 @@ is what it costs (docs/algorithm.md#cost). The doc's ``ratio`` conventions come 
 division with one fix: ``a / b`` is ``a / b`` for ``b > 0`` and ``+inf`` for ``a > 0 = b``;
 ``0 / 0`` and every division by the NaN of an empty history (``S / c`` with ``c = 0``, then
 ``S = 0``; ``sum(W) / |W|`` with ``W`` empty) is NaN, which becomes the 1 that both conventions
-give there. :func:`gnmr_dist.core.scores.risk_scores` states the same scores with the
+give there. :func:`gnmr_dist.testing.scores.risk_scores` states the same scores with the
 conventions spelled out, in torch; ``tests/core/test_scores.py`` asserts that the two agree bit
 for bit.
 

@@ -9,8 +9,9 @@ always holds a complete state (:mod:`gnmr_dist.integrations.deepspeed`).
 
 :func:`read_state` tells apart a missing file, an unreadable one and a readable one; what to do
 with a missing or bad state is the block's choice (``on_missing_state``, ``on_corrupt_state``),
-applied by :func:`restore_or_refuse` for every framework alike. :func:`restart_drill` is the
-fault both training programs can inject to try that path (``--fail-at``, ``--gnmr-fail-at``).
+applied by :func:`restore_or_refuse` for every framework alike. The fault both training programs
+can inject to try that path (``--fail-at``, ``--gnmr-fail-at``) is test apparatus:
+:func:`gnmr_dist.testing.drills.restart_drill`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ import torch
 from gnmr_dist.integrations.config import GNMRBlock
 from gnmr_dist.state import StateMismatchError
 
-__all__ = ["read_state", "restart_drill", "restore_or_refuse", "write_atomic"]
+__all__ = ["read_state", "restore_or_refuse", "write_atomic"]
 
 logger = logging.getLogger(__name__)
 
@@ -139,13 +139,3 @@ def restore_or_refuse(block: GNMRBlock, where: str, found: tuple[str, Any], sess
 def _sentence(text: str) -> str:
     """``text`` ending in exactly one full stop."""
     return text.rstrip().rstrip(".") + "."
-
-
-def restart_drill(flag: str, fail_at: int | None, step: int, rank: int, world: int) -> None:
-    """The last rank SIGKILLs itself when ``step == fail_at`` on a job's first attempt
-    (``TORCHELASTIC_RESTART_COUNT`` 0 or unset); ``flag`` names the option in the log line."""
-    first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
-    if fail_at == step and rank == world - 1 and first_attempt:
-        logger.error("%s %d: rank %d sends itself SIGKILL", flag, step, rank)
-        logging.shutdown()
-        os.kill(os.getpid(), signal.SIGKILL)

@@ -446,7 +446,9 @@ def _resume(engine: Any, ckpt: Path, disabled: bool) -> int:
 
 def _maybe_fail(fail_at: int | None, step: int, rank: int, world: int) -> None:
     """Fault injection: the last rank kills itself before ``step`` on a job's first attempt."""
-    from gnmr_dist.integrations.state_file import restart_drill
+    if fail_at is None:
+        return  # the drill is test apparatus, loaded only when --fail-at asks for it
+    from gnmr_dist.testing.drills import restart_drill
 
     restart_drill("--fail-at", fail_at, step, rank, world)
 

@@ -8,10 +8,10 @@ megatron then parses: :func:`attach_from_argv`, the two lines any pretrain scrip
 
 It reads the flags (:func:`add_gnmr_args`), reads and checks the block before any process group
 (:func:`gnmr_block`: a bad one fails at once), loads the drills only when a drill flag asks for
-one (:mod:`gnmr_dist.train.drills`), attaches GNMR (:func:`megatron_patches.attach`) and sets
+one (:mod:`gnmr_dist.testing.drills`), attaches GNMR (:func:`megatron_patches.attach`) and sets
 ``sys.argv`` to what megatron will parse: plus Megatron-LM's customary values megatron-core 0.17+
 leaves unset (:data:`CUSTOMARY`) and, without CUDA, the flags a CPU run needs (:data:`CPU_FLAGS`,
-with ``gnmr_dist.integrations.megatron.cpu`` turned on). Paths are read relative to the working
+with ``gnmr_dist.testing.megatron_cpu`` turned on). Paths are read relative to the working
 directory. docs/megatron.md, "Megatron-LM's training loop" and "CPU compatibility".
 """
 
@@ -34,7 +34,7 @@ from gnmr_dist.integrations.session import refuse_probe
 from gnmr_dist.train.common import import_modules
 
 if TYPE_CHECKING:
-    from gnmr_dist.train.drills import Drills
+    from gnmr_dist.testing.drills import Drills
 
 __all__ = [
     "CPU_FLAGS",
@@ -352,10 +352,10 @@ def gnmr_namespace(argv: Sequence[str]) -> argparse.Namespace:
 
 def drills_of(args: argparse.Namespace) -> Drills | None:
     """The drills ``args`` asks for, checked (``ValueError``), or ``None``: the drills' module
-    (:mod:`gnmr_dist.train.drills`) is imported only when a drill flag is given."""
+    (:mod:`gnmr_dist.testing.drills`) is imported only when a drill flag is given."""
     if not args.gnmr_inject_grad_spike and args.gnmr_fail_at is None:
         return None
-    from gnmr_dist.train.drills import Drills
+    from gnmr_dist.testing.drills import Drills
 
     return Drills.of(args.gnmr_inject_grad_spike, args.gnmr_fail_at)
 
@@ -415,7 +415,7 @@ def attach_from_argv(
         raise SystemExit(0)
     words = customary_argv(words)
     if not torch.cuda.is_available():
-        from gnmr_dist.integrations.megatron.cpu import enable_cpu_compat
+        from gnmr_dist.testing.megatron_cpu import enable_cpu_compat
 
         words = cpu_argv(words)
         one_connection_env(words)

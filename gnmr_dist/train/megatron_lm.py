@@ -106,7 +106,7 @@ def check_args(argv: Sequence[str], world_size: int, check_host: bool = True) ->
     require_training(argv)  # megatron.training and the modules this argument set needs
     argv = megatron_flags.customary_argv(argv)
     if not torch.cuda.is_available():
-        from gnmr_dist.integrations.megatron.cpu import enable_cpu_compat
+        from gnmr_dist.testing.megatron_cpu import enable_cpu_compat
 
         argv = megatron_flags.cpu_argv(argv) if check_host else argv
         enable_cpu_compat(training=True)  # validate_args asks torch.cuda for the device arch
@@ -132,7 +132,7 @@ def check_args(argv: Sequence[str], world_size: int, check_host: bool = True) ->
     check_data_split(args.data_path, args.split, args.mock_data)
     megatron_flags.gnmr_block(args, check_host=check_host)
     if args.gnmr_inject_grad_spike:
-        from gnmr_dist.train.drills import parse_spikes
+        from gnmr_dist.testing.drills import parse_spikes
 
         parse_spikes(args.gnmr_inject_grad_spike)
 

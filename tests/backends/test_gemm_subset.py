@@ -568,7 +568,7 @@ def _megatron_worker(rank, world):
     from gnmr_dist.distributed import UnitRegistry
     from gnmr_dist.integrations.megatron.operators import MEGATRON_MARKS as MARKS
     from gnmr_dist.integrations.megatron.operators import MEGATRON_OPERATORS as OPS
-    from megatron_patches import enable_cpu_compat
+    from gnmr_dist.testing.megatron_cpu import enable_cpu_compat
     from tests.integrations.megatron import gpt
 
     enable_cpu_compat()

@@ -1,8 +1,8 @@
-"""``gnmr_dist.core.scores`` (torch) against the controller's numpy policy, bit for bit.
+"""``gnmr_dist.testing.scores`` (torch) against the controller's numpy policy, bit for bit.
 
 docs/algorithm.md#properties claims the two agree bit for bit. At every step of a trace the
 controller's own history (read through ``state_dict()``) goes through
-:func:`~gnmr_dist.core.scores.risk_scores`, and its GNMR, delta-GNMR and risk must have the
+:func:`~gnmr_dist.testing.scores.risk_scores`, and its GNMR, delta-GNMR and risk must have the
 same bytes as the decision's. The window mean is summed oldest to newest, column by column, as
 the doc's ``mean W(u)`` reads and as the policy sums it. Traces: a realistic one (log-normal
 norms, spikes, zeros, NaN and +-inf, a unit whose history stays all zeros, then moves), with and
@@ -18,7 +18,7 @@ import torch
 from hypothesis import given
 
 from gnmr_dist import GNMRConfig, GNMRController
-from gnmr_dist.core.scores import error_scores, ratio, risk_scores
+from gnmr_dist.testing.scores import error_scores, ratio, risk_scores
 from tests.core.test_properties import SETTINGS, error_rows, scenarios
 
 
@@ -112,3 +112,14 @@ def test_risk_scores_needs_errors_and_gamma_together():
     count = torch.ones(2, dtype=torch.int64)
     with pytest.raises(ValueError, match="both errors and gamma"):
         risk_scores(one, one, count, one, count, 1.5, 2.0, errors=one)
+
+
+def test_the_core_names_of_the_reference_are_deprecated_aliases():
+    """Moved to ``gnmr_dist.testing`` (issue 45): the old names warn for one release."""
+    import gnmr_dist.core
+    from gnmr_dist.testing import scores
+
+    assert "risk_scores" not in gnmr_dist.core.__all__
+    for name in ("error_scores", "ratio", "risk_scores"):
+        with pytest.warns(DeprecationWarning, match=f"gnmr_dist.testing.scores.{name}"):
+            assert getattr(gnmr_dist.core, name) is getattr(scores, name)

@@ -11,10 +11,10 @@ so importing it loads neither megatron nor the backends:
   own training loop (``megatron.training.pretrain``);
 * ``Reporter`` (:mod:`~gnmr_dist.integrations.megatron.report`): the trace, ``gnmr/*`` scalars
   through megatron's writers, the console line and the end-of-run accounting, which ``attach``
-  drives from ``training_log`` and a loop of its own calls after each ``optimizer.step()``;
-* the CPU switch (:mod:`~gnmr_dist.integrations.megatron.cpu`): ``enable_cpu_compat``,
-  ``disable_cpu_compat``, ``is_cpu_compat_enabled``, ``cpu_compat`` and
-  ``cpu_transformer_config``, opt-in CPU stand-ins for tests and CPU-only hosts.
+  drives from ``training_log`` and a loop of its own calls after each ``optimizer.step()``.
+
+The CPU stand-ins for megatron-core (``enable_cpu_compat`` and friends) are test apparatus, in
+:mod:`gnmr_dist.testing.megatron_cpu`, not among these names.
 
 Inside: :mod:`~gnmr_dist.integrations.megatron.operators` (megatron's operators as the backends
 see them, its parameter marks), :mod:`~gnmr_dist.integrations.megatron.te` (a TE linear's
@@ -46,11 +46,6 @@ _HOMES = {
     "remove": "gnmr",
     "attach": "loop",
     "detach": "loop",
-    "cpu_compat": "cpu",
-    "cpu_transformer_config": "cpu",
-    "disable_cpu_compat": "cpu",
-    "enable_cpu_compat": "cpu",
-    "is_cpu_compat_enabled": "cpu",
 }
 """Each public name and the submodule that defines it."""
 

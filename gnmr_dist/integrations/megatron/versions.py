@@ -21,9 +21,9 @@ table records, per ``major.minor``:
   (0.16-0.19), so one projection can be put on a high-precision recipe with no context patch.
 * ``grad_sync_current_stream``: DDP's ``start_grad_sync`` asks for ``torch.cuda.current_stream()``
   on every grad sync (0.19: to wait for CUDA-graph weight-gradient events), which
-  :mod:`gnmr_dist.integrations.megatron.cpu` must then stand in for.
+  :mod:`gnmr_dist.testing.megatron_cpu` must then stand in for.
 
-:mod:`gnmr_dist.integrations.megatron.cpu` gates on the same table (``SUPPORTED_MEGATRON_VERSIONS``
+:mod:`gnmr_dist.testing.megatron_cpu` gates on the same table (``SUPPORTED_MEGATRON_VERSIONS``
 is its keys).
 """
 

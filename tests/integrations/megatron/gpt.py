@@ -6,7 +6,7 @@ copies the full weights in: a ``tensor_model_parallel`` parameter takes its chun
 global layer ``layer_number - 1``, the number megatron's own offsets give it; a bf16 model gets
 the fp32 weights rounded to bf16. So the parallel run and the single-process run hold the same
 model, and their gradients can be compared slice for slice. Requires megatron-core and
-``gnmr_dist.integrations.megatron.cpu``. ``tests/integrations/megatron/settings.py`` builds the full
+``gnmr_dist.testing.megatron_cpu``. ``tests/integrations/megatron/settings.py`` builds the full
 set of layouts (bf16, distributed optimizer, sequence parallel, virtual pipeline) on top of this
 module.
 """
@@ -22,7 +22,7 @@ VOCAB, SEQ, MICRO_BATCH, NUM_MICRO, SEED = 128, 16, 2, 2, 1234
 
 def gpt_config(tp: int, pp: int, **fields):
     """The tiny model's ``TransformerConfig`` for a TP x PP layout (``fields`` override/extend)."""
-    from megatron_patches import cpu_transformer_config
+    from gnmr_dist.testing.megatron_cpu import cpu_transformer_config
 
     return cpu_transformer_config(
         **MODEL,

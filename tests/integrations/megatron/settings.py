@@ -324,7 +324,7 @@ def patched(setting: Setting, block: dict):
     import warnings
 
     import megatron_patches
-    from megatron_patches import enable_cpu_compat
+    from gnmr_dist.testing.megatron_cpu import enable_cpu_compat
 
     warnings.filterwarnings("ignore")
     enable_cpu_compat()

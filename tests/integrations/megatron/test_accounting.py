@@ -75,7 +75,7 @@ def _start(block: dict, optimizer=None):
     import warnings
 
     import megatron_patches
-    from megatron_patches import enable_cpu_compat
+    from gnmr_dist.testing.megatron_cpu import enable_cpu_compat
     from tests.integrations.megatron import settings
 
     warnings.filterwarnings("ignore")

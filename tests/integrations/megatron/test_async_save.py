@@ -17,7 +17,7 @@ GPU, ``megatron/core/dist_checkpointing/strategies/async_utils.py:565``, and the
 waits forever), its staging calls ``torch.cuda.synchronize()``
 (``strategies/filesystem_async.py:248``), and its staging copy (``:243``) is no copy on CPU.
 GNMR's CPU compatibility carries its stand-ins into the worker
-(:mod:`gnmr_dist.integrations.megatron.cpu.writer`: the worker's target is GNMR's loop, which
+(:mod:`gnmr_dist.testing.megatron_cpu.writer`: the worker's target is GNMR's loop, which
 runs megatron's), so the script below has none of its own; the tests after it check that
 route under each start method, for a script that does not import GNMR at module level.
 """
@@ -208,7 +208,7 @@ if __name__ == "__main__":
         FileSystemWriterAsync,
     )
 
-    from gnmr_dist.integrations.megatron.cpu import enable_cpu_compat
+    from gnmr_dist.testing.megatron_cpu import enable_cpu_compat
 
     work, methods = Path(sys.argv[1]), sys.argv[2:]
     enable_cpu_compat()
@@ -271,8 +271,8 @@ def test_the_compat_makes_the_workers_target_gnmrs_loop():
     """A process object names its target by reference: the worker imports GNMR's loop."""
     from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
 
-    from gnmr_dist.integrations.megatron.cpu import disable_cpu_compat, enable_cpu_compat
-    from gnmr_dist.integrations.megatron.cpu.writer import writer_loop
+    from gnmr_dist.testing.megatron_cpu import disable_cpu_compat, enable_cpu_compat
+    from gnmr_dist.testing.megatron_cpu.writer import writer_loop
 
     disable_cpu_compat()
     megatrons = PersistentAsyncCaller.async_loop
@@ -281,7 +281,7 @@ def test_the_compat_makes_the_workers_target_gnmrs_loop():
         target = PersistentAsyncCaller.async_loop
         assert target is writer_loop
         assert pickle.loads(pickle.dumps(target)) is writer_loop
-        assert b"gnmr_dist.integrations.megatron.cpu.writer" in pickle.dumps(target)
+        assert b"gnmr_dist.testing.megatron_cpu.writer" in pickle.dumps(target)
     finally:
         disable_cpu_compat()
     assert PersistentAsyncCaller.async_loop is megatrons
@@ -291,7 +291,7 @@ def test_the_compat_makes_the_workers_target_gnmrs_loop():
 def test_the_writers_stand_ins_are_megatrons_writer_modules_only():
     from megatron.core.dist_checkpointing.strategies import async_utils, filesystem_async
 
-    from gnmr_dist.integrations.megatron.cpu.writer import writer_stand_ins
+    from gnmr_dist.testing.megatron_cpu.writer import writer_stand_ins
 
     writer = filesystem_async.FileSystemWriterAsync
     state = torch.arange(4.0)

@@ -43,8 +43,8 @@ from tests.requires import require
 
 require("megatron.core")
 
-from gnmr_dist.integrations.megatron import cpu
-from megatron_patches import (
+from gnmr_dist.testing import megatron_cpu as cpu
+from gnmr_dist.testing.megatron_cpu import (
     cpu_compat,
     cpu_transformer_config,
     disable_cpu_compat,
@@ -203,7 +203,7 @@ def test_grad_norm_and_clip_match_torch(single_process_group):
 def test_imports_without_megatron():
     code = (
         "import sys; sys.modules['megatron'] = None;"
-        "import megatron_patches; print(megatron_patches.is_cpu_compat_enabled())"
+        "from gnmr_dist.testing import megatron_cpu; print(megatron_cpu.is_cpu_compat_enabled())"
     )
     root = Path(__file__).resolve().parents[3]
     out = subprocess.run(
@@ -220,7 +220,7 @@ PRELOAD = (
     "megatron.core.models.gpt.gpt_layer_specs",
     "megatron.core.optimizer",
     "megatron.core.pipeline_parallel",
-    "gnmr_dist.integrations.megatron.cpu",
+    "gnmr_dist.testing.megatron_cpu",
 )
 """Imported once per release by ``multiproc.run_jobs``; every rank is forked from that process."""
 

@@ -23,7 +23,7 @@ def _worker(rank, world):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     import megatron_patches
-    from megatron_patches import enable_cpu_compat
+    from gnmr_dist.testing.megatron_cpu import enable_cpu_compat
     from tests.backends import external  # the user's import: registers "test_rounded"
     from tests.integrations.megatron import gpt
 

@@ -58,7 +58,7 @@ def _worker(rank, world, tp, pp, steps, backend):
 
     import megatron_patches
     from gnmr_dist.distributed import GradNormMonitor
-    from megatron_patches import enable_cpu_compat
+    from gnmr_dist.testing.megatron_cpu import enable_cpu_compat
     from tests.integrations.megatron import gpt
 
     enable_cpu_compat()
@@ -160,7 +160,7 @@ def _fp8_context_worker(rank, world):
     import megatron_patches
     from gnmr_dist.backends import PrecisionBackend
     from gnmr_dist.distributed import Plan
-    from megatron_patches import enable_cpu_compat
+    from gnmr_dist.testing.megatron_cpu import enable_cpu_compat
     from tests.integrations.megatron import gpt
 
     class RecoveryRegion(PrecisionBackend):  # stand-in for te_fp8's region (TE cannot run here)
@@ -213,7 +213,7 @@ def _rerun_worker(rank, world):
     from megatron.core import rerun_state_machine
 
     import megatron_patches
-    from megatron_patches import enable_cpu_compat
+    from gnmr_dist.testing.megatron_cpu import enable_cpu_compat
     from tests.integrations.megatron import gpt
 
     enable_cpu_compat()
@@ -244,7 +244,7 @@ def _guard_worker(rank, world, breakage, action):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     import megatron_patches
-    from megatron_patches import enable_cpu_compat
+    from gnmr_dist.testing.megatron_cpu import enable_cpu_compat
     from tests.integrations.megatron import gpt
 
     enable_cpu_compat()
@@ -303,7 +303,7 @@ def _paths_worker(rank, world, arm):
     from megatron.core import parallel_state as ps
 
     import megatron_patches
-    from megatron_patches import enable_cpu_compat
+    from gnmr_dist.testing.megatron_cpu import enable_cpu_compat
     from tests.integrations.megatron import settings
 
     warnings.filterwarnings("ignore")

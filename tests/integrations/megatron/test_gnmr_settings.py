@@ -109,7 +109,7 @@ def _gnmr_worker(rank, world, names, backend_names):
     from megatron.core import parallel_state as ps
 
     from gnmr_dist.integrations.megatron.versions import series_info
-    from megatron_patches import enable_cpu_compat
+    from gnmr_dist.testing.megatron_cpu import enable_cpu_compat
     from tests.integrations.megatron import settings
 
     warnings.filterwarnings("ignore")
@@ -281,7 +281,7 @@ def _resume_worker(rank, world, ckpt: str, resume: bool):
     from megatron.core import parallel_state as ps
 
     import megatron_patches
-    from megatron_patches import enable_cpu_compat
+    from gnmr_dist.testing.megatron_cpu import enable_cpu_compat
     from tests.integrations.megatron import settings
 
     warnings.filterwarnings("ignore")

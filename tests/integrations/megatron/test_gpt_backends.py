@@ -25,7 +25,7 @@ def _worker(rank, world, backend_name, low_cost, recovery):
     from gnmr_dist.distributed import UnitRegistry
     from gnmr_dist.integrations.megatron.operators import MEGATRON_MARKS as MARKS
     from gnmr_dist.integrations.megatron.operators import MEGATRON_OPERATORS as OPS
-    from megatron_patches import enable_cpu_compat
+    from gnmr_dist.testing.megatron_cpu import enable_cpu_compat
     from tests.integrations.megatron import gpt
 
     enable_cpu_compat()
@@ -90,7 +90,7 @@ def _layout_worker(rank, world, low_cost):
     from gnmr_dist.distributed import UnitRegistry
     from gnmr_dist.integrations.megatron.operators import MEGATRON_MARKS as MARKS
     from gnmr_dist.integrations.megatron.operators import MEGATRON_OPERATORS as OPS
-    from megatron_patches import enable_cpu_compat
+    from gnmr_dist.testing.megatron_cpu import enable_cpu_compat
     from tests.integrations.megatron import gpt
 
     enable_cpu_compat()

@@ -48,7 +48,7 @@ def _worker(rank, world, tp, pp, steps, spike_step):
     from gnmr_dist.distributed import GradNormMonitor, UnitRegistry
     from gnmr_dist.integrations.megatron.operators import MEGATRON_MARKS as MARKS
     from gnmr_dist.integrations.megatron.operators import MEGATRON_OPERATORS as OPS
-    from megatron_patches import enable_cpu_compat
+    from gnmr_dist.testing.megatron_cpu import enable_cpu_compat
     from tests.integrations.megatron import gpt
 
     enable_cpu_compat()

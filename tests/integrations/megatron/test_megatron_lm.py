@@ -127,7 +127,7 @@ TP1 = ["--tensor-model-parallel-size", "1"]
 """The resume runs: tensor parallel 1 (data parallel 2), where megatron's default dropout (0.1)
 draws from the default CUDA stream, not the tracker's forked ones (tensor / sequence parallel
 regions): the stream a data loader's draw after ``--load`` shifted on CPU before the CUDA stream
-was kept apart (``gnmr_dist.integrations.megatron.cpu.training``)."""
+was kept apart (``gnmr_dist.testing.megatron_cpu.training``)."""
 
 
 @pytest.fixture(scope="module")
@@ -233,7 +233,7 @@ def test_bad_block_exits_2_before_any_process_group(tmp_path):
 
 
 def test_fail_at_must_be_an_iteration():
-    from gnmr_dist.train.drills import check_fail_at as _fail_at
+    from gnmr_dist.testing.drills import check_fail_at as _fail_at
 
     assert _fail_at(None) is None and _fail_at(5) == 5
     with pytest.raises(ValueError, match="--gnmr-fail-at must be an iteration >= 1, got 0"):

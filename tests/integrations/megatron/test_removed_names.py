@@ -92,14 +92,14 @@ def test_every_removed_name_says_what_replaced_it() -> None:
         "megatron_series", "operators", "remove", "series_info", "session", "te", "versions",
         "cpu_training",
     }  # fmt: skip
-    removed = old_all - set(megatron_patches.__all__)
+    removed = old_all - set(megatron_patches.__all__) - set(megatron_patches.DEPRECATED)
     assert removed == set(megatron_patches.REMOVED)
     homes = {
         "cpu": "enable_cpu_compat",
         "cpu_training": "enable_cpu_compat(training=True)",
         "gnmr": "megatron_patches.apply",
         "SERIES": "gnmr_dist.integrations.megatron.versions",
-        "SUPPORTED_MEGATRON_VERSIONS": "gnmr_dist.integrations.megatron.cpu",
+        "SUPPORTED_MEGATRON_VERSIONS": "gnmr_dist.testing.megatron_cpu",
         "te": "gnmr_dist.integrations.megatron.te",
         "loop": "attach_from_argv",
     }
@@ -110,6 +110,13 @@ def test_every_removed_name_says_what_replaced_it() -> None:
         assert str(caught.value).startswith(f"megatron_patches.{name} ")
         assert "docs/megatron.md" in str(caught.value)
         assert homes.get(name, "gnmr_dist.integrations.megatron") in str(caught.value)
+    for name in megatron_patches.DEPRECATED:  # issue 45: aliases for one release, with a warning
+        assert name not in megatron_patches.__all__
+        with pytest.warns(DeprecationWarning, match=f"gnmr_dist.testing.megatron_cpu.{name}"):
+            alias = getattr(megatron_patches, name)
+        from gnmr_dist.testing import megatron_cpu
+
+        assert alias is getattr(megatron_cpu, name)
     with pytest.raises(AttributeError, match="has no attribute 'nothing'") as other:
         megatron_patches.nothing  # noqa: B018
     assert not isinstance(other.value, megatron_patches.RemovedNameError)

@@ -1,5 +1,5 @@
-"""Deterministic disturbances for tests and demos of Megatron-LM's loop, loaded by the program
-only when a drill flag asks for one (:mod:`gnmr_dist.train.megatron_flags`).
+"""Deterministic disturbances for tests and demos, loaded by a program only when a drill flag
+asks for one (:mod:`gnmr_dist.train.megatron_flags`, :mod:`gnmr_dist.train.ds_pretrain`).
 
 * ``--gnmr-inject-grad-spike ITER:LAYER[:FACTOR]`` (repeatable): every gradient of global
   transformer layer ``LAYER`` (0-based) times ``FACTOR`` (default 100) before the optimizer step
@@ -7,7 +7,7 @@ only when a drill flag asks for one (:mod:`gnmr_dist.train.megatron_flags`).
 * ``--gnmr-fail-at ITER``: a restart drill under torchrun; on the job's first attempt
   (``TORCHELASTIC_RESTART_COUNT`` 0 or unset) the last rank SIGKILLs itself before the optimizer
   step of iteration ``ITER``
-  (:func:`~gnmr_dist.integrations.state_file.restart_drill`).
+  (:func:`restart_drill`, which ``gnmr-ds-pretrain``'s ``--fail-at`` uses too).
 
 Each drill is a :data:`~gnmr_dist.integrations.megatron.loop.StepWrapper` of ``optimizer.step``
 that ``megatron_patches.attach`` installs and ``detach`` removes.
@@ -16,19 +16,32 @@ that ``megatron_patches.attach`` installs and ``detach`` removes.
 from __future__ import annotations
 
 import logging
+import os
 import re
+import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gnmr_dist.integrations.megatron.loop import StepWrapper
-from gnmr_dist.integrations.state_file import restart_drill
+if TYPE_CHECKING:  # a type only: gnmr-ds-pretrain's --fail-at loads no megatron module
+    from gnmr_dist.integrations.megatron.loop import StepWrapper
 
-__all__ = ["Drills", "check_fail_at", "parse_spikes"]
+__all__ = ["Drills", "check_fail_at", "parse_spikes", "restart_drill"]
 
 logger = logging.getLogger(__name__)
+
+
+def restart_drill(flag: str, fail_at: int | None, step: int, rank: int, world: int) -> None:
+    """The last rank SIGKILLs itself when ``step == fail_at`` on a job's first attempt
+    (``TORCHELASTIC_RESTART_COUNT`` 0 or unset); ``flag`` names the option in the log line."""
+    first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+    if fail_at == step and rank == world - 1 and first_attempt:
+        logger.error("%s %d: rank %d sends itself SIGKILL", flag, step, rank)
+        logging.shutdown()
+        os.kill(os.getpid(), signal.SIGKILL)
+
 
 _SPIKE = re.compile(r"^(\d+):(\d+)(?::([0-9.eE+-]+))?$")
 

@@ -13,18 +13,18 @@ Checked against megatron-core 0.16.1, 0.17.1 and 0.19.2 (the version table,
 keys). The stand-ins are split by what they stand in for, each module listing its patches and
 the reason for each:
 
-* :mod:`~gnmr_dist.integrations.megatron.cpu.device`: ``torch.cuda``'s device, synchronize and
+* :mod:`~gnmr_dist.testing.megatron_cpu.device`: ``torch.cuda``'s device, synchronize and
   stream; the name ``torch`` inside four megatron modules; ``Tensor.cuda`` around the tied
   embedding set-up.
-* :mod:`~gnmr_dist.integrations.megatron.cpu.rng`: the CUDA RNG and its tracker.
-* :mod:`~gnmr_dist.integrations.megatron.cpu.optimizer`: the grad-norm / clipping kernels, the
+* :mod:`~gnmr_dist.testing.megatron_cpu.rng`: the CUDA RNG and its tracker.
+* :mod:`~gnmr_dist.testing.megatron_cpu.optimizer`: the grad-norm / clipping kernels, the
   optimizers' CUDA type checks, the distributed optimizer's checkpoint state.
-* :mod:`~gnmr_dist.integrations.megatron.cpu.norm`: the torch norm under sequence parallelism.
-* :mod:`~gnmr_dist.integrations.megatron.cpu.training`: Megatron-LM's own loop
+* :mod:`~gnmr_dist.testing.megatron_cpu.norm`: the torch norm under sequence parallelism.
+* :mod:`~gnmr_dist.testing.megatron_cpu.training`: Megatron-LM's own loop
   (``megatron.training``).
-* :mod:`~gnmr_dist.integrations.megatron.cpu.writer`: the async checkpoint writer's own process
+* :mod:`~gnmr_dist.testing.megatron_cpu.writer`: the async checkpoint writer's own process
   (the one patch here, its target, carries the stand-ins into it).
-* :mod:`~gnmr_dist.integrations.megatron.cpu.config`: :func:`cpu_transformer_config`.
+* :mod:`~gnmr_dist.testing.megatron_cpu.config`: :func:`cpu_transformer_config`.
 
 What is not patched (so unverified on CPU): docs/megatron.md, "CPU compatibility". The
 patches are process-wide while enabled (module attributes, not thread- or scope-local).
@@ -40,16 +40,23 @@ from typing import Any
 
 import torch
 
-from gnmr_dist.integrations.megatron.cpu.config import cpu_transformer_config
-from gnmr_dist.integrations.megatron.cpu.device import (
+from gnmr_dist.integrations.megatron.versions import (
+    SERIES,
+    SeriesInfo,
+    installed_version,
+    series_of,
+)
+from gnmr_dist.integrations.patching import Patches
+from gnmr_dist.testing.megatron_cpu.config import cpu_transformer_config
+from gnmr_dist.testing.megatron_cpu.device import (
     _cpu_current_device,
     _cpu_current_stream,
     _cpu_setup_embeddings,
     _cpu_synchronize,
     _CpuTorch,
 )
-from gnmr_dist.integrations.megatron.cpu.norm import _cpu_torch_norm_new
-from gnmr_dist.integrations.megatron.cpu.optimizer import (
+from gnmr_dist.testing.megatron_cpu.norm import _cpu_torch_norm_new
+from gnmr_dist.testing.megatron_cpu.optimizer import (
     _cpu_clip_grad_by_total_norm,
     _cpu_distopt_load_state_dict,
     _cpu_distopt_sharded_state_dict,
@@ -59,21 +66,14 @@ from gnmr_dist.integrations.megatron.cpu.optimizer import (
     _cpu_scale,
     _cpu_set_main_param_states,
 )
-from gnmr_dist.integrations.megatron.cpu.rng import (
+from gnmr_dist.testing.megatron_cpu.rng import (
     _cpu_get_rng_state,
     _cpu_manual_seed,
     _cpu_set_rng_state,
     _cpu_tracker_add,
     _cpu_tracker_fork,
 )
-from gnmr_dist.integrations.megatron.cpu.writer import writer_loop
-from gnmr_dist.integrations.megatron.versions import (
-    SERIES,
-    SeriesInfo,
-    installed_version,
-    series_of,
-)
-from gnmr_dist.integrations.patching import Patches
+from gnmr_dist.testing.megatron_cpu.writer import writer_loop
 
 __all__ = [
     "SUPPORTED_MEGATRON_VERSIONS",
@@ -93,7 +93,7 @@ keys of the version table (0.16.1, 0.17.1, 0.19.2; 0.18 was not checked)."""
 _LOCK = threading.Lock()
 _APPLIED = Patches("cpu compat")
 _TRAINING_ON: list[bool] = []
-"""Non-empty while :mod:`gnmr_dist.integrations.megatron.cpu.training`'s patches are on."""
+"""Non-empty while :mod:`gnmr_dist.testing.megatron_cpu.training`'s patches are on."""
 
 
 # --------------------------------------------------------------------------- patch plan
@@ -194,7 +194,7 @@ def is_cpu_compat_enabled() -> bool:
 def enable_cpu_compat(*, training: bool = False) -> None:
     """Apply the CPU patches to megatron-core (idempotent).
 
-    ``training=True`` also applies :mod:`gnmr_dist.integrations.megatron.cpu.training`, for
+    ``training=True`` also applies :mod:`gnmr_dist.testing.megatron_cpu.training`, for
     Megatron-LM's own training loop (``megatron.training.pretrain``); it needs a series whose wheel
     ships ``megatron.training`` (the version table's ``has_training``: 0.17+). It may be asked for
     after the core patches are on.
@@ -221,7 +221,7 @@ def enable_cpu_compat(*, training: bool = False) -> None:
         plan = [] if _APPLIED else _patch_plan()
         add_training = training and not _TRAINING_ON
         if add_training:
-            from gnmr_dist.integrations.megatron.cpu.training import training_patch_plan
+            from gnmr_dist.testing.megatron_cpu.training import training_patch_plan
 
             plan += training_patch_plan()
         try:

@@ -1,6 +1,6 @@
 """CPU stand-ins for ``torch.cuda`` and for CUDA tensor placement inside megatron-core.
 
-What is patched (by :func:`~gnmr_dist.integrations.megatron.cpu.enable_cpu_compat`), and why:
+What is patched (by :func:`~gnmr_dist.testing.megatron_cpu.enable_cpu_compat`), and why:
 
 * ``torch.cuda.current_device`` -> ``torch.device("cpu")``. Megatron calls it at run time
   (``device=torch.cuda.current_device()``) for the attention scratch buffer

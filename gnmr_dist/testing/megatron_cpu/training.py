@@ -3,7 +3,7 @@
 megatron-core 0.17+ wheels ship ``megatron/training``: ``pretrain()``, the argument parser, the
 LR schedules, checkpointing and the TensorBoard / W&B writers. On a host without CUDA that
 loop stops on a few hard-wired CUDA calls outside megatron-core's model code (which the rest
-of :mod:`~gnmr_dist.integrations.megatron.cpu` redirects). This module redirects those, from
+of :mod:`~gnmr_dist.testing.megatron_cpu` redirects). This module redirects those, from
 ``enable_cpu_compat(training=True)``; like the rest it is never active when CUDA is available.
 
 What is patched, and why (run against 0.17.1; the call sites also read in 0.19.2, whose
@@ -17,7 +17,7 @@ imports ``typing.override``, new in 3.12, so it has not run here):
   and iteration counters that way) and ``cuda``, which is :class:`_CpuCuda` (what it reports,
   and why, is in its docstring). The rest of torch, and every module outside
   ``megatron.training``, sees the real ``torch.cuda``.
-* The CUDA RNG stream (:class:`~gnmr_dist.integrations.megatron.cpu.rng.CudaRng`) -> its own state,
+* The CUDA RNG stream (:class:`~gnmr_dist.testing.megatron_cpu.rng.CudaRng`) -> its own state,
   apart from the CPU generator's, as on a GPU; ``training.train_step`` and ``training.evaluate``
   -> the originals with the CUDA stream swapped into the CPU generator for their duration (where
   dropout draws). Checkpoints then save and restore the two streams separately
@@ -42,14 +42,14 @@ from typing import Any
 
 import torch
 
-from gnmr_dist.integrations.megatron.cpu.device import (
+from gnmr_dist.testing.megatron_cpu.device import (
     _cpu_current_device,
     _cpu_synchronize,
     _CpuStream,
     _CpuTorch,
     _tensor_cuda_identity,
 )
-from gnmr_dist.integrations.megatron.cpu.rng import (
+from gnmr_dist.testing.megatron_cpu.rng import (
     CUDA_RNG,
     _cpu_get_rng_state,
     _cpu_set_rng_state,
@@ -80,7 +80,7 @@ class _CpuCuda(types.ModuleType):
     both skipped with no device; ``set_device`` does nothing and no ``device_id`` reaches
     ``init_process_group``), the RNG state is the CPU default generator's (the state megatron's
     checkpoints save as ``cuda_rng_state`` and restore), streams are
-    :class:`~gnmr_dist.integrations.megatron.cpu.device._CpuStream` (DDP is built on a side stream),
+    :class:`~gnmr_dist.testing.megatron_cpu.device._CpuStream` (DDP is built on a side stream),
     memory queries report 0, the compute capability is 0.0 (no GPU architecture: megatron's own
     checks then refuse GPU-only kernels such as grouped GEMM) and ``empty_cache`` /
     ``synchronize`` do nothing. Any other ``torch.cuda`` attribute is the real one (it raises
@@ -125,7 +125,7 @@ class _TrainingTorch(_CpuTorch):
 def _skip_jit_warmup() -> None:
     """CPU stand-in for ``initialize._warmup_jit_function``: it runs megatron's fused
     bias-GeLU / bias-dropout-add kernels on CUDA tensors to compile them; on CPU those fusions
-    are off (``gnmr_dist.integrations.megatron.cpu``'s required config), so there is nothing to warm
+    are off (``gnmr_dist.testing.megatron_cpu``'s required config), so there is nothing to warm
     up."""
 
 

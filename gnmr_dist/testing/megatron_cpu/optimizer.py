@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from gnmr_dist.integrations.megatron.cpu.device import _tensor_cuda_is_identity
+from gnmr_dist.testing.megatron_cpu.device import _tensor_cuda_is_identity
 
 
 @contextlib.contextmanager

@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
-from gnmr_dist.integrations.megatron.cpu.device import _cpu_synchronize
 from gnmr_dist.integrations.patching import Patches
+from gnmr_dist.testing.megatron_cpu.device import _cpu_synchronize
 
 __all__ = ["writer_loop", "writer_stand_ins"]
 
@@ -128,9 +128,9 @@ def _megatron_loop() -> Callable[..., None]:
 
     loop: Callable[..., None] = PersistentAsyncCaller.async_loop
     if loop is writer_loop:  # forked from the training process, whose compat holds the original
-        from gnmr_dist.integrations.megatron import cpu
+        from gnmr_dist.testing import megatron_cpu
 
-        loop = cpu._APPLIED.original(PersistentAsyncCaller, "async_loop")
+        loop = megatron_cpu._APPLIED.original(PersistentAsyncCaller, "async_loop")
     return loop
 
 

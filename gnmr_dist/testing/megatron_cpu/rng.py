@@ -12,7 +12,7 @@ What is patched, and why:
   (:class:`CudaRng`): ``model_parallel_cuda_manual_seed(seed)`` also reseeds ``torch``'s CPU
   generator, and the tracker's "CPU RNG state changed within GPU RNG context" check is dropped.
   Megatron-LM's loop keeps the two streams apart, as on a GPU
-  (:mod:`gnmr_dist.integrations.megatron.cpu.training`).
+  (:mod:`gnmr_dist.testing.megatron_cpu.training`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class CudaRng:
 
     Dropout on CPU tensors draws from torch's CPU default generator, so that is where the CUDA
     state must be while the model computes. With megatron-core alone (``separate`` false) the
-    two are one generator. Megatron-LM's loop (:mod:`gnmr_dist.integrations.megatron.cpu.training`)
+    two are one generator. Megatron-LM's loop (:mod:`gnmr_dist.testing.megatron_cpu.training`)
     makes them two, as on a GPU (``separate`` true): the CUDA state is kept here, swapped into the
     CPU generator for each training step and evaluation (:meth:`swapped_in`) and out after, so the
     CPU stream (data loaders draw their base seed from it) and the CUDA stream (dropout) are
