@@ -1,10 +1,10 @@
 """``megatron_patches``: GNMR for megatron-core, the design card's name for
 :mod:`gnmr_dist.integrations.megatron`.
 
-Its public names only (``apply``, ``remove``, ``current``, ``attach``, ``detach``, ...), looked
-up in that package on each use: the objects are the implementation's own, so a monkeypatch of
-``gnmr_dist.integrations.megatron.<module>`` is seen through either name, and ``import
-megatron_patches`` loads no submodule until a name is used.
+Its public names only (``enable`` / ``disable``, ``enable_loop`` / ``disable_loop``, ``current``,
+...), looked up in that package on each use: the objects are the implementation's own, so a
+monkeypatch of ``gnmr_dist.integrations.megatron.<module>`` is seen through either name, and
+``import megatron_patches`` loads no submodule until a name is used.
 
 A name it exported once (up to issue 32: ``megatron_patches.loop.attach()``, the submodules, the
 version table) raises :class:`RemovedNameError`, whose message names what replaced it
@@ -54,8 +54,8 @@ REMOVED: dict[str, str] = {
     "cpu": f"megatron_patches.cpu is no longer exported: {_CPU}",
     "cpu_training": f"megatron_patches.cpu_training is no longer exported: {_CPU}",
     "gnmr": (
-        "megatron_patches.gnmr is no longer exported: use megatron_patches.apply / remove / "
-        'current / MegatronGNMR; see docs/megatron.md, "megatron_patches.apply"'
+        "megatron_patches.gnmr is no longer exported: use megatron_patches.enable / disable / "
+        'current / MegatronGNMR; see docs/megatron.md, "megatron_patches.enable"'
     ),
     "SUPPORTED_MEGATRON_VERSIONS": (
         "megatron_patches.SUPPORTED_MEGATRON_VERSIONS is no longer exported: it is "
@@ -69,7 +69,7 @@ REMOVED: dict[str, str] = {
     **{
         name: (
             f"megatron_patches.{name} is no longer exported: it is internal, "
-            f"{_INTERNAL.format(name)}; megatron_patches exports apply / attach "
+            f"{_INTERNAL.format(name)}; megatron_patches exports enable / enable_loop "
             "(docs/megatron.md)"
         )
         for name in ("attribution", "operators", "session", "te")
@@ -108,6 +108,8 @@ def __getattr__(name: str) -> Any:
         raise RemovedNameError(REMOVED[name])
     if name in DEPRECATED:
         return _deprecated(name)
+    if name in _megatron.ALIASES:  # apply / remove / attach / detach: they warn when called
+        return getattr(_megatron, name)
     if name not in __all__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return getattr(_megatron, name)

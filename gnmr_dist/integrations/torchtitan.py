@@ -23,6 +23,7 @@ torchtitan (the converter then refuses to build). docs/backends.md#torchao_fp8.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -269,8 +270,8 @@ class TorchtitanSession:
         self.decisions += 1
         self._pending = True
 
-    def detach(self) -> None:
-        """Remove the hooks and the backend's forwards."""
+    def disable(self) -> None:
+        """Remove the hooks and the backend's forwards (the verb every integration uses)."""
         self._forward.remove()
         self._optimizer.remove()
         if self.backend is not None:
@@ -278,6 +279,16 @@ class TorchtitanSession:
         model = self._model()
         if model is not None:
             _SESSIONS.pop(model, None)
+
+    def detach(self) -> None:
+        """Deprecated name of :meth:`disable`, for one release."""
+        warnings.warn(
+            "TorchtitanSession.detach() is deprecated: call disable() (one verb pair, enable / "
+            "disable, for every integration); the alias goes in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        self.disable()
 
 
 def _lr(opt: torch.optim.Optimizer) -> float | None:

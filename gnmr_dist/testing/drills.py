@@ -10,7 +10,7 @@ asks for one (:mod:`gnmr_dist.train.megatron_flags`, :mod:`gnmr_dist.train.ds_pr
   (:func:`restart_drill`, which ``gnmr-ds-pretrain``'s ``--fail-at`` uses too).
 
 Each drill is a :data:`~gnmr_dist.integrations.megatron.loop.StepWrapper` of ``optimizer.step``
-that ``megatron_patches.attach`` installs and ``detach`` removes.
+that ``megatron_patches.enable_loop`` installs and ``detach`` removes.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ megatron then parses: :func:`attach_from_argv`, the two lines any pretrain scrip
 
 It reads the flags (:func:`add_gnmr_args`), reads and checks the block before any process group
 (:func:`gnmr_block`: a bad one fails at once), loads the drills only when a drill flag asks for
-one (:mod:`gnmr_dist.testing.drills`), attaches GNMR (:func:`megatron_patches.attach`) and sets
+one (:mod:`gnmr_dist.testing.drills`), attaches GNMR (:func:`megatron_patches.enable_loop`) and sets
 ``sys.argv`` to what megatron will parse: plus Megatron-LM's customary values megatron-core 0.17+
 leaves unset (:data:`CUSTOMARY`) and, without CUDA, the flags a CPU run needs (:data:`CPU_FLAGS`,
 with ``gnmr_dist.testing.megatron_cpu`` turned on). Paths are read relative to the working
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from gnmr_dist.integrations.config import GNMRBlock, check_block_name, read_block
-from gnmr_dist.integrations.megatron.loop import attach, attached, require_training
+from gnmr_dist.integrations.megatron.loop import attached, enable_loop, require_training
 from gnmr_dist.integrations.session import refuse_probe
 from gnmr_dist.train.common import import_modules
 
@@ -189,7 +189,7 @@ def gnmr_block(args: argparse.Namespace, check_host: bool = True) -> GNMRBlock |
     """The effective ``"gnmr"`` block (file, then the overrides), or ``None`` without a file.
 
     Read once (``read_block``): building the backend checks its option blocks
-    (``megatron_patches.apply`` builds the run's own, with megatron's operators); a backend this
+    (``megatron_patches.enable`` builds the run's own, with megatron's operators); a backend this
     host cannot load (``te_fp8`` without CUDA) is an error only when ``check_host``. Given
     Megatron-LM's whole parsed ``args`` (``check_args``, which ``gnmr-launch`` runs), also checks
     the unit selection on the model they describe (:func:`check_units`).
@@ -242,7 +242,7 @@ _SINGLE_PROCESS = {
 
 def check_units(args: argparse.Namespace, block: GNMRBlock | None) -> None:
     """``ValueError`` when ``block``'s ``include``/``exclude`` select no unit of the GPT model
-    Megatron-LM's parsed ``args`` describe: the refusal ``megatron_patches.apply`` gives the
+    Megatron-LM's parsed ``args`` describe: the refusal ``megatron_patches.enable`` gives the
     run inside ``setup_model_and_optimizer``, given before any process starts.
 
     The program's own ``model_provider`` builds the model on the meta device in this process
@@ -399,9 +399,10 @@ def attach_from_argv(
     ``extra_args_provider``'s own when given).
 
     Call it once, before ``pretrain``. Reads the GNMR arguments from ``argv`` (default
-    ``sys.argv[1:]``), checks them and the block, attaches (:func:`megatron_patches.attach`) and
-    sets ``sys.argv`` to the arguments megatron will parse. Raises ``ValueError`` naming what is
-    wrong (the block, a flag, the megatron-core), ``RuntimeError`` when called twice.
+    ``sys.argv[1:]``), checks them and the block, enables GNMR on the loop
+    (:func:`megatron_patches.enable_loop`) and sets ``sys.argv`` to the arguments megatron will
+    parse. Raises ``ValueError`` naming what is wrong (the block, a flag, the megatron-core),
+    ``RuntimeError`` when called twice.
     """
     if _in_spawned_helper():
         logger.debug("attach_from_argv: a spawned helper process re-imports the script; no GNMR")
@@ -424,7 +425,7 @@ def attach_from_argv(
     drills = drills_of(given)
     block = gnmr_block(given)  # a bad block fails before any process group
     gnmr_on = block is not None and block.enabled
-    attach(block, step_wrappers=drills.step_wrappers(gnmr_on) if drills else ())
+    enable_loop(block, step_wrappers=drills.step_wrappers(gnmr_on) if drills else ())
     sys.argv = [sys.argv[0], *words]  # megatron's parse_args reads sys.argv
 
     def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

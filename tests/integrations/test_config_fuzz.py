@@ -6,7 +6,7 @@ message starts with the key's full path (``gnmr.log.every``, ``gnmr.low_cost.for
 may be accepted silently, and no message may come from Python's own type machinery
 (``unhashable type: 'list'``). Four entry points, at least 1,000 examples each:
 ``GNMRBlock.from_dict``, ``get_backend``, ``gnmr_dist.deepspeed.initialize`` and
-``megatron_patches.apply``.
+``megatron_patches.enable``.
 
 The key table below is the block's documented schema; ``test_the_table_covers_every_key``
 checks it against the parsers' own key lists, so a new key cannot escape the fuzz.
@@ -269,14 +269,14 @@ def test_nan_and_infinity_are_not_numbers_here():
 @_FUZZ
 @given(data=st.data())
 def test_megatron_patches_apply_names_every_wrong_type(data):
-    """The same through ``megatron_patches.apply`` (its block reader and backend build run
+    """The same through ``megatron_patches.enable`` (its block reader and backend build run
     before anything is patched, so a plain module stands in for the model)."""
     require("megatron.core")
     import megatron_patches
 
     def refused(block: dict[str, Any]) -> BaseException:
         with pytest.raises((ValueError, TypeError)) as info:
-            megatron_patches.apply(torch.nn.Linear(4, 4), block)
+            megatron_patches.enable(torch.nn.Linear(4, 4), block)
         return info.value
 
     if data.draw(st.booleans()):

@@ -109,7 +109,7 @@ def test_the_plan_before_each_forward_one_decision_per_step():
     assert [r.step for r in reports] == [1, 2, 3, 4]
     assert [r.planned for r in reports] == [frozenset(), *decided[:3]]
     assert any(r.recovered for r in reports) and all(len(r.recovered) <= 2 for r in reports)
-    s.detach()
+    s.disable()
     assert session_of(model) is None
 
 

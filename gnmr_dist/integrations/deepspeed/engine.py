@@ -53,6 +53,7 @@ from gnmr_dist.integrations.patching import Patches
 from gnmr_dist.integrations.session import (
     check_error_source,
 )
+from gnmr_dist.integrations.switch import Enabled, deprecated
 
 __all__ = [
     "STATE_FILE",
@@ -127,8 +128,9 @@ def _deepspeed_initialize() -> Any:
     return _PATCHES.original(deepspeed, "initialize") or deepspeed.initialize
 
 
-def enable() -> None:
-    """Make ``deepspeed.initialize`` itself read the ``"gnmr"`` block (idempotent).
+def enable() -> Enabled:
+    """Make ``deepspeed.initialize`` itself read the ``"gnmr"`` block (idempotent); also a
+    context manager: ``with enable():`` restores at the end of the block if this call enabled.
 
     For code that calls DeepSpeed on its own: Hugging Face ``Trainer`` and TRL trainers (through
     accelerate, which looks ``deepspeed.initialize`` up when it prepares the model) and plain
@@ -142,7 +144,7 @@ def enable() -> None:
     import deepspeed
 
     if _PATCHES:
-        return
+        return Enabled(disable, owned=False)  # on already: a with-block leaves it on
 
     @functools.wraps(deepspeed.initialize)
     def gnmr_initialize(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
@@ -154,6 +156,7 @@ def enable() -> None:
 
         _PATCHES.set(Trainer, "log", with_gnmr_entries(Trainer.log))
     logger.info('gnmr: deepspeed.initialize now reads the config\'s "gnmr" block')
+    return Enabled(disable, owned=True)
 
 
 def disable() -> None:
@@ -167,16 +170,8 @@ def is_enabled() -> bool:
     return bool(_PATCHES)
 
 
-@contextlib.contextmanager
-def enabled() -> Any:
-    """:func:`enable` for the duration of a ``with`` block (restored after, if it enabled)."""
-    was = is_enabled()
-    enable()
-    try:
-        yield
-    finally:
-        if not was:
-            disable()
+enabled = deprecated("gnmr_dist.deepspeed.enabled()", "gnmr_dist.deepspeed.enable()", enable)
+"""Deprecated alias of :func:`enable` (which is a context manager itself), for one release."""
 
 
 def initialize(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any, Any]:

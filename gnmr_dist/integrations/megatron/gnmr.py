@@ -1,7 +1,9 @@
 """GNMR inside megatron-core: per-unit norms in the clip-norm all-reduce, plan applied per step.
 
-``apply(model, block, optimizer=...)`` wires a GNMR runtime into a megatron-core training run;
-``remove()`` undoes it. docs/megatron.md ("megatron_patches.apply") has the full account.
+``enable(model, block, optimizer=...)`` wires a GNMR runtime into a megatron-core training run
+and returns its handle, also a context manager (``with enable(...) as gnmr:`` undoes it at the
+end of the block); ``disable()`` undoes it. ``apply`` / ``remove`` are the deprecated names of
+both, for one release. docs/megatron.md ("megatron_patches.enable") has the full account.
 
 * **Attribution.** megatron's clip norm reads the ``.grad`` of every *main* parameter the
   optimizer steps (the name of the list is in :mod:`gnmr_dist.integrations.megatron.versions`);
@@ -20,7 +22,7 @@
   (and 0.19's recompute) import them give a recovery layer the backend's recovery region instead
   of megatron's per-layer context; operator units are switched on the operators themselves.
 * **Refused:** Megatron-FSDP, ``--fp4-format`` without FP4 GEMMs, an emulated backend with
-  gradient-accumulation fusion (:func:`apply` names each).
+  gradient-accumulation fusion (:func:`enable` names each).
 
 Several model chunks per rank form one registry (global ``layer_number``); the state is a plain
 common checkpoint entry; ``install_rerun_hooks`` replays a rerun's plan.
@@ -44,14 +46,15 @@ from gnmr_dist.integrations.megatron.session import MegatronGNMR
 from gnmr_dist.integrations.megatron.versions import SeriesInfo, megatron_series, series_info
 from gnmr_dist.integrations.patching import Patches
 from gnmr_dist.integrations.session import check_error_source, refuse_probe
+from gnmr_dist.integrations.switch import deprecated
 
 __all__ = [
     "MegatronGNMR",
-    "apply",
     "current",
+    "disable",
+    "enable",
     "leaf_optimizers",
     "megatron_series",
-    "remove",
 ]
 
 logger = logging.getLogger(__name__)
@@ -128,11 +131,11 @@ def _wrap_optimizer(optimizer: Any) -> None:
 
 
 def current() -> MegatronGNMR | None:
-    """The runtime installed by :func:`apply` (None when not applied)."""
+    """The runtime installed by :func:`enable` (None when not enabled)."""
     return _CURRENT[0] if _CURRENT else None
 
 
-def apply(
+def enable(
     model: nn.Module | Sequence[nn.Module],
     block: GNMRBlock | Mapping[str, Any],
     *,
@@ -157,14 +160,14 @@ def apply(
             ``parallel_state.initialize_model_parallel`` made.
     """
     parsed = GNMRBlock.of(block)
-    refuse_probe(parsed, "megatron_patches.apply")
+    refuse_probe(parsed, "megatron_patches.enable")
     chunks = list(model) if isinstance(model, Sequence) else [model]
     handle = current()
     if handle is not None and [id(c) for c in handle.model] == [id(c) for c in chunks]:
         return handle
-    info = series_info(what="megatron_patches.apply")
+    info = series_info(what="megatron_patches.enable")
     _refuse_unsupported(chunks, parsed, optimizer)
-    remove()
+    disable()
     backend = parsed.build_backend(MEGATRON_OPERATORS)
     check_error_source(parsed, backend)  # gnmr.gamma needs a backend that reports error sums
     groups = pg_collection if pg_collection is not None else _mpu_groups()
@@ -206,7 +209,7 @@ def _refuse_unsupported(chunks: Sequence[nn.Module], block: GNMRBlock, optimizer
             check_fp4_device(f"megatron-core's --fp4-format {config.fp4} (config.fp4)")
         if emulated and getattr(config, "gradient_accumulation_fusion", False):
             raise ValueError(
-                f"megatron_patches.apply: backend {block.backend!r} runs megatron's linears "
+                f"megatron_patches.enable: backend {block.backend!r} runs megatron's linears "
                 "with its own autograd, which has no fused weight-gradient accumulation: set "
                 "gradient_accumulation_fusion=False (--no-gradient-accumulation-fusion) or use "
                 "backend 'te_fp8'"
@@ -217,7 +220,7 @@ def _refuse_unsupported(chunks: Sequence[nn.Module], block: GNMRBlock, optimizer
             ddp_config, "use_custom_fsdp", False
         ):
             raise ValueError(
-                "megatron_patches.apply: Megatron-FSDP (use_megatron_fsdp) hands the clip norm "
+                "megatron_patches.enable: Megatron-FSDP (use_megatron_fsdp) hands the clip norm "
                 "DTensor shards GNMR cannot attribute yet; use the distributed optimizer "
                 "(use_distributed_optimizer=True) instead"
             )
@@ -241,14 +244,19 @@ def _install(handle: MegatronGNMR, optimizer: Any, info: SeriesInfo) -> None:
                 _PATCHES.set(module, name, _plan_context(getattr(module, name)))
     if optimizer is not None:
         _wrap_optimizer(optimizer)
+    handle._disable = disable  # the with-block's exit (the handle's module cannot import this)
     _CURRENT.append(handle)
 
 
-def remove() -> None:
-    """Undo :func:`apply`: original functions back, backend unwrapped (no-op if not applied)."""
+def disable() -> None:
+    """Undo :func:`enable`: original functions back, backend unwrapped (no-op if not applied)."""
     _PATCHES.restore()
     while _CURRENT:
         handle = _CURRENT.pop()
         if handle.backend is not None:
             handle.backend.before_forward = None
             handle.backend.unwrap()
+
+
+apply = deprecated("megatron_patches.apply", "megatron_patches.enable", enable)
+remove = deprecated("megatron_patches.remove()", "megatron_patches.disable()", disable)

@@ -4,7 +4,7 @@ before the script calls ``pretrain``, :func:`detach` to undo it.
 :func:`attach` wraps, through one :class:`~gnmr_dist.integrations.patching.Patches`, the
 megatron.training functions ``pretrain`` looks up at call time:
 
-* ``training.setup_model_and_optimizer``: ``megatron_patches.apply(model, block,
+* ``training.setup_model_and_optimizer``: ``megatron_patches.enable(model, block,
   optimizer=...)`` right after it returns (the one place megatron builds both), so the per-unit
   norms ride megatron's clip-norm all-reduce; the GNMR state of a loaded checkpoint is restored
   there, and the caller's ``step_wrappers`` wrap ``optimizer.step``;
@@ -40,10 +40,11 @@ import torch
 from gnmr_dist.integrations.config import GNMRBlock
 from gnmr_dist.integrations.console import emit
 from gnmr_dist.integrations.megatron import ATTACH_FROM_ARGV
-from gnmr_dist.integrations.megatron.gnmr import apply, current, remove
+from gnmr_dist.integrations.megatron.gnmr import current, disable, enable
 from gnmr_dist.integrations.megatron.report import Reporter
 from gnmr_dist.integrations.patching import Patches
 from gnmr_dist.integrations.state_file import restore_or_refuse
+from gnmr_dist.integrations.switch import Enabled, deprecated
 
 __all__ = [
     "INSTALL_MEGATRON",
@@ -51,9 +52,9 @@ __all__ = [
     "Hooks",
     "Needed",
     "StepWrapper",
-    "attach",
     "attached",
-    "detach",
+    "disable_loop",
+    "enable_loop",
     "require_modules",
     "require_training",
 ]
@@ -70,7 +71,7 @@ INSTALL_MEGATRON = (
 )
 """What installs a megatron-core with Megatron-LM's training loop, on either Python."""
 
-_PATCHES = Patches("megatron_patches.attach")
+_PATCHES = Patches("megatron_patches.enable_loop")
 _ATTACHED: list[Hooks] = []
 
 
@@ -220,7 +221,7 @@ def require_training(argv: Sequence[str] | None = None) -> None:
             "GNMR on Megatron-LM's training loop, and megatron-core is not "
             f"installed. {INSTALL_MEGATRON}"
         ) from None
-    if not series_info(what="megatron_patches.attach").has_training:
+    if not series_info(what="megatron_patches.enable_loop").has_training:
         raise ValueError(
             f"GNMR on Megatron-LM's training loop (megatron.training), which "
             f"megatron-core {series} does not ship (0.17+ does). {INSTALL_MEGATRON}"
@@ -281,7 +282,7 @@ class Hooks:
 
         if self.block is None or not self.block.enabled:
             return
-        handle = apply(model, self.block, optimizer=optimizer)
+        handle = enable(model, self.block, optimizer=optimizer)
         self.applied = True
         handle.install_rerun_hooks()
         self._restore(handle, get_args())
@@ -390,10 +391,11 @@ _NO_BLOCK: Any = object()
 """``attach()`` called without a block: the old command-line call, refused with its successor."""
 
 
-def attach(
+def enable_loop(
     block: GNMRBlock | None = _NO_BLOCK, *, step_wrappers: Sequence[StepWrapper] = ()
-) -> None:
-    """Attach GNMR to Megatron-LM's training loop; call it once, before ``pretrain``.
+) -> Enabled:
+    """Enable GNMR on Megatron-LM's training loop; call it once, before ``pretrain``. Also a
+    context manager: ``with enable_loop(block): pretrain(...)`` disables it after.
 
     ``block``: the ``"gnmr"`` block, already read and checked
     (:func:`gnmr_dist.integrations.config.read_block`); ``None`` or disabled: GNMR stays off
@@ -406,20 +408,21 @@ def attach(
     if block is _NO_BLOCK or not (block is None or isinstance(block, GNMRBlock)):
         given = "no block" if block is _NO_BLOCK else f"a {type(block).__name__}"
         raise TypeError(
-            f'megatron_patches.attach(block) takes the "gnmr" block (a GNMRBlock or None) '
+            f'megatron_patches.enable_loop(block) takes the "gnmr" block (a GNMRBlock or None) '
             f"and was given {given}: attach() reading --gnmr-* from sys.argv was the old "
             f"megatron_patches.loop.attach(). {ATTACH_FROM_ARGV}"
         )
     if _ATTACHED:
-        raise RuntimeError("megatron_patches.attach: already attached in this process")
+        raise RuntimeError("megatron_patches.enable_loop: already attached in this process")
     require_training()
     hooks = Hooks(block, step_wrappers)
     hooks.install()
     _ATTACHED.append(hooks)
     atexit.register(hooks.close)
+    return Enabled(disable_loop, owned=True)
 
 
-def detach() -> None:
+def disable_loop() -> None:
     """Undo :func:`attach`: every patched function (and ``optimizer.step``) is the original
     object again, GNMR's ``apply`` is removed, the trace file closed (no-op if not attached)."""
     if not _ATTACHED:
@@ -429,4 +432,8 @@ def detach() -> None:
     atexit.unregister(hooks.close)
     _PATCHES.restore()
     if hooks.applied:
-        remove()
+        disable()
+
+
+attach = deprecated("megatron_patches.attach", "megatron_patches.enable_loop", enable_loop)
+detach = deprecated("megatron_patches.detach()", "megatron_patches.disable_loop()", disable_loop)

@@ -42,7 +42,19 @@ _LAYER_NAME = re.compile(r"\blayers\.(\d+)$")
 
 
 class MegatronGNMR(IntegrationSession):
-    """The GNMR runtime of one megatron-core model (``megatron_patches.current()``)."""
+    """The GNMR runtime of one megatron-core model (``megatron_patches.current()``): what
+    ``megatron_patches.enable`` returns, also a context manager whose exit disables it."""
+
+    _disable: Callable[[], None] | None = None
+    """Set by ``megatron_patches.enable`` (which imports this module, so the handle is given
+    the undo rather than importing it): what leaving a ``with`` block calls."""
+
+    def __enter__(self) -> MegatronGNMR:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._disable is not None:
+            self._disable()
 
     def __init__(
         self,

@@ -189,7 +189,7 @@ def catalog() -> list[Check]:
         Check(
             "megatron_fp4_refused",
             "megatron",
-            "without FP4 GEMMs: megatron_patches.apply on an FP4 model refused naming the GPU",
+            "without FP4 GEMMs: megatron_patches.enable on an FP4 model refused naming the GPU",
             check_megatron_fp4_refused,
         ),
         Check(

@@ -10,10 +10,10 @@ group on a free port: fixed sizes, the checks are about paths and numbers.
   recipe; under plain low-cost TE), paths, gradients, ``te_quant_params`` restored. Each
   "alone" run first sets megatron's ``is_first_microbatch``, so TE quantizes the weight afresh
   instead of reusing the FP8 weight cached in the training pass.
-* ``megatron_fp4_refused``: ``megatron_patches.apply`` on megatron's FP4 config refused on a GPU
+* ``megatron_fp4_refused``: ``megatron_patches.enable`` on megatron's FP4 config refused on a GPU
   without FP4 GEMMs, naming it, TE's autocast state unchanged.
 * ``megatron_gamma[tensorwise]``: megatron's training step (DDP, its Adam,
-  ``get_forward_backward_func``) with ``megatron_patches.apply``, ``te_fp8`` tensorwise,
+  ``get_forward_backward_func``) with ``megatron_patches.enable``, ``te_fp8`` tensorwise,
   ``gamma`` every step, budget 1, the norm thresholds out of reach, the trace written by
   ``megatron_patches.Reporter``. From step 5 one input channel of layer 1's ``linear_fc2`` grows
   4x a step to ``2^10``, function-preserving (``x D`` into the GEMM, the weight parametrized as
@@ -226,12 +226,12 @@ def check_megatron_fp4_refused(context: Context) -> Outcome:
         gpt, _ = megatron_gpt("nvfp4")
         state = fp8_state_snapshot()
         try:
-            megatron_patches.apply(gpt, {"max_active": 1})
-            message = "ACCEPTED: megatron_patches.apply took an FP4 model"
+            megatron_patches.enable(gpt, {"max_active": 1})
+            message = "ACCEPTED: megatron_patches.enable took an FP4 model"
         except RuntimeError as err:
             message = str(err)
         finally:
-            megatron_patches.remove()
+            megatron_patches.disable()
         same = fp8_state_snapshot() == state
     named = device in message and f"{major}.{minor}" in message
     return Outcome(
@@ -371,7 +371,7 @@ def _run(gamma: float | None, trace: Path) -> dict[str, Any]:
     ddp, opt, now = _build()
     handle = reporter = None
     if gamma is not None:
-        handle = megatron_patches.apply([ddp], gamma_block(gamma, trace), optimizer=opt)
+        handle = megatron_patches.enable([ddp], gamma_block(gamma, trace), optimizer=opt)
         reporter = megatron_patches.Reporter(handle.block, handle, source="gnmr-gpu-check")
     losses = []
     try:
@@ -387,7 +387,7 @@ def _run(gamma: float | None, trace: Path) -> dict[str, Any]:
         if reporter is not None:
             reporter.close()
         if handle is not None:
-            megatron_patches.remove()
+            megatron_patches.disable()
     if gamma is None:
         return {"losses": losses}
     header, _, records = read_trace(trace)

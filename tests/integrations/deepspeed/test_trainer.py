@@ -252,7 +252,7 @@ def _accelerate_worker(rank, world, out_dir):
     del config["optimizer"]  # the loop's own torch optimizer
     model = dsc.llama()
     _spike(model, SPIKE_STEP)
-    with gds.enabled():
+    with gds.enable():
         accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         engine, optimizer = accelerator.prepare(model, optimizer)

@@ -91,7 +91,7 @@ def _plain_worker(rank: int, world: int, out_dir: str) -> dict[str, list[str]]:
     build("ours", gds.initialize, dsc.ds_config(0, gnmr=BLOCK))
     build("disabled", deepspeed.initialize, dsc.ds_config(0, gnmr={**BLOCK, "enabled": False}))
     build("none", deepspeed.initialize, dsc.ds_config(0))
-    with gds.enabled():  # enable() replaces the watch: the block is read, nothing to say
+    with gds.enable():  # enable() replaces the watch: the block is read, nothing to say
         build("enabled", deepspeed.initialize, dsc.ds_config(0, gnmr=BLOCK))
     path = Path(out_dir, "ds.json")
     path.write_text(json.dumps(dsc.ds_config(0, gnmr=BLOCK)))

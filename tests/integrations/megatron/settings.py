@@ -319,7 +319,7 @@ def build(setting: Setting, full, optimizer=None):
 
 def patched(setting: Setting, block: dict):
     """``(chunks, optimizer, handle)``: the full model built under ``setting`` on this rank,
-    megatron's CPU compatibility on, and ``megatron_patches.apply`` with the GNMR ``block``
+    megatron's CPU compatibility on, and ``megatron_patches.enable`` with the GNMR ``block``
     (what most GNMR workers start with; warnings silenced)."""
     import warnings
 
@@ -331,7 +331,7 @@ def patched(setting: Setting, block: dict):
     with full_layout():
         full = full_model()
     chunks, opt = build(setting, full)
-    return chunks, opt, megatron_patches.apply(chunks, block, optimizer=opt)
+    return chunks, opt, megatron_patches.enable(chunks, block, optimizer=opt)
 
 
 def train_step(chunks, step: int = 0) -> float:

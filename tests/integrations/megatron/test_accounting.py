@@ -83,7 +83,7 @@ def _start(block: dict, optimizer=None):
     with settings.full_layout():
         full = settings.full_model()
     chunks, opt = settings.build(settings.Setting("tp2", tp=2), full, optimizer)
-    return chunks, opt, megatron_patches.apply(chunks, block, optimizer=opt), full
+    return chunks, opt, megatron_patches.enable(chunks, block, optimizer=opt), full
 
 
 def _shard_grad(handle, name: str) -> torch.Tensor:

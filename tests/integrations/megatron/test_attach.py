@@ -1,4 +1,4 @@
-"""``megatron_patches.attach`` / ``detach`` undo everything they patch, and ``import
+"""``megatron_patches.enable_loop`` / ``detach`` undo everything they patch, and ``import
 megatron_patches`` loads at most a quarter of the package's modules (the rest on first use)."""
 
 from __future__ import annotations
@@ -40,8 +40,11 @@ def test_megatron_patches_exports_its_public_names_only():
     import megatron_patches
     from gnmr_dist.integrations.megatron import gnmr, loop
 
-    assert set(megatron_patches.__all__) >= {"apply", "remove", "attach", "detach"}
-    assert megatron_patches.apply is gnmr.apply and megatron_patches.detach is loop.detach
+    assert set(megatron_patches.__all__) >= {"enable", "disable", "enable_loop", "disable_loop"}
+    assert megatron_patches.enable is gnmr.enable
+    assert megatron_patches.disable_loop is loop.disable_loop
+    for old in ("apply", "remove", "attach", "detach"):  # issue 45: aliases for one release
+        assert old not in megatron_patches.__all__ and callable(getattr(megatron_patches, old))
     assert not any("cpu" in name for name in megatron_patches.__all__)  # test apparatus (#45)
     for name in ("loop", "gnmr", "cpu", "versions", "session"):
         with pytest.raises(AttributeError, match=name):
@@ -83,19 +86,19 @@ def test_detach_puts_every_patched_attribute_back(monkeypatch):
 
         return counted_step
 
-    megatron_patches.attach(None, step_wrappers=[wrapper])
+    megatron_patches.enable_loop(None, step_wrappers=[wrapper])
     try:
         assert all(vars(o)[n] is not before[(id(o), n)] for o, n in owners)
         with pytest.raises(RuntimeError, match="already attached"):
-            megatron_patches.attach(None)
+            megatron_patches.enable_loop(None)
         assert training.setup_model_and_optimizer()[1] is optimizer
         assert optimizer.step() == "stepped" and calls == ["wrapped"]
     finally:
-        megatron_patches.detach()
+        megatron_patches.disable_loop()
     assert all(vars(o)[n] is before[(id(o), n)] for o, n in owners)
     assert "step" not in vars(optimizer) and optimizer.step() == "stepped"
     assert attached() is None
-    megatron_patches.detach()  # a second detach is a no-op
+    megatron_patches.disable_loop()  # a second detach is a no-op
 
 
 SPAWNING_SCRIPT = """

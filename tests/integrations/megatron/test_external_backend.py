@@ -37,7 +37,7 @@ def _worker(rank, world):
     model = gpt.parallel_model(2, 1, full)
     opt = get_megatron_optimizer(cfg, [model])
     block = {"backend": "test_rounded", "max_active": 2, "warmup_steps": 2}
-    handle = megatron_patches.apply(model, block, optimizer=opt)
+    handle = megatron_patches.enable(model, block, optimizer=opt)
     kinds = sorted({type(m).__name__ for m in handle.registry.local_modules.values()})
     handle.backend.apply(range(handle.registry.num_units), step=1)  # all on recovery
     recovered_loss = gpt.train_step(model, 1)
@@ -46,7 +46,7 @@ def _worker(rank, world):
     low_loss = gpt.train_step(model, 1)
     low = handle.backend.report()
     wrapped = sorted(handle.backend.units)
-    megatron_patches.remove()
+    megatron_patches.disable()
     return {
         "class": type(handle.backend).__qualname__,
         "kinds": kinds,

@@ -1,4 +1,4 @@
-"""megatron_patches.apply: per-unit norms ride megatron's clip-norm all-reduce (TP2, PP2)."""
+"""megatron_patches.enable: per-unit norms ride megatron's clip-norm all-reduce (TP2, PP2)."""
 
 from __future__ import annotations
 
@@ -73,8 +73,8 @@ def _worker(rank, world, tp, pp, steps, backend):
     opt = get_megatron_optimizer(cfg, [model])
     original_norm_fn = mcore_optimizer.get_grad_norm_fp32
     block = {"backend": backend, "max_active": 2, "warmup_steps": 2, "lock_steps": 2}
-    handle = megatron_patches.apply(model, block, optimizer=opt)
-    assert megatron_patches.apply(model, block, optimizer=opt) is handle  # idempotent
+    handle = megatron_patches.enable(model, block, optimizer=opt)
+    assert megatron_patches.enable(model, block, optimizer=opt) is handle  # idempotent
     on_calls, on_norms, reports = _run(model, opt, steps, handle)
     # the fused per-unit norms equal GNMR's own monitor on the same gradients
     gpt.train_step(model, steps + 1)
@@ -83,7 +83,7 @@ def _worker(rank, world, tp, pp, steps, backend):
     handle.settle()  # the decision is taken lazily, when the next step first needs the plan
     fused = handle.runtime.last_norms
     local = set(handle.backend.units) if handle.backend is not None else None  # wrapped here
-    megatron_patches.remove()
+    megatron_patches.disable()
     restored = (
         mcore_optimizer.get_grad_norm_fp32 is original_norm_fn
         and "step" not in vars(opt)
@@ -149,7 +149,7 @@ def test_unsupported_version_is_named(monkeypatch):
 
     monkeypatch.setattr(package_info, "__version__", "0.21.0")
     with pytest.raises(RuntimeError, match=r"megatron-core 0\.21 is not in the version table"):
-        megatron_patches.apply(torch.nn.Linear(2, 2), {"max_active": 1})
+        megatron_patches.enable(torch.nn.Linear(2, 2), {"max_active": 1})
 
 
 def _fp8_context_worker(rank, world):
@@ -172,7 +172,7 @@ def _fp8_context_worker(rank, world):
     model = gpt.parallel_model(1, 1, full)
     original = transformer_block.get_fp8_context
     original_fp4 = transformer_block.get_fp4_context
-    handle = megatron_patches.apply(model, {"units": "layer", "max_active": 2})
+    handle = megatron_patches.enable(model, {"units": "layer", "max_active": 2})
     handle.backend = RecoveryRegion()
     names = handle.registry.names
     handle.runtime.plan = Plan(
@@ -184,13 +184,13 @@ def _fp8_context_worker(rank, world):
         context = getattr(transformer_block, name)
         got[name] = {n: context(cfg, n).__enter__() for n in range(-1, 4)}
         init[name] = context(cfg, 2, is_init=True).__enter__()
-    megatron_patches.remove()
+    megatron_patches.disable()
     restored = transformer_block.get_fp8_context is original and (
         transformer_block.get_fp4_context is original_fp4
     )
     model.config.fp4 = "e2m1"  # megatron's --fp4-format e2m1, on a machine without FP4 GEMMs
     try:
-        megatron_patches.apply(model, {"max_active": 1})
+        megatron_patches.enable(model, {"max_active": 1})
         refusal = None
     except RuntimeError as err:
         refusal = str(err)
@@ -219,7 +219,7 @@ def _rerun_worker(rank, world):
     enable_cpu_compat()
     full, _ = gpt.full_reference(1)
     model = gpt.parallel_model(1, 1, full)
-    handle = megatron_patches.apply(model, {"backend": "fp8_emulated", "units": "layer"})
+    handle = megatron_patches.enable(model, {"backend": "fp8_emulated", "units": "layer"})
     rsm = rerun_state_machine.get_rerun_state_machine()
     calls = []
     rsm.state_save_func = lambda: calls.append("save") or {"megatron": 1}
@@ -230,7 +230,7 @@ def _rerun_worker(rank, world):
     handle.backend.apply({3}, step=8)  # whatever changed it before the rerun
     rsm.state_restore_func(snapshot)
     recovered_after_restore = set(handle.backend.report().planned)
-    megatron_patches.remove()
+    megatron_patches.disable()
     return recovered_after_restore, calls
 
 
@@ -252,7 +252,7 @@ def _guard_worker(rank, world, breakage, action):
     model = gpt.parallel_model(1, 1, full)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="sgd", lr=0.05, clip_grad=1.0), [model])
     block = {"max_active": 2, "attribution": {"action": action}}
-    handle = megatron_patches.apply(model, block, optimizer=opt)
+    handle = megatron_patches.enable(model, block, optimizer=opt)
     rest = handle.registry.num_units
     if breakage == "rest":  # the old bug: every gradient missed, so it lands in the rest slot
         handle.attribution.slots = lambda grads: [rest] * len(grads)
@@ -268,7 +268,7 @@ def _guard_worker(rank, world, breakage, action):
             errors.append(str(err))
             break
     steps = handle.controller.step_count
-    megatron_patches.remove()
+    megatron_patches.disable()
     return errors, steps
 
 
@@ -315,13 +315,13 @@ def _paths_worker(rank, world, arm):
     chunks, chained = settings.build(settings.SETTINGS_BY_NAME["distopt-fp32-dp2"], full)
     opt = chained.chained_optimizers[0] if arm == "no-clip" else chained
     fused = arm != "unfused"
-    handle = megatron_patches.apply(chunks, {"max_active": 1}, optimizer=opt, fused_norm=fused)
+    handle = megatron_patches.enable(chunks, {"max_active": 1}, optimizer=opt, fused_norm=fused)
     settings.train_step(chunks, 0)
     with multiproc.CollectiveSpy() as spy:
         _, megatron_norm, _ = opt.step()
     handle.settle()
     norms = handle.runtime.last_norms
-    megatron_patches.remove()
+    megatron_patches.disable()
     ps.destroy_model_parallel()
     return (
         norms.norms.tolist(),
@@ -354,5 +354,5 @@ def test_error_term_without_a_reporting_backend_is_refused_before_patching():
     import megatron_patches
 
     with pytest.raises(ValueError, match=r"gnmr\.gamma .* gnmr\.backend=null \(observe only\)"):
-        megatron_patches.apply(torch.nn.Linear(2, 2), {"gamma": 0.5})  # (te_fp8 needs CUDA)
+        megatron_patches.enable(torch.nn.Linear(2, 2), {"gamma": 0.5})  # (te_fp8 needs CUDA)
     assert megatron_patches.current() is None

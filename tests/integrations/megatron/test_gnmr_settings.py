@@ -1,4 +1,4 @@
-"""megatron_patches.apply at the settings Megatron users run, on every supported release.
+"""megatron_patches.enable at the settings Megatron users run, on every supported release.
 
 For each setting of ``tests/integrations/megatron/settings.py`` (fp32 DP2; bf16 with bf16 and with
 fp32 grad buffers; the distributed optimizer in fp32 and bf16; TP2 + sequence parallel; PP2 with two
@@ -72,7 +72,7 @@ def _arm(setting, full, block) -> dict:
     from tests.integrations.megatron import settings
 
     chunks, opt = settings.build(setting, full)
-    handle = megatron_patches.apply(chunks, block, optimizer=opt) if block is not None else None
+    handle = megatron_patches.enable(chunks, block, optimizer=opt) if block is not None else None
     out: dict = {"calls": [], "norms": [], "losses": [], "decisions": [], "unit_norms": []}
     for step in range(STEPS):
         with multiproc.CollectiveSpy() as spy:
@@ -97,7 +97,7 @@ def _arm(setting, full, block) -> dict:
             out["unit_norms"].append(handle.runtime.last_norms.norms.tolist())
     if handle is not None:
         out["units"] = handle.registry.names
-        megatron_patches.remove()
+        megatron_patches.disable()
     ps.destroy_model_parallel()
     return out
 
@@ -290,7 +290,7 @@ def _resume_worker(rank, world, ckpt: str, resume: bool):
         full = settings.full_model()
     setting = settings.Setting(f"distopt-dp{world}", dp=world, distributed_optimizer=True)
     chunks, opt = settings.build(setting, full)
-    handle = megatron_patches.apply(chunks, BLOCK, optimizer=opt)
+    handle = megatron_patches.enable(chunks, BLOCK, optimizer=opt)
     start = 0
     if resume:
         state = dist_checkpointing.load(_sharded(chunks, opt, is_loading=True), ckpt)
@@ -313,7 +313,7 @@ def _resume_worker(rank, world, ckpt: str, resume: bool):
             state = _sharded(chunks, opt, is_loading=False)
             state["gnmr"] = handle.state_dict()
             dist_checkpointing.save(state, ckpt)
-    megatron_patches.remove()
+    megatron_patches.disable()
     ps.destroy_model_parallel()
     return decisions
 
@@ -372,7 +372,7 @@ def _tensor_norm_worker(rank, world):
     finally:
         torch.Tensor.item = item
     handle.collecting = False
-    megatron_patches.remove()
+    megatron_patches.disable()
     ps.destroy_model_parallel()
     return (
         series_info().norm_may_be_tensor,
@@ -424,7 +424,7 @@ def _error_worker(rank, world, name):
         "calls": spy.calls,
         "units": handle.registry.names,
     }
-    megatron_patches.remove()
+    megatron_patches.disable()
     ps.destroy_model_parallel()
     return out
 
@@ -484,7 +484,7 @@ def _error_every_worker(rank, world):
             }
         )
     units = handle.registry.num_units
-    megatron_patches.remove()
+    megatron_patches.disable()
     ps.destroy_model_parallel()
     return units, out
 

@@ -28,6 +28,7 @@ OLD_FORMS = {
     "from-loop-import": "from megatron_patches.loop import attach\nattach()",
     "no block": "import megatron_patches\nmegatron_patches.attach()",
     "a provider": "import megatron_patches\nmegatron_patches.attach(lambda parser: parser)",
+    "new, no block": "import megatron_patches\nmegatron_patches.enable_loop()",
 }
 """How scripts called the old command-line attachment, and the new call mistaken for it."""
 
@@ -38,6 +39,7 @@ EXPECTED = {
     "from-loop-import": "ImportError",
     "no block": "TypeError",
     "a provider": "TypeError",
+    "new, no block": "TypeError",
 }
 
 
@@ -93,11 +95,12 @@ def test_every_removed_name_says_what_replaced_it() -> None:
         "cpu_training",
     }  # fmt: skip
     removed = old_all - set(megatron_patches.__all__) - set(megatron_patches.DEPRECATED)
+    removed -= {"apply", "remove"}  # deprecated aliases of enable / disable (issue 45)
     assert removed == set(megatron_patches.REMOVED)
     homes = {
         "cpu": "enable_cpu_compat",
         "cpu_training": "enable_cpu_compat(training=True)",
-        "gnmr": "megatron_patches.apply",
+        "gnmr": "megatron_patches.enable",
         "SERIES": "gnmr_dist.integrations.megatron.versions",
         "SUPPORTED_MEGATRON_VERSIONS": "gnmr_dist.testing.megatron_cpu",
         "te": "gnmr_dist.integrations.megatron.te",

@@ -99,7 +99,7 @@ def _worker(rank, world):
                 "recovered": recovered,
             }
         )
-    megatron_patches.remove()
+    megatron_patches.disable()
     ps.destroy_model_parallel()
     return out
 
