@@ -170,6 +170,7 @@ class RunAccounting:
         """An applied step ran ``units`` on the recovery path."""
         if units:
             ids = np.fromiter(units, dtype=np.int64)
+            # only the GEMMs gnmr.gemms recovers count for a recovered unit
             self.gemm_steps[np.ix_(ids, np.flatnonzero(self.gemms))] += 1
 
     def note(
@@ -186,6 +187,7 @@ class RunAccounting:
         is decided (module docstring)."""
         if skipped:
             return self._skipped(step, norms, controller_first is not None)
+        # not this step's event, or a skipped attempt came before it and was the first
         if controller_first is None or controller_first[0] != step or self.skipped_first[0]:
             return None
         unit = controller_first[1]
@@ -199,6 +201,7 @@ class RunAccounting:
         if not bool(bad.any()):
             return None
         self.skipped_nonfinite += bad.numpy()
+        # counted above either way; named only when it is the run's first
         if first_known or self.skipped_first[0]:
             return None
         unit = int(torch.nonzero(bad)[0])
@@ -264,6 +267,7 @@ class RunAccounting:
         have run the controller's ``recovered`` steps, no skipped step was non-finite."""
         self.reset()
         if state is None:
+            # a state from before the per-GEMM counts: every recovered step ran the gemms
             self.gemm_steps = np.outer(recovered.numpy(), self.gemms).astype(np.int64)
             return
         self.gemm_steps = state["gemm_steps"].numpy().copy()

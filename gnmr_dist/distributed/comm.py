@@ -40,11 +40,13 @@ def _require_init(group: Group) -> None:
             f"a process group was passed ({group!r}) but torch.distributed is not initialised; "
             "call torch.distributed.init_process_group first or pass group=None"
         )
+    # the first collective arms the wait for gloo's workers at exit (teardown.py)
     install_exit_hook()
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: Group | None) -> torch.Tensor:
     """Sum ``tensor`` in place over ``group`` and return it; untouched when ``group`` is None."""
+    # None is the single process: the degenerate case of the same code, no collective
     if group is None:
         return tensor
     _require_init(group)
@@ -61,6 +63,7 @@ def all_reduce_sum_async(tensor: torch.Tensor, group: Group | None) -> Callable[
     if group is None:
         return lambda: tensor
     _require_init(group)
+    # async: the caller overlaps it with the optimizer step and waits after
     work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
     def wait() -> torch.Tensor:
@@ -76,6 +79,7 @@ def all_gather_objects(obj: Any, group: Group | None) -> list[Any]:
         return [obj]
     _require_init(group)
     out: list[Any] = [None] * dist.get_world_size(group)
+    # pickled objects: for the checks and names at start, never on the per-step path
     dist.all_gather_object(out, obj, group=group)
     return out
 
@@ -96,6 +100,7 @@ def local_store(timeout: timedelta = timedelta(seconds=300)) -> Any:
     take it (``EADDRINUSE``); here the port is bound from the start and stays bound while the
     store lives. Processes join it as clients with :func:`join_local_world`, the way torchrun's
     workers join their agent's store. For worlds on one machine (tests, benchmarks)."""
+    # port 0: bound now, so no other process can take it between choosing and binding
     return TCPStore(LOCAL_HOST, 0, is_master=True, wait_for_workers=False, timeout=timeout)
 
 
@@ -135,4 +140,5 @@ def leave_local_world() -> NoReturn:
         dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
+    # no interpreter finalization: no gloo thread can then ask for the GIL too late
     os._exit(0)

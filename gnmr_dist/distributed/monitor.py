@@ -98,6 +98,7 @@ class UnitNorms:
         """``G``, or, when a norm is not finite, the norm of the finite parts only: one unit's
         NaN gradient must not turn every unit's ``e`` into NaN (the unit itself already scores
         +inf through its own norm)."""
+        # the common case: G itself
         if math.isfinite(self.global_norm):
             return self.global_norm
         n = self.norms.to(torch.float64)
@@ -107,6 +108,8 @@ class UnitNorms:
 
 
 def _norm_dtype(dtype: torch.dtype) -> torch.dtype:
+    # bf16 and fp16 norms are taken in fp32: their squares overflow or lose the
+    # small units' share; float64 gradients keep float64
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -118,6 +121,7 @@ def index_tensor(
 ) -> torch.Tensor:
     """The slot ids as a device tensor, built once per distinct list (a host->device copy)."""
     key = tuple(slots)
+    # the slot lists repeat every step: one host->device copy per distinct list
     if cache is not None and key in cache:
         return cache[key]
     index = torch.tensor(slots, dtype=torch.int64, device=device)
@@ -139,6 +143,7 @@ def sum_of_squares_by_slot(
     elements and no host sync (the slot index tensors are cached in ``index_cache``).
     """
     out = torch.zeros(num_slots, dtype=torch.float64, device=device)
+    # _foreach_norm takes one device and dtype per call: group by both
     groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]] = {}
     for t, s in zip(tensors, slots, strict=True):
         ts, ss = groups.setdefault((t.device, t.dtype), ([], []))
@@ -147,6 +152,8 @@ def sum_of_squares_by_slot(
     for (_, dtype), (ts, ss) in groups.items():
         norms = torch.stack(torch._foreach_norm(ts, 2, dtype=_norm_dtype(dtype)))
         index = index_tensor(ss, device, index_cache)
+        # squared norms add over any split of a unit's elements, so shards and tensors of
+        # one unit sum into its slot without a gather; float64 keeps the sum exact enough
         out.index_add_(0, index, norms.to(device=device, dtype=torch.float64).square())
     return out
 
@@ -185,6 +192,7 @@ class GradNormMonitor:
         self.grad_fn = grad_fn or default_grad
         self.error_fn = error_fn
         self.error_scale = float(error_scale)
+        # a Python list once: the per-step loop reads it, not the tensor
         self._slots = registry.param_slots.tolist()
         self._device = self._pick_device()
         self._index_cache: IndexCache = {}
@@ -202,6 +210,8 @@ class GradNormMonitor:
         """float64 [U + 1]: this rank's partial sums of squares (before the all-reduce)."""
         grads, slots = [], []
         for param, slot in zip(self.registry.params, self._slots, strict=True):
+            # DeepSpeed's ZeRO pieces come from grad_fn; a parameter with no gradient
+            # here (frozen, or its shard on another rank) adds nothing
             grad = self.grad_fn(param)
             if grad is not None:
                 grads.append(grad)
@@ -240,13 +250,17 @@ class GradNormMonitor:
         """
         local = self.local_sum_of_squares()
         if grad_scale != 1.0:
+            # an fp16 loss scale s multiplies every gradient: its squares carry s^2
             local.div_(float(grad_scale) ** 2)
         u = None
         if self.error_fn is not None and with_errors is not False:
             errors = self.local_error_sums()
             if grad_scale != 1.0:
+                # B(u) is linear in the output gradients, so it carries s once
                 errors.div_(float(grad_scale))
+            # one vector, one all-reduce: the error term adds U numbers, not a collective
             local, u = torch.cat([local, errors]), self.registry.num_units
+        # started before the optimizer step and waited after it: the collective overlaps
         wait = all_reduce_sum_async(local, self.group)
         return lambda: unit_norms_from_total(wait(), u)
 

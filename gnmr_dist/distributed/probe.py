@@ -143,15 +143,18 @@ class RecoveryProbe:
                 "ran a forward since the backend's apply(); call measure() after apply() and "
                 "before the step's own forward, so that its plan and report can be restored"
             )
+        # both passes see the same dropout masks: the gap is the numerics' alone
         rng = _rng_state()
         with self.backend.measuring():
             try:
                 low, loss_low = self._pass(closure, (), before.step, rng)
                 high, loss_high = self._pass(closure, self._recover_all, before.step, rng)
             finally:
+                # the step's own plan back, whatever the passes did
                 self.backend.apply(before.planned, before.step)
                 _set_rng_state(rng)
         if self.dp_group is not None:
+            # each replica saw its own micro-batch: the step's gradient is their sum
             low, high = self._sum_over_replicas(low, high)
         return self._result(before.step, low, high, loss_low, loss_high)
 
@@ -219,6 +222,7 @@ class RecoveryProbe:
         dtype = tensors[0].dtype
         for t in tensors[1:]:
             dtype = torch.promote_types(dtype, t.dtype)
+        # one flat all-reduce for every tensor of both passes, in their common dtype
         flat = all_reduce_sum(torch.cat([t.reshape(-1).to(dtype) for t in tensors]), self.dp_group)
         parts = [
             p.view_as(t)

@@ -126,6 +126,7 @@ def build_controller(
             f"readable (first: {unsized[:3]}): nn.Linear, megatron-core's parallel linears and "
             "Transformer Engine's linears are read; exclude the others or drop gnmr.max_share"
         )
+    # without every unit's size there are no costs: max_share was refused above
     sizes = registry.sizes if costs is not None else None
     return GNMRController.for_units(
         registry.names, cfg, registry.eligible, sizes=sizes, gemms=len(gemms)
@@ -134,6 +135,8 @@ def build_controller(
 
 def check_same_decision(decision: Decision, group: Group | None) -> None:
     """Raise ``RuntimeError`` naming the ranks whose decision differs from rank 0's."""
+    # a digest, not the decision: one small object per rank, and equal digests mean
+    # equal steps, sets and risk bits
     entries = all_gather_objects((decision_digest(decision), decision.active), group)
     if all(e[0] == entries[0][0] for e in entries):
         return
@@ -194,26 +197,32 @@ class GNMRRuntime:
     ) -> None:
         if isinstance(error_every, bool) or not isinstance(error_every, int) or error_every < 1:
             raise ValueError(f"gnmr.error_every must be an integer >= 1, got {error_every!r}")
+        # pacing fixed for the run: every plan below carries whether its step measures
         self.error_every = error_every
         self._last_errors: torch.Tensor | None = None
         self.registry = registry
         self.controller = controller or build_controller(registry, config, gemms)
         self.accounting = RunAccounting(registry.names, gemms, registry.sizes)
+        # decided once here, at build: gamma off means no error source is read or reduced,
+        # so the all-reduce stays the U + 1 vector and the decisions stay bit-identical
         self.uses_errors = self.controller.config.gamma is not None
         self.monitor = GradNormMonitor(
             registry,
             group=group,
             grad_fn=grad_fn,
             error_scale=error_scale,
+            # without gamma the backend's sums are ignored even when it reports them
             error_fn=error_fn if self.uses_errors else None,
         )
         if self.uses_errors:
             _check_error_source(error_fn, self.monitor)
+        # a controller passed in must index the same units the monitor reduces
         if self.controller.num_units != registry.num_units:
             raise ValueError(
                 f"controller has {self.controller.num_units} units, "
                 f"the registry {registry.num_units}"
             )
+        # the ranks that reduce the norms together are the ones that must decide alike
         self.check_group = check_group if check_group is not None else group
         self.check_consistency = check_consistency
         self.plan = self._plan_for(self.controller.step_count + 1, ())
@@ -249,12 +258,14 @@ class GNMRRuntime:
         whose plan says :attr:`Plan.measure_errors`; the controller gets ``errors = B / G``
         (:meth:`UnitNorms.relative_errors`), on the other steps the last one.
         """
+        # read before the decision replaces the plan: the accounting counts what ran this step
         ran = self.plan.active
         if not self.uses_errors:
             decision = self.controller.step(norms.norms, lr=lr)
         else:
             if not self.plan.measure_errors:  # carried (error_every): sums reduced anyway are stale
                 errors = self._last_errors
+                # before the first measured step the term is silent (e = 0), as the docs allow
                 if errors is None:
                     errors = torch.zeros(self.registry.num_units, dtype=torch.float64)
             else:
@@ -266,13 +277,16 @@ class GNMRRuntime:
                     "docs/algorithm.md#damage-term), or use the runtime's monitor, which reduces "
                     "them with the norms"
                 )
+            # carried forward to the steps error_every skips, and saved with the state
             self._last_errors = errors
             decision = self.controller.step(norms.norms, errors=errors, lr=lr)
         self.accounting.ran(ran)
         if self.check_consistency:
             check_same_decision(decision, self.check_group)
+        # after the controller stepped: its first_nonfinite now includes this step
         self._name_first(decision.step, norms, skipped=False)
         self.last_norms, self.last_decision = norms, decision
+        # the decision at step t is the plan of step t + 1 (every micro-batch of it)
         self.plan = self._plan_for(decision.step + 1, decision.active)
         if decision.active:
             logger.debug("step %d: recovery for %s", decision.step, self.plan.names)
@@ -285,6 +299,7 @@ class GNMRRuntime:
         run had none before, the first is named in one warning. Returns their ids."""
         bad = tuple(torch.nonzero(~torch.isfinite(norms.norms)).flatten().tolist())
         if bad:
+            # the skipped attempt is retried as the next step: it carries that step's number
             self._name_first(self.controller.step_count + 1, norms, skipped=True)
         return bad
 
@@ -328,6 +343,7 @@ class GNMRRuntime:
         unit names, the runtime's accounting and, with ``error_every > 1``, the carried error
         score (``last_errors``), so a resumed run decides as an uninterrupted one between two
         measured steps."""
+        # with error_every 1 every step measures, so there is nothing to carry
         errors = self._last_errors if self.uses_errors and self.error_every > 1 else None
         return RunState(
             controller=self.controller.snapshot(),
@@ -362,7 +378,10 @@ class GNMRRuntime:
         accounting and the carried error score; the plan the next step runs is the
         controller's."""
         ctrl = self.controller
+        # read_run checked everything before this line: nothing below can refuse, so a
+        # refused state leaves the runtime as it was
         ctrl.restore(run.controller)
         self.accounting.load(run.accounting, ctrl.recovered)
         self._last_errors = run.last_errors
+        # one plan: the controller's, fitted to today's policy (gnmr_dist.state.fit)
         self.plan = self._plan_for(ctrl.step_count + 1, ctrl.plan)

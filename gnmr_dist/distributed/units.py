@@ -197,6 +197,7 @@ def _layer_index(
     if number is not None:
         return number - 1
     head, _, tail = path.rpartition(".")
+    # no global number on the module: a digit under a known layer list is the layer
     if tail.isdigit() and isinstance(parent, nn.ModuleList) and head.split(".")[-1] in _LAYER_LISTS:
         return int(tail)
     return None
@@ -223,6 +224,7 @@ def _find_layers(
         index = _layer_index(path, module, parent, marks)
         if index is None or any(path.startswith(p + ".") for p in layers):
             continue
+        # a local index (a hand-split stage) needs the stage's offset; a global number does not
         if _own_number(module, marks) is None:
             index += layer_offset
         head = _strip_wrappers(path).rpartition(".")[0]
@@ -336,6 +338,7 @@ def _select(
     def default(unit: _LocalUnit) -> bool:
         return unit.key[0] == 0  # inside a transformer layer
 
+    # include first, exclude after: exclude can carve a layer out of a broad include
     chosen = [u for u in units if (matches(u.name, include) if include else default(u))]
     return [u for u in chosen if not matches(u.name, exclude)]
 
@@ -466,6 +469,8 @@ class UnitRegistry:
             granularity, layer_offset, operator_types, eligible_fn or _every_unit, marks
         )
         local = _select(_chunk_units(chunks, search), include, exclude)
+        # one all-gather of names at start: every rank then indexes units alike, so the
+        # per-unit vector of each rank lines up slot for slot
         names, eligible, sizes = _agree(local, group)
         if not names:
             raise ValueError(_nothing_selected(chunks, search, include, exclude))
@@ -496,6 +501,8 @@ class UnitRegistry:
             for pname, param in chunk.named_parameters():
                 slot = _slot_of(pname, path_slot, len(names), prefix)
                 every.append((param, slot))
+                # a TP-replicated parameter is counted on TP rank 0 only, or its norm would be
+                # summed tp times; it still gets a slot (every) for the attribution
                 if not search.marks.counted(param, tp_rank):
                     continue
                 params.append(param)
@@ -542,6 +549,7 @@ def _slot_of(pname: str, path_slot: dict[str, int], rest: int, prefix: str = "")
         path = path.rpartition(".")[0]
         if prefix + path in path_slot:
             return path_slot[prefix + path]
+    # a parameter outside every unit goes to the rest slot (index U): it still adds to G
     return path_slot.get(prefix, rest)
 
 
