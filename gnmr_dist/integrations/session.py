@@ -82,9 +82,11 @@ def error_source(
     and before training, and give the runtime the same ``error_every``.
     """
     check_error_source(block, backend)
+    # the block's fact, decided once when it was read (gamma on, and its pacing)
     every = block.measure_errors_every
     if every is None or backend is None:
         return None
+    # the backend measures on the same steps the runtime's plans say (error_every)
     backend.track_errors(num_units, every=every)
     return backend.error_sums
 
@@ -325,6 +327,7 @@ class IntegrationSession:
 
     def _apply_plan(self) -> None:
         if self.backend is not None:
+            # the backend switches units at the step boundary, for every micro-batch of the step
             self.backend.apply(self.runtime.plan.active, self.runtime.plan.step)
 
     def snapshot(self) -> RunState:
@@ -362,5 +365,6 @@ class IntegrationSession:
     def restore(self, run: RunState) -> None:
         """Take over a checked run state (:meth:`GNMRRuntime.read`) and apply its plan."""
         self.runtime.restore(run)
+        # None: a runtime's own state (no integration count in it)
         self.skipped = run.skipped or 0
         self._apply_plan()

@@ -37,16 +37,20 @@ def write_atomic(state: Mapping[str, Any], path: str | os.PathLike[str]) -> None
     """``torch.save(state, path)`` that a kill cannot leave half-written (module docstring)."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
+    # same directory: os.replace is atomic only within one file system
     tmp = target.with_name(f".{target.name}.tmp.{os.getpid()}")
     try:
         with open(tmp, "wb") as fh:
             torch.save(dict(state), fh)
             fh.flush()
+            # the bytes are on disk before the rename makes them the state
             os.fsync(fh.fileno())
+        # a kill before this line leaves the old file, after it the complete new one
         os.replace(tmp, target)
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
+    # the rename itself is durable only once the directory is synced
     _fsync_dir(target.parent)
 
 
@@ -77,6 +81,7 @@ def read_state(path: str | os.PathLike[str]) -> tuple[str, Any]:
             f"{path} is not a GNMR state: torch.save did not write it (it starts with {head!r})"
         )
     try:
+        # weights_only: a state is plain tensors and ints, so nothing in it can run code
         return "ok", torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # any unreadable file is reported the same way, with its reason
         return "corrupted", f"{path} is not a readable GNMR state ({type(err).__name__}: {err})"

@@ -224,6 +224,7 @@ class TorchtitanSession:
 
     def _start(self) -> GNMRRuntime:
         """The runtime, on the parameters as torchtitan left them (sharded, initialized)."""
+        # FSDP2 shards each parameter over the world: the norms are reduced over it
         group = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
         registry = self._registry(self.model, group)
         b, backend = self.block, self.backend
@@ -243,7 +244,10 @@ class TorchtitanSession:
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         """The plan of the next step, applied once, at its first training forward."""
+        # built lazily, at the first forward: torchtitan shards and initializes the
+        # parameters after the converters ran, so the units are read from the final ones
         runtime = self.runtime or self._start()
+        # once per step, at its first training forward: evaluation forwards keep the plan
         if not (self._pending and module.training and torch.is_grad_enabled()):
             return
         self.step += 1
@@ -256,6 +260,7 @@ class TorchtitanSession:
         plain optimizer by its parameters."""
         model = self.model
         parts = getattr(opt, "model_parts", None)
+        # torchtitan's OptimizersContainer holds one optimizer per model part
         if parts is not None:
             return any(m is model for m in parts)
         mine = {id(p) for p in model.parameters()}

@@ -150,6 +150,8 @@ def enable() -> Enabled:
     def gnmr_initialize(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
         return initialize(*args, **kwargs)
 
+    # accelerate looks deepspeed.initialize up when it prepares the model: replace the
+    # module attribute, so every caller that looks it up then gets GNMR's
     _PATCHES.set(deepspeed, "initialize", gnmr_initialize)
     with contextlib.suppress(ImportError):  # no transformers: nothing to log into
         from transformers import Trainer

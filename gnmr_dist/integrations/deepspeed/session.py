@@ -197,20 +197,25 @@ class DeepSpeedGNMR(IntegrationSession):
             finish = self.runtime.monitor.start(
                 grad_scale=self._grad_scale(), with_errors=self.runtime.plan.measure_errors
             )
+            # hook order: norms are started first (gradients final), then the lr read, then
+            # DeepSpeed's step, then the decision: the plan is set before the next forward
             lr = self._applied_lr()  # before the optimizer and the scheduler step: lr_t
             result = take_step(*args, **kwargs)
             self._after_step(finish(), lr)
             return result
 
         def gnmr_forward(*args: Any, **kwargs: Any) -> Any:
+            # the probe runs before the step's own forward, while the backend's report is empty
             self._maybe_probe(args, kwargs)
             if self.backend is None:
                 return forward(*args, **kwargs)
+            # every forward of the step, activation recomputation included, runs the plan
             with self.backend.step_context():
                 return forward(*args, **kwargs)
 
         engine._take_model_step = take_model_step
         engine.forward = gnmr_forward
+        # GNMR's file is written before DeepSpeed's files and its latest tag (kill safety)
         engine.save_checkpoint = lambda *a, **kw: self._save(save, *a, **kw)
         engine.load_checkpoint = lambda *a, **kw: self._load(load, *a, **kw)
 
@@ -279,6 +284,8 @@ class DeepSpeedGNMR(IntegrationSession):
     def _after_step(self, norms: UnitNorms, lr: float | None = None) -> None:
         if self.backend is not None:  # read before apply() starts the next step's report
             self.last_report = self.backend.report()
+        # an overflow skip: the controller never sees it, so its history stays untouched
+        # and the plan is kept for the retried step
         if not self.engine.was_step_applied():
             self.skipped += 1
             self._skipped_attempts += 1
@@ -293,12 +300,14 @@ class DeepSpeedGNMR(IntegrationSession):
             self._measured = None  # the retried step is probed again, on its own batch
             self._apply_plan()
             return
+        # the plan this step ran, read before observe() publishes the next one
         ran = self.runtime.plan.active
         decision = self.runtime.observe(norms, lr=lr)
         self.interval.add(decision, norms.global_norm, ran)
         probe = self._take_probe(decision, ran)
         self._apply_plan()
         skipped = (self._skipped_nonfinite, self._skipped_attempts)
+        # the next trace record reports them: reset once the decision has taken them
         self._skipped_nonfinite, self._skipped_attempts = [], 0
         self._log(norms, decision, probe, (*skipped, lr))
 

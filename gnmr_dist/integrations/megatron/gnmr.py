@@ -163,9 +163,11 @@ def enable(
     refuse_probe(parsed, "megatron_patches.enable")
     chunks = list(model) if isinstance(model, Sequence) else [model]
     handle = current()
+    # idempotent for the same chunks: a second enable returns the handle it made
     if handle is not None and [id(c) for c in handle.model] == [id(c) for c in chunks]:
         return handle
     info = series_info(what="megatron_patches.enable")
+    # refused before anything is patched, so a refusal leaves megatron as it was
     _refuse_unsupported(chunks, parsed, optimizer)
     disable()
     backend = parsed.build_backend(MEGATRON_OPERATORS)
@@ -227,6 +229,7 @@ def _refuse_unsupported(chunks: Sequence[nn.Module], block: GNMRBlock, optimizer
 
 
 def _install(handle: MegatronGNMR, optimizer: Any, info: SeriesInfo) -> None:
+    # replaced where each module calls it (bound by from-import), not in clip_grads alone
     for home in info.norm_call_sites:
         try:
             module = importlib.import_module(home)
@@ -234,6 +237,7 @@ def _install(handle: MegatronGNMR, optimizer: Any, info: SeriesInfo) -> None:
             continue
         original = module.get_grad_norm_fp32
         _PATCHES.set(module, "get_grad_norm_fp32", _fused_grad_norm(original))
+    # the per-layer contexts are replaced where TransformerBlock imported them
     for home in CONTEXT_IMPORTERS:
         try:
             module = importlib.import_module(home)

@@ -269,8 +269,10 @@ class Hooks:
 
     def _after_setup(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def setup_model_and_optimizer(*args: Any, **kwargs: Any) -> Any:
+            # the one place megatron builds both model and optimizer: enable GNMR right here
             model, optimizer, scheduler = original(*args, **kwargs)
             self._attach(model, optimizer)
+            # the drills wrap optimizer.step after GNMR's own wrapper (enable wrapped it first)
             for wrap in self.step_wrappers:
                 _PATCHES.set(optimizer, "step", wrap(model, optimizer.step))
             return model, optimizer, scheduler
@@ -289,6 +291,7 @@ class Hooks:
         self.reporter = Reporter(self.block, handle, source="megatron.training")
 
     def _restore(self, handle: Any, args: Any) -> None:
+        # a fresh run (or a finetune from iteration 0) starts the controller fresh
         if not self.checkpoint_loaded or args.iteration == 0:
             return
         assert self.block is not None
@@ -306,7 +309,9 @@ class Hooks:
             state = original(*args, **kwargs)
             handle = current()
             if handle is not None:
+                # take a pending decision first: the saved plan is the one the next step runs
                 handle.settle()
+                # a common, non-sharded entry: every rank holds the same state
                 state["gnmr"] = handle.state_dict()
             return state
 

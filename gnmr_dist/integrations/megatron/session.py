@@ -139,6 +139,7 @@ class MegatronGNMR(IntegrationSession):
         device = grads[0].device if grads else self.runtime.monitor.device
         total, per_tensor = self._l2(clip_grads, grads, device)
         units = self._by_slot(grads, per_tensor, device)
+        # the error sums ride the same all-reduce as the norms (no extra collective)
         errors = self._local_errors(group, device)  # once per step, damage term only
         if errors is not None:
             units = torch.cat([units, errors])
@@ -153,10 +154,12 @@ class MegatronGNMR(IntegrationSession):
             if original is not None:
                 result = self._megatron_result(clip_grads, total_sq)
         else:
+            # unfused: GNMR's own all-reduce first, then megatron's untouched call
             dist.all_reduce(units, op=dist.ReduceOp.SUM, group=group)
             result = original(grads, 2.0, group)
             total_sq = torch.as_tensor(result, dtype=torch.float, device=device).reshape(1) ** 2
         if errors is not None:
+            # split the reduced vector back: the tail is the step's error sums
             units, self._errors = units[: -errors.numel()], units[-errors.numel() :]
         self._accumulate(units, total_sq)
         return result
@@ -175,6 +178,7 @@ class MegatronGNMR(IntegrationSession):
             return None  # no gnmr.gamma, a step gnmr.error_every skips, or taken already
         errors = self.runtime.monitor.local_error_sums().to(device)  # times 1/dp
         errors = errors / self._loss_scale(device)
+        # the plain optimizer's grad-stats group has no DP ranks: sum their partials here
         if self._dp > 1 and not _spans(group, self._dp_group):
             dist.all_reduce(errors, op=dist.ReduceOp.SUM, group=self._dp_group)
         return errors.float()
@@ -215,6 +219,7 @@ class MegatronGNMR(IntegrationSession):
         return total_sq.pow(0.5) if tensor_out else float(total_sq.item() ** 0.5)
 
     def _accumulate(self, units: torch.Tensor, total_sq: torch.Tensor) -> None:
+        # a step may call the norm more than once (ChainedOptimizer: once per leaf)
         self._sums = units if self._sums is None else self._sums + units
         self._total_sq = total_sq if self._total_sq is None else self._total_sq + total_sq
         self._start_host_copy()
@@ -224,11 +229,13 @@ class MegatronGNMR(IntegrationSession):
         assert self._sums is not None and self._total_sq is not None
         parts = [self._sums, self._total_sq]
         vector = torch.cat(parts if self._errors is None else [*parts, self._errors])
+        # on a CPU the vector is the host copy: no event to wait for
         if vector.device.type != "cuda":
             self._host, self._ready = vector, None
             return
         if self._host is None or self._host.numel() != vector.numel() or self._ready is None:
             self._host = torch.empty(vector.shape, dtype=vector.dtype, pin_memory=True)
+        # no sync after the step: the decision waits on this event when the plan is needed
         self._host.copy_(vector, non_blocking=True)
         self._ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
         self._ready.record()
@@ -273,6 +280,7 @@ class MegatronGNMR(IntegrationSession):
         self.settle()
         self._sums, self._total_sq, self._host, self._ready = None, None, None, None
         self._errors = None
+        # read before the scheduler moves it: the lr this step applies (lr_t)
         self._lr = applied_lr(self.optimizer)
         self.collecting = True
 
@@ -289,8 +297,11 @@ class MegatronGNMR(IntegrationSession):
                 f"(optimizer {type(self.optimizer).__name__}): this optimizer class is not "
                 "supported by megatron_patches"
             )
+        # carry-forward: the decision is taken lazily, at the next step's first forward,
+        # so the host copy of the sums has landed by then
         self.pending = True
         if self.backend is not None:
+            # the backend asks before its first forward; without one, settle now
             self.backend.before_forward = self.settle
         else:
             self.settle()
