@@ -299,10 +299,10 @@ def test_te_subset_factory_gives_each_layout_its_gemms_path():
 
 @pytest.fixture
 def te_stand_in(monkeypatch):
-    """test_te_fp8's stand-in TE, plus the pieces the subset routes look up: recipes with
+    """te_stand_ins' stand-in TE, plus the pieces the subset routes look up: recipes with
     ``backward_override``, ``CustomRecipe``, ``RecipeState``, the hybrid and identity
     quantizers, and ``is_non_tn_fp8_gemm_supported`` (a Blackwell here)."""
-    from tests.backends.test_te_fp8 import build_fake_te
+    from tests.backends.te_stand_ins import build_fake_te
 
     def install(hybrid=True):
         modules, rec = build_fake_te()

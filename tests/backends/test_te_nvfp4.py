@@ -1,6 +1,6 @@
 """te_fp8 with TE's ``NVFP4BlockScaling`` as the low-cost recipe, and megatron's FP4 runs, on CPU.
 
-The stand-in TE and megatron's own source text executed over it come from ``test_te_fp8``;
+The stand-in TE and megatron's own source text executed over it come from ``te_stand_ins``;
 megatron's ``fp4_utils.get_fp4_context`` / ``get_fp4_recipe`` are read from the installed
 megatron-core the same way. What the stand-ins cannot show (FP4 numerics, the GEMMs) is checked
 on a Blackwell GPU by ``gnmr-gpu-check`` (:mod:`gnmr_dist.train.gpu_check`); on Hopper that
@@ -21,11 +21,11 @@ import torch
 from gnmr_dist.backends import LOW_COST, RECOVERY, get_backend, te_runtime
 from gnmr_dist.backends.te_fp8 import TEFp8Backend
 from gnmr_dist.integrations.megatron.operators import MEGATRON_OPERATORS
-from tests.backends import test_te_fp8 as stand_ins
-from tests.backends.test_te_fp8 import _exec, call, mcore_config, megatron_file, stack
+from tests.backends import te_stand_ins as stand_ins
+from tests.backends.te_stand_ins import _exec, call, mcore_config, megatron_file, stack
 from tests.requires import missing
 
-fake_te = stand_ins.fake_te  # the fixtures of test_te_fp8
+fake_te = stand_ins.fake_te  # the fixtures of te_stand_ins
 mcore = stand_ins.mcore
 
 B200 = ("NVIDIA B200", (10, 0))

@@ -1,6 +1,6 @@
 """te_fp8's damage term on CPU: the shadow route on Transformer Engine stand-ins.
 
-The stand-in TE of ``test_te_fp8`` stands in for TE's module types and their state (``fp8_meta``
+The stand-in TE of ``te_stand_ins`` stands in for TE's module types and their state (``fp8_meta``
 scales); the numbers are the project's own. Each test recomputes ``B(u)`` independently: it
 captures every call's GEMM input and output gradient with hooks of its own, recomputes a
 ``LayerNormLinear``'s norm with torch, and sums ``wgrad_bound(quantize_wgrad_operands(...))``
@@ -24,9 +24,9 @@ from gnmr_dist.backends.shadow import ShadowRoute, quantize_wgrad_operands, wgra
 from gnmr_dist.backends.te_fp8 import _SR_SEED, TEFp8Backend
 from gnmr_dist.integrations.config import GNMRBlock
 from gnmr_dist.integrations.megatron.operators import MEGATRON_OPERATORS
-from tests.backends import test_te_fp8 as stand_ins
+from tests.backends import te_stand_ins as stand_ins
 from tests.backends import test_te_nvfp4 as fp4_stand_ins
-from tests.backends.test_te_fp8 import call
+from tests.backends.te_stand_ins import call
 from tests.backends.test_te_nvfp4 import B200
 
 fake_te, mcore, no_te = stand_ins.fake_te, stand_ins.mcore, stand_ins.no_te  # fixtures

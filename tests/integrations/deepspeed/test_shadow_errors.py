@@ -5,7 +5,7 @@
    for Transformer Engine's modules), sums what the backend sums inside its GEMMs, bit for bit, on
    every rank, over three steps of two micro-batches, low-cost and recovered units alike.
 2. ``te_fp8`` with ``gamma``: the Llama's projections are Transformer Engine ``Linear`` stand-ins
-   (``tests/backends/test_te_fp8.py``: the module type and TE's regions; the numbers are the
+   (``tests/backends/te_stand_ins.py``: the module type and TE's regions; the numbers are the
    shadow route's own). Only ``e`` can select (``alpha``, ``beta`` out of reach), and the
    runtime's ``check_consistency`` compares every decision's digest across the ranks.
 """
@@ -78,7 +78,7 @@ def _te_worker(rank, world):
     import sys
 
     import gnmr_dist.deepspeed as gds
-    from tests.backends.test_te_fp8 import build_fake_te
+    from tests.backends.te_stand_ins import build_fake_te
 
     dsc.no_shm_build()
     modules, _ = build_fake_te()
