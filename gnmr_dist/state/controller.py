@@ -128,6 +128,13 @@ def _corrupted(field: str, detail: str) -> ValueError:
     return ValueError(f"GNMR state is corrupted: {field} {detail}")
 
 
+def _refuse(bad: torch.Tensor, entry: str, detail: Callable[[int], str]) -> None:
+    """The error naming ``entry[u]`` of the first unit ``u`` that ``bad`` marks, if any."""
+    if bool(bad.any()):
+        u = _first(bad)
+        raise _corrupted(f"{entry}[{u}]", detail(u))
+
+
 def _first(mask: torch.Tensor) -> int:
     return int(mask.nonzero()[0])
 
@@ -135,28 +142,26 @@ def _first(mask: torch.Tensor) -> int:
 def _check_counts(state: Mapping[str, Any], window: int, step: int) -> None:
     count, wlen = state["norm_count"], state["window_len"]
     bad = (count < 0) | (count > step)
-    if bool(bad.any()):
-        u = _first(bad)
-        raise _corrupted(f"norm_count[{u}]", f"= {int(count[u])} is outside [0, step={step}]")
+    _refuse(bad, "norm_count", lambda u: f"= {int(count[u])} is outside [0, step={step}]")
     bad = (wlen < 0) | (wlen > min(window, step))
-    if bool(bad.any()):
-        u = _first(bad)
-        raise _corrupted(
-            f"window_len[{u}]",
-            f"= {int(wlen[u])} is outside [0, min(window={window}, step={step})]",
-        )
+    _refuse(
+        bad,
+        "window_len",
+        lambda u: f"= {int(wlen[u])} is outside [0, min(window={window}, step={step})]",
+    )
 
 
 def _check_history(state: Mapping[str, Any], window: int) -> None:
     total, count = state["norm_sum"], state["norm_count"]
     bad = ~torch.isfinite(total) | (total < 0) | ((count == 0) & (total != 0))
-    if bool(bad.any()):
-        u = _first(bad)
-        raise _corrupted(
-            f"norm_sum[{u}]",
+    _refuse(
+        bad,
+        "norm_sum",
+        lambda u: (
             f"= {float(total[u])!r} with norm_count {int(count[u])} (a sum of recorded norms "
-            "is finite, >= 0 and 0 before the first)",
-        )
+            "is finite, >= 0 and 0 before the first)"
+        ),
+    )
     buf, wlen = state["window_buffer"], state["window_len"]
     slot = torch.arange(window).unsqueeze(0)
     padding = slot < (window - wlen).unsqueeze(1)
@@ -181,13 +186,14 @@ def _check_locks(state: Mapping[str, Any], policy: Policy, step: int) -> None:
     lock, eligible = state["lock"], state["eligible"]
     lock_steps, budget = policy.lock_steps, policy.budget_bound(step)
     bad = (lock < 0) | (lock > lock_steps) | ((lock > 0) & ~eligible)
-    if bool(bad.any()):
-        u = _first(bad)
-        raise _corrupted(
-            f"lock[{u}]",
+    _refuse(
+        bad,
+        "lock",
+        lambda u: (
             f"= {int(lock[u])} (locks lie in [0, lock_steps={lock_steps}] and only eligible "
-            f"units hold one; unit {u} eligible: {bool(eligible[u])})",
-        )
+            f"units hold one; unit {u} eligible: {bool(eligible[u])})"
+        ),
+    )
     held = int((lock > 0).sum())
     if held > budget:
         raise _corrupted("lock", f"is held by {held} units, more than max_active={budget}")
@@ -198,14 +204,15 @@ def _check_latches(state: Mapping[str, Any], policy: Policy, step: int) -> None:
     bad = (latched < 0) | (latched > step) | ((latched > 0) & ~eligible)
     if policy.latch is None:
         bad |= latched != 0
-    if bool(bad.any()):
-        u = _first(bad)
-        raise _corrupted(
-            f"latched[{u}]",
+    _refuse(
+        bad,
+        "latched",
+        lambda u: (
             f"= {int(latched[u])} (a latch is a step in [0, step={step}], held only by eligible "
             f"units and only with a latch in the policy; unit {u} eligible: "
-            f"{bool(eligible[u])}, latch: {policy.latch})",
-        )
+            f"{bool(eligible[u])}, latch: {policy.latch})"
+        ),
+    )
     held = (state["lock"] > 0) | (latched > 0)
     if int(held.sum()) > policy.budget_bound(step):
         raise _corrupted(
@@ -216,26 +223,24 @@ def _check_latches(state: Mapping[str, Any], policy: Policy, step: int) -> None:
     plan = state.get("plan")
     if plan is None:  # inside a run state: read_run checks plan_active against these holders
         return
-    if state["version"] >= 2 and bool((held & ~plan).any()):
-        raise _corrupted(f"plan[{_first(held & ~plan)}]", "is False for a lock or latch holder")
-    if bool((plan & ~eligible).any()):
-        raise _corrupted(f"plan[{_first(plan & ~eligible)}]", "is True for an ineligible unit")
+    if state["version"] >= 2:
+        _refuse(held & ~plan, "plan", lambda u: "is False for a lock or latch holder")
+    _refuse(plan & ~eligible, "plan", lambda u: "is True for an ineligible unit")
 
 
 def _check_accounting(state: Mapping[str, Any], step: int) -> None:
     rec, bad_n, count = state["recovered"], state["nonfinite"], state["norm_count"]
     bad = (rec < 0) | (rec > max(step - 1, 0))
-    if bool(bad.any()):
-        u = _first(bad)
-        raise _corrupted(f"recovered[{u}]", f"= {int(rec[u])} is outside [0, step - 1]")
+    _refuse(bad, "recovered", lambda u: f"= {int(rec[u])} is outside [0, step - 1]")
     bad = (bad_n < 0) | (count + bad_n > step)
-    if bool(bad.any()):
-        u = _first(bad)
-        raise _corrupted(
-            f"nonfinite[{u}]",
+    _refuse(
+        bad,
+        "nonfinite",
+        lambda u: (
             f"= {int(bad_n[u])} with norm_count {int(count[u])} (every step's norm is finite "
-            f"or not: the two add up to at most step={step})",
-        )
+            f"or not: the two add up to at most step={step})"
+        ),
+    )
     _check_first_nonfinite(state, step)
     peak = float(state["lr_peak"])
     if not math.isfinite(peak) or peak < 0:
