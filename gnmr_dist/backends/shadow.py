@@ -243,33 +243,28 @@ class SpecRecipe:
 
     def quantize_x(self, x2: Tensor, scale: ScaleSource, amax: ScaleSource) -> _Side:
         del amax
-        spec = self.spec
-        xr = spec.rotate(x2)
-        acc = _acc(xr)
-        if spec.x_format.is_identity:
-            return _Side(xr.to(acc), None)
-        given = self._delayed_scale(xr, spec.x_format, scale)
-        if given is not None:
-            q = quantize_dequantize_scaled(xr, spec.x_format, given)
-        else:
-            q = spec.act(xr, spec.x_format, dim=0)
-        return _Side(xr.to(acc), q.to(acc))
+        return self._side(x2, self.spec.x_format, scale, None)
 
     def quantize_dy(
         self, dy2: Tensor, scale: ScaleSource, amax: ScaleSource, seed: int | None
     ) -> _Side:
         del amax
+        return self._side(dy2, self.spec.grad_format, scale, seed if self.spec.stochastic else None)
+
+    def _side(self, t2: Tensor, fmt: Any, scale: ScaleSource, seed: int | None) -> _Side:
+        """One operand as the GEMM sees it: rotated, then quantized in ``fmt`` with the delayed
+        scale when one is given, else the spec's own (``seed``: stochastic rounding of ``dy``)."""
         spec = self.spec
-        dyr = spec.rotate(dy2)
-        acc = _acc(dyr)
-        if spec.grad_format.is_identity:
-            return _Side(dyr.to(acc), None)
-        given = self._delayed_scale(dyr, spec.grad_format, scale)
+        tr = spec.rotate(t2)
+        acc = _acc(tr)
+        if fmt.is_identity:
+            return _Side(tr.to(acc), None)
+        given = self._delayed_scale(tr, fmt, scale)
         if given is not None:
-            q = quantize_dequantize_scaled(dyr, spec.grad_format, given)
+            q = quantize_dequantize_scaled(tr, fmt, given)
         else:
-            q = spec.act(dyr, spec.grad_format, dim=0, seed=seed if spec.stochastic else None)
-        return _Side(dyr.to(acc), q.to(acc))
+            q = spec.act(tr, fmt, dim=0, seed=seed)
+        return _Side(tr.to(acc), q.to(acc))
 
     def _delayed_scale(self, t: Tensor, fmt: Any, scale: ScaleSource) -> Tensor | None:
         """The given scale, or under delayed scaling that of ``t``'s own amax and the margin."""

@@ -33,11 +33,19 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from gnmr_dist.backends import BACKENDS, TORCH, Operators, PrecisionBackend, get_backend
+from gnmr_dist.backends import (
+    BACKENDS,
+    TORCH,
+    Operators,
+    PrecisionBackend,
+    get_backend,
+    registered_operator_types,
+)
 from gnmr_dist.backends.gemms import GEMMS, parse_gemms
 from gnmr_dist.backends.registry import load_entry_points, unknown_backend
 from gnmr_dist.core import GNMRConfig
 from gnmr_dist.core.validation import check_choice, check_keys, check_positive_int
+from gnmr_dist.distributed.units import check_selection
 
 __all__ = [
     "BLOCK",
@@ -295,6 +303,18 @@ class GNMRBlock:
         """``given`` itself when it is parsed already (no second parse), else
         :meth:`from_dict`: what every integration calls on the block it is handed."""
         return given if isinstance(given, GNMRBlock) else cls.from_dict(given, path=path)
+
+    def check_units(self, model: Any) -> None:
+        """``ValueError`` naming the model's units when ``units`` / ``include`` / ``exclude``
+        select none of ``model`` (a module or its chunks), before anything is built: the same
+        search the run makes (every registered operator type, whatever the backend)."""
+        check_selection(
+            model,
+            granularity=self.units,
+            include=self.include,
+            exclude=self.exclude,
+            operator_types=registered_operator_types(),
+        )
 
     def build_backend(self, operators: Operators = TORCH) -> PrecisionBackend | None:
         """A new backend of this block (``None`` for ``backend: null``) that knows the

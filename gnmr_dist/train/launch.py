@@ -233,8 +233,6 @@ def check_ds_units(args: argparse.Namespace) -> None:
         return  # the default selection is every unit inside a layer: a Llama has them
     import torch
 
-    from gnmr_dist.backends import registered_operator_types
-    from gnmr_dist.distributed.units import check_selection
     from gnmr_dist.train.ds_pretrain import build_model
 
     shape, vocab = args, args.vocab_size or 256
@@ -256,13 +254,7 @@ def check_ds_units(args: argparse.Namespace) -> None:
         vocab = cfg.vocab_size
     with torch.device("meta"):
         model = build_model(shape, vocab)
-    check_selection(
-        model,
-        granularity=block.units,
-        include=block.include,
-        exclude=block.exclude,
-        operator_types=registered_operator_types(),
-    )
+    block.check_units(model)
 
 
 # ====================================================================== launchers

@@ -41,7 +41,6 @@ import torch.distributed as dist
 
 from gnmr_dist.backends import PrecisionBackend, registered_operator_types
 from gnmr_dist.distributed import UnitRegistry
-from gnmr_dist.distributed.units import check_selection
 from gnmr_dist.integrations.config import GNMRBlock, check_block_name
 from gnmr_dist.integrations.deepspeed.session import (
     STATE_FILE,
@@ -206,13 +205,7 @@ def initialize(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
     _check_probe(block, ds_config)
     backend = block.build_backend()
     check_error_source(block, backend)
-    check_selection(
-        model,
-        granularity=block.units,
-        include=block.include,
-        exclude=block.exclude,
-        operator_types=registered_operator_types(),
-    )
+    block.check_units(model)
     if not dist.is_initialized():
         import deepspeed
 
