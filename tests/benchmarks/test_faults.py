@@ -145,13 +145,14 @@ def test_preregistered_verdicts_use_bonferroni_intervals():
 
 
 def test_fault_arms_name_the_preregistered_rivals():
-    from benchmarks.harness.preregistered import COMPARISONS
+    from benchmarks.harness.preregistered import family
     from benchmarks.sweep.branch_arms import make_arms
     from benchmarks.sweep.regimes import FAULT_REGIMES
 
     for regime in FAULT_REGIMES.values():
         names = {a.name for a, _ in make_arms(regime, (4,), 28)}
-        wanted = {c.arm for c in COMPARISONS} | {c.rival for c in COMPARISONS}
+        own = family(regime.name, 4)  # the fault sweeps' four, or the regime's own family
+        wanted = {c.arm for c in own} | {c.rival for c in own}
         if regime.backend != "fp8_emulated":  # TE's rule runs on fp8_emulated's specs only
             wanted = {a for a in wanted if not a.startswith("TE autoswitch")}
         assert wanted <= names
