@@ -141,24 +141,35 @@ def _cells() -> list[tuple[str, str, str]]:
     return out
 
 
+def damage(src: Source, cell: str, row: dict[str, Any]) -> list[float]:
+    """Per seed, the low-cost path's held-out loss under the fault less without it (the
+    fault-free branch of the same seed and horizon): what the fault itself did; empty where the
+    fault-free low-cost branch of a seed is missing."""
+    h = row["h"]
+    free = records(src, "free" if h == 50 else "free_long")
+    own = records(src, cell)
+    out = []
+    for s in row["seeds"]:
+        a, b = loss(own, "low-cost", s, h), loss(free, "low-cost", s, h)
+        if a is None or b is None:
+            return []
+        out.append(a - b)
+    return out
+
+
 def statics_table(rows: dict[str, dict[str, Any]]) -> str:
-    head = [
-        "outlier",
-        "onset",
-        "seeds",
-        "static gap (low-cost - BF16)",
-        "null BF16",
-        "null low-cost",
-    ]
+    head = ["outlier", "onset", "seeds", "static gap (low-cost - BF16)", "null BF16"]
+    head += ["null low-cost", "the fault's damage (low-cost - fault-free low-cost)"]
     lines = []
     for cell, mag, onset in _cells():
         r = rows[cell]
         if not r["seeds"]:
             if not cell.endswith("_visible"):
-                lines.append([mag, onset, "not yet run", "", "", ""])
+                lines.append([mag, onset, "not yet run", "", "", "", ""])
             continue
         nulls = [figure(r["nulls"][n]) for n in NULLS]
-        lines.append([mag, onset, str(len(r["seeds"])), figure(r["gap"]), *nulls])
+        hurt = figure(r.get("damage", []))
+        lines.append([mag, onset, str(len(r["seeds"])), figure(r["gap"]), *nulls, hurt])
     return markdown_table(head, lines)
 
 
@@ -294,10 +305,13 @@ def context(src: Source) -> dict[str, Any]:
     """The names of ``templates/fault_grid.md.j2``."""
     names = [c for c, _, _ in _cells()]
     rows = {c: cell_row(c, records(src, c)) for c in names}
+    for cell in names:
+        if rows[cell]["seeds"]:
+            rows[cell]["damage"] = damage(src, cell, rows[cell])
     free = cell_row("free", records(src, "free"))
     measured = error_cost(src, "fp8_emulated")
-    c = 0.0 if measured is None else measured.share
-    be_table, be = break_even_rows(src, rows, free, c)
+    price = 0.0 if measured is None else measured.share
+    be_table, be = break_even_rows(src, rows, free, price)
     done = [c for c in names if rows[c]["seeds"]]
     hosts = sorted(
         {machine(r) for c in [*done, "free", "free_long"] for r in records(src, c).values()}
@@ -319,7 +333,7 @@ def context(src: Source) -> dict[str, Any]:
             "resolved": [c for c in done if rows[c].get("resolved")],
             "unresolved": [c for c in done if not rows[c].get("resolved")],
             "not_run": [c for c in names if not rows[c]["seeds"] and not c.endswith("_visible")],
-            "error": "not measured" if measured is None else f"{c:.3f}",
+            "error": "not measured" if measured is None else f"{price:.3f}",
             "error_source": "" if measured is None else measured.source,
             "reproduced": reproduced(src),
             "gate": GRID_GATE,
