@@ -17,35 +17,17 @@ hardware: how much faster than BF16 the arm reaches the loss BF16 reaches after 
                                                share of a low-cost step (arms with ``gamma``)
     t = (1 - s) / R(low) + s / R(recovery) + c / R(low)   one step's time against BF16
 
-**Bounded by the schedule.** A branch with ``D > L`` cannot reach BF16's loss inside the run: it
-is *not reached*, counted and shown, and its arm gets no extra-step figure and no speed-up. A
-branch point that ends the schedule (``L = 0``) leaves no step to match in: there any arm behind
-BF16, by however little, never matches (the BF16 null control itself is behind on about half of
-those branches), so such points are counted apart ("behind at the schedule's end") and left out
-of the extra steps and speed-ups of every arm alike: a choice the design fixes, not the outcome.
-
-**At the mean, not the mean of ratios.** Per seed, ``D_s`` and ``t_s`` are the means over its
-branch points with steps left; the speed-up is taken at the means over seeds,
-``S = H / ((H + mean D) * mean t)``, and its 95% interval by the delta method over seeds, paired
-(each seed's ``(D_s, t_s)`` linearized together: ``S (1 - (D_s - mean D) / (H + mean D) -
-(t_s - mean t) / mean t)``, Student-t over seeds). The old model averaged per-branch ratios
-``H / ((H + D) t)``, which is convex in ``D``: a few branches far ahead or behind moved it, and
-it was larger than the ratio at the mean (benchmarks/report/rests_on.py shows both).
-
-**Steps to target** (:func:`steps_to_target`): the first evaluation step at which the arm's
-held-out loss is at or below the BF16 branch's final loss, ``h_BF16(H)``; "not by H" where it
-never is. Its resolution is the evaluation spacing: the step lies in the ``E`` steps before it.
-
-``R(format)`` is the hardware's peak dense GEMM throughput of the format relative to BF16
-(:data:`THROUGHPUT`). ``S`` is 1 for the BF16 arm by construction and ``R(low)`` for a low-cost
-path with no loss gap and no error term. Undefined cases (``r <= 0`` with a nonzero gap,
-``H + D <= 0``, a non-finite loss) are reported, never divided through; a format the hardware
-has no GEMMs for is ``n/a``; a path that does not change GEMM throughput (``act_quant``) or whose
-format is not in the table is ``not priced``; ``int8`` (the LoRA experiment's frozen base) is
-priced from :data:`INT8_RATE`. Records without ``flops_recovered`` fall back to the unit-step
-share (:func:`flops_share`). The error term's cost ``C`` is the caller's (:class:`ErrorCost`, a
-measured figure the report reads from its result file). The assumptions are
-:func:`assumptions`, printed beside the table. No torch.
+**Bounded by the schedule**: a branch with ``D > L`` is *not reached* (counted, shown, no
+speed-up for its arm); a point that ends the schedule (``L = 0``) is counted apart ("behind at
+the schedule's end") and left out for every arm alike. **At the mean**: the speed-up is
+``S = H / ((H + mean D) * mean t)`` over seeds (per seed, the means over its points), with a
+paired delta-method interval, not the mean of the convex per-branch ratios. **Steps to target**
+(:func:`steps_to_target`): the first evaluation at or below ``h_BF16(H)``. The derivation and
+its choices: docs/benchmarks.md#cost-at-matched-loss.
+``R(format)``: the format's peak dense GEMM rate against BF16 (:data:`THROUGHPUT`; ``int8`` from
+:data:`INT8_RATE`). Undefined cases are reported, never divided through; a format without GEMMs
+on a hardware is ``n/a``, one outside the table ``not priced``. ``C`` is the caller's
+(:class:`ErrorCost`, measured); :func:`assumptions` is printed beside the table. No torch.
 """
 
 from __future__ import annotations

@@ -1,22 +1,17 @@
 """The comparisons a fault sweep (issue 35) was run to answer, named before its records existed,
 and how their verdicts guard against many comparisons.
 
-A fault regime's table compares some fifteen arms, so some pair would come out "resolved" by
-chance alone. Four comparisons per regime are pre-registered (committed before the sweeps ran),
-each GNMR+e at budget ``k`` against the strongest rival of one kind, at the same ``k``:
+Of some fifteen arms a pair would come out "resolved" by chance alone, so four comparisons per
+regime are pre-registered (committed before the sweeps ran), GNMR+e ``k`` against each rival:
 
 1. ``random k``: does GNMR's choice beat chance at the same spend?
 2. ``NVIDIA last-k``: does it beat the fixed rule the field ships?
-3. ``TE autoswitch k``: do GNMR's history scores beat the error statistics alone (the capped
-   AutoswitchGemm rule is GNMR+e's ablation)?
-4. ``GNMR+e v2 k`` against ``GNMR+e k``: does policy v2 (per-GEMM recovery, a compute-share
-   cap) pay?
+3. ``TE autoswitch k``: do the history scores beat the error statistics alone?
+4. ``GNMR+e v2 k`` against ``GNMR+e k``: does policy v2 (per-GEMM, a compute-share cap) pay?
 
-Their verdicts use Bonferroni-adjusted intervals: a two-sided ``1 - 0.05 / 4`` (98.75%) Student-t
-interval over seeds of the paired held-out difference; "better" or "worse" when it excludes 0,
-else "not resolved". Every other figure of the tables is exploratory: a 95% interval, no
-verdict. The regimes are separate questions (a user stands in one), so the family is a
-regime's four comparisons.
+Verdicts: a two-sided Bonferroni-adjusted ``1 - 0.05 / 4`` (98.75%) Student-t interval over
+seeds of the paired held-out difference, "better"/"worse" when it excludes 0, else "not
+resolved"; the family is a regime's four (a user stands in one regime). Other figures: 95%.
 
 **The ablation** (issue 44; registered before any of its branches ran). Two arms take GNMR+e
 apart: ``e-only k``, GNMR+e with the norm thresholds off (the same damage term, ``gamma``,

@@ -5,35 +5,23 @@ Every layer that keeps something across a checkpoint hands it here as plain data
 own. The ``state_dict()`` a caller hands to ``torch.save`` (a bare controller's, a runtime's, an
 integration's) is that plain data sealed once, on top. Where each fact lives:
 
-=============================  =================================================================
-fact                           home
-=============================  =================================================================
-history, locks, latches,       the controller part (:mod:`.controller`, format 2): written by
-lr peak, recovered and         ``GNMRController.snapshot``, checked by :func:`check_state`
-non-finite counts, the first
-non-finite norm of a decided
-step
-the plan that runs next        once: the controller part's ``plan`` in a bare controller's
-                               state, the run's ``plan_active`` in a run state (:mod:`.run`,
-                               format 3; the controller part has none there)
-fitting a state to the policy  :func:`fit`, at every load (a bare controller and a run alike)
-a run resumes with
-unit names, per-GEMM counts,   the run state (:mod:`.run`): written by :func:`write_run`,
-first non-finite norm of a     checked by :func:`read_run`
-skipped step, carried error
-score, skipped steps and
-attempts
-the run's first non-finite     derived, never stored: the earlier of the two above
-event                          (``RunAccounting.first``, :mod:`gnmr_dist.distributed.accounting`)
-the seal                       :mod:`.seal`, applied once by the ``state_dict()`` whose dict is
-                               written
-=============================  =================================================================
+* history, locks, latches, lr peak, recovered and non-finite counts, the first non-finite norm
+  of a decided step: the controller part (:mod:`.controller`, format 2), written by
+  ``GNMRController.snapshot``, checked by :func:`check_state`;
+* the plan that runs next, once: the controller part's ``plan`` in a bare controller's state,
+  the run's ``plan_active`` in a run state (:mod:`.run`, format 3; no controller ``plan`` there);
+* fitting a state to the policy a run resumes with: :func:`fit`, at every load;
+* unit names, per-GEMM counts, the first non-finite norm of a skipped step, the carried error
+  score, skipped steps and attempts: the run state, :func:`write_run` / :func:`read_run`;
+* the run's first non-finite event: derived, never stored (the earlier of the two above,
+  ``RunAccounting.first`` in :mod:`gnmr_dist.distributed.accounting`);
+* the seal: :mod:`.seal`, applied once by the ``state_dict()`` whose dict is written.
 
 This package is the lowest floor of gnmr-dist: it imports torch and numpy only, and asks the
 policy through :class:`~.controller.Policy`, so the algorithm above it can use it. Writing the
 bytes (atomically, kill-safe) and what a resume does with a missing or bad state are the
-integrations' (:mod:`gnmr_dist.integrations.state_file`). docs/distributed.md#state-checkpoints-
-and-resume.
+integrations' (:mod:`gnmr_dist.integrations.state_file`);
+docs/distributed.md#state-checkpoints-and-resume.
 """
 
 from gnmr_dist.state.controller import (

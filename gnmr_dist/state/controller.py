@@ -1,8 +1,7 @@
 """The controller's part of a saved state: its format, its checks, and how it fits a new policy.
 
-A checkpoint can be truncated, come from another model (different U), another window length or a
-future format. Each must fail loudly with what is wrong and what to do, never load into a
-controller that then makes silently different decisions.
+A truncated state, or one of another model (U), window or future format, fails loudly with
+what is wrong and what to do; it never loads into a controller that then decides differently.
 
 Format 1 holds the history and the locks; format 2 (:data:`STATE_VERSION`) adds ``latched``,
 ``lr_peak``, the accounting (``recovered``, ``nonfinite``, ``first_nonfinite``) and the ``plan``
@@ -27,10 +26,8 @@ impossible state is refused even where no checksum covers it:
   nonfinite(u) <= step``; ``first_nonfinite`` ``[0, -1]`` exactly while every ``nonfinite`` is
   0, else a step in ``[1, step]`` and a unit with ``nonfinite >= 1``; ``lr_peak`` finite ``>= 0``.
 
-The saved policy is read with the ``policy_of`` the caller passes (the controller passes
-``GNMRConfig.from_dict``): this layer sits below the algorithm and knows no policy class, only
-the three things it asks of one (:class:`Policy`). :func:`fit` is the one rule that fits a checked
-state to the policy a run resumes with.
+The saved policy is read with the caller's ``policy_of`` (``GNMRConfig.from_dict``): this layer
+knows no policy class, only :class:`Policy`. :func:`fit` fits a checked state to a new policy.
 """
 
 from __future__ import annotations
