@@ -285,6 +285,47 @@ def break_even_rows(
     return (markdown_table(head, lines) if lines else ""), found
 
 
+def bound_rows(
+    src: Source, rows: dict[str, dict[str, Any]], free: dict[str, Any], error: float
+) -> str:
+    """The break-even's bound where no arm ran under the fault: each fault-free arm's ``a_0``
+    (its measured spend and loss without a fault) against the best ``a_f`` any arm could reach
+    in a faulted cell, closing the cell's whole static gap at the same spend,
+    ``a_f <= (gap / r) / H - s - c``: "never" where even that is not positive."""
+    rate = rates(src, 50)
+    lines = []
+    for arm, a in free["arms"].items():
+        c = error if arm in ERROR_ARMS else 0.0
+        for cell, mag, onset in _cells():
+            r = rows[cell]
+            if not r["seeds"] or r["arms"] or r["h"] != 50 or cell.endswith("_visible"):
+                continue
+            seeds = [s for s in r["seeds"] if s in free["seeds"] and s in rate]
+            zero, best = [], []
+            for s in seeds:
+                i, j = r["seeds"].index(s), free["seeds"].index(s)
+                spend = _work1(src, "free", arm, s)
+                a0 = advantage(a["vs_low"][j], spend, rate[s], 50, RATIO, c)
+                af = advantage(-r["gap"][i], spend, rate[s], 50, RATIO, c)
+                if a0 is not None and af is not None:
+                    zero.append(a0)
+                    best.append(af)
+            if not zero:
+                continue
+            b = break_even(zero, best)
+            phi = (
+                "never, even closing the whole gap"
+                if b.phi is None
+                else "0 (pays without faults)"
+                if b.phi == 0
+                else f"at least {b.phi:.2f}"
+            )
+            lines.append([arm, mag, onset, str(b.seeds), figure(zero, 3), figure(best, 3), phi])
+    head = ["arm", "outlier", "onset", "seeds", "a_0 (no fault)", "best a_f (the whole gap)"]
+    head += ["break-even"]
+    return markdown_table(head, lines) if lines else ""
+
+
 def _work1(src: Source, cell: str, arm: str, seed: int) -> float:
     return float(records(src, cell)[(arm, seed, POINT)]["flops_recovered"])
 
@@ -312,10 +353,16 @@ def context(src: Source) -> dict[str, Any]:
     measured = error_cost(src, "fp8_emulated")
     price = 0.0 if measured is None else measured.share
     be_table, be = break_even_rows(src, rows, free, price)
+    bound = bound_rows(src, rows, free, price)
     done = [c for c in names if rows[c]["seeds"]]
     hosts = sorted(
         {machine(r) for c in [*done, "free", "free_long"] for r in records(src, c).values()}
     )
+    commits = {
+        r.get("provenance", {}).get("commit")
+        for c in [*done, "free", "free_long"]
+        for r in records(src, c).values()
+    }
     files = [
         f"{FAMILY}/{_name(c)}.jsonl"
         for c in [*done, "free", "free_long"]
@@ -330,6 +377,7 @@ def context(src: Source) -> dict[str, Any]:
             "free_seeds": len(free["seeds"]),
             "break_even": be_table,
             "found": be,
+            "bound": bound,
             "resolved": [c for c in done if rows[c].get("resolved")],
             "unresolved": [c for c in done if not rows[c].get("resolved")],
             "not_run": [c for c in names if not rows[c]["seeds"] and not c.endswith("_visible")],
@@ -339,6 +387,7 @@ def context(src: Source) -> dict[str, Any]:
             "gate": GRID_GATE,
             "order": GRID_ORDER,
             "hosts": hosts,
+            "commits": len(commits - {None}),
             "provenance": src.provenance(*files) if files else "",
         }
     }
