@@ -157,6 +157,22 @@ def damage(src: Source, cell: str, row: dict[str, Any]) -> list[float]:
     return out
 
 
+def visible_cost(src: Source, rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per gradient-visible cell with statics: what the visible gradient does to the BF16 path
+    itself, its BF16 branch less the fault-free one of the same seed (``free_long`` at the
+    cell's horizon)."""
+    free = records(src, "free_long")
+    out = []
+    for cell, mag, onset in _cells():
+        r = rows[cell]
+        if not cell.endswith("_visible") or not r["seeds"]:
+            continue
+        own = records(src, cell)
+        d = [loss(own, "BF16", s, r["h"]) - loss(free, "BF16", s, r["h"]) for s in r["seeds"]]  # type: ignore[operator]
+        out.append({"cell": f"{mag} {onset}", "bf16": figure(d), "low": figure(r["damage"])})
+    return out
+
+
 def statics_table(rows: dict[str, dict[str, Any]]) -> str:
     head = ["outlier", "onset", "seeds", "static gap (low-cost - BF16)", "null BF16"]
     head += ["null low-cost", "the fault's damage (low-cost - fault-free low-cost)"]
@@ -378,6 +394,7 @@ def context(src: Source) -> dict[str, Any]:
             "break_even": be_table,
             "found": be,
             "bound": bound,
+            "visible": visible_cost(src, rows),
             "resolved": [c for c in done if rows[c].get("resolved")],
             "unresolved": [c for c in done if not rows[c].get("resolved")],
             "not_run": [c for c in names if not rows[c]["seeds"] and not c.endswith("_visible")],
