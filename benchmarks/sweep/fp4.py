@@ -40,15 +40,15 @@ from benchmarks.harness.branch_stats import Design, Records
 from benchmarks.harness.common import RESULTS, arg_parser, start_cli
 from benchmarks.harness.provenance import record
 from benchmarks.sweep.branch_arms import make_arms, step_time_arms
-from benchmarks.sweep.fault_grid import GRID_REGIMES
 from benchmarks.sweep.fp4_step_time import save, step_time
+from benchmarks.sweep.grid_cells import GRID_REGIMES
 from benchmarks.sweep.regimes import BRANCH_REGIMES as SWEEP_REGIMES
 from benchmarks.sweep.regimes import Regime
 
 logger = logging.getLogger(__name__)
 
 BRANCH_REGIMES = {**SWEEP_REGIMES, **GRID_REGIMES}
-"""The branch regimes and the cells of the fault grid (:mod:`benchmarks.sweep.fault_grid`)."""
+"""The branch regimes and the cells of the fault grid (:mod:`benchmarks.sweep.grid_cells`)."""
 
 SEEDS = (1234, 7, 42, 5, 11)
 BUDGETS = (4,)
