@@ -138,7 +138,7 @@ def test_megatron_refuses_the_probe_before_patching(tmp_path):
     require("megatron.core")
     import megatron_patches
 
-    with pytest.raises(ValueError, match=r"megatron_patches\.apply: gnmr\.probe is supported"):
+    with pytest.raises(ValueError, match=r"megatron_patches\.enable: gnmr\.probe is supported"):
         megatron_patches.enable(nn.Linear(2, 2), {"backend": "act_quant", "probe": {"every": 2}})
     assert megatron_patches.current() is None
 
