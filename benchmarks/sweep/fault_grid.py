@@ -4,11 +4,11 @@ estimator.
     python -m benchmarks.sweep.fault_grid --cells free_long,m20_rise [--arms statics|arms|NAMES]
         [--gate] [--seeds 1234,7,42,5,11] [--jobs 2]
 
-One regime per cell (:data:`GRID_REGIMES`), all on ``outlier_delayed``'s setup (per-tensor e4m3
+One regime per cell (:mod:`.grid_cells`), all on ``outlier_delayed``'s setup (per-tensor e4m3
 with TE's delayed scaling / BF16 in ``fp8_emulated``, lr 1e-3, ``gamma`` 0.02) and its BF16
 trunks, one branch point per seed (:data:`POINT`):
 
-- ``m<m>_<onset>``: the function-preserving outlier of magnitude ``2^m`` (:data:`MAGNITUDES`) with
+- ``m<m>_<onset>``: the function-preserving outlier of magnitude ``2^m`` with
   the onset ``instant``, ``rise`` (x4 per step) or ``slow`` (emerging over 200 steps)
   (:mod:`benchmarks.harness.fault_shapes`), in the layer and channel ``OutlierPlan`` draws from
   the seed; a 50-step branch (the slow cells: 225 steps, the window of 220 inside it);
@@ -42,11 +42,7 @@ from benchmarks.sweep.branch_arms import fault_arms
 from benchmarks.sweep.grid_cells import (
     ARMS,
     CELLS,
-    FAMILY,
-    GRID_REGIMES,
-    MAGNITUDES,
     NORMS,
-    PARENT,
     POINT,
     SEEDS,
     SHARED,
@@ -58,11 +54,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "ARMS",
     "CELLS",
-    "FAMILY",
-    "GRID_REGIMES",
-    "MAGNITUDES",
     "NORMS",
-    "PARENT",
     "SHARED",
     "POINT",
     "SEEDS",

@@ -14,7 +14,7 @@ from benchmarks.harness.break_even import advantage, break_even
 from benchmarks.harness.fault_shapes import WINDOW, ShapedOutlier, shaped_plan
 from benchmarks.harness.model import Batches
 from benchmarks.harness.training import ArmRun
-from benchmarks.sweep import fault_grid
+from benchmarks.sweep import fault_grid, grid_cells
 from tests.benchmarks.test_harness import tiny
 
 Q = {"backend": "fp8_emulated", "low_cost": {"format": "e4m3"}, "recovery": {"format": "bf16"}}
@@ -101,8 +101,8 @@ def test_break_even_arithmetic():
 
 
 def test_the_grid_cells():
-    cells = fault_grid.CELLS
-    assert {f"m{m}_{o}" for m in fault_grid.MAGNITUDES for o in ("instant", "rise", "slow")} <= set(
+    cells = grid_cells.CELLS
+    assert {f"m{m}_{o}" for m in grid_cells.MAGNITUDES for o in ("instant", "rise", "slow")} <= set(
         cells
     )
     assert (
@@ -110,7 +110,7 @@ def test_the_grid_cells():
     )
     assert cells["free"].setup.outlier_plan is None
     assert cells["m20_rise"].setup.outlier_plan.peak == 2.0**20  # type: ignore[union-attr]
-    parent = fault_grid.PARENT
+    parent = grid_cells.PARENT
     assert cells["m10_instant"].low_cost == parent.low_cost and cells["m10_instant"].gamma == 0.02
     # a function-preserving cell shares the fault-free BF16 branches; a visible one runs its own
     plain = [a.name for a, _ in fault_grid.arms_of("m20_rise", "statics")]
