@@ -42,7 +42,14 @@ from benchmarks.harness.markdown import markdown_table
 from benchmarks.harness.model import PROJECTIONS, Batches, build_model
 from benchmarks.harness.provenance import record
 from benchmarks.overhead.config import ERROR_GAMMA, GNMR_POLICY
-from benchmarks.overhead.step_time import Arm, ArmSpec, clock, interleave, summarize
+from benchmarks.overhead.step_time import (
+    Arm,
+    ArmSpec,
+    clock,
+    interleave,
+    observe_timed,
+    summarize,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +63,7 @@ BUDGET = 3
 def install_te_stand_in() -> Any:
     """TE's stand-in package in ``sys.modules`` (a B200 for ``nvfp4``); its ``pytorch`` module."""
     from gnmr_dist.backends import te_runtime
-    from tests.backends.test_te_fp8 import build_fake_te
+    from tests.backends.te_stand_ins import build_fake_te
 
     modules, _ = build_fake_te()
     sys.modules.update(modules)
@@ -114,13 +121,7 @@ class TEArm(Arm):
             loss = hf_loss(self.model, tokens)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        t_mon = t_ctl = 0.0
-        if self.runtime is not None:
-            t1 = time.process_time()
-            norms = self.runtime.monitor.compute(with_errors=self.runtime.errors_due())
-            t2 = time.process_time()
-            self.runtime.observe(norms)
-            t_mon, t_ctl = t2 - t1, time.process_time() - t2
+        t_mon, t_ctl = observe_timed(self.runtime)
         nn.utils.clip_grad_norm_(self.params, self.clip)
         self.opt.step()
         w1, c1 = clock()

@@ -16,7 +16,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -37,6 +37,23 @@ from benchmarks.overhead.config import (
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("act_quant", "fp8_emulated")
+
+
+if TYPE_CHECKING:
+    from gnmr_dist.distributed import GNMRRuntime
+
+
+def observe_timed(runtime: GNMRRuntime | None) -> tuple[float, float]:
+    """GNMR's part of a step after ``backward``: the monitor's pass over the gradients (with
+    the error sums on a measuring step) and the controller's decision, each in CPU seconds
+    (``(0, 0)`` for an arm without GNMR)."""
+    if runtime is None:
+        return 0.0, 0.0
+    t1 = time.process_time()
+    norms = runtime.monitor.compute(with_errors=runtime.errors_due())
+    t2 = time.process_time()
+    runtime.observe(norms)
+    return t2 - t1, time.process_time() - t2
 
 
 def clock() -> tuple[float, float]:
@@ -131,13 +148,7 @@ class LocalArm(Arm):
         loss = hf_loss(self.model, tokens)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        t_mon = t_ctl = 0.0
-        if self.runtime is not None:
-            t1 = time.process_time()
-            norms = self.runtime.monitor.compute(with_errors=self.runtime.errors_due())
-            t2 = time.process_time()
-            self.runtime.observe(norms)
-            t_mon, t_ctl = t2 - t1, time.process_time() - t2
+        t_mon, t_ctl = observe_timed(self.runtime)
         nn.utils.clip_grad_norm_(self.params, self.clip)
         self.opt.step()
         w1, c1 = clock()
