@@ -309,6 +309,21 @@ def _matrix(
     return torch.tensor(rows, dtype=torch.float64).reshape(len(records), u)
 
 
+def _in_all_or_none(
+    path: str | Path, records: Sequence[Mapping[str, Any]], key: str, what: str
+) -> bool:
+    """Whether the records carry ``key`` (``what`` in messages): ``True`` when every one does,
+    ``False`` when none does (or there are none), ``ValueError`` naming the first five steps
+    without it when only some do."""
+    have = sum(key in r for r in records)
+    if have == 0:
+        return False
+    if have < len(records):
+        missing = [r["step"] for r in records if key not in r][:5]
+        raise ValueError(f"{path}: steps {missing} have no {what} while others do")
+    return True
+
+
 def read_errors(
     path: str | Path, records: Sequence[Mapping[str, Any]], units: int
 ) -> torch.Tensor | None:
@@ -316,12 +331,8 @@ def read_errors(
 
     Raises ``ValueError`` when only some records carry them or a vector has the wrong length.
     """
-    have = [r for r in records if "errors" in r]
-    if not have:
+    if not _in_all_or_none(path, records, "errors", "error scores"):
         return None
-    if len(have) != len(records):
-        missing = [r["step"] for r in records if "errors" not in r][:5]
-        raise ValueError(f"{path}: steps {missing} have no error scores while others do")
     return _matrix(path, records, "errors", "an errors", units)
 
 
@@ -344,12 +355,8 @@ def read_lrs(path: str | Path, records: Sequence[Mapping[str, Any]]) -> list[flo
     """Each record's ``lr`` (the learning rate the optimizer applied at the step, which the
     lr_decay clock reads), or ``None`` when no record has one; ``ValueError`` when only some
     do."""
-    have = [r for r in records if "lr" in r]
-    if not have:
+    if not _in_all_or_none(path, records, "lr", "learning rate"):
         return None
-    if len(have) != len(records):
-        missing = [r["step"] for r in records if "lr" not in r][:5]
-        raise ValueError(f"{path}: steps {missing} have no learning rate while others do")
     return [float(r["lr"]) for r in records]
 
 

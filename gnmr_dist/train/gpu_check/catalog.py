@@ -3,6 +3,7 @@ megatron-core's. ``--list`` prints this table; docs/backends.md#gnmr-gpu-check d
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 from gnmr_dist.train.gpu_check.common import RECIPES
@@ -12,7 +13,7 @@ from gnmr_dist.train.gpu_check.mcore_checks import (
     check_megatron_gamma,
     check_megatron_operator,
 )
-from gnmr_dist.train.gpu_check.runner import Check
+from gnmr_dist.train.gpu_check.runner import Check, Outcome
 from gnmr_dist.train.gpu_check.te_model import (
     check_bf16_equal,
     check_delayed_state,
@@ -37,51 +38,51 @@ def _recipes(low: str, recovery: str) -> tuple[str, ...]:
     return (low,) if recovery == "bf16" else (low, recovery)
 
 
+def _per_recipe(
+    family: str, compares: Callable[[str], str], run: Callable[..., Outcome]
+) -> list[Check]:
+    """``family[r]`` for each low-cost recipe ``r`` of :data:`RECIPES`, in order: a TE check that
+    runs ``run(context, name=r)`` where ``r`` runs, and says ``compares(r)``."""
+    return [Check(f"{family}[{r}]", "te", compares(r), partial(run, name=r), (r,)) for r in RECIPES]
+
+
+def _quantizers_compares(recipe: str) -> str:
+    stochastic = " (stochastic dy: on a scale, a code two steps off, B 3% apart)"
+    return (
+        f"the shadow's {recipe} codes and scales of x and dy with outlier channels vs TE's own "
+        "quantizer, and B from TE's tensors; fails on any bit"
+        + (stochastic if recipe == "nvfp4" else "")
+    )
+
+
 def catalog() -> list[Check]:
     """The checks, in running order."""
     checks = [
         Check("shadow_casts[cpu]", "host", _SHADOW, partial(check_shadow_casts, device="cpu")),
         Check("shadow_casts[cuda]", "cuda", _SHADOW, partial(check_shadow_casts, device="cuda")),
     ]
-    for r in RECIPES:
-        checks.append(
-            Check(
-                f"quantizers[{r}]",
-                "te",
-                f"the shadow's {r} codes and scales of x and dy with outlier channels vs TE's own "
-                "quantizer, and B from TE's tensors; fails on any bit"
-                + (
-                    " (stochastic dy: on a scale, a code two steps off, B 3% apart)"
-                    if r == "nvfp4"
-                    else ""
-                ),
-                partial(check_quantizers, name=r),
-                (r,),
-            )
-        )
-    for r in RECIPES:
-        checks.append(
-            Check(
-                f"shadow_bound[{r}]",
-                "te",
-                f"te_fp8 with gamma ({r}) on a Linear and a LayerNormLinear: the backend's B(u) "
-                "vs B from TE's quantizers on what the module had; fails when they differ "
-                "(LayerNormLinear 1%, NVFP4 3%) or when measuring changes an output",
-                partial(check_shadow_bound, name=r),
-                (r,),
-            )
-        )
-    for r in RECIPES:
-        checks.append(
-            Check(
-                f"fp8_equal[{r}]",
-                "te",
-                f"te_fp8, nothing recovered, vs plain te.autocast({r}) over 3 steps; fails on "
-                "any difference beyond a plain-vs-plain control",
-                partial(check_fp8_equal, name=r),
-                (r,),
-            )
-        )
+    checks += _per_recipe(
+        "quantizers",
+        _quantizers_compares,
+        check_quantizers,
+    )
+    checks += _per_recipe(
+        "shadow_bound",
+        lambda r: (
+            f"te_fp8 with gamma ({r}) on a Linear and a LayerNormLinear: the backend's B(u) "
+            "vs B from TE's quantizers on what the module had; fails when they differ "
+            "(LayerNormLinear 1%, NVFP4 3%) or when measuring changes an output"
+        ),
+        check_shadow_bound,
+    )
+    checks += _per_recipe(
+        "fp8_equal",
+        lambda r: (
+            f"te_fp8, nothing recovered, vs plain te.autocast({r}) over 3 steps; fails on "
+            "any difference beyond a plain-vs-plain control"
+        ),
+        check_fp8_equal,
+    )
     checks += [
         Check(
             "bf16_equal",

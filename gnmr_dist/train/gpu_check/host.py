@@ -179,13 +179,10 @@ def check_shadow_casts(context: Any, device: str) -> Outcome:
     sr_problems, moved = _stochastic(x, dy)
     problems += sr_problems
     data["nvfp4"]["sr_moved"] = moved
-    if problems:
-        return Outcome(False, "; ".join(problems[:4]), {"problems": problems, **data})
-    return Outcome(
-        True,
+    detail = (
         f"{len(SHADOW_RECIPES)} recipes x (x, dy) on {device}: layouts, decode, nearest FP8 "
         f"codes, saturation ({data['delayed']['saturated']} codes), blocks along the tokens, "
         f"stochastic rounding ({moved:.0%} of dy codes moved one step), B within {BOUND_RTOL} "
-        "of float64",
-        data,
+        "of float64"
     )
+    return Outcome.judged(problems, detail, data)

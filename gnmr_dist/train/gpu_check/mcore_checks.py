@@ -41,8 +41,8 @@ from torch import nn
 from gnmr_dist.backends import LOW_COST, RECOVERY
 from gnmr_dist.backends.te_fp8 import TEFp8Backend
 from gnmr_dist.train.gpu_check.common import DEVICE, Context, diff, plain_region
-from gnmr_dist.train.gpu_check.runner import Outcome, Skip
-from gnmr_dist.train.gpu_check.te_subsets import fp8_state_snapshot
+from gnmr_dist.train.gpu_check.runner import Outcome
+from gnmr_dist.train.gpu_check.te_subsets import device_without_fp4, fp8_state_snapshot
 
 __all__ = [
     "check_megatron_fp4_refused",
@@ -218,10 +218,7 @@ def check_megatron_fp4_refused(context: Context) -> Outcome:
     del context
     import megatron_patches
 
-    major, minor = torch.cuda.get_device_capability()
-    device = torch.cuda.get_device_name()
-    if (major, minor) >= (10, 0):
-        raise Skip(f"{device} ({major}.{minor}) has FP4 GEMMs: megatron's FP4 is not refused")
+    device, capability = device_without_fp4("megatron's FP4 is not refused")
     with parallel_state():
         gpt, _ = megatron_gpt("nvfp4")
         state = fp8_state_snapshot()
@@ -233,10 +230,10 @@ def check_megatron_fp4_refused(context: Context) -> Outcome:
         finally:
             megatron_patches.disable()
         same = fp8_state_snapshot() == state
-    named = device in message and f"{major}.{minor}" in message
+    named = device in message and capability in message
     return Outcome(
         named and same,
-        f"{device} ({major}.{minor}): refused naming the device {named}, TE's autocast state "
+        f"{device} ({capability}): refused naming the device {named}, TE's autocast state "
         f"unchanged {same}; megatron_patches said: {message[:160]}",
     )
 
@@ -473,14 +470,11 @@ def _judge(
             for k, r in (("fp8", fp8), ("control", control), ("pilot", pilot), ("gnmr", gnmr))
         },
     }
-    if problems:
-        return Outcome(False, "; ".join(problems[:4]), {"problems": problems, **data})
-    return Outcome(
-        True,
+    detail = (
         f"e traced for {len(units)} units; {units[faulted]}'s e rose {rise:.3g}x with the outlier; "
         f"gamma {gamma:.3g}: first recovery at step {first} (that unit), chosen on {hits} of "
         f"{len(after)} steps after; losses: pilot == plain FP8 (max |diff| {pilot_gap:.3g}, "
         f"control {noise:.3g}), GNMR final {gnmr['losses'][-1]:.4g} vs plain FP8 "
-        f"{fp8['losses'][-1]:.4g}",
-        data,
+        f"{fp8['losses'][-1]:.4g}"
     )
+    return Outcome.judged(problems, detail, data)

@@ -80,6 +80,16 @@ class Outcome:
     data: Mapping[str, Any] = field(default_factory=dict)
     """Everything else worth keeping (written to ``--json``), JSON-serialisable."""
 
+    @classmethod
+    def judged(
+        cls, problems: Sequence[str], detail: str, data: Mapping[str, Any], *, prefix: str = ""
+    ) -> Outcome:
+        """Passed with ``detail`` when ``problems`` is empty; else failed, its detail the first
+        four problems (after ``prefix``) and its data every problem besides ``data``."""
+        if not problems:
+            return cls(True, detail, data)
+        return cls(False, prefix + "; ".join(problems[:4]), {"problems": list(problems), **data})
+
 
 @dataclass(frozen=True)
 class Check:

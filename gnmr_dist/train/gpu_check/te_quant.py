@@ -266,8 +266,6 @@ def check_quantizers(context: Any, name: str) -> Outcome:
     if name == "nvfp4":
         problems += _stochastic_dy(x, dy, data)
     n = sum(FEATURES.values()) * TOKENS
-    if problems:
-        return Outcome(False, f"{name}: " + "; ".join(problems[:4]), {"problems": problems, **data})
     detail = (
         f"{n} codes and their scales bit for bit (x {recipe.x_format}, dy "
         f"{recipe.grad_format}), B {b_te:.6g} equal"
@@ -276,7 +274,7 @@ def check_quantizers(context: Any, name: str) -> Outcome:
         detail += (
             f"; stochastic dy: scales equal, codes within one step, B within {data['sr_rel']:.2%}"
         )
-    return Outcome(True, detail, data)
+    return Outcome.judged(problems, detail, data, prefix=f"{name}: ")
 
 
 def _stochastic_dy(x: torch.Tensor, dy: torch.Tensor, data: dict[str, Any]) -> list[str]:
@@ -447,15 +445,12 @@ def check_shadow_bound(context: Any, name: str) -> Outcome:
         if layernorm:
             problems += _norm_input(base, got[-1]["seen"])
         data[label] = {"max_rel": max(rels), "sums": [r["sums"] for r in got]}
-    if problems:
-        return Outcome(False, f"{name}: " + "; ".join(problems[:4]), {"problems": problems, **data})
     parts = [f"{k} max rel {v['max_rel']:.1e}" for k, v in data.items()]
-    return Outcome(
-        True,
+    detail = (
         f"{name}: the route's B(u) over 3 steps == B from TE's quantizers ({', '.join(parts)}); "
-        "outputs and gradients as plain TE",
-        data,
+        "outputs and gradients as plain TE"
     )
+    return Outcome.judged(problems, detail, data, prefix=f"{name}: ")
 
 
 def _norm_input(module: nn.Module, seen: _Seen) -> list[str]:

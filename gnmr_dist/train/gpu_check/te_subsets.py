@@ -50,7 +50,7 @@ from gnmr_dist.train.gpu_check.common import (
 )
 from gnmr_dist.train.gpu_check.runner import Outcome, Skip
 
-__all__ = ["check_gemm_subset", "check_nvfp4_refused", "fp8_state_snapshot"]
+__all__ = ["check_gemm_subset", "check_nvfp4_refused", "device_without_fp4", "fp8_state_snapshot"]
 
 SAME, HIGH = 0.1, 0.25
 """``e(got, FP8's) <= SAME x FP8's own error`` (the same numerics as FP8), ``e(got, ref) <=
@@ -153,6 +153,17 @@ def fp8_state_snapshot() -> tuple[Any, ...]:
     return (manager.is_fp8_enabled(), manager.is_fp8_calibration())
 
 
+def device_without_fp4(skip_because: str) -> tuple[str, str]:
+    """This GPU's name and compute capability (``"major.minor"``), both of which an FP4 refusal
+    must name; a GPU with FP4 GEMMs (10.0 and up) refuses nothing, so the check is skipped there
+    with ``skip_because`` (what is not refused)."""
+    major, minor = torch.cuda.get_device_capability()
+    device = torch.cuda.get_device_name()
+    if (major, minor) >= (10, 0):
+        raise Skip(f"{device} ({major}.{minor}) has FP4 GEMMs: {skip_because}")
+    return device, f"{major}.{minor}"
+
+
 def _refusal() -> str:
     try:
         TEFp8Backend(low_cost={"recipe": "nvfp4"})
@@ -163,10 +174,7 @@ def _refusal() -> str:
 
 def check_nvfp4_refused(context: Context) -> Outcome:
     del context
-    major, minor = torch.cuda.get_device_capability()
-    device = torch.cuda.get_device_name()
-    if (major, minor) >= (10, 0):
-        raise Skip(f"{device} ({major}.{minor}) has FP4 GEMMs: recipe nvfp4 is not refused here")
+    device, capability = device_without_fp4("recipe nvfp4 is not refused here")
     sizes = Sizes(hidden=1024, layers=1, tokens=2048)
     first = build(sizes)
     second = build(sizes, like=first)
@@ -183,11 +191,11 @@ def check_nvfp4_refused(context: Context) -> Outcome:
     after = step(second, x, g, plain_region("delayed"))
     same_state = fp8_state_snapshot() == state
     d = steps_diff([before], [after])
-    named = all(device in m and f"{major}.{minor}" in m for m in messages)
+    named = all(device in m and capability in m for m in messages)
     ok = named and same_state and inside == still == (True, True) and d == 0.0
     return Outcome(
         ok,
-        f"{device} ({major}.{minor}): refused naming the device {named} (outside and inside a "
+        f"{device} ({capability}): refused naming the device {named} (outside and inside a "
         f"region), TE's autocast state unchanged {same_state}, the user's region intact "
         f"{still == (True, True)}, an FP8 step after vs before max |diff| {d:.3g}; te_fp8 said: "
         f"{messages[0][:160]}",
