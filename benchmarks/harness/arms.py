@@ -147,6 +147,8 @@ class OutlierPlan:
         projection takes ``width`` input features."""
         import random
 
+        # from the seed alone, not the point: a seed's fault sits in one place at all its points, so
+        # the seeds, the replicates, are what vary where it strikes
         draw = random.Random(seed)
         layer, channel = draw.randrange(layers), draw.randrange(width)
         return Outlier(
@@ -214,6 +216,7 @@ class Arm:
         probed = self.probe_every or self.probe_steps or self.policy == "oracle"
         if probed and self.backend is None:
             raise ValueError(f"arm {self.name}: the probe needs a backend (two paths to compare)")
+        # these pick max_active units; with 0 they would silently be the static low-cost arm
         budgeted = ("random", "oracle", "last_units", "autoswitch_k")
         if self.policy in budgeted and self.max_active < 1:
             raise ValueError(f"arm {self.name}: policy {self.policy} needs max_active >= 1")
@@ -266,4 +269,5 @@ class ArmResult:
 
 def with_budget(arm: Arm, fraction: float, units: int) -> Arm:
     """``arm`` with ``max_active`` set to ``fraction`` of ``units`` (at least 1)."""
+    # at least one: a budget rounded to 0 would be the static arm under another name
     return replace(arm, max_active=max(1, round(fraction * units)))

@@ -139,13 +139,20 @@ class AutoswitchFn(torch.autograd.Function):
         if sw.scales is None:
             xq, wq = _act(low, x2, False, -1), _weight(low, weight, -1)
         else:
+            # the delayed scale x was quantized with is kept: wgrad requantizes x with that scale,
+            # as a real FP8 wgrad reuses the forward's quantized x
             xq, ctx.x_scale = sw.scales.x.quantize(x2, record=True)
             wq = sw.scales.w.quantize(weight, record=True)[0]
+        # judged on the low-cost quantization the GEMM would run, then its inputs redone high: the
+        # statistics come first, as in TE
         if sw.run(FPROP, sw.ledger.judge(sw.uid, FPROP, (x2, xq), (weight, wq))):
             xq, wq = _act(high, x2, False, -1), _weight(high, weight, -1)
+        # fp32 accumulation, as a tensor core accumulates a low-precision GEMM
         y = xq.float().mm(wq.float().t())
         if bias is not None:
             y = y + bias.float()
+        # the unquantized inputs: the backward quantizes along its own layouts (Q_N, Q_M), and a
+        # GEMM that switches high needs the originals
         ctx.save_for_backward(x, weight)
         ctx.sw, ctx.has_bias = sw, bias is not None
         return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
@@ -155,6 +162,8 @@ class AutoswitchFn(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         sw: Switch = ctx.sw
         dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+        # one delayed quantization of dy for dgrad and wgrad: its amax enters the history once per
+        # call, as in training
         delayed = None if sw.scales is None else sw.scales.dy.quantize(dy2, record=True)[0]
         dx = _dgrad(sw, dy2, weight, delayed).to(x.dtype).reshape(x.shape)
         dw = _wgrad(sw, dy2, x2, delayed, ctx.x_scale).to(weight.dtype)
@@ -166,8 +175,10 @@ def _dgrad(sw: Switch, dy2: Tensor, weight: Tensor, delayed: Tensor | None) -> T
     """``dx = Q_N(dy) Q_N(W)``, low-cost or high."""
     low, high = sw.low, sw.high
     if delayed is None:
+        # dgrad and wgrad draw their own rounding of dy (keys 0, 1), as the backend keys its own
         dyq, wq = _act(low, dy2, True, -1, sw.seed(low, 0)), _weight(low, weight, 0)
     else:
+        # record=False: the forward recorded W's amax; a second record would age its history twice
         dyq, wq = delayed, sw.scales.w.quantize(weight, record=False)[0]  # type: ignore[union-attr]
     if sw.run(DGRAD, sw.ledger.judge(sw.uid, DGRAD, (dy2, dyq), (weight, wq))):
         dyq, wq = _act(high, dy2, True, -1, sw.seed(high, 0)), _weight(high, weight, 0)

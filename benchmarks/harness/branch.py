@@ -96,12 +96,16 @@ def run_trunk(setup: Setup, reference: Arm, inst: Instrument, seed: int, root: P
     (written atomically; a trunk whose checkpoints all exist is not run again). Returns its
     wall time in seconds."""
     wanted = [trunk_file(root, seed, b) for b in inst.points]
+    # a trunk is never trained twice: the branches already recorded started from these files, and a
+    # re-run (another host, another torch) need not reproduce them bit for bit
     if all(p.exists() for p in wanted):
         return 0.0
     t0 = time.perf_counter()
     s = branch_setup(setup, inst, seed)
     run = ArmRun(s, reference, Batches(s.heldout, s), evaluates=False)
     train = Batches(s.data, s)
+    # the schedule is trunk_steps long (branch_setup), so the learning rate at each point is the
+    # whole run's; no branch starts after the last point, so the trunk stops there
     for step in range(1, max(inst.points) + 1):
         run.step(step, train)
         if step in inst.points:
@@ -115,10 +119,14 @@ def _save(run: ArmRun, step: int, path: Path) -> None:
         "model": run.model.state_dict(),
         "opt": run.opt.state_dict(),
         "sched": run.sched.state_dict(),
+        # the controller that watched the trunk: a GNMR arm branches with the norm history it would
+        # have had at this step, not from a cold warm-up in which it cannot act
         "runtime": run.runtime.state_dict(),
         "loss": run.losses[-1],
     }
     path.parent.mkdir(parents=True, exist_ok=True)
+    # written, then renamed: a sweep killed mid-save leaves no truncated file that run_trunk's
+    # all-exist check would take for a finished checkpoint
     tmp = path.with_suffix(".tmp")
     torch.save(state, tmp)
     tmp.replace(path)
@@ -128,6 +136,8 @@ def load_trunk(run: ArmRun, path: Path) -> int:
     """The trunk's state into ``run`` (the GNMR controller's history included); its step."""
     state = torch.load(path, weights_only=True)
     run.model.load_state_dict(state["model"])
+    # AdamW's moments and the schedule's step as well: from the weights alone every arm would
+    # restart Adam at zero and the learning rate at warm-up, a different step from the trunk's
     run.opt.load_state_dict(state["opt"])
     run.sched.load_state_dict(state["sched"])
     run.runtime.load_state_dict(state["runtime"])
@@ -137,9 +147,14 @@ def load_trunk(run: ArmRun, path: Path) -> int:
 def perturb(model: torch.nn.Module, relative: float, seed: int) -> None:
     """Move every weight by ``relative`` times its tensor's RMS in a random direction (a
     generator seeded by ``seed``): a change that does nothing on average."""
+    # its own generator: the move takes no draw from torch's global stream, so every other draw of
+    # the perturbed twin (batches, random-k, stochastic rounding keyed by step) is its unperturbed
+    # twin's and the weight move is the only difference: what makes the null a null
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
+            # relative to each tensor's scale: a norm gain near 1 and an embedding near 0.02 move
+            # alike
             rms = p.detach().float().square().mean().sqrt()
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
             p.add_((noise * rms * relative).to(p.dtype))
@@ -150,15 +165,21 @@ def run_branch(
 ) -> dict[str, Any]:
     """One branch: ``arm`` from the trunk checkpoint of (``seed``, ``point``) for ``horizon``
     steps; held-out losses (fp32) at ``evals``. ``perturbed``: the null control's weight move."""
+    # the outlier is placed from (seed, point) before the run is built, so every arm of one branch
+    # meets the same fault at the same step
     s = _with_outlier(branch_setup(setup, inst, seed), seed, point)
     heldout = Batches(s.heldout, s)
     run = ArmRun(s, arm, heldout, evaluates=False)  # last_step: the trunk's schedule end
     start = load_trunk(run, trunk_file(root, seed, point))
     if inst.late_at == "branch":
         run.last_step = start + inst.horizon  # the late switch: the branch's last steps
+    # reseeded per branch, not carried from the trunk (which draws none): the random arms of one
+    # (seed, point) draw alike, different points draw apart
     run.draw_gen.manual_seed(seed * 100_003 + point)  # random-k: its own draws per branch
     if perturbed:
         perturb(run.model, PERTURBATION, seed * 7 + point)
+    # a plain model (no backend) to evaluate on, in fp32 for every arm: the figure is what training
+    # in low precision did to the weights, not what a low-precision forward costs at evaluation
     reference = build_model(s)
     train = Batches(s.data, s)
     losses: dict[int, float] = {}
@@ -180,6 +201,7 @@ def run_branch(
         "flops_recovered": run.flops_recovered / inst.horizon,  # share of the linear work
         "gemms_high": [int(x) for x in run.gemm_high.tolist()],  # fprop, dgrad, wgrad
         "outliers": [asdict(o) for o in s.outliers],
+        # the median step: on a shared host load bursts move the mean, not the middle
         "step_ms": 1e3 * sorted(run.times)[len(run.times) // 2],
         "nonfinite": sum(1 for x in run.losses if not math.isfinite(x)),
         "wall_s": time.perf_counter() - t0,

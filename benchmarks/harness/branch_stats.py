@@ -43,10 +43,13 @@ def read_records(path: Path) -> Records:
         try:
             r = json.loads(line)
         except json.JSONDecodeError:
+            # only the last line can be cut by a kill mid-write; a bad line elsewhere is a damaged
+            # file, and skipping it would quietly drop a branch from the pairs
             if i == len(lines) - 1:
                 logger.warning("%s: the last line is cut short; its branch runs again", path)
                 continue
             raise
+        # a branch re-run after a resume appends another line; the later one is the record
         records[(r["arm"], r["seed"], r["point"])] = r
     return records
 
@@ -84,9 +87,13 @@ def per_seed(records: Records, d: Design, arm: str, minus: str | None = None) ->
     the same branch)."""
 
     def diff(s: int, p: int) -> float:
+        # paired on (seed, point): both branches start from the same checkpoint, optimizer state and
+        # learning rate and train on the same batches, so the difference leaves the policy alone
         x = heldout(records, arm, s, p, d.horizon)
         return x - (heldout(records, minus, s, p, d.horizon) if minus else 0.0)
 
+    # one figure per seed: the points of one trunk share its state and data, so they are averaged,
+    # not counted as replicates; every interval is over the seeds
     return [statistics.fmean([diff(s, p) for p in d.points]) for s in d.seeds]
 
 
@@ -103,9 +110,12 @@ def share_closed(records: Records, d: Design, arm: str) -> tuple[float, float]:
     n, mx, mg = len(x), statistics.fmean(x), statistics.fmean(g)
     if n < 2 or mg == 0:
         return (mx / mg if mg else math.nan), math.nan
+    # a ratio of two paired means: the delta method linearizes it around (mx, mg), and both come
+    # from the same seeds' low-cost branches, so their covariance enters the variance
     r = mx / mg
     cov = statistics.covariance(x, g)
     var = (statistics.variance(x) - 2 * r * cov + r * r * statistics.variance(g)) / n / mg**2
+    # rounding can leave the linearized variance a hair below 0 when x and g are near proportional
     return r, t95(n - 1) * math.sqrt(max(var, 0.0))
 
 
@@ -153,6 +163,7 @@ def troubles(records: Records, d: Design, arm: str) -> tuple[int, int]:
     for s, p in product(d.seeds, d.points):
         gap = heldout(records, arm, s, p, d.horizon) - heldout(records, d.high, s, p, d.horizon)
         nonfinite = bool(records[(arm, s, p)]["nonfinite"])
+        # a NaN gap compares False with DIVERGED, so a non-finite loss is counted on its own
         diverged += nonfinite or not math.isfinite(gap) or gap > DIVERGED
     return sum(spike_counts(records, d, arm)), diverged
 
@@ -161,6 +172,7 @@ def verdict(pair: Sequence[float]) -> str:
     """A paired difference ``a - b`` (mean, 95% half-width): ``better`` when the interval lies
     below 0, ``worse`` above, else ``not resolved``."""
     m, h = pair
+    # one seed: NaN comparisons would otherwise read 'not resolved', as if an interval held 0
     if math.isnan(h):
         return "one seed: no interval"
     if m + h < 0:

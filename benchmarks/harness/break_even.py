@@ -48,6 +48,7 @@ def advantage(
     positive (no progress to match a nonzero gap at)."""
     if gap != 0 and not rate > 0:
         return None
+    # the sign flips: D, the steps the low-cost path adds to reach P's loss, is > 0 where P leads
     extra = 0.0 if gap == 0 else -gap / rate
     return extra / horizon - share * (ratio - 1) - error
 
@@ -80,6 +81,8 @@ def break_even(free: Sequence[float], fault: Sequence[float]) -> BreakEven:
     span = a0 - af
     phi = a0 / span
     d0, df = -af / span**2, a0 / span**2  # d phi / d a_0, d phi / d a_f
+    # each seed's (a_0, a_f) linearized together: both come from the same seed's trunk, so their
+    # covariance stays in the spread
     lin = [phi + d0 * (x - a0) + df * (y - af) for x, y in zip(free, fault, strict=True)]
     n = len(lin)
     half = math.nan if n < 2 else t95(n - 1) * statistics.stdev(lin) / math.sqrt(n)

@@ -36,6 +36,8 @@ def start_cli(threads: int | None = None) -> None:
     """A command's set-up: its own INFO messages (progress, tables, verdicts: the loggers of
     ``benchmarks`` and of the command's ``__main__``) bare on stdout, the library's warnings
     only; given ``threads``, torch's intra-op threads."""
+    # the root at WARNING keeps the library's INFO lines (backends wrapping units) out of a
+    # command's printed tables
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stdout)
     for name in ("benchmarks", "__main__"):
         logging.getLogger(name).setLevel(logging.INFO)
@@ -51,6 +53,8 @@ def llama(
     keys (``max_position_embeddings``)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    # Hugging Face draws the initial weights from the global stream: seeded here, every arm of a
+    # seed starts from the same weights
     torch.manual_seed(seed)
     sizes = {"vocab_size": vocab, "hidden_size": hidden, "intermediate_size": ffn}
     heads_kv = {"num_attention_heads": heads, "num_key_value_heads": heads}  # no grouped queries
@@ -70,6 +74,8 @@ def gloo_world(rank: int = 0, world: int = 1, port: int | None = None) -> Iterat
     with the environment a launcher sets (DeepSpeed and megatron read it); torn down, and the
     environment restored, on exit. ``port``: the store the world meets at, served by the
     process that started it (``local_store``); default: a world of one serves its own."""
+    # joining sets the launcher's variables (MASTER_ADDR, RANK, ...); restored on exit, so a later
+    # world in this process reads none of them stale
     saved = dict(os.environ)
     store = local_store() if port is None else None  # kept alive while the world lives
     join_local_world(port if store is None else store.port, rank, world)
@@ -93,6 +99,7 @@ def interleaved_times(
     times: dict[str, list[float]] = {k: [] for k in arms}
     names = list(arms)
     for r in range(warm + repeats):
+        # the order rotates: an arm always timed first would alone pay each round's cold start
         k = r % len(names)
         for name in names[k:] + names[:k]:
             t0 = clock()

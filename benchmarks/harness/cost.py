@@ -231,7 +231,10 @@ def _path_time(options: Mapping[str, Any], role: str, hardware: str) -> float | 
             return f"n/a (no {FORMAT_CLASS[name]} GEMMs)"
         classes[name] = rates[FORMAT_CLASS[name]]
     fprop = classes[fmt]
+    # dgrad (dy W) and wgrad (x dy) each pair dy with an operand in fmt, and a GEMM runs at its
+    # slower operand's rate
     backward = min(classes[fmt], classes[grad])
+    # three GEMMs of equal FLOPs: the path's time per FLOP is the mean of their 1 / R
     return (1 / fprop + 2 / backward) / 3
 
 
@@ -251,6 +254,7 @@ def _int8_price(formats: Formats, hardware: str) -> Price:
 def _torchao_time(options: Mapping[str, Any], role: str, hardware: str) -> float | str:
     """A ``torchao_fp8`` path's time per FLOP against BF16: the mean of its three equal-FLOP
     GEMMs' ``1 / R`` (:data:`TORCHAO_GEMMS`), or a note."""
+    # the backend's own default of each path, so a regime that names no recipe is priced as it ran
     recipe = str(options.get("recipe", "tensorwise" if role == "low_cost" else "bf16"))
     if recipe not in TORCHAO_GEMMS:
         return f"not priced: torchao's {recipe} GEMMs are not in the cost table"
@@ -266,6 +270,7 @@ def price(formats: Formats, hardware: str) -> Price:
     :data:`HARDWARE`), or the note saying why they are not priced."""
     if hardware not in THROUGHPUT:
         raise ValueError(f"unknown hardware {hardware!r}; known: {', '.join(THROUGHPUT)}")
+    # a saving that is not GEMM throughput is named, not priced at 1 (read as no speed-up)
     if formats.backend in _NOT_GEMM:
         return Price(note=f"not priced: {_NOT_GEMM[formats.backend]}")
     if formats.backend == "int8":
@@ -273,11 +278,14 @@ def price(formats: Formats, hardware: str) -> Price:
     if formats.backend == "torchao_fp8":
         low = _torchao_time(formats.low_cost, "low_cost", hardware)
         rec = _torchao_time(formats.recovery, "recovery", hardware)
+        # one unpriced path leaves the step's time unknown: no half-priced figure
         for t in (low, rec):
             if isinstance(t, str):
                 return Price(note=t)
         return Price(float(low), float(rec))
     if formats.backend != "fp8_emulated":
+        # another backend's options mean other things: read with fp8_emulated's keys they would
+        # price its defaults
         note = f"not priced: the {formats.backend} backend's formats are not in the cost table"
         return Price(note=note)
     low = _path_time(formats.low_cost, "low_cost", hardware)
@@ -302,8 +310,10 @@ def extra_steps(gap: float, rate: float) -> float | None:
     """Steps an arm ``gap`` nats behind must add to match the reference at ``rate`` nats per
     step (negative when it is ahead); ``None`` where it is undefined: a nonzero gap and no
     measurable progress (``rate <= 0``). No gap needs no steps whatever the rate."""
+    # before the rate test: an arm level with BF16 needs no steps even where BF16 made no progress
     if gap == 0:
         return 0.0
+    # 'not >' rather than '<=': a NaN rate is undefined too
     if not rate > 0:
         return None
     return gap / rate
@@ -315,6 +325,7 @@ def step_time(share: float, p: Price, error: float = 0.0) -> float:
     ``(1 - s) / R(low) + s / R(recovery) + c / R(low)``."""
     if p.low is None or p.recovery is None:
         raise ValueError(f"the paths are not priced: {p.note}")
+    # c is a share of a low-cost step, so it is paid at the low-cost rate
     return (1 - share) * p.low + share * p.recovery + error * p.low
 
 
@@ -335,10 +346,14 @@ def speedup_at_mean(
     half-width of the delta method over seeds, paired: each seed's ``(D_s, t_s)`` linearized
     together around the means, ``S (1 - (D_s - D) / (H + D) - (t_s - t) / t)``, Student-t over
     the seeds (NaN for one seed). ``None`` where ``H + D <= 0``."""
+    # at the means, not the mean of per-seed ratios: S is convex in D, so averaging ratios flattered
+    # an arm whose gaps spread (issue 44)
     d, t = statistics.fmean(extras), statistics.fmean(times)
     s = speedup(horizon, d, t)
     if s is None:
         return None
+    # each seed's D_s and t_s linearized together: a seed that needs more steps and recovers more
+    # (slower steps) is one replicate, and their covariance stays in the interval
     lin = [
         s * (1 - (x - d) / (horizon + d) - (y - t) / t) for x, y in zip(extras, times, strict=True)
     ]
@@ -360,6 +375,7 @@ def error_every(record: Mapping[str, Any]) -> int | None:
     spec = record.get("arm_spec") or {}
     if not (spec.get("controller") or {}).get("gamma"):
         return None
+    # records written before error_every existed measured every step
     return int(spec.get("error_every") or 1)
 
 
@@ -369,6 +385,7 @@ def error_share(record: Mapping[str, Any], error: ErrorCost | None) -> float | N
     every = error_every(record)
     if every is None:
         return 0.0
+    # unknown is None, not 0: an arm that measures must not be priced as free
     return None if error is None else error.share / every
 
 
@@ -377,6 +394,7 @@ def _early(ref: Mapping[str, Any], horizon: int) -> int:
     earlier = [int(k) for k in ref["heldout"] if int(k) < horizon]
     if not earlier:
         raise ValueError(f"the reference branch has no held-out loss before step {horizon}")
+    # the last one before H: the rate over the branch's last steps is the local one at the horizon
     return max(earlier)
 
 
@@ -404,6 +422,8 @@ def branch_cost(
     unbounded); ``error``: the error term's cost per step (:func:`error_share`)."""
     early = _early(ref, horizon)
     h_ref = float(ref["heldout"][str(horizon)])
+    # BF16's rate on the same (seed, point), not the run's mean: progress per step falls along the
+    # schedule, and the extra steps are taken from this point on
     rate = local_rate(float(ref["heldout"][str(early)]), h_ref, horizon - early)
     gap = float(arm["heldout"][str(horizon)]) - h_ref
     share, _ = flops_share(arm)
@@ -420,6 +440,8 @@ def branch_cost(
         note = "not priced: the error term's cost is not known"
         return BranchCost(rate, gap, share, extra, None, None, note, left)
     t = step_time(share, p, error)
+    # the time is kept for the table, but a gap the schedule cannot close earns no speed-up (issue
+    # 44: 436 extra steps after a 50-step branch had been credited)
     if left is not None and extra > left:
         note = f"not reached: {extra:.0f} extra steps, {left} left in the schedule"
         return BranchCost(rate, gap, share, extra, t, None, note, left)
@@ -449,6 +471,8 @@ def _left(d: Design, point: int, schedule: int | None) -> int | None:
 
 def priced_points(d: Design, schedule: int | None) -> tuple[int, ...]:
     """The design's branch points that leave steps in the schedule (all without one)."""
+    # L = 0 leaves no step to match in, so any gap there never closes: such points are counted apart
+    # and left out for every arm alike
     return tuple(p for p in d.points if schedule is None or schedule - p - d.horizon > 0)
 
 
@@ -468,6 +492,8 @@ def seed_costs(
     it), and the branches not reached; the FLOP share over every point. A seed any of whose
     branches is undefined or not reached gets ``None`` figures and the first such note. Nothing
     when the reference arm is incomplete."""
+    # every figure pairs an arm's branch with BF16's of the same (seed, point): without all of
+    # BF16's nothing is paired
     if not _complete(records, d, d.high):
         return {}
     p = price(formats, hardware)
@@ -486,6 +512,8 @@ def seed_costs(
                     _left(d, pt, schedule),
                     error_share(recs[pt], error),
                 )
+                # extra steps and time over the points with steps left; the FLOP share (below) over
+                # every point, what the arm spent
                 for pt in priced
             ]
             missing = [
@@ -493,6 +521,8 @@ def seed_costs(
                 for c, pt in zip(costs, priced, strict=True)
                 if c.note is not None and c.note.startswith(("undefined", "not reached"))
             ]
+            # one undefined or unreached branch leaves the seed without a mean: averaging the others
+            # would drop exactly the branches that cost most
             known = not missing and costs and all(c.extra_steps is not None for c in costs)
             timed = known and all(c.time is not None for c in costs)
             rows.append(
@@ -512,6 +542,7 @@ def seed_costs(
 
 def _figure(values: Sequence[float | None]) -> tuple[float, float] | None:
     """Mean and 95% half-width over seeds, ``None`` when any seed's figure is undefined."""
+    # one undefined seed undefines the figure: an interval over the rest would be over chosen seeds
     if not values or any(v is None for v in values):
         return None
     return interval([v for v in values if v is not None])
@@ -528,6 +559,7 @@ def _reach(records: Records, d: Design, arm: str, schedule: int | None) -> dict[
             a, ref = records[(arm, s, pt)], records[(d.high, s, pt)]
             e = steps_to_target(a, ref, d.horizon)
             to[e] = to.get(e, 0) + 1
+            # where the schedule ends only the gap's sign means anything: counted, never priced
             if pt not in priced_points(d, schedule):
                 ends += 1
                 behind += float(a["heldout"][str(d.horizon)]) > float(
@@ -557,8 +589,10 @@ def summarize_costs(
     for hw in hardware:
         for arm, rows in seed_costs(records, d, formats, hw, arms, schedule, error).items():
             row = out.get(arm)
+            # the hardware-independent figures once per arm (at its first hardware)
             if row is None:
                 n = sum(r.not_reached for r in rows)
+                # an arm's spec is the same in every branch: any record tells its error_every
                 spec = records[(arm, d.seeds[0], d.points[0])]
                 every = error_every(spec)
                 notes = [f"seed {r.seed}: {r.note}" for r in rows if r.extra_steps is None]
@@ -600,6 +634,7 @@ def _hardware(
     note = None
     if speed is None:
         notes = [f"seed {r.seed}: {r.note}" for r in rows if r.note]
+        # the widest reason first: an unpriced format explains every seed's missing figure
         if p_note is not None:
             note = p_note
         elif row["not_reached"][0]:
@@ -643,6 +678,7 @@ def hardware_groups(
     ``hardware``'s order): one column per group, so a column appears only where ratios differ."""
     groups: dict[tuple[str, ...], list[str]] = {}
     for hw in hardware:
+        # keyed by the whole column: two models share one only where every arm's cell reads the same
         cells = tuple(_speed_cell(r, hw) for r in summary.values())
         groups.setdefault(cells, []).append(hw)
     return [tuple(g) for g in groups.values()]

@@ -86,8 +86,10 @@ class ShapedOutlier(Outlier):
             return None
         if self.emerge:
             m = round(math.log2(self.peak))
+            # an integer exponent: every factor a power of two, so BF16 and fp32 paths stay exact
             return float(2.0 ** (m * min(k + 1, self.emerge) // self.emerge))
         f = float(self.growth ** min(k + 1, self.rise))
+        # capped: with x4 per step an odd m would overshoot the peak on the last rising step
         return min(f, self.peak) if self.peak else f
 
 
@@ -131,6 +133,7 @@ def shaped_plan(log2_peak: int, onset: str, visible: bool = False, emerge: int =
             rise=1, hold=WINDOW - 1, growth=peak, peak=peak, onset=onset, visible=visible
         )
     if onset == "rise":
+        # enough x4 steps to reach the peak (the cap trims the last); the window stays WINDOW long
         rise = math.ceil(log2_peak / math.log2(RISE_GROWTH))
         return ShapedPlan(
             rise=rise,
@@ -155,4 +158,5 @@ class PassGradient(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        # w / d would hand w grad / d; grad itself is the gradient of V = W D^-1, the visible one
         return grad, None

@@ -68,9 +68,12 @@ class AutoswitchGemms:
         scales = backend.delayed_scales(op)
 
         def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            # the call's number in the step: an operator run twice in one step (the probe's passes)
+            # draws fresh rounding each time
             n = self.calls.get(id(op), 0)
             self.calls[id(op)] = n + 1
             key = (self.step, uid, index, n, 0)  # the backend's key; 0: not a measuring pass
+            # a unit the plan put on recovery runs all three GEMMs high; the rule still scores them
             forced = path == RECOVERY
             sw = Switch(low, high, scales, self.ledger, uid, self.decide, forced, key)
             return sw(x, weight, bias)
@@ -120,6 +123,7 @@ def install_forwards(
             if dtype is not None:  # the model's linears compute in dtype
                 x, weight = x.to(dtype), weight.to(dtype)
                 bias = None if bias is None else bias.to(dtype)
+            # training passes only: evaluations measure the weights, as with the injected faults
             f = outlier.factor(step()) if outlier is not None and model.training else None
             if f is None:
                 y = gemm(x, weight, bias)
@@ -130,6 +134,7 @@ def install_forwards(
                 y = gemm(x * d, v, bias)
                 return y if dtype is None else y.to(input.dtype)
             backend.scale_gradient_columns(op, d.reciprocal())  # B(u) of W's own gradient
+            # reset even if the GEMM raises: a scale left set would skew the next call's error score
             try:
                 y = gemm(x * d, weight / d, bias)
             finally:

@@ -50,8 +50,12 @@ def lean_errors(
     finite = torch.isfinite(e)
     known = count > 0
     out = e * gamma / torch.clamp(rise * base, min=gamma)
+    # no baseline yet: nothing says the damage is unusual for the unit, so it counts none
     out = torch.where(known | ~finite, out, torch.zeros_like(out))
+    # a non-finite e passes as it is: risk +inf, the unit is recovered whatever its baseline
     out = torch.where(finite, out, e)
+    # a rise stays out of the baseline, so a held fault stays a rise (a mean over all steps, as GNMR
+    # keeps, would absorb it)
     usual = finite & (~known | (e <= rise * base))
     count += usual.to(count.dtype)
     base += torch.where(usual, (e - base) / count.clamp(min=1).to(base.dtype), 0.0)

@@ -43,6 +43,7 @@ def build_model(setup: Setup) -> nn.Module:
 
         rank = setup.lora_rank
         targets = list(PROJECTIONS)
+        # no dropout: the arms must differ in precision only, and dropout would draw per step
         lora = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=targets)
         model = get_peft_model(model, lora)
     return model
@@ -55,6 +56,8 @@ class Batches:
         from gnmr_dist.data import make_dataset
 
         self.data = make_dataset(spec, setup.seq_len, max_bytes=setup.max_bytes)
+        # its own generator: the order depends on the seed alone, not on what building a model or a
+        # probe took from the global stream, so every arm of a seed sees the same batches
         gen = torch.Generator().manual_seed(setup.seed)
         self.order = torch.randperm(len(self.data), generator=gen)
         self.batch = setup.batch
@@ -74,6 +77,7 @@ def evaluate(
 ) -> float:
     """Mean held-out loss; inside the backend's ``measuring()`` (evaluation leaves training
     state such as delayed-scaling amax histories alone)."""
+    # eval mode: the fault hooks and the outlier forwards act only while model.training
     model.eval()
     measuring = backend.measuring() if backend is not None else contextlib.nullcontext()
     with torch.no_grad(), measuring:
@@ -95,6 +99,7 @@ def install_faults(model: nn.Module, faults: Sequence[Fault], step: Callable[[],
 def _fault_hook(fault: Fault, step: Callable[[], int], model: nn.Module) -> Callable[..., Any]:
     def hook(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         t = step()
+        # evaluations run without the fault: the held-out loss measures what training did
         if not (model.training and fault.start <= t < fault.stop):
             return None
         x = args[0]

@@ -37,6 +37,7 @@ def probe_record(
     }
     figures = {name: set_figures(s, g, up) for name, s in sets.items()}
     oracle = figures["oracle_grad"]
+    # only k-sets compete: a larger set (first_last, active) covers more by its size alone
     best = max(f["share_grad"] for n, f in figures.items() if len(sets[n]) == k)
     if oracle["precision_grad"] != 1.0 or oracle["share_grad"] < best - 1e-12:
         raise RuntimeError(f"step {step}: the grad-gap oracle is not the best k-set: {figures}")

@@ -40,6 +40,7 @@ def commit() -> dict[str, Any]:
     head = _git("rev-parse", "HEAD")
     if head is None:
         return {"commit": UNKNOWN, "commit_source": "not a git checkout", "dirty": UNKNOWN}
+    # untracked files left out: a result just written or a scratch file is not measured code
     status = _git("status", "--porcelain", "--untracked-files=no")
     return {"commit": head, "commit_source": "git rev-parse HEAD (run)", "dirty": bool(status)}
 
@@ -85,6 +86,7 @@ def _git(*args: str) -> str | None:
         done = subprocess.run(
             ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True, timeout=30
         )
+    # no git, not a checkout, or git hung: the record says so rather than failing the benchmark
     except (OSError, subprocess.SubprocessError):
         return None
     return done.stdout.strip()

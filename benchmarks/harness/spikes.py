@@ -80,6 +80,7 @@ class SpikeRule:
         """``m + k * max(1.4826 MAD, floor)`` of the trailing gaps ``window``."""
         m = statistics.median(window)
         mad = statistics.median(abs(x - m) for x in window)
+        # the floor: a near-flat window (the BF16 null's, ~1e-4) must not call a wiggle a spike
         return m + self.k * max(MAD_TO_SD * mad, self.floor)
 
 
@@ -101,9 +102,13 @@ def spike_steps(arm: Sequence[float], ref: Sequence[float], rule: SpikeRule = RU
     trail: deque[float] = deque(maxlen=rule.window)
     out = []
     for t, (a, d) in enumerate(zip(arm, gaps(arm, ref), strict=True)):
+        # a non-finite loss is a spike at any step, window full or not: a NaN needs no trend
         if not math.isfinite(a):
             out.append(t)
+        # a step whose BF16 loss is not finite has no gap: it neither counts nor enters the trend
         elif math.isfinite(d):
+            # judged against the steps before it, then added: the median and MAD resist it, so one
+            # spike does not hide the next
             if len(trail) == rule.window and d > rule.threshold(trail):
                 out.append(t)
             trail.append(d)

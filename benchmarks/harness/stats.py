@@ -39,6 +39,7 @@ def t95(df: int) -> float:
 def interval(values: Sequence[float]) -> tuple[float, float]:
     """Mean and the half-width of its two-sided 95% Student-t interval (NaN for one value)."""
     m = statistics.fmean(values)
+    # NaN, not 0: one seed has no spread, and 0 would read as a certain figure
     if len(values) < 2:
         return m, math.nan
     return m, t95(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
@@ -58,6 +59,7 @@ def summarize(
     names = list(dict.fromkeys(name for name, _ in records))
     loss = {n: [records[(n, s)]["heldout_loss"] for s in seeds] for n in names}
     static = static_gap(records, seeds)
+    # a share of a gap whose sign changes between seeds means nothing: only a resolved gap divides
     resolved = static is not None and static[0] - static[1] > 0
     out: dict[str, Any] = {}
     for n in names:
@@ -67,11 +69,13 @@ def summarize(
             row["vs_low_cost"] = _paired(loss[n], loss["low-cost"])
             row["closed"] = (low - row["loss"][0]) / static[0] if resolved else None
         k = _budget_of(n)
+        # random-k is the others' control at the same spend, not its own
         if k is not None and not n.startswith("random") and f"random {k}" in loss:
             row["vs_random"] = _paired(loss[n], loss[f"random {k}"])
         if k == 14 and "first+last" in loss:
             row["vs_first_last"] = _paired(loss[n], loss["first+last"])
         row["recovery_rate"] = statistics.fmean(records[(n, s)]["recovery_rate"] for s in seeds)
+        # an arm that never probed records 0 ms: no probe cost to average
         costs = [r["probe_ms"] / r["step_ms"] for s in seeds if (r := records[(n, s)])["probe_ms"]]
         row["probe_cost"] = statistics.fmean(costs) if costs else None
         row["selection"] = _selection(records, n, seeds)
@@ -121,6 +125,7 @@ def _selection(
             summary = summarize_probes(inside)
         for set_name, figs in summary.items():
             for key, value in figs.items():
+                # undefined on a seed (no probe step in the window): left out, not counted as 0
                 if not math.isnan(value):
                     per_seed.setdefault(set_name, {}).setdefault(key, []).append(value)
     return {sn: {k: interval(v) for k, v in figs.items()} for sn, figs in per_seed.items()}
@@ -136,6 +141,7 @@ def verdicts(summary: dict[str, Any], budgets: Sequence[int]) -> list[str]:
             pair = summary.get(f"{policy} {k}", {}).get("vs_random")
             if pair is not None:
                 m, h = pair
+                # beats only when the whole interval lies below 0: a mean below 0 alone may be noise
                 (wins if m + h < 0 else ties).append(f"{policy} {plus_minus(pair)}")
         text = f"k={k}: beats random-k: {', '.join(wins) or 'none'}"
         text += f"; not better than random-k: {', '.join(ties) or 'none'}"

@@ -52,6 +52,8 @@ class ZClip:
 
     def limit(self, norm: float) -> float | None:
         """The norm to clip to this step (None: leave the gradient alone); updates the EMA."""
+        # ZClip's warm-up: the EMA starts from the plain mean and variance of the first norms, not
+        # from 0, which would clip every early step
         if len(self.seen) < self.warmup:
             self.seen.append(norm)
             if len(self.seen) == self.warmup:
@@ -59,6 +61,7 @@ class ZClip:
             return None
         std = math.sqrt(max(self.var, 1e-12))
         clipped = self.mean + self.z * std if (norm - self.mean) / std > self.z else None
+        # the EMA takes the clipped norm: a spike must not inflate what judges the next one
         used = clipped if clipped is not None else norm
         self.mean = self.m * self.mean + (1 - self.m) * used
         self.var = self.m * self.var + (1 - self.m) * (used - self.mean) ** 2
@@ -95,6 +98,8 @@ class ArmRun:
         """TE AutoswitchGemm's rule on every GEMM (the ``autoswitch`` policies)."""
         self.backend = self._wrapped_backend()
         self.cfg = GNMRConfig.from_dict(
+            # the shared policy, then the arm's own keys over it, then its budget: an arm's
+            # overrides win and max_active is always the arm's
             {**setup.gnmr, **arm.controller, "max_active": arm.max_active}
         )
         self.scored = self._scored()
@@ -119,6 +124,8 @@ class ArmRun:
         self.unit_recovered = torch.zeros(self.registry.num_units, dtype=torch.int64)
         self.probes: list[dict[str, Any]] = []
         self.probe_times: list[float] = []
+        # random-k's draws and the probe's random set from two generators, seeded apart: probing a
+        # step must not change which units the random arm draws next
         self.draw_gen = torch.Generator().manual_seed(setup.seed + 1)
         self.probe_gen = torch.Generator().manual_seed(setup.seed)
         self.first_last = layer_units(self.registry, (0, setup.layers - 1))
@@ -132,6 +139,8 @@ class ArmRun:
         recovered GEMM of unit ``u`` adds ``size(u) / (3 sum size)``)."""
         self.last_step = setup.steps
         """The run's last step (a branch of :mod:`benchmarks.harness.branch` ends earlier)."""
+        # a forward pre-hook runs before whatever forward the backend installed, so both paths and
+        # the probe's passes see the same faulted input
         install_faults(self.model, setup.faults, lambda: self.current_step)
 
     def _wrapped_backend(self) -> PrecisionBackend | None:
@@ -146,6 +155,8 @@ class ArmRun:
             assert isinstance(backend, EmulatedBackend)
             self.switch = AutoswitchGemms(backend, self.registry, arm.policy == "autoswitch")
         step = lambda: self.current_step  # noqa: E731
+        # before wrap: wrap builds each operator's two forwards from make_forward once, so an
+        # override installed after it would never run
         install_forwards(
             backend, self.model, self.setup.outliers, step, self.switch, arm.gemm_dtype
         )
@@ -158,6 +169,7 @@ class ArmRun:
         arm, backend = self.arm, self.backend
         probed = arm.probe_every > 0 or bool(arm.probe_steps)
         uses_errors = self.cfg.gamma is not None
+        # tracking costs a measurement in every GEMM: only an arm that reads the sums pays for it
         return backend is not None and backend.reports_errors and (uses_errors or probed)
 
     def _runtime(self) -> GNMRRuntime:
@@ -165,6 +177,8 @@ class ArmRun:
         its policy has the error term (``gamma``)."""
         backend, every = self.backend, self.arm.error_every
         if self.scored and backend is not None:
+            # the backend measures on the steps the runtime reads (every error_every-th) and the
+            # runtime carries the last score between them: both must be given the same every
             backend.track_errors(self.registry.num_units, every=every)
         uses_errors = self.cfg.gamma is not None
         error_fn = backend.error_sums if uses_errors and backend is not None else None
@@ -192,11 +206,14 @@ class ArmRun:
         """Optimizer step ``step`` (1-based) on batch ``step - 1``; timed without evaluation."""
         t0 = time.perf_counter()
         self.current_step = step
+        # the plan first: the capped rule ranks by the previous step's ledger, which new_step clears
         planned = self._planned()
         if self.switch is not None:
             self.switch.new_step(step)
         active = self._apply(planned, step)
         batch = train(step - 1)
+        # after the plan is applied, before the step's forward: the probe measures the very weights,
+        # batch and plan of the step it is recorded with
         probed = self._measure(step, batch)
         if self.arm.policy == "oracle" and probed is not None:
             active = self._apply(self._oracle_set(probed[0]), step)
@@ -204,9 +221,12 @@ class ArmRun:
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         lr = float(self.opt.param_groups[0]["lr"])  # the rate this step's update applies
+        # after backward, before the clip: GNMR's norms are of the raw gradients, and ZClip reads
+        # their global norm from the runtime
         decision = self.runtime.step(lr=lr) if self.monitors else None
         scores = self._error_scores() if probed is not None and self._records(step) else None
         self._clip_and_update()
+        # the probe's passes are timed apart: a probed step compares with an unprobed arm's
         self.times.append(time.perf_counter() - t0 - (probed[1] if probed else 0.0))
         if probed is not None:
             self.probe_times.append(probed[1])
@@ -229,6 +249,7 @@ class ArmRun:
         if self.guard is not None and self.runtime.last_norms is not None:
             limit = self.guard.limit(self.runtime.last_norms.global_norm)
         self.clipped += limit is not None
+        # ZClip only tightens the regime's clip: every arm keeps the same ceiling
         torch.nn.utils.clip_grad_norm_(self.params, min(self.setup.clip, limit or math.inf))
         self.opt.step()
         self.sched.step()
@@ -239,14 +260,17 @@ class ArmRun:
         """The step's loss and plan size; after GNMR's warm-up, the eligible units whose risk
         exceeds 1 and those whose forward ran the recovery path (the backend's report)."""
         self.losses.append(loss)
+        # GNMR's thresholds are unset in its warm-up: every arm's rates count from its end
         if step > self.cfg.warmup_steps:
             if decision is not None:
                 over = (decision.risk > 1.0) & self.elig
                 self.exceed.append(int(over.sum()) / self.n_elig)
                 self.unit_exceed += over
+            # what the backend reports it ran, not the plan: the rate is what the forwards did
             ran = self._ran()
             self.recovered.append(len(ran) / self.n_elig)
             self.unit_recovered[list(ran)] += 1
+        # every step, warm-up included: the cost model divides it by all the branch's steps
         self.flops_recovered += self._recovered_work()
         self.actives.append(len(active))
 
@@ -264,12 +288,14 @@ class ArmRun:
             ledger = self.switch.ledger.high
             self.gemm_high += ledger.sum(dim=0)
             return float((ledger.sum(dim=1).double() * self.sizes).sum()) / total
+        # no backend (the full arm): all its work runs at full precision, as if recovered
         if self.backend is None:
             return 1.0
         ran = list(self.backend.report().recovered)
         gemms = self.arm.gemms or GEMM_ORDER
         for g in gemms:
             self.gemm_high[GEMM_ORDER.index(g)] += len(ran)
+        # policy v2 recovers only gnmr.gemms of a unit, each a third of the unit's work
         return len(gemms) * float(self.sizes[ran].sum()) / total
 
     def _evaluate_and_save(self, step: int) -> None:
@@ -288,12 +314,15 @@ class ArmRun:
         if self.fixed is not None:
             return self.fixed
         if self.arm.policy == "late":
+            # counted back from last_step, which a branch sets to its own end (Instrument.late_at):
+            # the late window then ends right before the measurement
             late = self.current_step > self.last_step - self.arm.late_steps
             return frozenset(range(self.registry.num_units)) if late else frozenset()
         if self.arm.policy == "random":
             return self._draw(self.arm.max_active, self.draw_gen)
         if self.arm.policy == "autoswitch_k":
             return self._capped_rule()
+        # the oracle's set needs this step's probe, which runs after the plan: it starts empty
         if self.arm.policy == "oracle":
             return frozenset()
         return self.runtime.plan.active
@@ -303,6 +332,8 @@ class ArmRun:
         previous step exceeds 1, largest first (none before the first step)."""
         assert self.switch is not None
         scores = self.switch.ledger.unit_scores()
+        # ineligible units and scores <= 1 at -1, so top_k never fills the budget with a unit the
+        # uncapped rule would leave low
         ranked = torch.where(self.elig & (scores > 1.0), scores, torch.full_like(scores, -1.0))
         return frozenset(u for u in top_k(ranked, self.arm.max_active) if ranked[u] > 0)
 
@@ -417,6 +448,7 @@ def adam_inverse_rms(registry: UnitRegistry, opt: torch.optim.Optimizer) -> torc
         state, group = opt.state.get(p, {}), groups.get(id(p))
         if slot >= registry.num_units or group is None or "exp_avg_sq" not in state:
             continue
+        # bias-corrected, as AdamW's own update divides by it
         v_hat = state["exp_avg_sq"].double() / (1.0 - group["betas"][1] ** float(state["step"]))
         sums[slot] += float((v_hat.sqrt() + group["eps"]).reciprocal().square().sum())
         counts[slot] += p.numel()
@@ -447,6 +479,7 @@ def _cosine(warmup: int, total: int) -> Callable[[int], float]:
         if step < warmup:
             return (step + 1) / warmup
         progress = (step - warmup) / max(1, total - warmup)
+        # capped at 1: a run past its schedule stays at the floor, not back up the cosine
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
     return factor

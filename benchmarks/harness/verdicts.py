@@ -24,6 +24,8 @@ TIME_RATIO = 1.03
 def table(results: Sequence[ArmResult], reference: str, low_cost: str) -> str:
     """Markdown table; loss deltas relative to the ``reference`` arm, times to ``low_cost``."""
     by = {r.name: r for r in results}
+    # losses against the reference, times against the low-cost arm: a policy's quality is judged
+    # against the path it imitates, its cost against the low-cost path it runs on
     ref, low = by[reference], by[low_cost]
     header = ["arm", "held-out loss", f"vs {reference}", "perplexity", "exceedance", "recovery"]
     rows = [
