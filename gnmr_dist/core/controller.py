@@ -225,17 +225,17 @@ class GNMRController:
         history = (self._sum, self._count, self._wbuf, self._wlen)
         scores = policy.score(n, history, (at.alpha, at.beta, at.gamma), e)
         latched = self._latched if self.config.latch is not None else None
-        plan = policy.select(t, at, scores, (self._lock, latched), self._units, self.config)
+        selection = policy.select(t, at, scores, (self._lock, latched), self._units, self.config)
         self._account(t, scores)
-        self._lock, self._plan, self._lr_peak = plan.lock, plan.active, peak
-        if plan.latched is not None:
-            self._latched = plan.latched
+        self._lock, self._plan, self._lr_peak = selection.lock, selection.active, peak
+        if selection.latched is not None:
+            self._latched = selection.latched
         self._record(n, scores.gnmr, scores.finite)
         self._step = t
         report = self._report
         if report is not None and not isinstance(self.config.max_active, int):
             report = report._replace(budget=at.k)
-        return Decision(t, (at.alpha, at.beta, at.gamma), scores, plan, self._eligible, report)
+        return Decision(t, (at.alpha, at.beta, at.gamma), scores, selection, self._eligible, report)
 
     def _decay(self, lr: float | None) -> tuple[float | None, float]:
         """``(d_t, max(lr_1..lr_t))`` of the lr_decay clock; ``d_t`` is ``None`` without ``lr``

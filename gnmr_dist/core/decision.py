@@ -1,7 +1,7 @@
 """What one decision produces: the policy's records and the controller's read-only result.
 
-:class:`Scores` and :class:`Plan` are what the two halves of :mod:`gnmr_dist.core.policy` return
-(numpy arrays over the U units); :class:`Decision` is what :meth:`GNMRController.step
+:class:`Scores` and :class:`Selection` are what the two halves of :mod:`gnmr_dist.core.policy`
+return (numpy arrays over the U units); :class:`Decision` is what :meth:`GNMRController.step
 <gnmr_dist.core.controller.GNMRController.step>` hands its caller, with :class:`Telemetry`, the
 counts a trace or a log line keeps. A :class:`Decision` wraps the arrays without copying them and
 makes its tensors, candidate tuple and telemetry only when they are first read, so a caller that
@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["Decision", "Plan", "Report", "Scores", "Telemetry"]
+__all__ = ["Decision", "Report", "Scores", "Selection", "Telemetry"]
 
 
 class Scores(NamedTuple):
@@ -39,8 +39,9 @@ class Scores(NamedTuple):
     accounting)."""
 
 
-class Plan(NamedTuple):
-    """The selection of one step (docs/algorithm.md#selection)."""
+class Selection(NamedTuple):
+    """The selection of one step (docs/algorithm.md#selection): the plan ``R_t`` and the lock and
+    latch state it leaves."""
 
     candidates: np.ndarray
     """bool [U]: the candidate pool ``C``."""
@@ -129,9 +130,9 @@ class Decision:
         "_eligible",
         "_gamma",
         "_num_locked",
-        "_plan",
         "_report",
         "_scores",
+        "_selection",
         "_step",
     )
 
@@ -140,15 +141,15 @@ class Decision:
         step: int,
         thresholds: tuple[float, float, float | None],
         scores: Scores,
-        plan: Plan,
+        selection: Selection,
         eligible: np.ndarray,
         report: Report | None = None,
     ) -> None:
         self._step, (self._alpha, self._beta, self._gamma) = step, thresholds
-        self._scores, self._candidates, self._eligible = scores, plan.candidates, eligible
-        self._plan, self._report = plan, report
-        self._active = tuple(plan.active.tolist())
-        self._num_locked = int(np.count_nonzero(plan.lock[plan.active]))
+        self._scores, self._candidates, self._eligible = scores, selection.candidates, eligible
+        self._selection, self._report = selection, report
+        self._active = tuple(selection.active.tolist())
+        self._num_locked = int(np.count_nonzero(selection.lock[selection.active]))
         self._cache: dict[str, Any] = {}
 
     @property
@@ -165,15 +166,15 @@ class Decision:
     @property
     def chosen(self) -> tuple[int, ...]:
         """``A_t``: the budgeted choice (ascending); :attr:`active` without the pinned units."""
-        if self._plan.chosen is self._plan.active:
+        if self._selection.chosen is self._selection.active:
             return self._active
-        return self._ids("chosen", self._plan.chosen)
+        return self._ids("chosen", self._selection.chosen)
 
     @property
     def pinned(self) -> tuple[int, ...]:
         """``P_t``: the pinned units on the recovery path (ascending; empty without ``pinned``
         or while its condition does not hold)."""
-        return self._ids("pinned", self._plan.pinned)
+        return self._ids("pinned", self._selection.pinned)
 
     def _ids(self, key: str, ids: np.ndarray) -> tuple[int, ...]:
         if key not in self._cache:
@@ -262,16 +263,16 @@ class Decision:
 
     def _second_policy(self) -> dict[str, Any]:
         """The counts of :class:`Report` that are reported (docs/algorithm.md#selection)."""
-        r, plan = self._report, self._plan
+        r, sel = self._report, self._selection
         if r is None:
             return {}
         out: dict[str, Any] = {"budget": r.budget}
         if r.pinned:
-            out["num_pinned"] = int(plan.pinned.size)
-        if r.latched and plan.latched is not None:
-            out["num_latched"] = int(np.count_nonzero(plan.latched))
+            out["num_pinned"] = int(sel.pinned.size)
+        if r.latched and sel.latched is not None:
+            out["num_latched"] = int(np.count_nonzero(sel.latched))
         if r.costs is not None:
-            out["plan_share"] = int(r.costs[plan.active].sum()) / r.total_cost
+            out["plan_share"] = int(r.costs[sel.active].sum()) / r.total_cost
         return out
 
     @property

@@ -33,7 +33,7 @@ from typing import NamedTuple
 import numpy as np
 
 from gnmr_dist.core.config import GNMRConfig, PolicyAt
-from gnmr_dist.core.decision import Plan, Scores
+from gnmr_dist.core.decision import Scores, Selection
 
 __all__ = ["Units", "score", "select", "share_cap"]
 
@@ -112,8 +112,9 @@ def select(
     memory: tuple[np.ndarray, np.ndarray | None],
     units: Units,
     config: GNMRConfig,
-) -> Plan:
-    """The plan ``R_t = A_t + P_t`` of decision ``t`` and every unit's lock and latch after it.
+) -> Selection:
+    """The selection of decision ``t``: the plan ``R_t = A_t + P_t`` and every unit's lock and
+    latch after it.
 
     ``memory`` is each unit's lock and latch step before the decision (int64 [U]; the latches
     ``None`` while ``config.latch`` is unset, which leaves the first policy's path untouched).
@@ -148,7 +149,7 @@ def select(
     new_latched = None if latched is None else _latch(t, at.latch, chosen, exceed, latched)
     # The plan R_t = A_t + P_t
     active = np.union1d(chosen, pinned) if pinned.size else chosen
-    return Plan(candidates, active, new_lock, chosen, pinned, new_latched)
+    return Selection(candidates, active, new_lock, chosen, pinned, new_latched)
 
 
 def _choose(
