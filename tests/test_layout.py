@@ -30,7 +30,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("gnmr_dist.train",),  # the programs
     ("gnmr_dist.cli",),  # thin entry points
     ("benchmarks.harness",),  # the model, arms, training loop and branch estimator
-    ("benchmarks.overhead", "benchmarks.seed", "benchmarks.sweep", "benchmarks.gpu"),  # studies
+    ("benchmarks.overhead", "benchmarks.paper", "benchmarks.sweep", "benchmarks.gpu"),  # studies
     ("benchmarks.report",),  # RESULTS.md from its template, reading result files only
     ("benchmarks",),
 )
@@ -207,7 +207,7 @@ def test_the_report_reads_result_files_and_the_harness_only():
     """RESULTS.md is rendered from result files: the report imports no study family, only the
     harness floor's pure helpers (statistics, tables), so it cannot run or re-derive a study."""
     names = {_module_name(Path(p)): (p, text) for p, text in _tree().items()}
-    studies = ("benchmarks.overhead", "benchmarks.seed", "benchmarks.sweep", "benchmarks.gpu")
+    studies = ("benchmarks.overhead", "benchmarks.paper", "benchmarks.sweep", "benchmarks.gpu")
     found = [
         f"{path}:{line}: {target}"
         for module, (path, text) in names.items()

@@ -1,6 +1,6 @@
 """The seed experiments' shared runs: experiment 1's pretraining, whose FP32 arm is the base model
 of experiment 3's LoRA fine-tuning, and that fine-tuning's setup. The seed studies
-(:mod:`benchmarks.seed`) and the branch sweeps' seed regimes (:mod:`benchmarks.sweep.regimes`)
+(:mod:`benchmarks.paper`) and the branch sweeps' seed regimes (:mod:`benchmarks.sweep.regimes`)
 both build on them.
 """
 
@@ -38,7 +38,7 @@ def pretrain_setup(steps: int = PRETRAIN_STEPS, seed: int = PRETRAIN_SEED) -> Se
 
 
 def lora_policy() -> dict[str, Any]:
-    """The LoRA experiment's GNMR policy (docs/benchmarks.md#seed-lora_int8 for the choice)."""
+    """The LoRA experiment's GNMR policy (docs/benchmarks.md#paper-lora_int8 for the choice)."""
     return {"lock_steps": 8, "window": 8, "warmup_steps": 20, "alpha": 4.0, "beta": 3.0}
 
 

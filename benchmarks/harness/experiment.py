@@ -1,5 +1,5 @@
-"""Side-by-side training arms for the seed experiments (:mod:`benchmarks.seed.act_quant`,
-:mod:`~benchmarks.seed.fp6_fp8`, :mod:`~benchmarks.seed.lora_int8`).
+"""Side-by-side training arms for the seed experiments (:mod:`benchmarks.paper.act_quant`,
+:mod:`~benchmarks.paper.fp6_fp8`, :mod:`~benchmarks.paper.lora_int8`).
 
 Every arm of an experiment trains the same small Llama from the same initial weights on the same
 batches in the same order (one process; CPU) and differs only in its precision policy

@@ -19,7 +19,7 @@ def fp6_fp8_policy() -> dict[str, Any]:
 
 
 def act_quant_policy() -> dict[str, Any]:
-    """The GNMR policy shared by every arm (see :mod:`benchmarks.seed.act_quant` for the choice)."""
+    """The GNMR policy shared by every arm (:mod:`benchmarks.paper.act_quant` gives the choice)."""
     return {"lock_steps": 8, "window": 8, "warmup_steps": 30, "alpha": 6.0, "beta": 6.0}
 
 

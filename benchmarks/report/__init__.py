@@ -5,7 +5,7 @@
 The document is the Jinja2 template ``templates/RESULTS.md.j2`` (one included template per
 section): its sentences are written there, with named placeholders for every figure. This
 package reads the result files (:mod:`.source`), builds each section's names (:mod:`.fp4`,
-:mod:`.faults`, :mod:`.seed_branch`, :mod:`.selection`, :mod:`.seed`, :mod:`.overhead`; the
+:mod:`.faults`, :mod:`.paper_branch`, :mod:`.selection`, :mod:`.paper`, :mod:`.overhead`; the
 top paragraph: :mod:`.summary`) and
 gives the template its filters (:mod:`.words`): the figures' formats and the verdict words
 (resolved, better, worse, the same), which are computed from the intervals, never written by
@@ -28,8 +28,8 @@ from benchmarks.report import (
     faults,
     fp4,
     overhead,
-    seed,
-    seed_branch,
+    paper,
+    paper_branch,
     selection,
     shadow,
     summary,
@@ -42,7 +42,7 @@ DOCUMENT = Path(__file__).resolve().parents[1] / "RESULTS.md"
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 
-SECTIONS = (summary, fp4, faults, fault_grid, seed_branch, selection, seed, overhead, shadow)
+SECTIONS = (summary, fp4, faults, fault_grid, paper_branch, selection, paper, overhead, shadow)
 """The modules whose ``context(src)`` give the sections' templates their names."""
 
 

@@ -5,7 +5,7 @@ Regimes fall into three kinds, each told apart by its own figures: a **fault reg
 the noise bar** (:meth:`.faults.FaultRegime.bar`: a resolved static gap, quiet nulls), where the
 paragraph gives GNMR+e's share of the gap closed, its recovered work and its four
 pre-registered verdicts; a **fault regime whose gap is not resolved**, where there is nothing to
-recover; and the **seed experiments**, with their verdict words (:mod:`.seed_branch`). The FP4
+recover; and the **seed experiments**, with their verdict words (:mod:`.paper_branch`). The FP4
 section's own summary covers uniform damage.
 """
 
@@ -18,8 +18,8 @@ from benchmarks.harness.branch_stats import share_closed
 from benchmarks.report.ablation import ablation
 from benchmarks.report.faults import FaultRegime, work
 from benchmarks.report.faults import context as fault_context
+from benchmarks.report.paper_branch import regimes as seed_regimes
 from benchmarks.report.rests_on import rests_on
-from benchmarks.report.seed_branch import regimes as seed_regimes
 from benchmarks.report.source import Source
 
 __all__ = ["context"]

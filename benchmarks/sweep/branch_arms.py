@@ -36,8 +36,8 @@ def make_arms(regime: Regime, budgets: Sequence[int], units: int) -> list[tuple[
         return wgrad_arms(regime, budgets)
     if regime.family == "faults":
         return fault_arms(regime, budgets, units)
-    if regime.family == "seed":
-        return seed_arms(regime, budgets, units)
+    if regime.family == "paper":
+        return paper_arms(regime, budgets, units)
     q = regime.backend_args()
     k_nv, horizon = nvidia_k(units), regime.instrument.horizon
     late = max(1, round(horizon * k_nv / units))
@@ -229,7 +229,7 @@ def wgrad_arms(regime: Regime, budgets: Sequence[int]) -> list[tuple[Arm, bool]]
     return arms
 
 
-def seed_arms(regime: Regime, budgets: Sequence[int], units: int) -> list[tuple[Arm, bool]]:
+def paper_arms(regime: Regime, budgets: Sequence[int], units: int) -> list[tuple[Arm, bool]]:
     """(arm, perturbed) of a seed experiment on the branch estimator: the two static paths (the
     recovery one named :attr:`Regime.high`), the null controls, NVIDIA's last-layers rule and,
     per budget ``k``, random-k, the seed's GNMR, GNMR+e and the gradient-gap oracle."""

@@ -17,7 +17,7 @@ regime's report (:mod:`benchmarks.sweep.fp4_report`) reads exactly the branches 
 names what differs from the default design, so another design never overwrites the published
 report); the fault and seed regimes are reported by ``python -m benchmarks.report`` from their
 records alone (RESULTS.md's sections, :mod:`benchmarks.report.faults` and
-:mod:`benchmarks.report.seed_branch`). ``--step-time`` times ``GNMR+e k`` against NVIDIA's rule
+:mod:`benchmarks.report.paper_branch`). ``--step-time`` times ``GNMR+e k`` against NVIDIA's rule
 (:mod:`benchmarks.sweep.fp4_step_time`). The arms in detail: docs/benchmarks.md#sweep-fp4.
 """
 

@@ -1,6 +1,6 @@
 """The error-term threshold ``gamma`` of a branch regime's ``GNMR+e`` arms, measured.
 
-    python -m benchmarks.sweep.gamma --regime seed_lora_int8 [--seed 1234] [--point P] [--steps 3]
+    python -m benchmarks.sweep.gamma --regime paper_lora_int8 [--seed 1234] [--point P] [--steps 3]
 
 Every regime sets ``gamma`` near the median error score ``e = B / G`` of the static low-cost
 path's eligible units (docs/algorithm.md#damage-term), so that about half the units are candidates

@@ -26,7 +26,7 @@ from benchmarks.harness.recipes import act_quant_policy
 from benchmarks.harness.recipes import fp6_fp8_policy as fp6_policy
 from gnmr_dist.backends.te_recipes import DELAYED_DEFAULTS
 
-__all__ = ["BRANCH_REGIMES", "FAULT_REGIMES", "FP4_REGIMES", "REGIMES", "SEED_REGIMES", "Regime"]
+__all__ = ["BRANCH_REGIMES", "FAULT_REGIMES", "FP4_REGIMES", "REGIMES", "PAPER_REGIMES", "Regime"]
 
 FP8_DELAYED = {
     "format": "e4m3",
@@ -422,16 +422,16 @@ spread, quartiles 0.0020 and 0.022); the wgrad rows keep their parents' FP4 valu
 FAULT_REGIMES |= STAGE5_REGIMES
 
 
-def _seed(name: str, description: str, setup: Setup, backend: str, **kw: Any) -> Regime:
+def _paper(name: str, description: str, setup: Setup, backend: str, **kw: Any) -> Regime:
     """A seed experiment on the branch estimator: its own trunks (its recovery path)."""
-    return Regime(name, description, setup, backend, family="seed", trunk=name, **kw)
+    return Regime(name, description, setup, backend, family="paper", trunk=name, **kw)
 
 
-SEED_REGIMES = {
+PAPER_REGIMES = {
     r.name: r
     for r in (
-        _seed(
-            "seed_act_quant",
+        _paper(
+            "paper_act_quant",
             "seed experiment 1: 2-bit / 8-bit saved activations (act_quant, groups of 128)",
             Setup(gnmr=act_quant_policy()),
             "act_quant",
@@ -441,8 +441,8 @@ SEED_REGIMES = {
             high="8-bit",
             instrument=Instrument(trunk_steps=300, points=(75, 150, 225), late_at="schedule"),
         ),
-        _seed(
-            "seed_fp6_fp8",
+        _paper(
+            "paper_fp6_fp8",
             "seed experiment 2: DeepSeek-style block-scaled FP6 / FP8 (fp8_emulated, 1 x 128 and "
             "128 x 128 scales)",
             FP4_SETUP,
@@ -452,8 +452,8 @@ SEED_REGIMES = {
             gamma=0.16,
             high="FP8",
         ),
-        _seed(
-            "seed_lora_int8",
+        _paper(
+            "paper_lora_int8",
             "seed experiment 3: LoRA fine-tuning of experiment 1's FP32 base on an unseen "
             "domain, the frozen base in W8A8 INT8 (row / token scales) / BF16 (int8)",
             replace(lora_setup(BASE), init_from=str(BASE)),
@@ -473,5 +473,5 @@ the static low-cost path's 28 units over 3 steps after seed 1234's middle branch
 by :mod:`benchmarks.sweep.gamma`: act_quant 0.56 (quartiles 0.43, 0.92), fp6_fp8 0.16 (0.12,
 0.27), INT8 LoRA 0.049 (0.035, 0.072)."""
 
-BRANCH_REGIMES = {**FP4_REGIMES, **FAULT_REGIMES, **SEED_REGIMES}
+BRANCH_REGIMES = {**FP4_REGIMES, **FAULT_REGIMES, **PAPER_REGIMES}
 """Every regime of the branch sweeps (:mod:`benchmarks.sweep.fp4`)."""

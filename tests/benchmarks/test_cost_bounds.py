@@ -211,10 +211,10 @@ def test_one_column_per_hardware_group():
 def test_the_report_schedules_match_the_regimes():
     """The report's schedule ends (no torch there) are the regimes' trunk lengths."""
     from benchmarks.report.faults import SCHEDULE_END
-    from benchmarks.report.seed_branch import SCHEDULES
-    from benchmarks.sweep.regimes import FAULT_REGIMES, SEED_REGIMES
+    from benchmarks.report.paper_branch import SCHEDULES
+    from benchmarks.sweep.regimes import FAULT_REGIMES, PAPER_REGIMES
 
     for name, regime in FAULT_REGIMES.items():
         assert regime.instrument.trunk_steps == SCHEDULE_END, name
-    for name, regime in SEED_REGIMES.items():
+    for name, regime in PAPER_REGIMES.items():
         assert regime.instrument.trunk_steps == SCHEDULES.get(name, SCHEDULE_END), name

@@ -1,13 +1,13 @@
 """Seed experiment 2 at CPU scale: DeepSeek-style dynamic FP6/FP8 pretraining
 (docs/algorithm.md#dynamic-fp6-to-fp8-pretraining).
 
-    python -m benchmarks.seed.fp6_fp8 [--steps 200] [--stress tensor|none] [--budget 0.1]
+    python -m benchmarks.paper.fp6_fp8 [--steps 200] [--stress tensor|none] [--budget 0.1]
 
 The harness's Llama pretrained with the ``fp8_emulated`` backend (every projection's three GEMMs
 take FP6 or FP8 inputs and accumulate in fp32). Arms, interleaved from the same init on the same
 batches: FP32, fixed FP8, fixed FP6, GNMR FP6/FP8, Megatron's first/last layers in FP8 and a
 ZClip guard on fixed FP6. The FP6 recipe's formats (with their measured SQNR) and the
-``--stress`` knob: docs/benchmarks.md#seed-fp6_fp8.
+``--stress`` knob: docs/benchmarks.md#paper-fp6_fp8.
 """
 
 from __future__ import annotations

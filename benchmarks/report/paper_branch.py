@@ -1,8 +1,8 @@
 """The seed's experiments on the branch estimator (issue 35 item 2): each regime of the ``seed``
-family (``results/seed/<regime>.jsonl``) on its largest complete design, as the fault regimes
+family (``results/paper/<regime>.jsonl``) on its largest complete design, as the fault regimes
 are read (:mod:`.faults`), its noise, its arms, the cost at matched loss
 (:mod:`benchmarks.harness.cost`) and a plain verdict beside the seed's own claim
-(docs/algorithm.md#seed-experiments). No torch: every figure comes from the records.
+(docs/algorithm.md#paper-experiments). No torch: every figure comes from the records.
 
 **The recovery arm** is the static gap's upper end: the arm whose ``arm_spec`` runs the
 ``recovery`` policy on every unit and is not a null (``8-bit``, ``FP8``, ``BF16``); its null is
@@ -57,8 +57,8 @@ from benchmarks.report.faults import (
 from benchmarks.report.source import Source
 from benchmarks.report.words import listing
 
-FAMILY = "seed"
-"""The records' folder under ``results/`` (``Regime.family`` of the seed regimes)."""
+FAMILY = "paper"
+"""The records' folder under ``results/`` (``Regime.family`` of the paper regimes)."""
 
 LOW = "low-cost"
 LOW_NULL = "null low-cost (1e-6)"
@@ -66,7 +66,7 @@ LOW_NULL = "null low-cost (1e-6)"
 ORDER = ("random", "GNMR", "GNMR+e", "oracle")
 """The budgeted policies (``<policy> <k>``), in the tables' order within a budget."""
 
-SCHEDULES = {"seed_act_quant": 300, "seed_lora_int8": 200}
+SCHEDULES = {"paper_act_quant": 300, "paper_lora_int8": 200}
 """The trunk's schedule of the seed regimes whose ``Instrument.trunk_steps`` is not the fault
 regimes' (:data:`benchmarks.report.faults.SCHEDULE_END`), which bounds the cost model's extra
 steps (``tests/benchmarks/test_cost_bounds.py`` checks them against the regimes)."""
@@ -89,27 +89,27 @@ class Claim:
 
 
 CLAIMS = {
-    "seed_act_quant": Claim(
+    "paper_act_quant": Claim(
         1,
         "activation-quantization stress",
         "docs/algorithm.md#activation-quantization-stress",
         "static low-bit saved activations fail or end at high perplexity, and GNMR moving a few "
         "units to 8 bits reaches the 8-bit perplexity",
     ),
-    "seed_fp6_fp8": Claim(
+    "paper_fp6_fp8": Claim(
         2,
         "dynamic FP6 to FP8 pretraining",
         "docs/algorithm.md#dynamic-fp6-to-fp8-pretraining",
         "GNMR tracks the fixed 8-bit loss curve with the low-cost path's cost",
     ),
-    "seed_lora_int8": Claim(
+    "paper_lora_int8": Claim(
         3,
         "LoRA fine-tuning with INT8",
         "docs/algorithm.md#lora-fine-tuning-with-int8",
         "GNMR reaches BF16 quality where INT8 alone does not",
     ),
 }
-"""The seed's claims (docs/algorithm.md#seed-experiments) by the regime that tests them."""
+"""The seed's claims (docs/algorithm.md#paper-experiments) by the regime that tests them."""
 
 GENERIC = "GNMR moving a few units to the recovery path reaches the recovery path's loss"
 """The claim of a seed regime not in :data:`CLAIMS`."""
@@ -411,7 +411,7 @@ def regimes(src: Source) -> list[SeedRegime]:
 def context(src: Source) -> dict[str, Any]:
     """The section's names: every seed regime (claimed or with records) and the bars."""
     return {
-        "seed_branch": regimes(src),
+        "paper_branch": regimes(src),
         "seed_generic_claim": GENERIC,
         "seed_reproduced": REPRODUCED,
         "fpm": pm,

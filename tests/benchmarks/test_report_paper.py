@@ -1,6 +1,6 @@
-"""benchmarks/report/seed_branch.py: the seed's experiments on the branch estimator, rendered from
+"""benchmarks/report/paper_branch.py: the paper's experiments on the branch estimator, rendered from
 constructed records (split from test_report.py): each verdict follows its rule, the section says
-it beside the seed's claim, a regime is read generically from its records, and the constants
+it beside the paper's claim, a regime is read generically from its records, and the constants
 match the sweeps."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 from tests.benchmarks.test_report import FAULT_SEEDS, _keyed
 
-# -- the seed's experiments on the branch estimator (benchmarks/report/seed_branch.py) ----------
+# -- the paper's experiments on the branch estimator (benchmarks/report/paper_branch.py) ----------
 
 SEED_ARMS = {  # arm -> (held-out minus the recovery arm's, recovered work)
     "low-cost": (0.010, 0.0),
@@ -33,7 +33,7 @@ FP6_FP8["recovery"] = {"format": "e4m3"}
 
 
 def _seed_record(arm: str, seed: int, point: int, offset: float, share: float, spec: dict) -> dict:
-    """A seed regime's branch record (the fault records' format, no outlier): the seed's base
+    """A seed regime's branch record (the fault records' format, no outlier): the paper's base
     plus ``offset`` plus a per-seed wobble of every arm but the recovery arm (the trunk
     progresses 0.05 nats from step 25 to 50)."""
     base = 2.5 - point / 1e4 + 0.01 * seed
@@ -65,21 +65,21 @@ def _seed_records(arms=SEED_ARMS, seeds=FAULT_SEEDS, points=SEED_POINTS, spec=AC
     return [_seed_record(a, s, p, *arms[a], spec) for s in seeds for p in points for a in arms]
 
 
-def _write_seed(root: Path, records: list[dict], name: str = "seed_act_quant") -> None:
-    path = root / "seed" / f"{name}.jsonl"
+def _write_paper(root: Path, records: list[dict], name: str = "paper_act_quant") -> None:
+    path = root / "paper" / f"{name}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
-def _seed_section(root: Path) -> str:
-    """The seed-branch section alone, rendered and filled as in the document, lines joined."""
-    from benchmarks.report import environment, seed_branch
+def _paper_section(root: Path) -> str:
+    """The paper-branch section alone, rendered and filled as in the document, lines joined."""
+    from benchmarks.report import environment, paper_branch
     from benchmarks.report.source import Source
     from benchmarks.report.words import fill_document
 
     src = Source(root)
-    names = seed_branch.context(src)
-    text = environment().get_template("seed_branch.md.j2").render(src=src, **names)
+    names = paper_branch.context(src)
+    text = environment().get_template("paper_branch.md.j2").render(src=src, **names)
     return " ".join(fill_document(text).split())
 
 
@@ -101,17 +101,17 @@ def _gnmr_at(offset: float, arms=SEED_ARMS) -> dict:
 )
 def test_each_seed_verdict_follows_its_rule(arms, word):
     from benchmarks.harness.branch_stats import Design
-    from benchmarks.report.seed_branch import verdict
+    from benchmarks.report.paper_branch import verdict
 
     d = Design(FAULT_SEEDS, SEED_POINTS, 50, high="8-bit")
     assert verdict(_keyed(_seed_records(arms)), d, "GNMR 4")["word"] == word
 
 
-def test_the_seed_section_says_its_verdict_beside_the_claim(tmp_path):
-    _write_seed(tmp_path, _seed_records())
-    text = _seed_section(tmp_path)
-    assert "### 1. seed_act_quant: activation-quantization stress" in text
-    assert "*The seed's claim* (docs/algorithm.md#activation-quantization-stress): static" in text
+def test_the_paper_section_says_its_verdict_beside_the_claim(tmp_path):
+    _write_paper(tmp_path, _seed_records())
+    text = _paper_section(tmp_path)
+    assert "### 1. paper_act_quant: activation-quantization stress" in text
+    assert "*The paper's claim* (docs/algorithm.md#activation-quantization-stress): static" in text
     assert "**Design: 4 seeds (1, 2, 3 and 4) x 2 branch points (75 and 150), 50 steps" in text
     assert "Every arm has every branch of the 4 seeds recorded." in text
     assert "(the 8-bit arm; backend act_quant)" in text
@@ -134,37 +134,36 @@ def test_the_seed_section_says_its_verdict_beside_the_claim(tmp_path):
     ) in text
     assert "speed-up at matched loss" not in text
     assert "| GNMR 4 | 10.7% | - | 0.0 +- 0.2 |" in text  # the 8-bit arm's 5 steps against 0
-    assert "`seed/seed_act_quant.jsonl`, 72 records: commits 0123456789" in text
+    assert "`paper/paper_act_quant.jsonl`, 72 records: commits 0123456789" in text
     # the other claimed experiments have no file yet
-    assert "### 2. seed_fp6_fp8: dynamic FP6 to FP8 pretraining" in text
-    assert "**Not run yet**: `results/seed/seed_fp6_fp8.jsonl` has no records." in text
-    assert "**Not run yet**: `results/seed/seed_lora_int8.jsonl` has no records." in text
+    assert "### 2. paper_fp6_fp8: dynamic FP6 to FP8 pretraining" in text
+    assert "**Not run yet**: `results/paper/paper_fp6_fp8.jsonl` has no records." in text
+    assert "**Not run yet**: `results/paper/paper_lora_int8.jsonl` has no records." in text
 
 
 def test_seed_verdict_words_in_the_section(tmp_path):
-    _write_seed(tmp_path, _seed_records(_gnmr_at(0.016)))
-    text = _seed_section(tmp_path)
+    _write_paper(tmp_path, _seed_records(_gnmr_at(0.016)))
+    text = _paper_section(tmp_path)
     assert "- GNMR 4: **the opposite**: GNMR 4 ends 0.0061 nats above the static low-cost" in text
-    _write_seed(tmp_path, _seed_records(_gnmr_at(0.006)))
-    assert "**partly**: GNMR 4 closes 40% +- " in _seed_section(tmp_path)
-    assert "an interval above 0 but not above 50%, and it stays above 8-bit" in _seed_section(
+    _write_paper(tmp_path, _seed_records(_gnmr_at(0.006)))
+    assert "**partly**: GNMR 4 closes 40% +- " in _paper_section(tmp_path)
+    assert "an interval above 0 but not above 50%, and it stays above 8-bit" in _paper_section(
         tmp_path
     )
-    _write_seed(tmp_path, _seed_records(_gnmr_at(0.0015)))
-    assert "an interval above 0 but it stays above 8-bit (GNMR 4 - 8-bit: +0.0015" in _seed_section(
+    _write_paper(tmp_path, _seed_records(_gnmr_at(0.0015)))
+    text = _paper_section(tmp_path)
+    assert "an interval above 0 but it stays above 8-bit (GNMR 4 - 8-bit: +0.0015" in text
+    _write_paper(tmp_path, _seed_records(_gnmr_at(0.010)))
+    assert "**not reproduced**: GNMR 4 closes -1% +- 7% of the static gap" in _paper_section(
         tmp_path
     )
-    _write_seed(tmp_path, _seed_records(_gnmr_at(0.010)))
-    assert "**not reproduced**: GNMR 4 closes -1% +- 7% of the static gap" in _seed_section(
-        tmp_path
-    )
-    _write_seed(tmp_path, _seed_records({**SEED_ARMS, "low-cost": (0.0, 0.0)}))
-    text = _seed_section(tmp_path)
+    _write_paper(tmp_path, _seed_records({**SEED_ARMS, "low-cost": (0.0, 0.0)}))
+    text = _paper_section(tmp_path)
     assert "**not at this scale**: the static gap (low-cost - 8-bit) is -0.0001 +- 0.0005," in text
     assert "an interval that holds 0, so at this scale there is nothing" in text
     assert "Beside it" not in text  # no shares of a gap that is not there
-    _write_seed(tmp_path, _seed_records(seeds=(1,)))
-    assert "- GNMR 4: **not yet**: one seed, no interval." in _seed_section(tmp_path)
+    _write_paper(tmp_path, _seed_records(seeds=(1,)))
+    assert "- GNMR 4: **not yet**: one seed, no interval." in _paper_section(tmp_path)
 
 
 def test_a_seed_regime_is_read_generically_from_its_records(tmp_path):
@@ -174,11 +173,11 @@ def test_a_seed_regime_is_read_generically_from_its_records(tmp_path):
     rows = _seed_records(arms, spec=FP6_FP8)
     rows = [r for r in rows if r["arm"] != "oracle 4" or r["seed"] == 1]
     rows = [r for r in rows if r["arm"] != "GNMR+e 4" or r["seed"] < 4]
-    _write_seed(tmp_path, rows, "seed_fp6_fp8")
+    _write_paper(tmp_path, rows, "paper_fp6_fp8")
     rows = _seed_records({a: SEED_ARMS[a] for a in ("low-cost", "8-bit", "GNMR 4")})
-    _write_seed(tmp_path, [r | {"arm": r["arm"].replace("8-bit", "BF16")} for r in rows], "seed_x")
-    text = _seed_section(tmp_path)
-    assert "**Not run yet**: `results/seed/seed_act_quant.jsonl` has no records." in text
+    _write_paper(tmp_path, [r | {"arm": r["arm"].replace("8-bit", "BF16")} for r in rows], "seed_x")
+    text = _paper_section(tmp_path)
+    assert "**Not run yet**: `results/paper/paper_act_quant.jsonl` has no records." in text
     assert "(the FP8 arm; backend fp8_emulated)" in text
     assert "**Design: 3 seeds (1, 2 and 3) x 2 branch points (75 and 150), 50 steps per" in text
     assert (
@@ -195,23 +194,24 @@ def test_a_seed_regime_is_read_generically_from_its_records(tmp_path):
     assert (
         "| FP8 | 100.0% | - | 0.0 +- 0.0 | by 50: 6 | 2.00 +- 0.00 | n/a (no FP6 GEMMs) |" in text
     )
-    assert "### seed_x *The seed's claim*: GNMR moving a few units to the recovery path" in text
+    assert "### seed_x *The paper's claim*: GNMR moving a few units to the recovery path" in text
     assert "GNMR 4 - BF16: +0.0000" in text and "No null control is in the design yet." in text
 
 
 def test_the_seed_constants_match_the_sweeps():
     """The report reads the seed regimes without importing them (no torch)."""
-    from benchmarks.report import seed_branch
-    from benchmarks.sweep.branch_arms import seed_arms
-    from benchmarks.sweep.regimes import SEED_REGIMES
+    from benchmarks.report import paper_branch
+    from benchmarks.sweep.branch_arms import paper_arms
+    from benchmarks.sweep.regimes import PAPER_REGIMES
 
-    assert {r.family for r in SEED_REGIMES.values()} == {seed_branch.FAMILY}
-    assert set(seed_branch.CLAIMS) == set(SEED_REGIMES)
-    for r in SEED_REGIMES.values():
-        arms = [a for a, _ in seed_arms(r, [4], r.units)]
+    assert {r.family for r in PAPER_REGIMES.values()} == {paper_branch.FAMILY}
+    assert set(paper_branch.CLAIMS) == set(PAPER_REGIMES)
+    for r in PAPER_REGIMES.values():
+        arms = [a for a, _ in paper_arms(r, [4], r.units)]
         recovery = {
             a.name for a in arms if a.policy == "recovery" and not a.name.startswith("null")
         }
         assert recovery == {r.high}
-        assert {a.name for a in arms} >= {"low-cost", seed_branch.LOW_NULL, f"null {r.high} (1e-6)"}
-        assert {seed_branch.budget(a.name) for a in arms} == {None, 4}
+        nulls = {"low-cost", paper_branch.LOW_NULL, f"null {r.high} (1e-6)"}
+        assert {a.name for a in arms} >= nulls
+        assert {paper_branch.budget(a.name) for a in arms} == {None, 4}

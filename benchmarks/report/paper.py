@@ -1,6 +1,6 @@
-"""The seed-experiment section's data (issue 8): the three experiments of :mod:`benchmarks.seed`,
+"""The paper-experiment section's data (issue 8): the three experiments of :mod:`benchmarks.paper`,
 read from ``results/act_quant.json``, ``fp6_fp8.json`` and ``lora_int8.json``, as
-``templates/seed.md.j2`` reads them; their tables and target lines are
+``templates/paper.md.j2`` reads them; their tables and target lines are
 :mod:`benchmarks.harness.verdicts`'s."""
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ class Experiment:
 
 
 def context(src: Source) -> dict[str, Any]:
-    """The seed section's names: the three experiments and the targets of issue 8."""
+    """The paper section's names: the three experiments and the targets of issue 8."""
     ex = [Experiment(src, name, i) for i, name in enumerate(EXPERIMENTS, 1)]
     tight = {n for e in ex for n in e.tight()}
     return {

@@ -1,14 +1,14 @@
 """Seed experiment 3 at CPU scale: LoRA fine-tuning stress on the int8 backend
 (docs/algorithm.md#lora-fine-tuning-with-int8).
 
-    python -m benchmarks.seed.lora_int8 [--steps 200] [--granularity tensor] [--budget 0.1]
+    python -m benchmarks.paper.lora_int8 [--steps 200] [--granularity tensor] [--budget 0.1]
 
 Base: the FP32 arm of experiment 1 (``results/act_quant_fp32.pt``; pretrained first when it is
 missing). peft LoRA adapters of rank 8 on all seven projections of each layer fine-tune for 200
 steps on one corpus domain absent from pretraining (``idlelib/``). Arms: FP32, BF16, INT8,
 GNMR INT8/BF16, Megatron's first+last recipe in BF16 and a ZClip guard on INT8. The data, the
 ``--granularity`` stress knob, the GNMR policy and why the CPU's BF16 is faster than its int8:
-docs/benchmarks.md#seed-lora_int8.
+docs/benchmarks.md#paper-lora_int8.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from benchmarks.harness.bases import (
 from benchmarks.harness.common import start_cli
 from benchmarks.harness.experiment import experiment_parser, report, run_chosen
 from benchmarks.harness.model import Batches, build_model, evaluate
-from benchmarks.seed import act_quant
+from benchmarks.paper import act_quant
 from gnmr_dist.data.corpus import embedded_corpus, stdlib_root
 
 logger = logging.getLogger(__name__)
