@@ -66,7 +66,7 @@ def environment() -> jinja2.Environment:
         keep_trailing_newline=True,
         autoescape=False,  # markdown, not HTML
     )
-    env.filters.update(FILTERS, label=fp4.label, unit_words=fp4.unit_words)
+    env.filters.update(FILTERS)
     env.tests["resolved"] = resolved
     env.globals.update(sep=sep, table=table, SPIKE=SPIKE)
     return env

@@ -1,379 +1,240 @@
-"""The FP4 section's data (issue 24): one FP4 sweep's report (``results/sweep_fp4_*.json``) and
-the branch records behind it (``results/fp4/<regime>.jsonl``), as ``templates/fp4.md.j2`` reads
-them, and the figures the template derives from several of them."""
+"""The FP4 section's data (issue 24): the FP4 sweeps' reports (``results/sweep_fp4_*.json``) and
+the branch records behind them (``results/fp4/<regime>.jsonl``), as tables ``templates/fp4.md.j2``
+prints: per regime one arms table of its largest design (quality, loss spikes, cost at matched
+loss), one table of every design's comparisons, the stress's budget curve, the step-time runs.
+The instrument, the arms and the cost model: docs/benchmarks.md#sweep-fp4, #branch-estimator and
+#cost-at-matched-loss."""
 
 from __future__ import annotations
 
-import itertools
-import json
-import math
-import statistics
-from collections.abc import Sequence
 from dataclasses import asdict
 from functools import cached_property
 from typing import Any
 
 from benchmarks.harness import cost
-from benchmarks.harness.branch_stats import (
-    GAP,
-    SPIKE,
-    Design,
-    per_seed,
-    spike_figures,
-    verdict,
-)
-from benchmarks.harness.stats import t95
+from benchmarks.harness.branch_stats import GAP, SPIKE, Design, spike_figures, verdict
+from benchmarks.harness.markdown import markdown_table
+from benchmarks.harness.stats import plus_minus
 from benchmarks.report.error_cost import error_cost
+from benchmarks.report.faults import NULL_BAR, reach
 from benchmarks.report.source import Source
-from benchmarks.report.words import listing, resolved, span
+from benchmarks.report.words import resolved
 
-CONTROLS = ("low-cost", "BF16", "null BF16 (1e-6)", "null low-cost (1e-6)", "low-cost (SR seed 1)")
-"""The arms that are not precision policies: the two static paths and the null controls."""
+MAIN = ("sweep_fp4_nvfp4", "sweep_fp4_mxfp4", "sweep_fp4_fp4_tensor")
+"""Each regime's largest design (5 seeds x 4 branch points): its arms table."""
+SMALL = ("sweep_fp4_mxfp4_p100-250", "sweep_fp4_fp4_tensor_k2-4-7_p100-250")
+"""The 2-point designs run first (the stress's at budgets 2, 4 and 7): their comparisons."""
+STEP = "sweep_fp4_step_time_nvfp4"
+NULLS = (
+    "null BF16 (1e-6) - BF16",
+    "null low-cost (1e-6) - low-cost",
+    "low-cost (SR seed 1) - low-cost",
+)
+POLICIES = ("GNMR+e", "random", "oracle", "GNMR")
+CLI = "python -m benchmarks.sweep.fp4"
 
-NULLS = {  # noise figure -> its name in the bullet
-    "null BF16 (1e-6) - BF16": "BF16",
-    "null low-cost (1e-6) - low-cost": "low-cost",
-    "low-cost (SR seed 1) - low-cost": "SR seed 1",
-}
 
-CLI = ".venv/bin/python -m benchmarks.sweep.fp4"
-
-POLICIES = ("GNMR+e", "GNMR", "random", "oracle")
-"""The budgeted policies, named ``<policy> <k>``."""
-
-NAMES = {
-    "nv": "sweep_fp4_nvfp4",
-    "mx": "sweep_fp4_mxfp4_p100-250",
-    "mx_all": "sweep_fp4_mxfp4",
-    "st": "sweep_fp4_fp4_tensor_k2-4-7_p100-250",
-    "st_all": "sweep_fp4_fp4_tensor",
-}
-"""The section's sweeps by the name the template gives them."""
+def _num(pair: tuple[float, float] | None, note: str | None, digits: int = 2) -> str:
+    return note or "-" if pair is None else f"{pair[0]:.{digits}f} +- {pair[1]:.{digits}f}"
 
 
 class Sweep:
-    """One report of an FP4 sweep (``results/<name>.json``) and the branch records behind it."""
+    """One FP4 sweep's report and the branch records behind it."""
 
     def __init__(self, src: Source, name: str) -> None:
-        self.src, self.name = src, name
-        self.r: dict[str, Any] = src.json(name)
+        self.src, self.name, self.r = src, name, src.json(name)
         self.regime: str = self.r["regime"]
-        self.seeds: list[int] = self.r["seeds"]
-        self.points: list[int] = self.r["points"]
-        self.horizon: int = self.r["horizon"]
-        self.inst: dict[str, Any] = self.r["instrument"]
-        self.summary: dict[str, dict[str, Any]] = self._counted(self.r["summary"])
-        self.noise: dict[str, list[float]] = self.r["noise"]
-        self.gap: list[float] = self.noise[GAP]
-        k = self.k
-        self.e, self.gnmr, self.rand, self.oracle = (f"{p} {k}" for p in POLICIES)
-        self.last, self.late = self.arm("NVIDIA last"), self.arm("NVIDIA late")
+        self.design = Design(tuple(self.r["seeds"]), tuple(self.r["points"]), self.r["horizon"])
+        self.records = src.records(self.regime)
+        self.summary: dict[str, dict[str, Any]] = self.r["summary"]
+        if self.r.get("spike_rule") != asdict(SPIKE):  # written before the rule: count again
+            self.summary = {
+                a: {**row, **spike_figures(self.records, self.design, a)}
+                for a, row in self.summary.items()
+            }
 
-    @cached_property
-    def records(self) -> dict[tuple[str, int, int], dict[str, Any]]:
-        return self.src.records(self.regime)
-
-    def _counted(self, summary: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-        """The summary with its loss spikes counted by the current rule (:data:`SPIKE`): as
-        stored when the report was written under it, else counted again from the branch records
-        (a report written before the rule was recorded counted the steps whose gap to BF16
-        exceeded 0.1 nats)."""
-        if self.r.get("spike_rule") == asdict(SPIKE):
-            return summary
-        d = Design(tuple(self.seeds), tuple(self.points), self.horizon)
-        return {arm: {**row, **spike_figures(self.records, d, arm)} for arm, row in summary.items()}
+    @property
+    def label(self) -> str:
+        d = self.design
+        return f"{self.regime}, {len(d.seeds)} x {len(d.points)}"
 
     @property
     def budgets(self) -> list[int]:
         return sorted(int(a.split()[1]) for a in self.summary if a.startswith("random "))
 
-    def arm(self, prefix: str) -> str:
-        """The one arm whose name starts with ``prefix`` (``NVIDIA last``: ``NVIDIA last-4``)."""
-        (name,) = [a for a in self.summary if a.startswith(prefix)]
-        return name
-
-    @property
-    def k(self) -> int:
-        """NVIDIA's budget: the k of ``NVIDIA last-k``."""
-        return int(self.arm("NVIDIA last").rpartition("-")[2])
-
-    @property
-    def late_steps(self) -> int:
-        """The steps of NVIDIA's late switch: the n of ``NVIDIA late-n``."""
-        return int(self.late.rpartition("-")[2])
-
-    @cached_property
-    def units(self) -> int:
-        """Projection units of the model: a branch's unit-steps over its steps."""
-        r = self.records[("low-cost", self.seeds[0], self.points[0])]
-        return r["unit_steps"] // self.horizon
-
-    def spec(self, arm: str) -> dict[str, Any]:
-        """The arm's specification, as its first branch record has it."""
-        return self.records[(arm, self.seeds[0], self.points[0])]["arm_spec"]
-
-    def options(self) -> str:
-        return json.dumps(self.spec("low-cost")["low_cost"])
-
-    def formats(self) -> cost.Formats:
-        """The backend and the two paths' options, as the low-cost arm's records state them."""
-        s = self.spec("low-cost")
-        return cost.Formats(s["backend"], s["low_cost"], s["recovery"])
+    def spec(self, arm: str = "low-cost") -> dict[str, Any]:
+        return self.records[(arm, self.design.seeds[0], self.design.points[0])]["arm_spec"]
 
     @cached_property
     def costs(self) -> dict[str, dict[str, Any]]:
         """:func:`benchmarks.harness.cost.summarize_costs` of the design's arms."""
-        d = Design(tuple(self.seeds), tuple(self.points), self.horizon)
+        s = self.spec()
+        formats = cost.Formats(s["backend"], s["low_cost"], s["recovery"])
         return cost.summarize_costs(
             self.records,
-            d,
-            self.formats(),
+            self.design,
+            formats,
             arms=list(self.summary),
-            schedule=self.inst["trunk_steps"],
-            error=error_cost(self.src, self.formats().backend),
+            schedule=self.r["instrument"]["trunk_steps"],
+            error=error_cost(self.src, formats.backend),
         )
 
-    def cost_table(self) -> str:
-        """The cost at matched loss of every arm, per hardware (:mod:`benchmarks.harness.cost`)."""
-        return cost.cost_table(self.costs, horizon=self.horizon)
+    def bar(self) -> dict[str, Any]:
+        """The static gap (and after the earlier evaluation), each null's interval and reach as
+        a share of the gap, and whether the nulls hold 0 within ``NULL_BAR`` of it."""
+        gap, nulls = self.r["noise"][GAP], []
+        for key in NULLS:
+            if key in self.r["noise"]:
+                pair = self.r["noise"][key]
+                ok = not resolved(pair) and reach(pair) / abs(gap[0]) <= NULL_BAR
+                name = key.split(" - ")[0].replace(" (1e-6)", "").removeprefix("null ")
+                name = name.replace("low-cost (SR seed 1)", "SR seed 1")
+                nulls.append({"name": name, "pair": plus_minus(pair), "ok": ok})
+                nulls[-1]["reach"] = f"{reach(pair) / abs(gap[0]):.2f}"
+        after = [(k.split()[3], plus_minus(p)) for k, p in self.r["noise"].items() if "after" in k]
+        passes = resolved(gap) and all(n["ok"] for n in nulls)
+        return {"gap": plus_minus(gap), "after": after, "nulls": nulls, "passes": passes}
 
-    def unit_step_costs(self) -> bool:
-        """Whether any branch's FLOP share fell back to its unit-step share (no
-        ``flops_recovered``: records written before it existed)."""
-        return any(r["flops_from_unit_steps"] for r in self.costs.values())
+    def arms_table(self) -> str:
+        """One row per policy and the low-cost path (the reference, BF16, is the zero of each
+        column): quality, spikes, cost at matched loss per group of hardware whose speed-ups
+        differ (a model that prices no arm is left out)."""
+        groups = cost.hardware_groups(self.costs)
+        groups = [g for g in groups if self.priced(g[0])]
+        header = ["arm", "recovered unit-steps", "held-out - BF16", "share of the gap closed"]
+        header += ["loss spikes", "extra steps to match BF16"]
+        header += [f"speed-up, {', '.join(g)}" for g in groups] + ["units recovered most"]
+        rows = []
+        for arm, r in self.summary.items():
+            if arm == "BF16" or any(arm == n.split(" - ")[0] for n in NULLS):
+                continue
+            c = self.costs[arm]
+            cells = [arm, f"{100 * r['unit_steps']:.1f}%", plus_minus(r["vs_bf16"])]
+            cells += [plus_minus(r["closed"], 2), str(r["spikes"])]
+            cells.append(_num(c["extra_steps"], c["extra_steps_note"], 1))
+            cells += [
+                _num(c["hardware"][g[0]]["speedup"], c["hardware"][g[0]]["note"]) for g in groups
+            ]
+            picks = self.r.get("picks", {}).get(arm, [])[:4]
+            cells.append(", ".join(f"{u} {100 * x:.0f}%" for u, x in picks) or "-")
+            rows.append(cells)
+        return markdown_table(header, rows)
 
-    def priced(self) -> str:
-        """The formats priced and at what rates (the cost model's last assumption line)."""
-        line = cost.assumptions(self.formats(), self.horizon, self.early_eval)[-1]
-        e = error_cost(self.src, self.formats().backend)
-        c = "not known" if e is None else f"{100 * e.share:.1f}% ({e.source})"
-        return f"{line[0].lower()}{line[1:].removesuffix('.')}; the error term's C = {c}"
+    def priced(self, hw: str) -> bool:
+        return any(c["hardware"][hw]["speedup"] is not None for c in self.costs.values())
 
-    @property
-    def early_eval(self) -> int:
-        """The held-out measurement before the horizon (the cost model's local rate)."""
-        return max(e for e in self.inst["evals"] if e < self.horizon)
-
-    def gap_after(self) -> tuple[int, list[float]] | None:
-        """(steps, static gap) at the earlier evaluation of the branches, when there is one."""
-        for name, pair in self.noise.items():
-            if name.startswith("static gap after"):
-                return int(name.split()[3]), pair
-        return None
-
-    def nulls(self) -> list[tuple[str, list[float]]]:
-        """(name, interval) of the null controls this sweep ran."""
-        return [(word, self.noise[key]) for key, word in NULLS.items() if key in self.noise]
-
-    def closed(self, arm: str) -> list[float]:
-        return self.summary[arm]["closed"]
-
-    def share(self, arm: str) -> str:
-        """The arm's share of unit-steps on the recovery path, ``14.3``."""
-        return f"{100 * self.summary[arm]['unit_steps']:.1f}"
-
-    def spikes(self, arm: str) -> int:
-        return self.summary[arm]["spikes"]
-
-    def troubles(self) -> int:
-        """Loss spikes and divergences of all arms together."""
-        return sum(r["spikes"] + r["diverged"] for r in self.summary.values())
-
-    def comp(self, a: str, b: str) -> list[float]:
-        return self.r["comparisons"][f"{a} - {b}"]
-
-    def fp4_arms(self, k: int | None = None) -> list[str]:
-        """Arms with some unit-steps on FP4 (at budget ``k`` and the controls, when given)."""
-        arms = [a for a in self.summary if self.summary[a]["unit_steps"] < 1]
-        if k is not None:
-            arms = [a for a in arms if not a[-1].isdigit() or a.endswith(f" {k}") or "-" in a]
-        return arms
-
-    def calmer(self, arm: str) -> bool:
-        """Whether ``arm`` has fewer loss spikes than all-FP4, resolved per seed."""
-        pair = self.summary[arm]["spikes_vs_low_cost"]
-        return pair is not None and verdict(pair) == "better"
-
-    def spike_differences(self) -> list[tuple[str, list[float]]]:
-        """(arm, interval) of every arm whose loss spikes per seed differ resolvedly from
-        all-FP4's (:func:`~benchmarks.harness.branch_stats.spike_difference`)."""
-        pairs = [(a, r["spikes_vs_low_cost"]) for a, r in self.summary.items()]
-        return [(a, p) for a, p in pairs if p is not None and resolved(p)]
-
-    def steps(self) -> int:
-        """Training steps of one arm's branches together."""
-        return len(self.seeds) * len(self.points) * self.horizon
-
-    def tightest(self, arm: str, k: int) -> bool:
-        """Whether ``arm``'s interval against BF16 is the narrowest of the FP4 arms at ``k``."""
-        half = self.summary[arm]["vs_bf16"][1]
-        return half == min(self.summary[a]["vs_bf16"][1] for a in self.fp4_arms(k))
-
-    def lowest_curve(self) -> bool:
-        """Whether GNMR+e ends lowest of the budgeted policies at every budget."""
-        return all(
-            self.summary[f"GNMR+e {k}"]["vs_bf16"][0]
-            == min(self.summary[f"{p} {k}"]["vs_bf16"][0] for p in POLICIES)
-            for k in self.budgets
-        )
-
-    def measurable(self) -> list[str]:
-        """Policies at NVIDIA's budget (``first+last`` spends half the unit-steps) whose share
-        of the static gap closed is resolved above 0."""
+    def unpriced(self) -> list[str]:
+        """``Hopper n/a (no FP4 GEMMs)`` of each hardware model that prices no arm."""
         return [
-            a
-            for a in self.summary
-            if a not in (*CONTROLS, "first+last")
-            and self.closed(a)[0] > 0
-            and resolved(self.closed(a))
+            f"{hw} {next(iter(self.costs.values()))['hardware'][hw]['note']}"
+            for hw in cost.HARDWARE
+            if not self.priced(hw)
         ]
-
-    def resolved_comparisons(self) -> list[tuple[str, str, list[float]]]:
-        """(a, b, interval) of every resolved comparison ``a - b``."""
-        return [(*n.split(" - "), p) for n, p in self.r["comparisons"].items() if resolved(p)]
-
-    def grouped(self, a: str, others: Sequence[str]) -> dict[str, list[tuple[str, list[float]]]]:
-        """``a`` against each of ``others``, grouped by verdict in the order they first occur."""
-        groups: dict[str, list[tuple[str, list[float]]]] = {}
-        for b in others:
-            groups.setdefault(verdict(self.comp(a, b)), []).append((b, self.comp(a, b)))
-        return groups
-
-    def split(self, a: str, others: Sequence[str]) -> tuple[list[Any], list[Any]]:
-        """``a`` against each of ``others`` as (b, interval): (the resolved, the rest)."""
-        pairs = [(b, self.comp(a, b)) for b in others]
-        return [x for x in pairs if resolved(x[1])], [x for x in pairs if not resolved(x[1])]
-
-    def vs_random(self, policy: str) -> list[list[float]]:
-        """``<policy> k - random k`` at every budget."""
-        return [self.comp(f"{policy} {k}", f"random {k}") for k in self.budgets]
-
-    def agrees_with(self, other: Sweep) -> bool:
-        """Whether every comparison both sweeps made has the same verdict in both."""
-        theirs = other.r["comparisons"]
-        both = [n for n in self.r["comparisons"] if n in theirs]
-        return all(verdict(self.r["comparisons"][n]) == verdict(theirs[n]) for n in both)
-
-    def diverged(self) -> int:
-        return sum(r["diverged"] for r in self.summary.values())
-
-    @property
-    def gamma_e(self) -> float:
-        """GNMR+e's ``gamma`` at NVIDIA's budget."""
-        return self.spec(self.e)["controller"]["gamma"]
-
-    def held_share(self, *arms: str) -> str:
-        """The span of the share of unit-steps the top 4 units held, over ``arms`` (``94-96%``)."""
-        return span([100 * sum(x for _, x in self.picks(a, 4)) for a in arms], ".0f", "%")
-
-    def median_other_half(self, name: str) -> float:
-        """The median half-width of the comparisons other than ``name``."""
-        return statistics.median(p[1] for n, p in self.r["comparisons"].items() if n != name)
-
-    def branches(self) -> int:
-        return len(self.summary) * len(self.seeds) * len(self.points)
-
-    def process_hours(self) -> float:
-        """Wall time of the design's branches, summed over the processes that ran them."""
-        keys = itertools.product(self.summary, self.seeds, self.points)
-        return sum(self.records[k]["wall_s"] for k in keys) / 3600
 
     def command(self) -> str:
         """The command that ran this design (its budgets; its branch points when not all)."""
         cmd = f"{CLI} --regime {self.regime} --budgets {','.join(map(str, self.budgets))}"
-        if self.points != self.inst["points"]:
-            cmd += f" --points {','.join(map(str, self.points))}"
+        if self.design.points != tuple(self.r["instrument"]["points"]):
+            cmd += f" --points {','.join(map(str, self.design.points))}"
         return cmd
 
-    def picks(self, arm: str, top: int | None = None) -> list[tuple[str, float]]:
-        return [(u, x) for u, x in self.r["picks"].get(arm, [])][:top]
-
-    def top_units(self, arm: str) -> list[str]:
-        """The 4 units ``arm`` recovered most, sorted by name (to compare two arms' sets)."""
-        return sorted(u for u, _ in self.picks(arm, 4))
-
-    def kinds(self, arm: str) -> list[str]:
-        """The kinds of projection (``k``, ``q``) ``arm`` recovered, most first."""
-        return list(dict.fromkeys(u.partition(".")[2] for u, _ in self.picks(arm)))
-
-    def seeds_needed(self, a: str, b: str) -> dict[str, float] | None:
-        """How many seeds (``n``) would resolve ``a - b`` if its mean (``m``) and per-seed
-        spread (``sd``) held: the least n with ``t95(n-1) sd / sqrt(n) < |m|``."""
-        if resolved(self.comp(a, b)):
-            return None
-        design = Design(tuple(self.seeds), tuple(self.points), self.horizon)
-        diffs = per_seed(self.records, design, a, b)
-        m, sd = abs(statistics.fmean(diffs)), statistics.stdev(diffs)
-        for n in range(2, 1000):
-            if (half := t95(n - 1) * sd / math.sqrt(n)) < m:
-                return {"n": n, "m": m, "sd": sd, "t": t95(n - 1), "half": half}
-        return None
-
-    def early(self) -> dict[str, Any] | None:
-        """first+last against all-FP4 at the first branch point, when it lost in half the
-        seeds or more: the point, how many seeds it lost, of how many, by up to how much."""
-        p = self.points[0]
-        first = Design(tuple(self.seeds), (p,), self.horizon)  # a seed's mean of one point: itself
-        diffs = per_seed(self.records, first, "first+last", "low-cost")
-        lost = [d for d in diffs if d > 0]
-        if len(lost) * 2 < len(diffs):
-            return None
-        return {"point": p, "lost": len(lost), "of": len(diffs), "most": max(lost)}
+    def diverged(self) -> int:
+        return sum(r["diverged"] for r in self.summary.values())
 
 
-def label(arm: str) -> str:
-    """How the prose names an arm."""
-    if arm.startswith("NVIDIA last"):
-        return "NVIDIA's last-layers rule"
-    if arm.startswith("NVIDIA late"):
-        return "NVIDIA's late switch"
-    if arm.startswith("random "):
-        return f"random-{arm.split()[1]}"
-    if arm.startswith("oracle "):
-        return "the gradient-gap oracle"
-    return {"low-cost": "all-FP4", "first+last": "Megatron's first+last"}.get(arm, arm)
+def _cell(s: Sweep, name: str) -> str:
+    pair = s.r["comparisons"].get(name)
+    if pair is None:
+        return "-"
+    v = verdict(pair)
+    return plus_minus(pair) + (f" **{v}**" if resolved(pair) else "")
 
 
-def unit_words(names: Sequence[str]) -> str:
-    """``L0.v``, ``L0.o`` as ``layer 0's v and o projections``."""
-    layers: dict[str, list[str]] = {}
-    for n in names:
-        layer, _, proj = n.partition(".")
-        layers.setdefault(layer[1:], []).append(proj)
-    return listing([f"layer {i}'s {listing(p)} projections" for i, p in layers.items()])
+def comparisons(sweeps: list[Sweep]) -> str:
+    """Every comparison of every design, one row each, one column per design."""
+    names = list(dict.fromkeys(n for s in sweeps for n in s.r["comparisons"]))
+    names.sort(key=lambda n: int(n.split(" - ")[0].split()[-1]))
+    header = ["comparison", *(s.label for s in sweeps)]
+    return markdown_table(header, [[n, *(_cell(s, n) for s in sweeps)] for n in names])
 
 
-SELECTION_SWEEPS = ("act_quant", "fp6_fp8", "outlier", "delayed")
-"""The whole-run selection sweeps whose static-gap intervals measure a whole run's noise."""
+def budget_curve(s: Sweep) -> str:
+    """Share of the gap closed (unit-step share) per policy and budget."""
+    rows = []
+    for p in POLICIES:
+        cells = [p]
+        for k in s.budgets:
+            r = s.summary[f"{p} {k}"]
+            cells.append(f"{plus_minus(r['closed'], 2)} ({100 * r['unit_steps']:.1f}%)")
+        rows.append(cells)
+    return markdown_table(["policy", *(f"k = {k}" for k in s.budgets)], rows)
+
+
+def in_short(sw: dict[str, Sweep]) -> dict[str, Any]:
+    """The FP4 verdicts at NVIDIA's budget that the summary words (``fp4_short.md.j2``)."""
+    nv, mx, st = (sw[n] for n in MAIN)
+    k = 4
+
+    def closed(s: Sweep, arm: str) -> str:
+        m, h = s.summary[arm]["closed"]
+        return f"{100 * m:.0f}% +- {100 * h:.0f}%"
+
+    measurable = [
+        (a, closed(mx, a))
+        for a, r in mx.summary.items()
+        if a not in ("low-cost", "BF16", "first+last")
+        and "null" not in a
+        and r["closed"][0] > 0
+        and resolved(r["closed"])
+    ]
+    vs_random = [
+        (s.regime, b, verdict(s.r["comparisons"][f"GNMR+e {b} - random {b}"]))
+        for s in (*sw.values(),)
+        for b in s.budgets
+    ]
+    return {
+        "k": k,
+        "units": nv.records[("low-cost", *nv.design.seeds[:1], *nv.design.points[:1])]["unit_steps"]
+        // nv.design.horizon,
+        "nv": closed(nv, f"GNMR+e {k}"),
+        "nv_last": verdict(nv.r["comparisons"][f"GNMR+e {k} - NVIDIA last-{k}"]),
+        "st": closed(st, f"GNMR+e {k}"),
+        "st_last": verdict(st.r["comparisons"][f"GNMR+e {k} - NVIDIA last-{k}"]),
+        "mx": measurable,
+        "mx_beats_e": [
+            a
+            for a, _ in measurable
+            if verdict(mx.r["comparisons"].get(f"GNMR+e {k} - {a}", [0, 1])) == "worse"
+        ],
+        "vs_random": [x for x in vs_random if x[2] != "not resolved"],
+        "seeds": len(nv.design.seeds),
+    }
 
 
 def context(src: Source) -> dict[str, Any]:
-    """The FP4 section's names: the five sweeps, the whole-run intervals, the step-time file."""
-    sw = {key: Sweep(src, name) for key, name in NAMES.items()}
-    whole = [src.json(f"sweep_{r}") for r in SELECTION_SWEEPS]
-    halves = [w["static_gap"][1] for w in whole]
-    nv = sw["nv"]
-    bf16_null = nv.noise["null BF16 (1e-6) - BF16"][1]
-    step = "sweep_fp4_step_time_nvfp4"
+    """The FP4 section's names."""
+    sw = {n: Sweep(src, n) for n in (*MAIN, *SMALL)}
+    main = [sw[n] for n in MAIN]
+    step = src.json(STEP) if src.has(f"{STEP}.json") else None
+    if step:
+        step["within"] = all(r["vs_nvidia"] <= step["target"] for r in step["runs"])
+    files = {f"{n}.json": f"`{s.command()}`" for n, s in sw.items()}
+    files |= {f"fp4/{s.regime}.jsonl": "(the sweeps above)" for s in main}
+    if step:
+        files[f"{STEP}.json"] = f"`{CLI} --step-time --regime nvfp4`"
     return {
-        "cost_sweeps": [nv, sw["mx_all"], sw["st_all"], sw["st"]],
-        "cost_assumptions": cost.assumptions(
-            None, nv.horizon, nv.early_eval, nv.inst["trunk_steps"]
-        ),
-        **sw,
-        "sweeps": list(sw.values()),
-        "CLI": CLI,
-        "whole_halves": halves,
-        "whole_steps": [w["setup"]["steps"] for w in whole],
-        "whole_to_null": 10 ** round(math.log10(min(halves) / bf16_null)),
-        "against_random": [
-            (s, k)
-            for s in sw.values()
-            for k in s.budgets
-            if resolved(s.comp(f"GNMR+e {k}", f"random {k}"))
-        ],
-        "step": src.json(step) if src.has(f"{step}.json") else None,
-        "step_name": step,
-        "files": [f"{s.name}.json" for s in sw.values()]
-        + [f"fp4/{r}.jsonl" for r in ("nvfp4", "mxfp4", "fp4_tensor")],
+        "fp4": {
+            "main": main,
+            "comparisons": comparisons([*main, *(sw[n] for n in SMALL)]),
+            "curve": sw[SMALL[1]],
+            "curve_table": budget_curve(sw[SMALL[1]]),
+            "step": step,
+            "step_name": STEP,
+            "files": src.provenance_table(files),
+            "diverged": sum(s.diverged() for s in sw.values()),
+            "by_unit_steps": any(
+                c["flops_from_unit_steps"] for s in main for c in s.costs.values()
+            ),
+        },
+        "fp4_short": in_short(sw),
     }

@@ -75,6 +75,23 @@ class Source:
                     )
         return "\n".join(items)
 
+    def provenance_table(self, commands: dict[str, str]) -> str:
+        """One row per result file of ``commands`` (file -> the command that wrote it, or ``-``):
+        its records or runs, its commits with how many each, and what else they record."""
+        rows = []
+        for name, command in commands.items():
+            records = self._provenances(name)
+            groups: dict[str, Counter[str]] = {}
+            for p in records:
+                groups.setdefault(describe(p), Counter())[_short(p.get("commit", UNKNOWN))] += 1
+            each = "; ".join(
+                ", ".join(f"{c} ({n})" for c, n in commits.items()) + f" {text}"
+                for text, commits in groups.items()
+            )
+            rows.append(f"| `{name}` | {command} | {len(records)} | {each} |")
+        head = "| result file | command | records or runs | commits (how many) and provenance |"
+        return "\n".join([head, "| --- | --- | --- | --- |", *rows])
+
     def _provenances(self, name: str) -> list[dict[str, Any]]:
         """The provenance of every record (``.jsonl``), run (a file of runs) or the file."""
         if name.endswith(".jsonl"):
