@@ -1,14 +1,15 @@
-"""The fault grid's section (issue 44, stage 4): the magnitude x onset grid, the gradient-visible
-cells, the fault-free control and the break-even fault frequency, from the records of
-``results/fault_grid/`` (:mod:`benchmarks.sweep.fault_grid`).
+"""The fault grid's section of RESULTS.md (issue 44, stage 4; docs/benchmarks.md#sweep-fault-grid),
+from ``results/fault_grid/`` (:mod:`benchmarks.sweep.fault_grid`): one table of the cells
+(magnitude x onset, function-preserving or gradient-visible), the arms where they ran, the
+fault-free controls' arms and the break-even fault frequency, or its bound where no arm ran under
+a fault (:mod:`benchmarks.harness.break_even`).
 
-Every figure is exploratory (95% Student-t over the seeds, no verdict: the registration,
-:data:`benchmarks.harness.preregistered.GRID_GATE`), with the sign count beside it. A
-function-preserving cell reads its BF16 branch and its null control from ``free_long`` (a BF16
-path computes the same bits with and without such an outlier), at the cell's horizon; each
-(seed, point) is read on the host of its BF16 branch (:func:`benchmarks.report.faults.one_host`).
-A cell shows the seeds on which its statics and nulls are complete, "not yet run" without any;
-an arm shows only where it has every one of those seeds. No torch.
+Every figure is exploratory (95% Student-t over the seeds, no verdict), with the count of seeds
+above 0. A function-preserving cell reads its BF16 branch and null from ``free_long`` at its own
+horizon (a BF16 path computes the same bits with and without such an outlier); each (seed, point)
+is read on the host of its BF16 branch (:func:`benchmarks.report.faults.one_host`). A cell shows
+the seeds with all its statics and nulls, "not yet run" without any; an arm only where it has
+every one of them. No torch.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from typing import Any
 from benchmarks.harness.branch_stats import Records
 from benchmarks.harness.break_even import advantage, break_even
 from benchmarks.harness.markdown import markdown_table
-from benchmarks.harness.preregistered import GRID_GATE, GRID_ORDER, GRID_SEEDS, sign_test
+from benchmarks.harness.preregistered import GRID_SEEDS, sign_test
 from benchmarks.harness.stats import interval
 from benchmarks.report.error_cost import error_cost
-from benchmarks.report.faults import machine, one_host, unit_of
+from benchmarks.report.faults import machine, one_host, provenance_table, unit_of
 from benchmarks.report.source import Source
 
 FAMILY = "fault_grid"
@@ -33,6 +34,8 @@ SCHEDULE_LEFT = 400 - POINT
 MAGNITUDES = (20, 16, 13, 10)
 ONSETS = {"instant": "instant", "rise": "x4 rise", "slow": "over 200 steps"}
 HORIZON = {"instant": 50, "rise": 50, "slow": 225}
+CONTROL = {50: "free", 225: "free_long"}
+"""The fault-free control at each horizon."""
 SHARED = ("BF16", "null BF16 (1e-6)")
 NULLS = {"null BF16 (1e-6)": "BF16", "null low-cost (1e-6)": "low-cost"}
 ARMS = ("GNMR+e 4", "e-only 4", "TE autoswitch 4", "GNMR 4")
@@ -42,15 +45,11 @@ RATIO = 2.0
 """BF16's step time over per-tensor FP8's: B200, GB300 and Hopper alike (2 : 1)."""
 
 
-def _name(cell: str) -> str:
-    return f"grid_{cell}"
-
-
 def records(src: Source, cell: str) -> Records:
     """A cell's records on one host, with ``free_long``'s BF16 branches when it shares them."""
-    own = dict(src.records(_name(cell), family=FAMILY))
+    own = dict(src.records(f"grid_{cell}", family=FAMILY))
     if not cell.endswith("_visible") and cell != "free_long":
-        free = src.records(_name("free_long"), family=FAMILY)
+        free = src.records("grid_free_long", family=FAMILY)
         own |= {k: v for k, v in free.items() if k[0] in SHARED}
     return one_host(own)[0]
 
@@ -70,8 +69,10 @@ def seeds_with(rec: Records, arms: Sequence[str], h: int) -> list[int]:
     return [s for s in GRID_SEEDS if all(loss(rec, a, s, h) is not None for a in arms)]
 
 
-def diffs(rec: Records, a: str, b: str, seeds: Sequence[int], h: int) -> list[float]:
-    return [loss(rec, a, s, h) - loss(rec, b, s, h) for s in seeds]  # type: ignore[operator]
+def diffs(a: Records, arm: str, b: Records, twin: str, seeds: Sequence[int], h: int) -> list[float]:
+    """Per seed ``arm``'s held-out loss in ``a`` less ``twin``'s in ``b``; empty if one lacks it."""
+    out = [(loss(a, arm, s, h), loss(b, twin, s, h)) for s in seeds]
+    return [x - y for x, y in out] if all(None not in p for p in out) else []  # type: ignore[operator]
 
 
 def figure(values: Sequence[float], digits: int = 4) -> str:
@@ -89,15 +90,10 @@ def resolved(values: Sequence[float]) -> bool:
     return not math.isnan(h) and abs(m) > h
 
 
-def work(rec: Records, arm: str, seeds: Sequence[int]) -> float:
-    return sum(float(rec[(arm, s, POINT)]["flops_recovered"]) for s in seeds) / len(seeds)
-
-
 def on_fault(rec: Records, arm: str, seeds: Sequence[int]) -> float | None:
     """The share of the faulted unit's window steps inside the branch it ran on BF16."""
     shares = []
-    for s in seeds:
-        r = rec[(arm, s, POINT)]
+    for r in (rec[(arm, s, POINT)] for s in seeds):
         if not r.get("outliers"):
             return None
         o = r["outliers"][0]
@@ -110,23 +106,21 @@ def on_fault(rec: Records, arm: str, seeds: Sequence[int]) -> float | None:
 def cell_row(cell: str, rec: Records) -> dict[str, Any]:
     """A cell's statics and nulls (on the seeds that have them all) and its arms."""
     h = horizon(cell)
-    statics = ("low-cost", "BF16", *NULLS)
-    seeds = seeds_with(rec, statics, h)
+    seeds = seeds_with(rec, ("low-cost", "BF16", *NULLS), h)
     row: dict[str, Any] = {"cell": cell, "seeds": seeds, "h": h, "arms": {}}
     if not seeds:
         return row
-    gap = diffs(rec, "low-cost", "BF16", seeds, h)
-    row |= {
-        "gap": gap,
-        "resolved": resolved(gap),
-        "nulls": {n: diffs(rec, n, twin, seeds, h) for n, twin in NULLS.items()},
-    }
+    gap = diffs(rec, "low-cost", rec, "BF16", seeds, h)
+    nulls = {n: diffs(rec, n, rec, twin, seeds, h) for n, twin in NULLS.items()}
+    row |= {"gap": gap, "resolved": resolved(gap), "nulls": nulls}
     for arm in ARMS:
-        if seeds_with(rec, (arm,), h) == seeds or set(seeds) <= set(seeds_with(rec, (arm,), h)):
+        if set(seeds) <= set(seeds_with(rec, (arm,), h)):
+            works = [float(rec[(arm, s, POINT)]["flops_recovered"]) for s in seeds]
             row["arms"][arm] = {
-                "vs_low": diffs(rec, arm, "low-cost", seeds, h),
-                "vs_bf16": diffs(rec, arm, "BF16", seeds, h),
-                "work": work(rec, arm, seeds),
+                "vs_low": diffs(rec, arm, rec, "low-cost", seeds, h),
+                "vs_bf16": diffs(rec, arm, rec, "BF16", seeds, h),
+                "works": works,
+                "work": sum(works) / len(works),
                 "on_fault": on_fault(rec, arm, seeds),
             }
     return row
@@ -141,51 +135,26 @@ def _cells() -> list[tuple[str, str, str]]:
     return out
 
 
-def damage(src: Source, cell: str, row: dict[str, Any]) -> list[float]:
-    """Per seed, the low-cost path's held-out loss under the fault less without it (the
-    fault-free branch of the same seed and horizon): what the fault itself did; empty where the
-    fault-free low-cost branch of a seed is missing."""
-    h = row["h"]
-    free = records(src, "free" if h == 50 else "free_long")
-    own = records(src, cell)
-    out = []
-    for s in row["seeds"]:
-        a, b = loss(own, "low-cost", s, h), loss(free, "low-cost", s, h)
-        if a is None or b is None:
-            return []
-        out.append(a - b)
-    return out
-
-
-def visible_cost(src: Source, rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per gradient-visible cell with statics: what the visible gradient does to the BF16 path
-    itself, its BF16 branch less the fault-free one of the same seed (``free_long`` at the
-    cell's horizon)."""
-    free = records(src, "free_long")
-    out = []
-    for cell, mag, onset in _cells():
-        r = rows[cell]
-        if not cell.endswith("_visible") or not r["seeds"]:
-            continue
-        own = records(src, cell)
-        d = [loss(own, "BF16", s, r["h"]) - loss(free, "BF16", s, r["h"]) for s in r["seeds"]]  # type: ignore[operator]
-        out.append({"cell": f"{mag} {onset}", "bf16": figure(d), "low": figure(r["damage"])})
-    return out
-
-
-def statics_table(rows: dict[str, dict[str, Any]]) -> str:
+def cells_table(src: Source, rows: dict[str, dict[str, Any]]) -> str:
+    """Per cell its statics and nulls, and each path against the fault-free control's branch of
+    the same seed and horizon: the fault's damage to the low-cost path, and in a gradient-visible
+    cell what the visible gradient does to the BF16 path itself."""
     head = ["outlier", "onset", "seeds", "static gap (low-cost - BF16)", "null BF16"]
     head += ["null low-cost", "the fault's damage (low-cost - fault-free low-cost)"]
+    head += ["BF16 - fault-free BF16 (visible cells)"]
     lines = []
     for cell, mag, onset in _cells():
         r = rows[cell]
         if not r["seeds"]:
             if not cell.endswith("_visible"):
-                lines.append([mag, onset, "not yet run", "", "", "", ""])
+                lines.append([mag, onset, "not yet run", "", "", "", "", ""])
             continue
+        free, own = records(src, CONTROL[r["h"]]), records(src, cell)
+        hurt = [diffs(own, a, free, a, r["seeds"], r["h"]) for a in ("low-cost", "BF16")]
         nulls = [figure(r["nulls"][n]) for n in NULLS]
-        hurt = figure(r.get("damage", []))
-        lines.append([mag, onset, str(len(r["seeds"])), figure(r["gap"]), *nulls, hurt])
+        visible = figure(hurt[1]) if cell.endswith("_visible") else "-"
+        lines.append([mag, onset, str(len(r["seeds"])), figure(r["gap"]), *nulls])
+        lines[-1] += [figure(hurt[0]), visible]
     return markdown_table(head, lines)
 
 
@@ -197,43 +166,32 @@ def arms_table(rows: dict[str, dict[str, Any]]) -> str:
         r = rows[cell]
         for arm, a in r["arms"].items():
             closed = -sum(a["vs_low"]) / sum(r["gap"]) if sum(r["gap"]) else math.nan
-            f = a["on_fault"]
-            lines.append(
-                [
-                    mag,
-                    onset,
-                    arm,
-                    figure(a["vs_low"]),
-                    f"{closed:.2f}",
-                    f"{100 * a['work']:.1f}%",
-                    "-" if f is None else f"{100 * f:.0f}%",
-                ]
-            )
+            f = "-" if a["on_fault"] is None else f"{100 * a['on_fault']:.0f}%"
+            lines.append([mag, onset, arm, figure(a["vs_low"]), f"{closed:.2f}"])
+            lines[-1] += [f"{100 * a['work']:.1f}%", f]
     return markdown_table(head, lines) if lines else ""
 
 
-def free_table(free: dict[str, Any]) -> str:
-    if not free["seeds"]:
-        return ""
-    head = ["arm", "seeds", "held-out - low-cost", "held-out - BF16", "work"]
-    lines = [["low-cost - BF16", str(len(free["seeds"])), "", figure(free["gap"]), "0.0%"]]
-    for arm, a in free["arms"].items():
-        lines.append(
-            [
-                arm,
-                str(len(free["seeds"])),
-                figure(a["vs_low"]),
-                figure(a["vs_bf16"]),
-                f"{100 * a['work']:.1f}%",
-            ]
-        )
+def free_table(controls: dict[str, dict[str, Any]]) -> str:
+    """The fault-free controls' arms: what each costs when nothing is wrong."""
+    head = ["control", "arm", "seeds", "held-out - low-cost", "held-out - BF16", "work"]
+    lines = []
+    for name, c in controls.items():
+        what = f"{name} ({c['h']} steps)"
+        if not c["seeds"]:
+            lines.append([what, "not yet run", "", "", "", ""])
+            continue
+        n = str(len(c["seeds"]))
+        lines.append([what, "low-cost - BF16", n, "", figure(c["gap"]), "0.0%"])
+        for arm, a in c["arms"].items():
+            cells = [figure(a["vs_low"]), figure(a["vs_bf16"]), f"{100 * a['work']:.1f}%"]
+            lines.append([what, arm, n, *cells])
     return markdown_table(head, lines)
 
 
 def rates(src: Source, h: int) -> dict[int, float]:
     """Per seed, the fault-free BF16 branch's local rate over the 25 steps before ``h``."""
-    rec = records(src, "free_long")
-    out = {}
+    rec, out = records(src, "free_long"), {}
     for s in GRID_SEEDS:
         early, final = loss(rec, "BF16", s, h - 25), loss(rec, "BF16", s, h)
         if early is not None and final is not None:
@@ -241,170 +199,103 @@ def rates(src: Source, h: int) -> dict[int, float]:
     return out
 
 
-def break_even_rows(
-    src: Source, rows: dict[str, dict[str, Any]], free: dict[str, Any], error: float
+def _phi(zero: list[float], fault: list[float], bound: bool) -> str:
+    b = break_even(zero, fault)
+    if b.phi is None:
+        return "never" if bound else "never (below 1)"
+    if b.phi == 0:
+        return "0 (pays without faults)"
+    if bound:
+        return f"at least {b.phi:.2f}"
+    return f"{b.phi:.2f}" + ("" if math.isnan(b.half) else f" +- {b.half:.2f}")
+
+
+def break_even_table(
+    src: Source, rows: dict[str, dict[str, Any]], controls: dict[str, dict[str, Any]], c: float
 ) -> tuple[str, list[dict[str, Any]]]:
-    """The break-even table of every cell with an arm that the fault-free control has too."""
+    """Per fault-free control a row of each arm's advantage at matched loss ``a_0``, then per
+    cell at its horizon the arm's ``a_f`` and the break-even fault frequency; where no arm ran
+    in a function-preserving cell, its bound (``<=``: the best ``a_f`` any arm could reach
+    there, closing the cell's whole gap at the arm's fault-free spend)."""
     lines, found = [], []
-    for cell, mag, onset in _cells():
-        r, h = rows[cell], horizon(cell)
-        if h != free["h"] or not r["arms"]:
-            continue
-        rate = rates(src, h)
-        for arm, a in r["arms"].items():
-            if arm not in free["arms"]:
+    for name, free in controls.items():
+        rate, a0, block = rates(src, free["h"]), {}, []
+        for cell, mag, onset in _cells():
+            r = rows[cell]
+            if (
+                r["h"] != free["h"]
+                or not r["seeds"]
+                or (cell.endswith("_visible") > bool(r["arms"]))
+            ):
                 continue
-            seeds = [s for s in r["seeds"] if s in free["seeds"] and s in rate]
-            c = error if arm in ERROR_ARMS else 0.0
-            fault, zero, past = [], [], 0
-            for s in seeds:
-                i, j = r["seeds"].index(s), free["seeds"].index(s)
-                af = advantage(a["vs_low"][i], _work1(src, cell, arm, s), rate[s], h, RATIO, c)
-                a0 = advantage(
-                    free["arms"][arm]["vs_low"][j],
-                    _work1(src, "free", arm, s),
-                    rate[s],
-                    h,
-                    RATIO,
-                    c,
-                )
-                if af is None or a0 is None:
+            out = []
+            for arm in ARMS:
+                got, base = r["arms"].get(arm), free["arms"].get(arm)
+                zero, fault, past = [], [], 0
+                for s in (s for s in r["seeds"] if base and s in free["seeds"] and s in rate):
+                    i, j = r["seeds"].index(s), free["seeds"].index(s)
+                    spend, e = base["works"][j], c if arm in ERROR_ARMS else 0.0
+                    gain = -r["gap"][i] if got is None else got["vs_low"][i]
+                    work = spend if got is None else got["works"][i]
+                    af = advantage(gain, work, rate[s], r["h"], RATIO, e)
+                    az = advantage(base["vs_low"][j], spend, rate[s], r["h"], RATIO, e)
+                    if af is not None and az is not None:
+                        zero.append(az)
+                        fault.append(af)
+                        past += -gain / rate[s] > SCHEDULE_LEFT - r["h"]
+                if not fault:
+                    out.append("-")
                     continue
-                past += -a["vs_low"][i] / rate[s] > SCHEDULE_LEFT - h
-                fault.append(af)
-                zero.append(a0)
-            if not fault:
-                continue
-            b = break_even(zero, fault)
-            phi = (
-                "never (below 1)"
-                if b.phi is None
-                else "0 (pays without faults)"
-                if b.phi == 0
-                else f"{b.phi:.2f}" + ("" if math.isnan(b.half) else f" +- {b.half:.2f}")
-            )
-            found.append({"cell": cell, "arm": arm, "phi": b.phi, "half": b.half})
-            lines.append(
-                [
-                    mag,
-                    onset,
-                    arm,
-                    str(b.seeds),
-                    figure(zero, 3),
-                    figure(fault, 3),
-                    phi,
-                    str(past) if past else "0",
-                ]
-            )
-    head = ["outlier", "onset", "arm", "seeds", "a_0 (no fault)", "a_f (fault)", "break-even"]
-    head += ["D past the schedule"]
+                a0.setdefault(arm, zero)
+                tail = f"; D past the schedule on {past}" if past else ""
+                text = f"{'<= ' if got is None else ''}{figure(fault, 3)}: "
+                out.append(text + _phi(zero, fault, got is None) + tail)
+                found.append({"cell": cell, "arm": arm, "phi": break_even(zero, fault).phi})
+            block.append([mag, onset, str(len(r["seeds"])), *out])
+        if a0:
+            seeds = str(len(next(iter(a0.values()))))
+            lines += [
+                [f"no fault ({name}): a_0", "", seeds, *(figure(a0.get(a, []), 3) for a in ARMS)]
+            ]
+            lines += block
+    head = ["outlier", "onset", "seeds", *ARMS]
     return (markdown_table(head, lines) if lines else ""), found
 
 
-def bound_rows(
-    src: Source, rows: dict[str, dict[str, Any]], free: dict[str, Any], error: float
-) -> str:
-    """The break-even's bound where no arm ran under the fault: each fault-free arm's ``a_0``
-    (its measured spend and loss without a fault) against the best ``a_f`` any arm could reach
-    in a faulted cell, closing the cell's whole static gap at the same spend,
-    ``a_f <= (gap / r) / H - s - c``: "never" where even that is not positive."""
-    rate = rates(src, 50)
-    lines = []
-    for arm, a in free["arms"].items():
-        c = error if arm in ERROR_ARMS else 0.0
-        for cell, mag, onset in _cells():
-            r = rows[cell]
-            if not r["seeds"] or r["arms"] or r["h"] != 50 or cell.endswith("_visible"):
-                continue
-            seeds = [s for s in r["seeds"] if s in free["seeds"] and s in rate]
-            zero, best = [], []
-            for s in seeds:
-                i, j = r["seeds"].index(s), free["seeds"].index(s)
-                spend = _work1(src, "free", arm, s)
-                a0 = advantage(a["vs_low"][j], spend, rate[s], 50, RATIO, c)
-                af = advantage(-r["gap"][i], spend, rate[s], 50, RATIO, c)
-                if a0 is not None and af is not None:
-                    zero.append(a0)
-                    best.append(af)
-            if not zero:
-                continue
-            b = break_even(zero, best)
-            phi = (
-                "never, even closing the whole gap"
-                if b.phi is None
-                else "0 (pays without faults)"
-                if b.phi == 0
-                else f"at least {b.phi:.2f}"
-            )
-            lines.append([arm, mag, onset, str(b.seeds), figure(zero, 3), figure(best, 3), phi])
-    head = ["arm", "outlier", "onset", "seeds", "a_0 (no fault)", "best a_f (the whole gap)"]
-    head += ["break-even"]
-    return markdown_table(head, lines) if lines else ""
-
-
-def _work1(src: Source, cell: str, arm: str, seed: int) -> float:
-    return float(records(src, cell)[(arm, seed, POINT)]["flops_recovered"])
-
-
 def reproduced(src: Source) -> tuple[int, int]:
-    """(equal, compared): the 2^20 rise cell's low-cost and BF16 branches (the latter
-    ``free_long``'s, at 50 steps) against ``outlier_delayed``'s records of the same (seed, point),
-    the same fault recorded before the grid: equal held-out bits on how many."""
+    """(equal, compared): the 2^20 rise cell's low-cost and BF16 branches against
+    ``outlier_delayed``'s records of the same (seed, point), held-out bits at 50 steps."""
     old = one_host(src.records("outlier_delayed", family="faults"))[0]
     cell = records(src, "m20_rise")
     keys = [(a, s, POINT) for a in ("low-cost", "BF16") for s in GRID_SEEDS]
     keys = [k for k in keys if k in old and k in cell]
-    same = sum(old[k]["heldout"]["50"] == cell[k]["heldout"]["50"] for k in keys)
-    return same, len(keys)
+    return sum(old[k]["heldout"]["50"] == cell[k]["heldout"]["50"] for k in keys), len(keys)
 
 
 def context(src: Source) -> dict[str, Any]:
     """The names of ``templates/fault_grid.md.j2``."""
     names = [c for c, _, _ in _cells()]
     rows = {c: cell_row(c, records(src, c)) for c in names}
-    for cell in names:
-        if rows[cell]["seeds"]:
-            rows[cell]["damage"] = damage(src, cell, rows[cell])
-    free = cell_row("free", records(src, "free"))
+    controls = {c: cell_row(c, records(src, c)) for c in CONTROL.values()}
     measured = error_cost(src, "fp8_emulated")
     price = 0.0 if measured is None else measured.share
-    be_table, be = break_even_rows(src, rows, free, price)
-    bound = bound_rows(src, rows, free, price)
+    table, found = break_even_table(src, rows, controls, price)
     done = [c for c in names if rows[c]["seeds"]]
-    hosts = sorted(
-        {machine(r) for c in [*done, "free", "free_long"] for r in records(src, c).values()}
-    )
-    commits = {
-        r.get("provenance", {}).get("commit")
-        for c in [*done, "free", "free_long"]
-        for r in records(src, c).values()
-    }
-    files = [
-        f"{FAMILY}/{_name(c)}.jsonl"
-        for c in [*done, "free", "free_long"]
-        if src.has(f"{FAMILY}/{_name(c)}.jsonl")
-    ]
+    kept = [f"grid_{c}" for c in [*done, *CONTROL.values()] if src.has(f"{FAMILY}/grid_{c}.jsonl")]
+    provenance = [r.get("provenance", {}) for c in kept for r in src.records(c, FAMILY).values()]
     return {
         "fault_grid": {
             "any": bool(done),
-            "statics": statics_table(rows),
+            "cells": cells_table(src, rows),
             "arms": arms_table(rows),
-            "free": free_table(free),
-            "free_seeds": len(free["seeds"]),
-            "break_even": be_table,
-            "found": be,
-            "bound": bound,
-            "visible": visible_cost(src, rows),
+            "free": free_table(controls),
+            "break_even": table,
+            "measured": any(f["cell"] in done and rows[f["cell"]]["arms"] for f in found),
             "resolved": [c for c in done if rows[c].get("resolved")],
-            "unresolved": [c for c in done if not rows[c].get("resolved")],
-            "not_run": [c for c in names if not rows[c]["seeds"] and not c.endswith("_visible")],
             "error": "not measured" if measured is None else f"{price:.3f}",
-            "error_source": "" if measured is None else measured.source,
             "reproduced": reproduced(src),
-            "gate": GRID_GATE,
-            "order": GRID_ORDER,
-            "hosts": hosts,
-            "commits": len(commits - {None}),
-            "provenance": src.provenance(*files) if files else "",
+            "hosts": sorted({machine({"provenance": p}) for p in provenance}),
+            "commits": len({p.get("commit") for p in provenance} - {None}),
+            "provenance": provenance_table(src, [f"{FAMILY}/{c}.jsonl" for c in kept]),
         }
     }

@@ -119,16 +119,16 @@ def test_the_ablation_renders_its_own_family_with_sign_counts(tmp_path):
     _write_faults(tmp_path, _fault_records(), "outlier_delayed")
     text = _fault_section(tmp_path)
     for c in pr.ABLATION_COMPARISONS:
-        assert f"| {c.arm} - {c.rival} | {c.question} |" in text
-    assert "| GNMR+e 4 - random 4 |" in text  # the parent keeps its own four
+        assert f"| outlier_delayed_ablation | {c.arm} - {c.rival} |" in text
+    assert "| outlier_delayed | GNMR+e 4 - random 4 |" in text  # the parent keeps its own four
     r = FaultRegime(Source(tmp_path), "outlier_delayed_ablation")
     rows = {(p["c"].arm, p["c"].rival): p for p in r.preregistered()}
     lean = rows[("GNMR+e lean 4", "random 4")]
     assert (lean["below"], lean["n"], lean["verdict"]) == (4, 4, "better")
-    assert "4 of 4 seeds below 0 (sign test p = 0.125)" in text
+    assert "| GNMR+e lean 4 - random 4 | -0.0029 | 0.0008 | better | 4 of 4 (p = 0.125) |" in text
     only = rows[("e-only 4", "GNMR+e 4")]
     assert only["tie"] == pr.tie(only["mean"], only["half"], 0.010)
-    assert (only["verdict"] + (" (a tie)" if only["tie"] else "")) in text
+    assert f"| {only['verdict']}{' (a tie)' if only['tie'] else ''} |" in text
     got = ablation([r, FaultRegime(Source(tmp_path), "outlier_delayed")])
     assert [a["parent"] for a in got] == ["outlier_delayed"] and got[0]["planned"] == 8
     assert got[0]["arms"]["GNMR+e lean 4"]["work"] == pytest.approx(1 / 28)

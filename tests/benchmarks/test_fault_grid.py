@@ -172,16 +172,32 @@ def test_the_grid_report_pairs_a_cell_with_the_fault_free_bf16_and_breaks_even(t
     assert row["arms"]["GNMR+e 4"]["vs_low"] == pytest.approx(
         [-0.039 - 0.002 * i for i in range(5)]
     )
-    free = report.cell_row("free", report.records(src, "free"))
-    _, found = report.break_even_rows(src, {"m20_rise": row} | _empty(), free, error=0.0)
+    controls = {"free": report.cell_row("free", report.records(src, "free"))}
+    controls["free_long"] = {"h": 225, "seeds": [], "arms": {}}
+    rows = {"m20_rise": row} | _empty()
+    table, found = report.break_even_table(src, rows, controls, c=0.0)
     # a_0 = -0.15 (no gain, 15% of the work at twice the time); a_f = gain / 0.002 / 50 - 0.15
     a_f = [(0.039 + 0.002 * i) / 0.002 / 50 - 0.15 for i in range(5)]
-    mean_af = sum(a_f) / 5
-    assert found[0]["phi"] == pytest.approx(0.15 / (0.15 + mean_af))
-    assert "not yet run" in report.statics_table({"m20_rise": row} | _empty())
+    phi = 0.15 / (0.15 + sum(a_f) / 5)
+    assert found[0]["phi"] == pytest.approx(phi)
+    assert "| no fault (free): a_0 |  | 5 | -0.150 +- 0.000 (0/5 > 0) | - |" in table
+    assert f"| 2^20 | x4 rise | 5 | {report.figure(a_f, 3)}: {phi:.2f} +- 0.0" in table
+    # without the arm under the fault, the cell gets the bound: the whole gap at the same spend
+    bare = {**row, "arms": {}}
+    table, found = report.break_even_table(src, {"m20_rise": bare} | _empty(), controls, c=0.0)
+    best = [g / 0.002 / 50 - 0.15 for g in row["gap"]]
+    assert f"| 2^20 | x4 rise | 5 | <= {report.figure(best, 3)}: at least" in table
+    cells = report.cells_table(src, rows)
+    assert "| 2^20 | instant | not yet run |" in cells
+    damage = report.figure([0.039 + 0.002 * i for i in range(5)])  # low-cost against free's
+    assert f"| 2^20 | x4 rise | 5 | {report.figure(row['gap'])} |" in cells and damage in cells
 
 
 def _empty():
     from benchmarks.report import fault_grid as report
 
-    return {c: {"seeds": [], "arms": {}} for c, _, _ in report._cells() if c != "m20_rise"}
+    return {
+        c: {"seeds": [], "arms": {}, "h": report.horizon(c)}
+        for c, _, _ in report._cells()
+        if c != "m20_rise"
+    }
