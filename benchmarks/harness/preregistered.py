@@ -160,6 +160,12 @@ class Stopping:
     chosen: str = ""
     """When the regime's fault was chosen, against the registration and the pilot, in words."""
 
+    @classmethod
+    def fixed(cls, seeds: tuple[int, ...], chosen: str) -> Stopping:
+        """The rule of a design fixed whole before it ran: ``seeds``, no extension whatever the
+        intervals, read once every branch is in."""
+        return cls(planned=seeds, looks=(len(seeds),), chosen=chosen)
+
 
 _CHOSEN = (
     "the peak of 2^20 (x4 per step) was set after a two-seed pilot at 2^10 in which every format "
@@ -213,20 +219,11 @@ STOPPING: dict[str, Stopping] = {
         why="no comparison was resolved at five seeds",
         chosen=_CHOSEN,
     ),
-    "outlier_delayed_ablation": Stopping(
-        planned=ABLATION_SEEDS,
-        looks=(len(ABLATION_SEEDS),),
-        chosen=_ABLATION_CHOSEN,
-    ),
-    "outlier_fp8_tensor_ablation": Stopping(
-        planned=ABLATION_SEEDS,
-        looks=(len(ABLATION_SEEDS),),
-        chosen=_ABLATION_CHOSEN,
-    ),
-    "outlier_torchao_tensorwise": Stopping(
-        planned=(1234, 7, 42, 5, 11),
-        looks=(5,),
-        chosen="its design (outlier_fp8_tensor's outlier, trunks, seeds and arms, gamma 0.03) was "
+    "outlier_delayed_ablation": Stopping.fixed(ABLATION_SEEDS, _ABLATION_CHOSEN),
+    "outlier_fp8_tensor_ablation": Stopping.fixed(ABLATION_SEEDS, _ABLATION_CHOSEN),
+    "outlier_torchao_tensorwise": Stopping.fixed(
+        (1234, 7, 42, 5, 11),
+        "its design (outlier_fp8_tensor's outlier, trunks, seeds and arms, gamma 0.03) was "
         "fixed before any of its branches ran (issue 43)",
     ),
 }
@@ -278,10 +275,7 @@ _GRID_CHOSEN = (
     "over seeds, no verdict), with the sign count beside each interval"
 )
 
-STOPPING |= {
-    name: Stopping(planned=GRID_SEEDS, looks=(len(GRID_SEEDS),), chosen=_GRID_CHOSEN)
-    for name in GRID_CELLS
-}
+STOPPING |= dict.fromkeys(GRID_CELLS, Stopping.fixed(GRID_SEEDS, _GRID_CHOSEN))
 """The grid's stopping rule: these five seeds in every cell, no extension whatever the
 intervals; a cell is read once all its branches are in."""
 
@@ -350,10 +344,7 @@ _STAGE5_CHOSEN = (
     "25 steps); no extension whatever the intervals"
 )
 
-STOPPING |= {
-    name: Stopping(planned=STAGE5_SEEDS, looks=(len(STAGE5_SEEDS),), chosen=_STAGE5_CHOSEN)
-    for name in STAGE5_FAMILIES
-}
+STOPPING |= dict.fromkeys(STAGE5_FAMILIES, Stopping.fixed(STAGE5_SEEDS, _STAGE5_CHOSEN))
 
 
 def sign_test(diffs: Sequence[float]) -> tuple[int, int, float]:

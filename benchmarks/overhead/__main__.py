@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness.arms import Setup
-from benchmarks.harness.common import RESULTS, arg_parser, start_cli
+from benchmarks.harness.common import RESULTS, start_cli
 from benchmarks.harness.provenance import record
 from benchmarks.harness.recipes import TARGET
 from benchmarks.harness.tables import collectives_table as table_c
@@ -31,22 +31,18 @@ from benchmarks.harness.tables import monitor_table as table_b
 from benchmarks.overhead.collectives import Call, CollectiveSpec, part_c
 from benchmarks.overhead.config import GNMR_POLICY, backend_options
 from benchmarks.overhead.monitor import part_b
-from benchmarks.overhead.step_time import part_a, table_a, verdict
+from benchmarks.overhead.step_time import part_a, table_a, timing_parser, verdict
 
 logger = logging.getLogger(__name__)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = arg_parser(__doc__)
+    p = timing_parser(__doc__, "overhead.json", steps=30, warm=4, rounds="per arm in (a)")
     p.prog = "python -m benchmarks.overhead"  # not __main__.py
-    p.add_argument("--steps", type=int, default=30, help="recorded rounds per arm in (a)")
-    p.add_argument("--warm", type=int, default=4, help="unrecorded rounds first in (a)")
     p.add_argument("--budget", type=float, default=0.1, help="max_active / units of GNMR")
     p.add_argument("--repeats", type=int, default=30, help="repeats per arm in (b)")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--parts", default="abc", help="which of (a), (b), (c) to run")
     p.add_argument("--local-only", action="store_true", help="(a) without the DeepSpeed arms")
-    p.add_argument("--out", default=str(RESULTS / "overhead.json"), help="where the JSON goes")
     return p.parse_args(argv)
 
 

@@ -43,12 +43,12 @@ import torch
 from torch import nn
 
 from benchmarks.harness.arms import Setup
-from benchmarks.harness.common import RESULTS, arg_parser, hf_loss, start_cli
+from benchmarks.harness.common import hf_loss, start_cli
 from benchmarks.harness.markdown import markdown_table
 from benchmarks.harness.model import Batches, build_model
 from benchmarks.harness.provenance import record
 from benchmarks.overhead.config import GNMR_POLICY
-from benchmarks.overhead.step_time import Arm, ArmSpec, clock, interleave
+from benchmarks.overhead.step_time import Arm, ArmSpec, clock, interleave, timing_parser
 
 logger = logging.getLogger(__name__)
 
@@ -349,16 +349,13 @@ def policy(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = arg_parser(__doc__)
+    # 8 unrecorded rounds: GNMR's warm-up (GNMR_POLICY's 5 steps) ends before the recording
+    p = timing_parser(__doc__, "overhead_v2.json", steps=48, warm=8, rounds="per repeat")
     p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
-    p.add_argument("--steps", type=int, default=48, help="recorded rounds per repeat")
-    p.add_argument("--warm", type=int, default=8, help="unrecorded rounds first (GNMR warm-up)")
     p.add_argument("--repeats", type=int, default=4, help="fresh builds of the arms")
     p.add_argument("--budget", type=int, default=3, help="GNMR's max_active (of 28 units)")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--setup", default="{}", help="JSON overrides of the harness Setup")
     p.add_argument("--gnmr", default="{}", help="JSON overrides of the GNMR policy")
-    p.add_argument("--out", default=str(RESULTS / "overhead_v2.json"), help="the JSON file")
     return p.parse_args(argv)
 
 

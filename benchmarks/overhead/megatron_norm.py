@@ -37,7 +37,7 @@ def build(layers: int, hidden: int, vocab: int) -> tuple[Any, Any]:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megatron_patches import cpu_transformer_config
+    from gnmr_dist.testing.megatron_cpu import cpu_transformer_config
 
     ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
@@ -81,7 +81,7 @@ def measure(model: Any, optimizer: Any, repeats: int) -> dict[str, Any]:
     import megatron_patches
     from gnmr_dist.integrations.megatron.gnmr import leaf_optimizers
 
-    handle = megatron_patches.apply(model, {"max_active": 4}, optimizer=optimizer)
+    handle = megatron_patches.enable(model, {"max_active": 4}, optimizer=optimizer)
     leaf = next(iter(leaf_optimizers(optimizer)))
     optimizer.prepare_grads()  # main grads as megatron's step prepares them
     grads = list(getattr(leaf, handle.info.grads_for_norm)())
@@ -113,7 +113,7 @@ def measure(model: Any, optimizer: Any, repeats: int) -> dict[str, Any]:
     fused_value = float(handle.norm_with_units(grads, group, original))
     handle.collecting = False
     params = sum(p.numel() for p in model.parameters())
-    megatron_patches.remove()
+    megatron_patches.disable()
     return summarize(times, decide, params, len(grads), handle.registry.num_units) | {
         "norm_megatron": megatron_value,
         "norm_fused": fused_value,
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", type=Path, default=RESULTS / "megatron_norm.json")
     args = parser.parse_args(argv)
     start_cli(args.threads)
-    from megatron_patches import cpu_compat
+    from gnmr_dist.testing.megatron_cpu import cpu_compat
 
     with gloo_world(), cpu_compat():  # megatron's parallel state needs a process group
         model, optimizer = build(args.layers, args.hidden, args.vocab)

@@ -30,6 +30,7 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import asdict
 from typing import Any
 
@@ -37,18 +38,17 @@ import torch
 from torch import nn
 
 from benchmarks.harness.arms import Setup
-from benchmarks.harness.common import RESULTS, arg_parser, hf_loss, start_cli
+from benchmarks.harness.common import start_cli
 from benchmarks.harness.markdown import markdown_table
 from benchmarks.harness.model import PROJECTIONS, Batches, build_model
 from benchmarks.harness.provenance import record
 from benchmarks.overhead.config import ERROR_GAMMA, GNMR_POLICY
 from benchmarks.overhead.step_time import (
-    Arm,
     ArmSpec,
-    clock,
+    LocalArm,
     interleave,
-    observe_timed,
     summarize,
+    timing_parser,
 )
 
 logger = logging.getLogger(__name__)
@@ -85,47 +85,19 @@ def te_model(setup: Setup, te: Any) -> nn.Module:
     return model
 
 
-class TEArm(Arm):
-    """One process: the te_fp8 backend on the stand-ins, ``GNMRRuntime(group=None)``."""
+class TEArm(LocalArm):
+    """One process: the te_fp8 backend on the stand-ins, ``GNMRRuntime(group=None)``; the
+    single-process arm of :mod:`benchmarks.overhead.step_time` with TE's operator types and its
+    forward inside TE's autocast region."""
 
     def __init__(self, spec: ArmSpec, setup: Setup, te: Any) -> None:
-        from gnmr_dist.backends import get_backend
-        from gnmr_dist.core import GNMRConfig
-        from gnmr_dist.distributed import GNMRRuntime, UnitRegistry
+        super().__init__(spec, setup, te_model(setup, te))
 
-        super().__init__(spec)
-        self.model = te_model(setup, te)
-        self.backend = get_backend("te_fp8", **spec.options)
-        types = self.backend.operator_names()
-        registry = UnitRegistry.from_model(self.model, granularity="operator", operator_types=types)
-        self.backend.wrap(registry.local_modules)
-        self.runtime = None
-        if spec.max_active is not None:
-            extra = {} if spec.gamma is None else {"gamma": spec.gamma}
-            cfg = GNMRConfig.from_dict({**GNMR_POLICY, **extra, "max_active": spec.max_active})
-            error_fn = None
-            if spec.gamma is not None:
-                self.backend.track_errors(registry.num_units, every=spec.error_every)
-                error_fn = self.backend.error_sums
-            self.runtime = GNMRRuntime(
-                registry, cfg, error_fn=error_fn, error_every=spec.error_every
-            )
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=setup.lr, weight_decay=setup.weight_decay)
-        self.clip = setup.clip
+    def operator_types(self) -> frozenset[str]:
+        return frozenset(self.backend.operator_names())
 
-    def step(self, tokens: torch.Tensor, step: int) -> None:
-        w0, c0 = clock()
-        self.backend.apply(self.runtime.plan.active if self.runtime else (), step)
-        with self.backend.autocast():
-            loss = hf_loss(self.model, tokens)
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        t_mon, t_ctl = observe_timed(self.runtime)
-        nn.utils.clip_grad_norm_(self.params, self.clip)
-        self.opt.step()
-        w1, c1 = clock()
-        self._last = (w1 - w0, c1 - c0, t_mon, t_ctl, len(self.backend.report().recovered))
+    def forward_region(self) -> AbstractContextManager[Any]:
+        return self.backend.autocast()
 
 
 def arm_specs(recipe: str) -> list[ArmSpec]:
@@ -177,13 +149,9 @@ def table(results: dict[str, list[dict[str, Any]]]) -> str:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = arg_parser(__doc__)
+    p = timing_parser(__doc__, "overhead_shadow.json", steps=60, warm=4)
     p.prog = "python -m benchmarks.overhead.shadow"
-    p.add_argument("--steps", type=int, default=60, help="recorded rounds per arm")
-    p.add_argument("--warm", type=int, default=4, help="unrecorded rounds first")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--recipes", default="tensorwise,blockwise,mxfp8,nvfp4", help="recipes")
-    p.add_argument("--out", default=str(RESULTS / "overhead_shadow.json"), help="the JSON")
     return p.parse_args(argv)
 
 

@@ -11,10 +11,13 @@ six arms and what each difference to the baseline measures: docs/benchmarks.md#o
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import logging
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +25,7 @@ import torch
 from torch import nn
 
 from benchmarks.harness.arms import Setup
-from benchmarks.harness.common import deepspeed_world, hf_loss
+from benchmarks.harness.common import RESULTS, arg_parser, deepspeed_world, hf_loss
 from benchmarks.harness.markdown import markdown_table
 from benchmarks.harness.model import Batches, build_model
 from benchmarks.harness.recipes import ERROR_TARGET, TARGET
@@ -111,16 +114,21 @@ class Arm:
 
 
 class LocalArm(Arm):
-    """One process, no torch.distributed: ``GNMRRuntime(group=None)`` when GNMR is on."""
+    """One process, no torch.distributed: ``GNMRRuntime(group=None)`` when GNMR is on.
 
-    def __init__(self, spec: ArmSpec, setup: Setup) -> None:
+    ``model``: another model than the harness's Llama of ``setup`` (the shadow study's, whose
+    projections are TE modules); a subclass names the operator types its backend finds in them
+    (:meth:`operator_types`) and the region its forward runs in (:meth:`forward_region`)."""
+
+    def __init__(self, spec: ArmSpec, setup: Setup, model: nn.Module | None = None) -> None:
         from gnmr_dist.backends import get_backend
         from gnmr_dist.distributed import UnitRegistry
 
         super().__init__(spec)
-        self.model = build_model(setup)
-        registry = UnitRegistry.from_model(self.model, granularity="operator")
+        self.model = build_model(setup) if model is None else model
         self.backend = get_backend(spec.backend, **spec.options)
+        types = self.operator_types()
+        registry = UnitRegistry.from_model(self.model, granularity="operator", operator_types=types)
         self.backend.wrap(registry.local_modules)
         self.runtime = None if spec.max_active is None else self._runtime(registry)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -141,11 +149,20 @@ class LocalArm(Arm):
             error_fn = self.backend.error_sums
         return GNMRRuntime(registry, cfg, error_fn=error_fn, error_every=spec.error_every)
 
+    def operator_types(self) -> frozenset[str]:
+        """Operator types the registry looks for besides its own (none for ``nn.Linear``)."""
+        return frozenset()
+
+    def forward_region(self) -> AbstractContextManager[Any]:
+        """The region the forward runs in (none here; TE's autocast for TE modules)."""
+        return contextlib.nullcontext()
+
     def step(self, tokens: torch.Tensor, step: int) -> None:
         w0, c0 = clock()
         active = self.runtime.plan.active if self.runtime is not None else self.fixed
         self.backend.apply(active, step)
-        loss = hf_loss(self.model, tokens)
+        with self.forward_region():
+            loss = hf_loss(self.model, tokens)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         t_mon, t_ctl = observe_timed(self.runtime)
@@ -235,6 +252,20 @@ def arm_specs(backend: str, budget: int) -> list[ArmSpec]:
         arm(f"gnmr+e k={budget}", budget, gamma=ERROR_GAMMA),
         arm(f"gnmr+e/{ERROR_EVERY} k={budget}", budget, gamma=ERROR_GAMMA, error_every=ERROR_EVERY),
     ]
+
+
+def timing_parser(
+    doc: str | None, out: str, *, steps: int, warm: int, rounds: str = "per arm"
+) -> argparse.ArgumentParser:
+    """The command line every interleaved timing shares (:func:`interleave`): ``--steps``
+    recorded rounds ``rounds``, ``--warm`` unrecorded ones first, ``--threads`` (torch's
+    intra-op threads) and ``--out`` (the JSON file, ``benchmarks/results/<out>`` by default)."""
+    p = arg_parser(doc)
+    p.add_argument("--steps", type=int, default=steps, help=f"recorded rounds {rounds}")
+    p.add_argument("--warm", type=int, default=warm, help="unrecorded rounds first")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--out", default=str(RESULTS / out), help="the JSON file")
+    return p
 
 
 def interleave(arms: Sequence[Arm], batch: Callable[[int], torch.Tensor], steps: int, warm: int):
