@@ -78,6 +78,7 @@ def _run_interleaved(
 ) -> list[ArmResult]:
     runs = [ArmRun(setup, arm, heldout) for arm in arms]
     for step in range(1, setup.steps + 1):
+        # the order rotates every step: no arm runs first, or after the same neighbour, all run long
         k = step % len(runs)
         for run in runs[k:] + runs[:k]:
             run.step(step, train)
@@ -99,6 +100,7 @@ def plot(name: str, results: Sequence[ArmResult], path: Path) -> None:
     ax1.set(title=f"{name}: training loss (moving mean)", xlabel="step", ylabel="loss")
     ax2.set(title="held-out loss (y zoomed on the later evaluations)", xlabel="step", ylabel="loss")
     lows = [min(r.eval_losses) for r in results]
+    # zoomed past the first third: the steep early losses would flatten the differences that matter
     ax2.set_ylim(min(lows) - 0.05, max(r.eval_losses[len(r.eval_losses) // 3] for r in results))
     finish_plot(fig, path)
 
@@ -127,6 +129,7 @@ def report(out: dict[str, Any], reference: str, low_cost: str, gnmr: str | None 
     (arms left out by ``--arms`` are skipped)."""
     results = [ArmResult(**r) for r in out["results"]]
     names = [r.name for r in results]
+    # --arms may leave the reference out; the table still needs a column to compare with
     ref = reference if reference in names else names[0]
     low = low_cost if low_cost in names else names[0]
     logger.info(table(results, ref, low))
