@@ -1,11 +1,12 @@
-"""The shadow route's section: ``python -m benchmarks.overhead.shadow``'s step times, read from
-``results/overhead_shadow.json``, and ``python -m benchmarks.sweep.shadow_replay``'s selection
-agreement, ``results/shadow_replay.json``, as ``templates/shadow.md.j2`` reads them."""
+"""The shadow route's section: ``python -m benchmarks.overhead.shadow``'s step times
+(``results/overhead_shadow.json``) and ``python -m benchmarks.sweep.shadow_replay``'s selection
+agreement (``results/shadow_replay.json``) as one table, ``templates/shadow.md.j2`` around it."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from benchmarks.harness.markdown import markdown_table
 from benchmarks.report.source import Source
 
 
@@ -14,31 +15,61 @@ def interval(name: str) -> int | None:
     return int(name.split("/")[1].split()[0]) if "+e/" in name else None
 
 
-def amortized(arms: list[dict[str, Any]], name: str) -> float | None:
-    """``1 + (r_1 - 1) / N`` of arm ``name`` (``None`` for an arm without an interval)."""
-    n = interval(name)
-    if n is None:
-        return None
-    every = next(a["cpu_ratio"] for a in arms if interval(a["arm"]) == 1)
-    return 1 + (every - 1) / n
-
-
-def replay_rows(replay: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """(run name, row) of every replayed run: the demo when recorded, then the fault regime."""
-    runs = [("demo", replay["demo"])] if "demo" in replay else []
-    runs.append((replay["fault"]["regime"], replay["fault"]))
-    return [(name, row) for name, run in runs for row in run["rows"]]
+def table(shadow: dict[str, Any], replay: dict[str, Any] | None) -> str:
+    """Per recipe: GNMR's CPU-time ratio without ``e``, and per interval ``N`` the ratio [IQR]
+    and the every-step arm's extra cost amortized, ``1 + (r_1 - 1) / N``; per replayed run: per
+    ``N`` the share of identical active sets / of recovered unit-steps kept."""
+    every = sorted(
+        {n for arms in shadow["step_time"].values() for a in arms if (n := interval(a["arm"]))}
+        | (
+            {
+                r["error_every"]
+                for run in (replay or {}).values()
+                if isinstance(run, dict)
+                for r in run.get("rows", [])
+            }
+        )
+    )
+    rows = []
+    for recipe, arms in shadow["step_time"].items():
+        by = {interval(a["arm"]): a for a in arms if a["arm"] != "low-cost"}
+        r1 = by[1]["cpu_ratio"]
+        cells = [recipe, "CPU / low-cost [IQR] -> amortized", f"{by[None]['cpu_ratio']:.3f}"]
+        for n in every:
+            a = by.get(n)
+            lo, hi = a["cpu_iqr"] if a else (0, 0)
+            cells.append(
+                f"{a['cpu_ratio']:.3f} [{lo:.3f}, {hi:.3f}] -> {1 + (r1 - 1) / n:.4f}" if a else "-"
+            )
+        rows.append(cells)
+    runs = [("demo", replay["demo"])] if replay and "demo" in replay else []
+    runs += [(replay["fault"]["regime"], replay["fault"])] if replay else []
+    for name, run in runs:
+        by_n = {r["error_every"]: r for r in run["rows"]}
+        cells = [name, "identical active sets / recovered unit-steps kept", "-"]
+        for n in every:
+            r = by_n.get(n)
+            kept = (
+                "-"
+                if r is None or r["recovered_unit_steps_kept"] is None
+                else f"{r['recovered_unit_steps_kept']:.3f}"
+            )
+            cells.append("-" if r is None else f"{r['identical_active_sets']:.3f} / {kept}")
+        rows.append(cells)
+    return markdown_table(["run", "figure", "GNMR without e", *(f"N = {n}" for n in every)], rows)
 
 
 def context(src: Source) -> dict[str, Any]:
-    """The section's names: both runs (``None`` when a file is absent) and the helpers."""
+    """The section's names (``shadow`` ``None`` when its file is absent)."""
     shadow = src.json("overhead_shadow") if src.has("overhead_shadow.json") else None
     replay = src.json("shadow_replay") if src.has("shadow_replay.json") else None
-    files = [n for n in ("overhead_shadow.json", "shadow_replay.json") if src.has(n)]
+    commands = {
+        "overhead_shadow.json": "`python -m benchmarks.overhead.shadow`",
+        "shadow_replay.json": "`python -m benchmarks.sweep.shadow_replay --demo-trace "
+        "runs/demo_e/trace.jsonl`",
+    }
     return {
         "shadow": shadow,
-        "shadow_replay": replay,
-        "shadow_files": files,
-        "amortized": amortized,
-        "replay_rows": replay_rows,
+        "shadow_table": table(shadow, replay) if shadow else "",
+        "shadow_files": src.provenance_table({n: c for n, c in commands.items() if src.has(n)}),
     }
