@@ -30,7 +30,10 @@ def ablation(regimes: list[FaultRegime]) -> list[dict[str, Any]]:
         d = r.design
         rows = [p for p in r.preregistered() if not p["missing"] and not p["not_run"]]
         arms = {
-            a: {"share": share_closed(r.records, d, a), "work": work(r.records, d, a)}
+            a: {
+                "share": share_closed(r.records, d, a),
+                "work_pct": f"{100 * work(r.records, d, a):.1f}%",
+            }
             for a in ARMS
             if a in r.table_arms
         }

@@ -37,6 +37,7 @@ from typing import Any
 
 from benchmarks.harness import cost, preregistered
 from benchmarks.harness.branch_stats import Design, Records, per_seed, share_closed
+from benchmarks.harness.markdown import markdown_table
 from benchmarks.harness.stats import interval
 from benchmarks.report.faults import (
     FAMILY,
@@ -271,3 +272,100 @@ def rests_on(r: FaultRegime, k: int) -> dict[str, Any] | None:
         "convexity": _convexity(r, k),
         "stopping": _stopping(r, k),
     }
+
+
+def _c(c: dict[str, Any]) -> str:
+    return (
+        f"{c['mean']:+.4f} +- {c['half']:.4f} {c['verdict']}, {c['below']} of {c['n']} "
+        f"below (p = {c['p']:.2g})"
+    )
+
+
+ROWS = (
+    "standing spend: steps of 50 on the recovery path where the fault is elsewhere",
+    "seeds whose fault struck a standing unit (share of the summed static gap)",
+    "the comparisons without those seeds (98.75%)",
+    "GNMR+e's work: standing units + the rest of their layer + the faulted unit + elsewhere",
+    "the outlier's peak (the first pilot's static gap at a smaller one)",
+    "the norms alone (GNMR k), blind by construction",
+    "the static gap after each evaluation (the fault's window in steps)",
+    "the old cost model, low-cost path: largest extra steps; mean of ratios -> at the mean",
+    "the bounded model: low-cost not reached / behind at the end; GNMR+e's speed-up (B200)",
+    "stopping: seeds planned + added; the first look; the end's sign count (p, x tests x looks)",
+)
+
+
+def cells(x: dict[str, Any]) -> list[str]:
+    """One regime's column of :func:`table`, the figures of :func:`rests_on` formatted."""
+    w, cv, st = x["work"], x["convexity"], x["stopping"]
+    out = [", ".join(f"{u} {m:.0f}" for u, m in x["standing"])]
+    share = f"{100 * x['covered_share']:.0f}%"
+    out.append(
+        f"{len(x['covered'])} of {x['seeds']}: {', '.join(map(str, x['covered']))} ({share})"
+    )
+    out.append("; ".join(f"vs {c['rival']} {_c(c)}" for c in x["margins"]) or "-")
+    parts = (w["standing"], w["layer"], w["fault"], w["rest"]) if w else ()
+    out.append(f"{100 * x['total_work']:.1f}% = " + " + ".join(f"{100 * p:.1f}" for p in parts))
+    pilot = x["pilot"]
+    out.append(
+        x["peak"]
+        + (
+            f" ({pilot['peak']}: {pilot['gap'][0]:+.4f} +- {pilot['gap'][1]:.4f},"
+            f" {pilot['seeds']} seeds x {pilot['points']} points)"
+            if pilot
+            else ""
+        )
+    )
+    norm = x["norm"]
+    out.append(
+        f"closes {norm['share'][0]:+.2f} +- {norm['share'][1]:.2f}, "
+        f"{100 * norm['work']:.1f}% of the work"
+        if norm
+        else "not run"
+    )
+    gaps = list(x["gap_at"].values())
+    trend = "grows after the window" if gaps[-1][0] > gaps[0][0] else "shrinks after the window"
+    at = ", ".join(f"{g[0]:+.4f} +- {g[1]:.4f} ({e})" for e, g in x["gap_at"].items())
+    out.append(f"{at} ({x['window'][0]}-{x['window'][1]}): {trend}")
+    if cv:
+        past = ", past the schedule's end" if cv["past_end"] else ""
+        out.append(
+            f"{cv['max_extra']:.0f}{past}; {cv['mean_of_ratios']:.2f} -> {cv['at_mean']:.2f} "
+            f"({cv['mean_extra']:.1f} steps)"
+        )
+        low, arm = cv["now"]["low-cost"], cv["now"].get(cv["arm"])
+        end = low["at_end"] or (0, 0)
+        text = f"{low['not_reached'][0]} of {low['not_reached'][1]} / {end[0]} of {end[1]}"
+        if arm:
+            sp = arm["b200"]["speedup"]
+            speed = f"{sp[0]:.2f} +- {sp[1]:.2f}" if sp else arm["b200"]["note"]
+            behind = arm["at_end"] or (0, 0)
+            text += f"; {speed} (behind at the end on {behind[0]} of {behind[1]}, "
+            text += f"the BF16 null on {cv['null_at_end']})"
+        out.append(text)
+    else:
+        out += ["-", "-"]
+    if st:
+        stop, looks = st["stop"], len(st["stop"].looks)
+        head = f"{len(stop.planned)} + {len(stop.added)}" + (
+            f" ({', '.join(map(str, stop.added))}; looks at {', '.join(map(str, stop.looks))})"
+            if stop.added
+            else ""
+        )
+        first = "; ".join(f"at {len(stop.planned)}: vs {c['rival']} {_c(c)}" for c in st["first"])
+        final = "; ".join(
+            f"{c['below']} of {c['n']} below {c['rival']} "
+            f"(p = {c['p']:.2g}, {c['p'] * st['family'] * looks:.2g})"
+            for c in st["final"]
+        )
+        out.append("; ".join(p for p in (head, first, final) if p))
+    else:
+        out.append("-")
+    return out
+
+
+def table(items: list[tuple[str, dict[str, Any]]]) -> str:
+    """What the verdicts rest on: one row per figure, one column per regime."""
+    columns = [cells(x) for _, x in items]
+    rows = [[what, *(col[i] for col in columns)] for i, what in enumerate(ROWS)]
+    return markdown_table(["", *(f"`{name}`" for name, _ in items)], rows)

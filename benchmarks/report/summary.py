@@ -20,6 +20,7 @@ from benchmarks.report.faults import FaultRegime, work
 from benchmarks.report.faults import context as fault_context
 from benchmarks.report.paper_branch import regimes as seed_regimes
 from benchmarks.report.rests_on import rests_on
+from benchmarks.report.rests_on import table as rests_table
 from benchmarks.report.source import Source
 
 __all__ = ["context"]
@@ -48,7 +49,8 @@ def local(r: FaultRegime) -> dict[str, Any] | None:
                 "verdicts": verdicts,
                 "kind": kind(share, verdicts, arm),
                 "level": level_with(r, arm, share),
-                "speedup": speedups(r, arm),
+                "work_pct": f"{100 * work(r.records, d, arm):.1f}%",
+                **speedups(r, arm),
                 "rests": rests_on(r, k),
             }
         )
@@ -78,13 +80,14 @@ def level_with(r: FaultRegime, arm: str, share: tuple[float, float]) -> list[str
     return out
 
 
-def speedups(r: FaultRegime, arm: str, hardware: str = "B200") -> dict[str, Any]:
+def speedups(r: FaultRegime, arm: str, hardware: str = "B200") -> dict[str, str]:
     """``arm``'s and the low-cost path's speed-up over BF16 at matched loss on ``hardware``
-    (:attr:`FaultRegime.costs`): per arm ``value`` (mean and 95% half-width) or ``None`` with
-    the ``note`` saying why (not reached in the schedule, not priced)."""
-    cells = {a: r.costs[a]["hardware"][hardware] for a in (arm, "low-cost")}
-    got = {a: {"value": c["speedup"], "note": c["note"]} for a, c in cells.items()}
-    return {"hardware": hardware, "arm": got[arm], "low": got["low-cost"]}
+    (:attr:`FaultRegime.costs`), or the note saying why there is none."""
+    out = {}
+    for key, a in (("speed_arm", arm), ("speed_low", "low-cost")):
+        c = r.costs[a]["hardware"][hardware]
+        out[key] = f"{c['speedup'][0]:.2f} +- {c['speedup'][1]:.2f}" if c["speedup"] else c["note"]
+    return out
 
 
 SWEPT = 5
@@ -132,4 +135,11 @@ def context(src: Source) -> dict[str, Any]:
     stage5 = [(n, have.get(n)) for n in preregistered.STAGE5_FAMILIES]
     measured = [(n, r and [p for p in r.preregistered() if "mean" in p]) for n, r in stage5]
     names |= {"stage5": measured}
+    rests = [(a["regime"].name, b["rests"]) for a in advice for b in a["budgets"] if b["rests"]]
+    chosen: dict[str, list[str]] = {}
+    for name, _ in rests:
+        stop = preregistered.STOPPING.get(name)
+        if stop is not None and stop.chosen:
+            chosen.setdefault(stop.chosen, []).append(name)
+    names |= {"rests": rests_table(rests) if rests else "", "chosen": chosen}
     return names | {"seed_words": seeds, "ablation": ablation(every)} | shared

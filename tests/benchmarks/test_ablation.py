@@ -131,4 +131,4 @@ def test_the_ablation_renders_its_own_family_with_sign_counts(tmp_path):
     assert f"| {only['verdict']}{' (a tie)' if only['tie'] else ''} |" in text
     got = ablation([r, FaultRegime(Source(tmp_path), "outlier_delayed")])
     assert [a["parent"] for a in got] == ["outlier_delayed"] and got[0]["planned"] == 8
-    assert got[0]["arms"]["GNMR+e lean 4"]["work"] == pytest.approx(1 / 28)
+    assert got[0]["arms"]["GNMR+e lean 4"]["work_pct"] == "3.6%"  # 1 unit of 28
