@@ -1,4 +1,4 @@
-"""Seed experiment 3 (docs/algorithm.md#lora-fine-tuning-with-int8) as a Hugging Face ``Trainer`` +
+"""Paper experiment 3 (docs/algorithm.md#lora-fine-tuning-with-int8) as a Hugging Face ``Trainer`` +
 peft LoRA job with GNMR.
 
 The frozen base runs W8A8 INT8 GEMMs (GNMR's ``int8`` backend); rank-16 LoRA adapters on the
@@ -15,7 +15,7 @@ there first)::
     torchrun --nproc_per_node 2 examples/trainer_lora_int8.py --make-tiny runs/tiny_llama \\
         --model runs/tiny_llama --max-steps 8 --output-dir runs/trainer_lora
 
-LLaMA-2 13B on 8 GPUs (the seed's run; a local Hugging Face directory and your text files)::
+LLaMA-2 13B on 8 GPUs (the paper's run; a local Hugging Face directory and your text files)::
 
     torchrun --nproc_per_node 8 examples/trainer_lora_int8.py --model /models/Llama-2-13b-hf \\
         --tokenizer /models/Llama-2-13b-hf --data '/data/finetune/train/*.txt' --seq-len 1024 \\
@@ -23,7 +23,7 @@ LLaMA-2 13B on 8 GPUs (the seed's run; a local Hugging Face directory and your t
 
 Data: ``--data`` files (tokenized with ``--tokenizer``, or bytes without one) or, by default,
 the project's embedded corpus (``gnmr_dist.data``), cut into fixed samples of ``--seq-len``.
-Arms of the seed's table: INT8 (``"max_active": 0`` in the block), BF16 (``"enabled": false``),
+Arms of the paper's table: INT8 (``"max_active": 0`` in the block), BF16 (``"enabled": false``),
 GNMR INT8/BF16 (as shipped).
 """
 

@@ -1,5 +1,5 @@
-"""The seed experiments' shared runs: experiment 1's pretraining, whose FP32 arm is the base model
-of experiment 3's LoRA fine-tuning, and that fine-tuning's setup. The seed studies
+"""The paper experiments' shared runs: experiment 1's pretraining, whose FP32 arm is the base model
+of experiment 3's LoRA fine-tuning, and that fine-tuning's setup. The paper's studies
 (:mod:`benchmarks.paper`) and the branch sweeps' seed regimes (:mod:`benchmarks.sweep.regimes`)
 both build on them.
 """

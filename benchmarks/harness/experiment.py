@@ -1,4 +1,4 @@
-"""Side-by-side training arms for the seed experiments (:mod:`benchmarks.paper.act_quant`,
+"""Side-by-side training arms for the paper's experiments (:mod:`benchmarks.paper.act_quant`,
 :mod:`~benchmarks.paper.fp6_fp8`, :mod:`~benchmarks.paper.lora_int8`).
 
 Every arm of an experiment trains the same small Llama from the same initial weights on the same
@@ -106,7 +106,7 @@ def plot(name: str, results: Sequence[ArmResult], path: Path) -> None:
 
 
 def experiment_parser(doc: str | None, steps: int) -> argparse.ArgumentParser:
-    """A seed experiment's command line: ``--steps``, ``--budget``, ``--threads``, ``--arms``."""
+    """A paper experiment's command line: ``--steps``, ``--budget``, ``--threads``, ``--arms``."""
     p = arg_parser(doc)
     p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--budget", type=float, default=0.1, help="max_active / units for GNMR")

@@ -1,4 +1,4 @@
-"""What more than one study family uses: the FP6/FP8 formats of the seed experiment, the seed
+"""What more than one study family uses: the FP6/FP8 formats of the paper experiment, the seed
 experiments' GNMR policies and the step-time targets of the overhead study."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The printed table and target lines of a seed experiment (:mod:`benchmarks.harness.experiment`),
+"""The printed table and target lines of a paper experiment (:mod:`benchmarks.harness.experiment`),
 from its arms' results; ``python -m benchmarks.report`` renders RESULTS.md's tables with them.
 
 Nothing here imports torch: the results come from a run or from its JSON (``ArmResult(**r)``).
@@ -12,7 +12,7 @@ from benchmarks.harness.arms import ArmResult
 from benchmarks.harness.markdown import markdown_table
 
 TOLERANCE = 0.01
-"""The seed's quality target: GNMR's held-out loss within this share of the reference arm's."""
+"""The paper's quality target: GNMR's held-out loss within this share of the reference arm's."""
 
 SEED_EXCEEDANCE = 0.002
 """The exceedance rate the seed reports for healthy runs (below 0.2% of unit-steps)."""
@@ -53,11 +53,11 @@ def targets(
     seed_exceedance: float = SEED_EXCEEDANCE,
     time_ratio: float = TIME_RATIO,
 ) -> str:
-    """The seed's targets, checked on ``results`` (each line says met or missed).
+    """The paper's targets, checked on ``results`` (each line says met or missed).
 
     GNMR's held-out loss within ``tolerance`` of ``reference`` while ``low_cost`` (the static
     low-cost arm) is worse by more than ``tolerance``; GNMR's recovery rate next to its budget;
-    every arm's exceedance rate next to the seed's ``seed_exceedance``; GNMR's step time over the
+    every arm's exceedance rate next to the paper's ``seed_exceedance``; GNMR's step time over the
     low-cost arm's at most ``time_ratio``.
     """
     by = {r.name: r for r in results}
@@ -81,7 +81,7 @@ def targets(
             f"{100 * rel(low):+.2f}% -> {verdict(rel(low) > tolerance)}",
             f"- {gnmr} recovery rate {100 * g.recovery_rate:.2f}% vs budget {100 * budget:.2f}% "
             f"({g.max_active} of {g.units} units)",
-            f"- exceedance rate below the seed's {100 * seed_exceedance:.1f}%: {len(rare)} of "
+            f"- exceedance rate below the paper's {100 * seed_exceedance:.1f}%: {len(rare)} of "
             f"{len(results)} arms ({exceed})",
             f"- step time {gnmr} / {low_cost}: {ratio:.3f} (target <= {time_ratio}) "
             f"-> {verdict(ratio <= time_ratio)}",

@@ -1,4 +1,4 @@
-"""The seed document's three experiments at CPU scale (docs/algorithm.md#paper-experiments) and the
+"""The paper's three experiments at CPU scale (docs/algorithm.md#paper-experiments) and the
 harness
 they train with: side-by-side arms of one small Llama from the same weights on the same batches.
 

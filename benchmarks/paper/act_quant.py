@@ -1,4 +1,4 @@
-"""Seed experiment 1 at CPU scale: activation-quantization stress
+"""Paper experiment 1 at CPU scale: activation-quantization stress
 (docs/algorithm.md#activation-quantization-stress).
 
     python -m benchmarks.paper.act_quant [--steps 300] [--bits 2] [--group-size 128] [--budget 0.1]
@@ -6,7 +6,7 @@
 The harness's Llama pretrained from scratch for 300 steps; every projection saves its input for
 backward at ``--bits`` on the low-cost path and at 8 bits on the recovery path. Arms, interleaved
 from the same initial weights and batches: FP32, static 8 / 4 / ``--bits``-bit, two GNMR arms
-(the seed's thresholds and ``a=b=2``), Megatron's first+last recipe and a ZClip guard. The FP32
+(the paper's thresholds and ``a=b=2``), Megatron's first+last recipe and a ZClip guard. The FP32
 arm's final weights go to ``results/act_quant_fp32.pt``: the LoRA experiment's base. The setup,
 the stress knob and the choice of the GNMR policy: docs/benchmarks.md#paper-act_quant.
 """

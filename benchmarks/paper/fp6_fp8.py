@@ -1,4 +1,4 @@
-"""Seed experiment 2 at CPU scale: DeepSeek-style dynamic FP6/FP8 pretraining
+"""Paper experiment 2 at CPU scale: DeepSeek-style dynamic FP6/FP8 pretraining
 (docs/algorithm.md#dynamic-fp6-to-fp8-pretraining).
 
     python -m benchmarks.paper.fp6_fp8 [--steps 200] [--stress tensor|none] [--budget 0.1]

@@ -1,4 +1,4 @@
-"""Seed experiment 3 at CPU scale: LoRA fine-tuning stress on the int8 backend
+"""Paper experiment 3 at CPU scale: LoRA fine-tuning stress on the int8 backend
 (docs/algorithm.md#lora-fine-tuning-with-int8).
 
     python -m benchmarks.paper.lora_int8 [--steps 200] [--granularity tensor] [--budget 0.1]

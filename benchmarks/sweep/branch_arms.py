@@ -230,9 +230,9 @@ def wgrad_arms(regime: Regime, budgets: Sequence[int]) -> list[tuple[Arm, bool]]
 
 
 def paper_arms(regime: Regime, budgets: Sequence[int], units: int) -> list[tuple[Arm, bool]]:
-    """(arm, perturbed) of a seed experiment on the branch estimator: the two static paths (the
+    """(arm, perturbed) of a paper experiment on the branch estimator: the two static paths (the
     recovery one named :attr:`Regime.high`), the null controls, NVIDIA's last-layers rule and,
-    per budget ``k``, random-k, the seed's GNMR, GNMR+e and the gradient-gap oracle."""
+    per budget ``k``, random-k, the paper's GNMR, GNMR+e and the gradient-gap oracle."""
     q, k_nv = regime.backend_args(), nvidia_k(units)
     arms: list[tuple[Arm, bool]] = [
         (Arm("low-cost", "static", **q), False),

@@ -71,7 +71,7 @@ def trunks_dir(regime: Regime) -> Path:
 
 def ensure_inputs(regime: Regime) -> None:
     """What a regime's trunks start from: a fine-tuning regime's base model (``init_from``),
-    pretrained by its seed experiment when missing (:func:`benchmarks.harness.bases.
+    pretrained by its paper experiment when missing (:func:`benchmarks.harness.bases.
     ensure_base`)."""
     if regime.setup.init_from is not None:
         ensure_base(Path(regime.setup.init_from))

@@ -103,7 +103,7 @@ class Regime:
         return Arm("trunk", "recovery", **args)
 
     def error_policy(self) -> dict[str, Any]:
-        """The controller keys of a ``GNMR+e`` arm (the seed policy plus ``gamma``)."""
+        """The controller keys of a ``GNMR+e`` arm (the paper's policy plus ``gamma``)."""
         return {"gamma": self.gamma}
 
 
@@ -423,7 +423,7 @@ FAULT_REGIMES |= STAGE5_REGIMES
 
 
 def _paper(name: str, description: str, setup: Setup, backend: str, **kw: Any) -> Regime:
-    """A seed experiment on the branch estimator: its own trunks (its recovery path)."""
+    """A paper experiment on the branch estimator: its own trunks (its recovery path)."""
     return Regime(name, description, setup, backend, family="paper", trunk=name, **kw)
 
 
@@ -432,7 +432,7 @@ PAPER_REGIMES = {
     for r in (
         _paper(
             "paper_act_quant",
-            "seed experiment 1: 2-bit / 8-bit saved activations (act_quant, groups of 128)",
+            "paper experiment 1: 2-bit / 8-bit saved activations (act_quant, groups of 128)",
             Setup(gnmr=act_quant_policy()),
             "act_quant",
             low_cost={"bits": 2, "group_size": 128},
@@ -443,7 +443,7 @@ PAPER_REGIMES = {
         ),
         _paper(
             "paper_fp6_fp8",
-            "seed experiment 2: DeepSeek-style block-scaled FP6 / FP8 (fp8_emulated, 1 x 128 and "
+            "paper experiment 2: DeepSeek-style block-scaled FP6 / FP8 (fp8_emulated, 1 x 128 and "
             "128 x 128 scales)",
             FP4_SETUP,
             "fp8_emulated",
@@ -454,7 +454,7 @@ PAPER_REGIMES = {
         ),
         _paper(
             "paper_lora_int8",
-            "seed experiment 3: LoRA fine-tuning of experiment 1's FP32 base on an unseen "
+            "paper experiment 3: LoRA fine-tuning of experiment 1's FP32 base on an unseen "
             "domain, the frozen base in W8A8 INT8 (row / token scales) / BF16 (int8)",
             replace(lora_setup(BASE), init_from=str(BASE)),
             "int8",
@@ -465,7 +465,7 @@ PAPER_REGIMES = {
         ),
     )
 }
-"""The seed's three experiments on the branch estimator (issue 35 item 2). The trunk runs the
+"""The paper's three experiments on the branch estimator (issue 35 item 2). The trunk runs the
 recovery path (8-bit saved activations, block FP8, BF16), the static gap's upper end (the arm
 named :attr:`Regime.high`); experiment 3 fine-tunes experiment 1's FP32 base, pretrained when
 missing (:func:`benchmarks.harness.bases.ensure_base`). ``gamma``, the median error score of

@@ -15,7 +15,7 @@ Only the weight gradient sees the quantization error, bounded by ``scale / 2`` p
 are stored packed (two 4-bit or four 2-bit codes per byte) next to two fp32 numbers per group, so
 at k = 4 and 128-element groups a saved activation takes 0.5625 bytes per element against 2 for
 bf16 (``python -m benchmarks.overhead.act_memory`` measures it). The low-cost path is 4 bits (the
-seed's first experiment); recovery is 8 bits, 16 (bf16) or 32 (unchanged). Projections that read
+paper's first experiment); recovery is 8 bits, 16 (bf16) or 32 (unchanged). Projections that read
 the same input (q/k/v, gate/up) share one packed copy, as they share one saved tensor without
 the backend. ``group_size`` and ``bits`` are the stress knobs of the activation experiment.
 

@@ -5,7 +5,7 @@
 
 (or ``launch/torchrun.sh configs/demo_deepspeed.hjson --steps 150``). Builds a
 ``LlamaForCausalLM`` from a config (no download) or loads one from a LOCAL Hugging Face directory
-(``--init-from``), optionally adds peft LoRA adapters (``--lora-rank``: the seed's fine-tuning
+(``--init-from``), optionally adds peft LoRA adapters (``--lora-rank``: the paper's fine-tuning
 setting), reads fixed-length samples from ``--data`` (``gnmr_dist.data.make_dataset``: by default
 the Python standard library's own sources, split into train and held-out parts), and trains it
 through ``gnmr_dist.deepspeed.initialize`` with the config's ``"gnmr"`` block.

@@ -276,7 +276,7 @@ def test_a_not_priced_regime_in_the_table():
 
 def test_the_regimes_formats():
     """Every branch regime is priced from its own option blocks; the FP4 ones are n/a on Hopper,
-    act_quant (the selection sweeps' and seed experiment 1's) is not priced, int8 is priced on
+    act_quant (the selection sweeps' and paper experiment 1's) is not priced, int8 is priced on
     B200 and Hopper only, fp6_fp8's recovery runs at the FP8 rate."""
     from benchmarks.sweep.regimes import BRANCH_REGIMES, FP4_REGIMES, REGIMES
 

@@ -220,7 +220,7 @@ def test_targets_say_met_or_missed_from_the_numbers():
     assert lines[0] == "- g within 1% of hi: +0.50% -> met"
     assert lines[1] == "- lo worse than hi by more than 1%: +2.50% -> met"
     assert lines[2] == "- g recovery rate 5.00% vs budget 10.71% (3 of 28 units)"
-    assert lines[3].startswith("- exceedance rate below the seed's 0.2%: 2 of 3 arms")
+    assert lines[3].startswith("- exceedance rate below the paper's 0.2%: 2 of 3 arms")
     assert lines[4] == "- step time g / lo: 1.050 (target <= 1.03) -> MISSED"
 
 

@@ -109,7 +109,7 @@ def test_missing_config_is_reported(tmp_path, capsys):
 
 
 def test_lora_int8_fine_tuning_from_a_local_model(tmp_path):
-    """The seed's third setting at toy scale: a saved model, peft LoRA adapters, the int8
+    """The paper's third setting at toy scale: a saved model, peft LoRA adapters, the int8
     backend; only the adapters train and the run exports them."""
     from transformers import LlamaForCausalLM
 
