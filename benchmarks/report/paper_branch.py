@@ -1,41 +1,23 @@
-"""The seed's experiments on the branch estimator (issue 35 item 2): each regime of the ``seed``
-family (``results/paper/<regime>.jsonl``) on its largest complete design, as the fault regimes
-are read (:mod:`.faults`), its noise, its arms, the cost at matched loss
-(:mod:`benchmarks.harness.cost`) and a plain verdict beside the seed's own claim
-(docs/algorithm.md#paper-experiments). No torch: every figure comes from the records.
+"""The paper's experiments on the branch estimator (issue 35 item 2): each regime of the ``paper``
+family (``results/paper/<regime>.jsonl``) read on its largest complete design as the fault
+regimes are (:mod:`.faults`), as two tables: one row per regime and budget with the claim's
+verdict, the static gap, the nulls and the controls' shares; one of every arm's held-out loss
+against the recovery arm and its speed-up at matched loss (:mod:`benchmarks.harness.cost`).
 
-**The recovery arm** is the static gap's upper end: the arm whose ``arm_spec`` runs the
-``recovery`` policy on every unit and is not a null (``8-bit``, ``FP8``, ``BF16``); its null is
-``null <arm> (1e-6)``, and the formats are the records' ``arm_spec``.
-
-**The verdict**, per budget ``k`` on the seed's own policy (``GNMR k``), from 95% intervals over
-seeds at the horizon, the first rule that applies:
-
-- *not yet*: one seed (no interval), or ``GNMR k`` is not in the design;
-- *not at this scale*: the static gap (low-cost - recovery arm) does not lie above 0: there is
-  nothing to recover;
-- *the opposite*: ``GNMR k`` - low-cost lies above 0 (recovering makes it worse);
-- *reproduced*: GNMR's share of the static gap closed lies above 0.5 and ``GNMR k`` - the
-  recovery arm holds 0 or lies below it;
-- *partly*: the share lies above 0 (not above 0.5, or GNMR stays above the recovery arm);
-- *not reproduced*: the share's interval reaches 0.
-
-The controls' shares (NVIDIA's last-layers rule, random-k, GNMR+e, the gradient-gap oracle) are
-given beside it without a verdict.
+The recovery arm (the static gap's upper end) is the arm whose ``arm_spec`` runs the
+``recovery`` policy on every unit and is not a null. The verdict rules, on the paper's own
+``GNMR k``: docs/benchmarks.md#sweep-paper-regimes (:func:`verdict`). No torch.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
 from benchmarks.harness import cost
 from benchmarks.harness.branch_stats import (
-    SPIKES_VS,
     Design,
     Records,
     paired,
@@ -45,77 +27,31 @@ from benchmarks.harness.branch_stats import (
 )
 from benchmarks.harness.markdown import markdown_table
 from benchmarks.report.error_cost import error_cost
-from benchmarks.report.faults import (
-    SCHEDULE_END,
-    choose_arms,
-    pct,
-    pm,
-    progress,
-    reach,
-    work,
-)
+from benchmarks.report.faults import SCHEDULE_END, choose_arms, pct, pm, reach, work
 from benchmarks.report.source import Source
-from benchmarks.report.words import listing
+from benchmarks.report.words import resolved
 
 FAMILY = "paper"
 """The records' folder under ``results/`` (``Regime.family`` of the paper regimes)."""
-
-LOW = "low-cost"
-LOW_NULL = "null low-cost (1e-6)"
-
+LOW, LOW_NULL = "low-cost", "null low-cost (1e-6)"
 ORDER = ("random", "GNMR", "GNMR+e", "oracle")
 """The budgeted policies (``<policy> <k>``), in the tables' order within a budget."""
-
 SCHEDULES = {"paper_act_quant": 300, "paper_lora_int8": 200}
-"""The trunk's schedule of the seed regimes whose ``Instrument.trunk_steps`` is not the fault
-regimes' (:data:`benchmarks.report.faults.SCHEDULE_END`), which bounds the cost model's extra
-steps (``tests/benchmarks/test_cost_bounds.py`` checks them against the regimes)."""
-
+"""The trunk's schedule where it is not :data:`benchmarks.report.faults.SCHEDULE_END` (it bounds
+the extra steps; ``tests/benchmarks/test_cost_bounds.py`` checks them against the regimes)."""
 CONTROLS = ("NVIDIA last", "random", "GNMR+e", "oracle")
 """The policies whose shares stand beside GNMR's verdict (by name prefix)."""
-
 REPRODUCED = 0.5
 """The share of the static gap GNMR's interval must lie above for *reproduced*."""
-
-
-@dataclass(frozen=True)
-class Claim:
-    """One of the seed's experiments: its number, title, section and claim in words."""
-
-    number: int
-    title: str
-    anchor: str
-    text: str
-
-
 CLAIMS = {
-    "paper_act_quant": Claim(
-        1,
-        "activation-quantization stress",
-        "docs/algorithm.md#activation-quantization-stress",
-        "static low-bit saved activations fail or end at high perplexity, and GNMR moving a few "
-        "units to 8 bits reaches the 8-bit perplexity",
-    ),
-    "paper_fp6_fp8": Claim(
-        2,
-        "dynamic FP6 to FP8 pretraining",
-        "docs/algorithm.md#dynamic-fp6-to-fp8-pretraining",
-        "GNMR tracks the fixed 8-bit loss curve with the low-cost path's cost",
-    ),
-    "paper_lora_int8": Claim(
-        3,
-        "LoRA fine-tuning with INT8",
-        "docs/algorithm.md#lora-fine-tuning-with-int8",
-        "GNMR reaches BF16 quality where INT8 alone does not",
-    ),
+    "paper_act_quant": "1. activation-quantization stress: GNMR moving a few units to 8 bits "
+    "reaches the 8-bit perplexity where static low-bit activations do not",
+    "paper_fp6_fp8": "2. dynamic FP6 to FP8: GNMR tracks fixed FP8's loss at the FP6 cost",
+    "paper_lora_int8": "3. LoRA with INT8: GNMR reaches BF16 quality where INT8 alone does not",
 }
-"""The seed's claims (docs/algorithm.md#paper-experiments) by the regime that tests them."""
-
-GENERIC = "GNMR moving a few units to the recovery path reaches the recovery path's loss"
-"""The claim of a seed regime not in :data:`CLAIMS`."""
-
-
-# -- names --------------------------------------------------------------------------------------
+"""The paper's claims, short (docs/algorithm.md#paper-experiments), by the regime testing them."""
+GENERIC = "GNMR moving a few units to the recovery path reaches its loss"
+CLI = "`python -m benchmarks.sweep.fp4 --regime {}`"
 
 
 def budget(arm: str) -> int | None:
@@ -134,25 +70,19 @@ def recovery_arm(records: Records) -> str | None:
     return min(names) if names else None
 
 
-def fixed_order(high: str) -> tuple[str, ...]:
-    """The tables' order of the unbudgeted arms (by name prefix)."""
-    return (LOW, high, f"null {high} (1e-6)", LOW_NULL, "NVIDIA last")
+def role(arm: str, high: str) -> str:
+    """The arm's name with the recovery arm's replaced by ``recovery`` (a row of every regime)."""
+    return "recovery" if arm == high else arm.replace(f"null {high} ", "null recovery ")
 
 
-def rank(arm: str, high: str) -> tuple[int, int, int, str]:
-    """The tables' order: the unbudgeted arms, then by budget and policy."""
+def rank(arm: str) -> tuple[int, int, int, str]:
+    """The tables' order (of :func:`role` names): the unbudgeted arms, then by budget, policy."""
     k = budget(arm)
     if k is not None:
         return 1, k, ORDER.index(arm.rpartition(" ")[0]), arm
-    fixed = fixed_order(high)
-    first = [i for i, p in enumerate(fixed) if arm == p or arm.startswith(p)]
+    fixed = (LOW, "recovery", "null recovery", LOW_NULL, "NVIDIA last")
+    first = [i for i, p in enumerate(fixed) if arm.startswith(p)]
     return 0, first[0] if first else len(fixed), 0, arm
-
-
-# -- the design --------------------------------------------------------------------------------
-
-
-# -- the verdict -------------------------------------------------------------------------------
 
 
 def above(pair: Sequence[float], bar: float = 0.0) -> bool:
@@ -161,15 +91,13 @@ def above(pair: Sequence[float], bar: float = 0.0) -> bool:
 
 
 def verdict(records: Records, d: Design, arm: str) -> dict[str, Any]:
-    """The verdict on ``arm`` (the seed's ``GNMR k``) over ``d`` (module docstring): ``word``
-    and the figures it is read from, ``gap`` (low - high), ``share`` (of the gap closed),
-    ``vs_high`` and ``vs_low`` (paired, 95%) and ``work`` (recovered share of the work)."""
+    """The verdict on ``arm`` (the paper's ``GNMR k``) over ``d``, the first rule that applies
+    (docs/benchmarks.md#sweep-paper-regimes), as ``word``, with the figures it is read from:
+    ``gap`` (low - high), ``share`` (of the gap closed), ``vs_high``, ``vs_low``, ``work``."""
     gap = paired(records, d, d.low, d.high)
     out: dict[str, Any] = {"arm": arm, "gap": gap, "share": None, "vs_high": None, "vs_low": None}
     out["work"] = None
-    if math.isnan(gap[1]):
-        return out | {"word": "not yet"}
-    if not all((arm, s, p) in records for s in d.seeds for p in d.points):
+    if math.isnan(gap[1]) or not all((arm, s, p) in records for s in d.seeds for p in d.points):
         return out | {"word": "not yet"}
     share = share_closed(records, d, arm)
     vs_high, vs_low = paired(records, d, arm, d.high), paired(records, d, arm, d.low)
@@ -187,48 +115,31 @@ def verdict(records: Records, d: Design, arm: str) -> dict[str, Any]:
     return out | {"word": word}
 
 
-# -- one regime ----------------------------------------------------------------------------------
-
-ARMS_HEADER = ["arm", "recovered work", "held-out - {high}", "held-out - low-cost"]
-ARMS_HEADER += ["share of the static gap closed", SPIKES_VS, "diverged"]
-
-
-def arm_row(records: Records, d: Design, arm: str) -> list[str]:
-    """One row of :data:`ARMS_HEADER`: paired figures over ``d``'s seeds (95%)."""
-    spikes = None if arm == d.low else spike_difference(records, d, arm)
-    return [
-        arm,
-        pct(work(records, d, arm)),
-        pm(paired(records, d, arm, d.high)),
-        pm(paired(records, d, arm, d.low)),
-        pm(share_closed(records, d, arm), 2),
-        pm(spikes, 1),
-        str(troubles(records, d, arm)[1]),
-    ]
+def _share(p: Sequence[float] | None) -> str:
+    if p is None:
+        return "-"
+    return (
+        f"{100 * p[0]:.0f}% (one seed)"
+        if math.isnan(p[1])
+        else f"{100 * p[0]:.0f}% +- {100 * p[1]:.0f}%"
+    )
 
 
-class SeedRegime:
-    """One seed regime's records (maybe none yet) and the figures of its part of the section."""
+class PaperRegime:
+    """One paper regime's records (maybe none yet), its design and its rows of the tables."""
 
     def __init__(self, src: Source, name: str) -> None:
         self.src, self.name = src, name
         self.records: Records = src.records(name, family=FAMILY)
-        self.claim = CLAIMS.get(name)
-        self.high = recovery_arm(self.records)
-        high = self.high or "BF16"
-        self.nulls = {f"null {high} (1e-6)": high, LOW_NULL: LOW}
-        self.arms = sorted({a for a, _, _ in self.records}, key=lambda a: rank(a, high))
+        self.high = recovery_arm(self.records) or "BF16"
+        self.arms = sorted({a for a, _, _ in self.records}, key=lambda a: rank(role(a, self.high)))
         self.low = next((r for k, r in self.records.items() if k[0] == LOW), None)
-        self.evals = sorted(int(e) for e in self.low["heldout"]) if self.low else []
-        self.horizon = self.evals[-1] if self.evals else 0
-
-    @property
-    def file(self) -> str:
-        return f"{FAMILY}/{self.name}.jsonl"
+        self.horizon = max((int(e) for e in self.low["heldout"]), default=0) if self.low else 0
 
     @cached_property
     def chosen(self) -> tuple[Design | None, list[str], list[str]]:
-        if self.low is None or self.high is None:
+        """(design, its arms, the arms waiting): :func:`benchmarks.report.faults.choose_arms`."""
+        if self.low is None or recovery_arm(self.records) is None:
             return None, [], list(self.arms)
         return choose_arms(self.records, self.arms, self.horizon, self.high)
 
@@ -236,183 +147,147 @@ class SeedRegime:
     def design(self) -> Design | None:
         return self.chosen[0]
 
-    @property
-    def table_arms(self) -> list[str]:
-        return self.chosen[1]
+    def design_cell(self) -> str:
+        """``5 of 5 seeds x 3 points, 50 steps`` (``not run yet`` without records)."""
+        d, seeds = self.design, {s for _, s, _ in self.records}
+        if not self.records:
+            return "not run yet"
+        if d is None:
+            return f"no design yet ({len(self.records)} records)"
+        return f"{len(d.seeds)} of {len(seeds)} seeds x {len(d.points)} points, {d.horizon} steps"
 
-    @property
-    def waiting(self) -> list[str]:
-        return self.chosen[2]
-
-    def progress(self) -> list[tuple[int, list[str]]]:
-        return progress(self.records, self.design, self.table_arms) if self.design else []
-
-    def in_progress(self) -> list[str]:
-        """What the design leaves out, in words (nothing: every arm has every branch): the arms
-        short of all seeds at its points, the points left out, the arms waiting."""
-        seeds, d = len(self.all_seeds()), self.design
-        out = [
-            f"{listing(arms)} {'has' if len(arms) == 1 else 'have'} {n} of {seeds} seeds at "
-            "these points"
-            for n, arms in self.progress()
-        ]
-        left = [p for p in self.all_points() if p not in d.points]
-        if left:
-            out.append(
-                f"branch point{'s' if len(left) > 1 else ''} {listing(left)} "
-                f"{'are' if len(left) > 1 else 'is'} left out (not every arm has "
-                f"{'them' if len(left) > 1 else 'it'} on these seeds)"
-            )
-        if self.waiting:
-            out.append(f"waiting, with too few seeds for an interval: {listing(self.waiting)}")
-        return out
-
-    def all_seeds(self) -> list[int]:
-        return list(dict.fromkeys(s for _, s, _ in self.records))
-
-    def all_points(self) -> list[int]:
-        return sorted({p for _, _, p in self.records})
-
-    def spec(self) -> dict[str, Any]:
-        return self.low["arm_spec"]
-
-    def options(self, path: str) -> str:
-        """A path's options (``low_cost``, ``recovery``) as JSON, as the records state them."""
-        return json.dumps(self.spec()[path], sort_keys=True)
-
-    # -- noise
-
-    def noise(self) -> dict[str, dict[int, tuple[float, float]]]:
-        """Per figure (the static gap, each null in the design) per evaluation step: the paired
-        mean and 95% half-width over seeds."""
-        d = self.design
-        pairs = [(LOW, d.high)] + [(n, r) for n, r in self.nulls.items() if n in self.table_arms]
-        return {
-            f"{a} - {b}": {e: paired(self.records, replace(d, horizon=e), a, b) for e in self.evals}
-            for a, b in pairs
-        }
-
-    def noise_table(self) -> str:
-        """The static gap and each null at every evaluation, with the nulls' ``|null| / gap``
-        (``|mean| + half-width`` over the gap's mean at the same step)."""
-        noise = self.noise()
-        gap = noise[f"{LOW} - {self.design.high}"]
-        header = ["figure"]
-        for e in self.evals:
-            header += [f"after {e} steps", f"\\|null\\| / gap, {e}"]
-        rows = []
-        for name, by in noise.items():
-            cells = [f"static gap ({name})" if by is gap else name]
-            for e in self.evals:
-                ratio = (
-                    "-" if by is gap or gap[e][0] == 0 else f"{reach(by[e]) / abs(gap[e][0]):.2f}"
-                )
-                cells += [pm(by[e]), ratio]
-            rows.append(cells)
-        return markdown_table(header, rows)
-
-    def gap(self) -> tuple[float, float]:
-        """The static gap (low-cost - the recovery arm) at the horizon."""
-        return paired(self.records, self.design, LOW, self.design.high)
-
-    def null_pairs(self) -> list[tuple[str, tuple[float, float], float]]:
-        """(null, its interval at the horizon, ``|null| / gap``) of the nulls in the design."""
-        gap = abs(self.gap()[0])
-        out = []
-        for n, ref in self.nulls.items():
-            if n in self.table_arms:
-                pair = paired(self.records, self.design, n, ref)
-                out.append((n, pair, reach(pair) / gap if gap else math.nan))
-        return out
-
-    # -- arms and verdicts
-
-    def arms_table(self) -> str:
-        header = [h.format(high=self.design.high) for h in ARMS_HEADER]
-        return markdown_table(
-            header, [arm_row(self.records, self.design, a) for a in self.table_arms]
-        )
-
-    def budgets(self) -> list[int]:
-        """The budgets of the seed's GNMR arms recorded (in the design or waiting)."""
-        return sorted({k for a in self.arms if a.startswith("GNMR ") and (k := budget(a))})
+    def nulls(self) -> str:
+        """Each null in the design at the end: its interval and its reach over the static gap."""
+        d, gap = self.design, abs(paired(self.records, self.design, LOW, self.high)[0])
+        cells = []
+        for n, ref in ((f"null {self.high} (1e-6)", self.high), (LOW_NULL, LOW)):
+            if n in self.chosen[1]:
+                p = paired(self.records, d, n, ref)
+                cells.append(f"{n.split(' (')[0]} {pm(p)} ({reach(p) / gap:.2f})" if gap else pm(p))
+        return "; ".join(cells) or "none in the design"
 
     def verdicts(self) -> list[dict[str, Any]]:
-        """Per budget: :func:`verdict` on ``GNMR k``, with ``controls``: (arm, share closed) of
-        each control in the design (:data:`CONTROLS`: NVIDIA's rule at its own budget)."""
-        out = []
-        for k in self.budgets():
-            arm = f"GNMR {k}"
-            if arm in self.table_arms:
-                v = verdict(self.records, self.design, arm)
-            else:
-                v = {"arm": arm, "word": "not yet", "gap": self.gap(), "share": None}
-            controls = [
-                a
-                for a in self.table_arms
-                if a.startswith(CONTROLS[0]) or a in [f"{p} {k}" for p in CONTROLS[1:]]
-            ]
-            v["controls"] = [(a, share_closed(self.records, self.design, a)) for a in controls]
-            v["k"] = k
-            out.append(v)
+        """Per budget of the paper's ``GNMR k`` recorded: :func:`verdict` (``not yet`` outside the
+        design), with ``controls``: the shares closed of :data:`CONTROLS` at that budget."""
+        out, d, arms = [], self.design, self.chosen[1]
+        for k in sorted({k for a in self.arms if a.startswith("GNMR ") and (k := budget(a))}):
+            arm, nvidia = f"GNMR {k}", CONTROLS[0]
+            v = verdict(self.records, d, arm) if arm in arms else {"arm": arm, "word": "not yet"}
+            beside = [a for a in arms if a.startswith(nvidia) or (budget(a) == k and a != arm)]
+            v["controls"] = [(a, share_closed(self.records, d, a)) for a in beside]
+            out.append({"share": None, "vs_high": None, "vs_low": None} | v)
         return out
 
-    # -- cost
+    def verdict_rows(self) -> list[list[str]]:
+        """One row per :meth:`verdicts` (one ``not yet`` row without a design or a GNMR arm)."""
+        head = [f"`{self.name}`", CLAIMS.get(self.name, GENERIC), self.design_cell()]
+        vs = self.verdicts() if self.design else []
+        if not vs:
+            return [[*head, *["-"] * 6, "not yet", "-"]]
+        gap = f"{pm(paired(self.records, self.design, LOW, self.high))} ({self.high})"
+        rows = []
+        for v in vs:
+            shown = v["share"] is not None and v["word"] != "not at this scale"
+            beside = "; ".join(f"{a} {_share(p)}" for a, p in v["controls"]) if shown else "-"
+            rows.append([*head, gap, self.nulls(), v["arm"], _share(v["share"]), pm(v["vs_high"])])
+            rows[-1] += [pm(v["vs_low"]), f"**{v['word']}**", beside]
+        return rows
 
-    def formats(self) -> cost.Formats:
-        s = self.spec()
-        return cost.Formats(s["backend"], s["low_cost"], s["recovery"])
-
-    def unpriced(self) -> str | None:
-        """Why no hardware prices the formats (``not priced: ...``), else ``None``."""
-        notes = [cost.price(self.formats(), hw).note for hw in cost.HARDWARE]
-        if all(n is not None and n.startswith("not priced") for n in notes):
-            return notes[0]
-        return None
-
-    def cost_table(self) -> str:
-        """:func:`benchmarks.harness.cost.cost_table` on the design's arms against the recovery
-        arm (the speed-up columns left out when the formats are not priced)."""
-        d = self.design
-        summary = cost.summarize_costs(
+    @cached_property
+    def costs(self) -> dict[str, dict[str, Any]]:
+        s = self.low["arm_spec"]
+        formats = cost.Formats(s["backend"], s["low_cost"], s["recovery"])
+        return cost.summarize_costs(
             self.records,
-            d,
-            self.formats(),
-            arms=self.table_arms,
+            self.design,
+            formats,
+            arms=self.chosen[1],
             schedule=SCHEDULES.get(self.name, SCHEDULE_END),
-            error=error_cost(self.src, self.formats().backend),
+            error=error_cost(self.src, formats.backend),
         )
-        hardware = () if self.unpriced() else cost.HARDWARE
-        table = cost.cost_table(summary, hardware, horizon=self.horizon)
-        head, _, body = table.partition("\n")
-        return f"{head.replace('BF16', d.high)}\n{body}"
 
-    def priced(self) -> str:
-        """The formats priced and at what rates (the cost model's last assumption line), and the
-        error term's cost ``C`` with its source."""
-        early = max([e for e in self.evals if e < self.horizon], default=self.horizon)
-        line = cost.assumptions(self.formats(), self.horizon, early)[-1]
-        e = error_cost(self.src, self.formats().backend)
-        c = "not known" if e is None else f"{100 * e.share:.1f}% ({e.source})"
-        return f"{line[0].lower()}{line[1:].removesuffix('.')}; the error term's C = {c}"
+    def priced(self) -> tuple[str, ...] | None:
+        """The first group of hardware models that prices an arm (the table's column), if any."""
+        groups = cost.hardware_groups(self.costs)
+        priced = [
+            g for g in groups if any(c["hardware"][g[0]]["speedup"] for c in self.costs.values())
+        ]
+        return priced[0] if priced else None
+
+    def cost_notes(self) -> list[str]:
+        """Why the hardware models outside the table's column price no arm (grouped by note),
+        and the error term's cost per step ``C`` (docs/benchmarks.md#cost-at-matched-loss)."""
+        first = next(iter(self.costs.values()))["hardware"]
+        notes: dict[str, list[str]] = {}
+        for hw in (h for h in cost.HARDWARE if h not in (self.priced() or ())):
+            notes.setdefault(first[hw]["note"], []).append(hw)
+        e = error_cost(self.src, self.low["arm_spec"]["backend"])
+        c = "not known" if e is None else f"{100 * e.share:.1f}%"
+        c += (
+            " (not timed on this backend: the largest measured)"
+            if e and e.source.startswith("not timed")
+            else ""
+        )
+        return [*(f"{', '.join(hws)} {note}" for note, hws in notes.items()), f"C {c}"]
+
+    def cells(self, r: str) -> list[str]:
+        """The arm of role ``r``: held-out - the recovery arm (work), speed-up (if priced)."""
+        arm = next((a for a in self.chosen[1] if role(a, self.high) == r), None)
+        hw = self.priced()
+        if arm is None:
+            return ["-"] * (2 if hw else 1)
+        d = self.design
+        out = [f"{pm(paired(self.records, d, arm, self.high))} ({pct(work(self.records, d, arm))})"]
+        if hw:
+            c = self.costs[arm]["hardware"][hw[0]]
+            out.append(
+                c["note"] or "-"
+                if c["speedup"] is None
+                else "{:.2f} +- {:.2f}".format(*c["speedup"])
+            )
+        return out
+
+    def spikes(self) -> list[str]:
+        """The arms whose loss spikes minus low-cost's exclude 0 (per seed, 95%)."""
+        d = self.design
+        pairs = {a: spike_difference(self.records, d, a) for a in self.chosen[1] if a != LOW}
+        return [f"{a} {pm(p, 1)}" for a, p in pairs.items() if resolved(p)]
 
 
-def regimes(src: Source) -> list[SeedRegime]:
-    """The seed's experiments in the order of their claims, then any other seed regime with
-    records; a claimed regime without a file is there, with no records."""
-    last = len(CLAIMS) + 1
-    names = sorted(
-        {*CLAIMS, *src.regimes(FAMILY)},
-        key=lambda n: (CLAIMS[n].number if n in CLAIMS else last, n),
-    )
-    return [SeedRegime(src, n) for n in names]
+def arms_table(regimes: Sequence[PaperRegime]) -> str:
+    """Every arm (by :func:`role`) of every regime with a design, a column pair per regime."""
+    header = ["arm"]
+    for g in regimes:
+        header.append(f"`{g.name}`: - {g.high} (work)")
+        if g.priced():
+            header.append(f"speed-up, {', '.join(g.priced())}")
+    roles = sorted({role(a, g.high) for g in regimes for a in g.chosen[1]}, key=rank)
+    return markdown_table(header, [[r, *(c for g in regimes for c in g.cells(r))] for r in roles])
+
+
+def regimes(src: Source) -> list[PaperRegime]:
+    """The paper's experiments in the order of their claims, then any other regime with records."""
+    names = sorted({*CLAIMS, *src.regimes(FAMILY)}, key=lambda n: (n not in CLAIMS, n))
+    return [PaperRegime(src, n) for n in names]
 
 
 def context(src: Source) -> dict[str, Any]:
-    """The section's names: every seed regime (claimed or with records) and the bars."""
+    """The section's names: the verdict table, the arms table and what they rest on."""
+    every = regimes(src)
+    ran = [g for g in every if g.design is not None]
+    header = ["experiment", "the paper's claim", "design", "static gap (low-cost - recovery arm)"]
+    header += ["nulls (reach / gap)", "arm", "share of the gap closed", "- recovery arm"]
+    header += ["- low-cost", "verdict", "controls' shares closed (exploratory)"]
+    rows = [row for g in every for row in g.verdict_rows()]
+    files = {f"{FAMILY}/{g.name}.jsonl": CLI.format(g.name) for g in every if g.records}
     return {
-        "paper_branch": regimes(src),
-        "seed_generic_claim": GENERIC,
-        "seed_reproduced": REPRODUCED,
-        "fpm": pm,
+        "paper_branch": {
+            "verdicts": markdown_table(header, rows),
+            "arms": arms_table(ran) if ran else "",
+            "unpriced": [(g.name, g.cost_notes()) for g in ran],
+            "waiting": [(g.name, g.chosen[2]) for g in ran if g.chosen[2]],
+            "spikes": [s for g in ran for s in g.spikes()],
+            "diverged": sum(troubles(g.records, g.design, a)[1] for g in ran for a in g.chosen[1]),
+            "files": src.provenance_table(files) if files else "",
+        }
     }

@@ -1,7 +1,7 @@
 """benchmarks/report/paper_branch.py: the paper's experiments on the branch estimator, rendered from
-constructed records (split from test_report.py): each verdict follows its rule, the section says
-it beside the paper's claim, a regime is read generically from its records, and the constants
-match the sweeps."""
+constructed records (split from test_report.py): each verdict follows its rule (the rules:
+docs/benchmarks.md#sweep-paper-regimes) and is the cell of its regime's row beside the paper's
+claim, a regime is read generically from its records, and the constants match the sweeps."""
 
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def _gnmr_at(offset: float, arms=SEED_ARMS) -> dict:
         ({**SEED_ARMS, "low-cost": (-0.010, 0.0)}, "not at this scale"),  # low-cost ends lower
     ],
 )
-def test_each_seed_verdict_follows_its_rule(arms, word):
+def test_each_paper_verdict_follows_its_rule(arms, word):
     from benchmarks.harness.branch_stats import Design
     from benchmarks.report.paper_branch import verdict
 
@@ -107,66 +107,71 @@ def test_each_seed_verdict_follows_its_rule(arms, word):
     assert verdict(_keyed(_seed_records(arms)), d, "GNMR 4")["word"] == word
 
 
-def test_the_paper_section_says_its_verdict_beside_the_claim(tmp_path):
+def test_the_paper_section_is_a_verdict_table_and_an_arms_table(tmp_path):
     _write_paper(tmp_path, _seed_records())
     text = _paper_section(tmp_path)
-    assert "### 1. paper_act_quant: activation-quantization stress" in text
-    assert "*The paper's claim* (docs/algorithm.md#activation-quantization-stress): static" in text
-    assert "**Design: 4 seeds (1, 2, 3 and 4) x 2 branch points (75 and 150), 50 steps" in text
-    assert "Every arm has every branch of the 4 seeds recorded." in text
-    assert "(the 8-bit arm; backend act_quant)" in text
-    assert "- GNMR 4: **reproduced**: GNMR 4 closes 100% +- " in text
-    assert "and ends level with 8-bit (GNMR 4 - 8-bit: +0.0000 +- 0.0004)" in text
-    assert "with 10.7% of the linear-layer work on the recovery path" in text
-    assert (
-        "Beside it, shares of the static gap closed (exploratory): NVIDIA last-4 9% +- 8%," in text
+    row = (
+        "| `paper_act_quant` | 1. activation-quantization stress: GNMR moving a few units to 8 "
+        "bits reaches the 8-bit perplexity where static low-bit activations do not | 4 of 4 seeds "
+        "x 2 points, 50 steps | +0.0099 +- 0.0005 (8-bit) | null 8-bit -0.0001 +- 0.0005 (0.05); "
+        "null low-cost"
     )
-    assert "random 4 20% +- 1%, GNMR+e 4 60% +- 3% and oracle 4 71% +- 3%." in text
-    assert "| static gap (low-cost - 8-bit) | +0.0099 +- 0.0005 | - |" in text
-    assert "null 8-bit (1e-6) holds 0 (-0.0001 +- 0.0005, reaching 0.05 of the static gap)" in text
-    assert "| arm | recovered work | held-out - 8-bit | held-out - low-cost |" in text
-    assert "| GNMR+e 4 | 14.3% | +0.0039 +- 0.0005 | -0.0060 +- 0.0000 | +0.60 +- 0.03 |" in text
-    # act_quant's GEMMs are not priced: the table keeps the extra steps, no speed-up columns
-    assert "**Cost at matched loss** (not priced: act_quant quantizes the saved" in text
+    assert row in text
     assert (
-        "| arm | recovered GEMM FLOPs | error term's cost | extra steps to match 8-bit | reaches "
-        "8-bit's final loss (branches, by evaluation step) | | --- |"
-    ) in text
-    assert "speed-up at matched loss" not in text
-    assert "| GNMR 4 | 10.7% | - | 0.0 +- 0.2 |" in text  # the 8-bit arm's 5 steps against 0
-    assert "`paper/paper_act_quant.jsonl`, 72 records: commits 0123456789" in text
+        "| GNMR 4 | 100% +- 4% | +0.0000 +- 0.0004 | -0.0099 +- 0.0007 | **reproduced** |" in text
+    )
+    assert (
+        "| NVIDIA last-4 9% +- 8%; random 4 20% +- 1%; GNMR+e 4 60% +- 3%; oracle 4 71% +- 3% |"
+        in text
+    )
     # the other claimed experiments have no file yet
-    assert "### 2. paper_fp6_fp8: dynamic FP6 to FP8 pretraining" in text
-    assert "**Not run yet**: `results/paper/paper_fp6_fp8.jsonl` has no records." in text
-    assert "**Not run yet**: `results/paper/paper_lora_int8.jsonl` has no records." in text
+    assert (
+        "| `paper_fp6_fp8` | 2. dynamic FP6 to FP8: GNMR tracks fixed FP8's loss at the FP6 cost "
+        "| not run yet | - |" in text
+    )
+    assert "| not yet | - | | `paper_lora_int8` |" in text
+    # arms: act_quant's GEMMs are not priced, so no speed-up column; its note says why
+    assert "| arm | `paper_act_quant`: - 8-bit (work) | | --- | --- |" in text
+    assert "| recovery | +0.0000 +- 0.0000 (100.0%) | | null recovery (1e-6) |" in text
+    assert "| GNMR+e 4 | +0.0039 +- 0.0005 (14.3%) |" in text
+    assert (
+        "`paper_act_quant`: B200, GB300, Hopper not priced: act_quant quantizes the saved" in text
+    )
+    assert "0 branches diverged; loss spikes against low-cost" in text
+    assert (
+        "| `paper/paper_act_quant.jsonl` | `python -m benchmarks.sweep.fp4 --regime "
+        "paper_act_quant` | 72 | 0123456789 (72) (test)" in text
+    )
 
 
-def test_seed_verdict_words_in_the_section(tmp_path):
-    _write_paper(tmp_path, _seed_records(_gnmr_at(0.016)))
-    text = _paper_section(tmp_path)
-    assert "- GNMR 4: **the opposite**: GNMR 4 ends 0.0061 nats above the static low-cost" in text
-    _write_paper(tmp_path, _seed_records(_gnmr_at(0.006)))
-    assert "**partly**: GNMR 4 closes 40% +- " in _paper_section(tmp_path)
-    assert "an interval above 0 but not above 50%, and it stays above 8-bit" in _paper_section(
-        tmp_path
-    )
-    _write_paper(tmp_path, _seed_records(_gnmr_at(0.0015)))
-    text = _paper_section(tmp_path)
-    assert "an interval above 0 but it stays above 8-bit (GNMR 4 - 8-bit: +0.0015" in text
-    _write_paper(tmp_path, _seed_records(_gnmr_at(0.010)))
-    assert "**not reproduced**: GNMR 4 closes -1% +- 7% of the static gap" in _paper_section(
-        tmp_path
-    )
-    _write_paper(tmp_path, _seed_records({**SEED_ARMS, "low-cost": (0.0, 0.0)}))
-    text = _paper_section(tmp_path)
-    assert "**not at this scale**: the static gap (low-cost - 8-bit) is -0.0001 +- 0.0005," in text
-    assert "an interval that holds 0, so at this scale there is nothing" in text
-    assert "Beside it" not in text  # no shares of a gap that is not there
+@pytest.mark.parametrize(
+    ("arms", "cells"),
+    [
+        (
+            _gnmr_at(0.016),
+            "| -61% +- 10% | +0.0160 +- 0.0004 | +0.0061 +- 0.0007 | **the opposite** |",
+        ),
+        (_gnmr_at(0.006), "| 40% +- 6% | +0.0060 +- 0.0004 | -0.0039 +- 0.0007 | **partly** |"),
+        (
+            _gnmr_at(0.010),
+            "| -1% +- 7% | +0.0100 +- 0.0004 | +0.0001 +- 0.0007 | **not reproduced** |",
+        ),
+        ({**SEED_ARMS, "low-cost": (0.0, 0.0)}, "| **not at this scale** | - |"),  # no shares
+    ],
+)
+def test_each_verdict_is_a_cell_of_its_row(tmp_path, arms, cells):
+    _write_paper(tmp_path, _seed_records(arms))
+    assert cells in _paper_section(tmp_path)
+
+
+def test_one_seed_is_not_yet(tmp_path):
     _write_paper(tmp_path, _seed_records(seeds=(1,)))
-    assert "- GNMR 4: **not yet**: one seed, no interval." in _paper_section(tmp_path)
+    text = _paper_section(tmp_path)
+    assert "| 1 of 1 seeds x 2 points, 50 steps | +0.0097 (one seed) (8-bit) |" in text
+    assert "| GNMR 4 | - | - | - | **not yet** | - |" in text
 
 
-def test_a_seed_regime_is_read_generically_from_its_records(tmp_path):
+def test_a_paper_regime_is_read_generically_from_its_records(tmp_path):
     """Any regime of the family, its recovery arm and formats read from the records (a priced
     FP6 / FP8 one, and one the report has no claim for)."""
     arms = {("FP8" if a == "8-bit" else a.replace("8-bit", "FP8")): v for a, v in SEED_ARMS.items()}
@@ -177,29 +182,26 @@ def test_a_seed_regime_is_read_generically_from_its_records(tmp_path):
     rows = _seed_records({a: SEED_ARMS[a] for a in ("low-cost", "8-bit", "GNMR 4")})
     _write_paper(tmp_path, [r | {"arm": r["arm"].replace("8-bit", "BF16")} for r in rows], "seed_x")
     text = _paper_section(tmp_path)
-    assert "**Not run yet**: `results/paper/paper_act_quant.jsonl` has no records." in text
-    assert "(the FP8 arm; backend fp8_emulated)" in text
-    assert "**Design: 3 seeds (1, 2 and 3) x 2 branch points (75 and 150), 50 steps per" in text
+    assert "| `paper_act_quant` | 1. activation-quantization stress" in text
+    assert "| 3 of 4 seeds x 2 points, 50 steps | +0.0100 +- 0.0007 (FP8) |" in text
+    assert "Waiting in `paper_fp6_fp8`, too few seeds for an interval: oracle 4." in text
+    assert "| GNMR 4 | 100% +- " in text and "| **reproduced** |" in text
+    # B200 and GB300 price FP6 alike: one column; Hopper's note beside the table
     assert (
-        "Sweep in progress: GNMR+e 4 has 3 of 4 seeds at these points; waiting, with too few"
+        "| `paper_fp6_fp8`: - FP8 (work) | speed-up, B200, GB300 | `seed_x`: - BF16 (work) |"
         in text
     )
-    assert "seeds for an interval: oracle 4." in text
-    assert "- GNMR 4: **reproduced**: GNMR 4 closes 100% +- " in text
     assert (
-        "| arm | recovered GEMM FLOPs | error term's cost | extra steps to match FP8 | reaches "
-        "FP8's final loss (branches, by evaluation step) | speed-up at matched loss, B200, GB300 "
-        "| speed-up at matched loss, Hopper |"
-    ) in text  # B200 and GB300 price FP6 alike: one column
-    assert (
-        "| FP8 | 100.0% | - | 0.0 +- 0.0 | by 50: 6 | 2.00 +- 0.00 | n/a (no FP6 GEMMs) |" in text
+        "| recovery | +0.0000 +- 0.0000 (100.0%) | 2.00 +- 0.00 | +0.0000 +- 0.0000 (100.0%) |"
+        in text
     )
-    assert "### seed_x *The paper's claim*: GNMR moving a few units to the recovery path" in text
-    assert "GNMR 4 - BF16: +0.0000" in text and "No null control is in the design yet." in text
+    assert "`paper_fp6_fp8`: Hopper n/a (no FP6 GEMMs), C " in text
+    assert "| `seed_x` | GNMR moving a few units to the recovery path reaches its loss |" in text
+    assert "| +0.0099 +- 0.0005 (BF16) | none in the design | GNMR 4 |" in text
 
 
-def test_the_seed_constants_match_the_sweeps():
-    """The report reads the seed regimes without importing them (no torch)."""
+def test_the_paper_constants_match_the_sweeps():
+    """The report reads the paper regimes without importing them (no torch)."""
     from benchmarks.report import paper_branch
     from benchmarks.sweep.branch_arms import paper_arms
     from benchmarks.sweep.regimes import PAPER_REGIMES
