@@ -63,7 +63,7 @@ COMPACT_ROWS = [  # in the table's order: (arm, {graded set: the row's label})
     (
         "low-cost",
         {
-            "risk_topk": "seed GNMR's risk, top-3 (static low-cost arm)",
+            "risk_topk": "the paper's GNMR's risk, top-3 (static low-cost arm)",
             "error_global_topk": "error score e = B / G, top-3 (static low-cost arm)",
             "error_adam_topk": "B scaled as Adam scales it, top-3 (static low-cost arm)",
             "random": "3 random units (static low-cost arm)",

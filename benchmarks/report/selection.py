@@ -1,106 +1,118 @@
 """The selection section's data (issue 13): the whole-run sweeps of
-:mod:`benchmarks.sweep.selection`, read from ``results/sweep_<regime>.json``, as
-``templates/selection.md.j2`` reads them."""
+:mod:`benchmarks.sweep.selection` (``results/sweep_<regime>.json``) as three tables: a verdict
+row per regime, every arm's paired differences, and what the k = 3 signals and sets select
+against the measured gaps. The design: docs/benchmarks.md#sweep-selection."""
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
-from benchmarks.harness.stats import SELECTION_BAR, verdicts
-from benchmarks.harness.tables import compact_selection, table
+from benchmarks.harness.markdown import markdown_table
+from benchmarks.harness.stats import SELECTION_BAR, plus_minus
+from benchmarks.harness.tables import COMPACT_ROWS
 from benchmarks.report.source import Source
+from benchmarks.report.words import resolved
 
 REGIMES = ("act_quant", "fp6_fp8", "outlier", "delayed")
-SIGNALS = (  # the k = 3 scores and sets graded against the update gap: (arm, graded set)
-    ("low-cost", "risk_topk"),
-    ("low-cost", "error_global_topk"),
-    ("low-cost", "error_adam_topk"),
-    ("GNMR+e 3", "risk_topk"),
-    ("GNMR+e 3", "active"),
-)
+E = "GNMR+e 3"
 
 
-class Sweep:
-    """One regime's sweep report (``results/sweep_<regime>.json``)."""
-
-    def __init__(self, src: Source, regime: str) -> None:
-        self.regime = regime
-        self.r: dict[str, Any] = src.json(f"sweep_{regime}")
-        self.summary: dict[str, dict[str, Any]] = self.r["summary"]
-        self.setup: dict[str, Any] = self.r["setup"]
-        self.seeds: list[int] = self.r["seeds"]
-        self.budgets: list[int] = self.r["budgets"]
-        self.gap: list[float] = self.r["static_gap"]
-        self.faults: list[dict[str, Any]] = self.setup.get("faults", [])
-        self.windows = [f"{f['start']}-{f['stop'] - 1}" for f in self.faults]
-
-    @property
-    def units(self) -> int:
-        """Projection units: ``random 1`` runs exactly one of them on the recovery path."""
-        return round(1 / self.summary["random 1"]["recovery_rate"])
-
-    def fig(self, arm: str, graded: str, figure: str = "precision_grad", window: str = "") -> float:
-        """One selection figure's mean over seeds (every probe step, or inside ``window``)."""
-        return self._sel(arm, window)[graded][figure][0]
-
-    def half(self, arm: str, graded: str, window: str = "") -> float:
-        """The 95% half-width of ``graded``'s precision against the gradient gap."""
-        return self._sel(arm, window)[graded]["precision_grad"][1]
-
-    def _sel(self, arm: str, window: str) -> dict[str, Any]:
-        row = self.summary[arm]
-        return row["selection_fault"][window] if window else row["selection"]
-
-    def update_signals(self, window: str = "") -> list[float]:
-        """The precision against the update gap of every one of :data:`SIGNALS`."""
-        return [self.fig(a, g, "precision_update", window) for a, g in SIGNALS]
-
-    def verdicts(self) -> list[str]:
-        """The sweep's verdict lines (:func:`benchmarks.harness.stats.verdicts`)."""
-        return verdicts(self.summary, self.budgets)
-
-    def beats_nothing(self) -> bool:
-        """No budgeted policy beats random-k (or first+last at 14) at any budget."""
-        return all("beats random-k: none" in v for v in self.verdicts())
-
-    def same_gnmr(self) -> list[tuple[int, int]]:
-        """Adjacent budgets (a, b) at which the seed's GNMR ends the same on every seed."""
-        pairs = zip(self.budgets, self.budgets[1:], strict=False)
-        end = {k: self.summary[f"GNMR {k}"]["per_seed"] for k in self.budgets}
-        return [(a, b) for a, b in pairs if end[a] == end[b]]
-
-    def median_half(self) -> float:
-        """The median half-width of the arms' intervals against low-cost."""
-        rows = [r for n, r in self.summary.items() if n != "low-cost"]
-        return statistics.median(r["vs_low_cost"][1] for r in rows)
-
-    def static_diffs(self) -> list[float]:
-        """Low-cost minus recovery held-out loss, seed by seed."""
-        low, rec = (self.summary[a]["per_seed"] for a in ("low-cost", "recovery"))
-        return [a - b for a, b in zip(low, rec, strict=True)]
+def _fig(s: dict[str, Any], arm: str, graded: str, window: str = "", f: str = "precision_grad"):
+    row = s["summary"][arm]
+    return (row["selection_fault"][window] if window else row["selection"])[graded][f]
 
 
-def bar(x: float) -> str:
-    """Where a precision stands against the bar, at the two decimals the document prints."""
-    shown, at = round(x, 2), round(SELECTION_BAR, 2)
-    return "at the bar" if shown == at else "above the bar" if shown > at else "below the bar"
+def windows(s: dict[str, Any]) -> list[str]:
+    """The fault windows (``60-109``) of a sweep with faults."""
+    return [f"{f['start']}-{f['stop'] - 1}" for f in s["setup"].get("faults", [])]
+
+
+def beats(s: dict[str, Any], key: str) -> str:
+    """The budgeted arms whose paired interval against ``key`` lies below 0 (``none``)."""
+    wins = [a for a, r in s["summary"].items() if r.get(key) and sum(r[key]) < 0]
+    return ", ".join(wins) or "none"
+
+
+def verdict_row(name: str, s: dict[str, Any]) -> list[str]:
+    """Static gap, what beats random-k and first+last, GNMR+e's and the paper's GNMR's risk
+    precision (overall, in each fault window) and the verdicts on selection and on quality."""
+    gap, ws = s["static_gap"], windows(s)
+    risk = [_fig(s, E, "risk_topk", w) for w in ["", *ws]]
+    paper = [_fig(s, "low-cost", "risk_topk", w)[0] for w in ["", *ws]]
+    picks = [round(r[0], 2) >= SELECTION_BAR for r in (risk[1:] or risk)]
+    sel = "yes" if all(picks) else "partly" if any(picks) else "no"
+    return [
+        f"`{name}`",
+        f"{s['setup']['steps']}, {len(s['seeds'])}",
+        plus_minus(gap, 3) + (" **resolved**" if resolved(gap) else ""),
+        beats(s, "vs_random"),
+        beats(s, "vs_first_last"),
+        "; ".join(plus_minus(r, 2).lstrip("+") for r in risk),
+        "; ".join(f"{x:.2f}" for x in paper),
+        f"**{sel}**",
+        "measurable" if resolved(gap) else "not measurable",
+    ]
+
+
+def arms_table(sw: dict[str, dict[str, Any]]) -> str:
+    """Per arm and regime: vs low-cost (recovery rate) and vs random-k (k = 14: / first+last)."""
+    header = ["arm"] + [
+        f"`{n}`: {c}" for n in sw for c in ("vs low-cost (recovery)", "vs random-k")
+    ]
+    rows = []
+    for arm in sw[REGIMES[0]]["summary"]:
+        cells = [arm]
+        for s in sw.values():
+            r = s["summary"][arm]
+            cells.append(f"{plus_minus(r['vs_low_cost'])} ({100 * r['recovery_rate']:.1f}%)")
+            fl = f" / first+last {plus_minus(r['vs_first_last'])}" if r.get("vs_first_last") else ""
+            cells.append(f"{plus_minus(r.get('vs_random'))}{fl}".removeprefix("- / "))
+        rows.append(cells)
+    return markdown_table(header, rows)
+
+
+def selection_table(sw: dict[str, dict[str, Any]]) -> str:
+    """Per k = 3 signal or set: precision@3 against the gradient gap; against the update gap,
+    over every probe step of each regime and inside each fault window."""
+    cols = [(n, w) for n, s in sw.items() for w in ["", *windows(s)]]
+    header = ["precision@3 vs gradient / update gap"]
+    header += [f"`{n}`" + (f", steps {w}" if w else "") for n, w in cols]
+    rows = []
+    for arm, labels in COMPACT_ROWS:
+        for graded, label in labels.items():
+            cells = [label]
+            for n, w in cols:
+                pair = [
+                    _fig(sw[n], arm, graded, w, f) for f in ("precision_grad", "precision_update")
+                ]
+                cells.append(" / ".join(plus_minus(p, 2).lstrip("+") for p in pair))
+            rows.append(cells)
+    return markdown_table(header, rows)
+
+
+def same_gnmr(s: dict[str, Any]) -> bool:
+    """Whether the paper's GNMR ends the same on every seed at the two largest budgets."""
+    a, b = s["budgets"][-2:]
+    return bool(s["summary"][f"GNMR {a}"]["per_seed"] == s["summary"][f"GNMR {b}"]["per_seed"])
 
 
 def context(src: Source) -> dict[str, Any]:
-    """The selection section's names: the four sweeps and the selection tables."""
-    sw = {r: Sweep(src, r) for r in REGIMES}
-    seed = src.json("act_quant")
-    rows = [row for s in sw.values() for row in s.summary.values()]
+    """The selection section's names: its three tables, the plots and the files."""
+    sw = {r: src.json(f"sweep_{r}") for r in REGIMES}
+    header = ["regime", "steps, seeds", "static gap (low-cost - recovery)", "beats random-k"]
+    header += ["beats first+last (k = 14)", f"{E}'s risk vs gradient gap (overall; in windows)"]
+    header += ["the paper's GNMR's risk", "selection", "training quality"]
+    cmd = "`python -m benchmarks.sweep.selection --regime {}`"
+    files = {f"sweep_{r}.json": cmd.format(r) for r in REGIMES}
     return {
-        "probe_costs": [row["probe_cost"] for row in rows if row["probe_cost"]],
-        "all_beat_nothing": all(s.beats_nothing() for s in sw.values()),
-        "all_updates": [x for s in sw.values() for x in s.update_signals()],
-        "seed_losses": {r["name"]: r["heldout_loss"] for r in seed["results"]},
-        "seed_steps": seed["setup"]["steps"],
-        "sel": sw,
-        "SELECTION_BAR": SELECTION_BAR,
-        "selection_table": table,
-        "compact_selection": compact_selection,
-        "bar": bar,
+        "selection": {
+            "verdicts": markdown_table(header, [verdict_row(n, s) for n, s in sw.items()]),
+            "arms": arms_table(sw),
+            "select": selection_table(sw),
+            "plots": [(r, src.image(r, f"sweep_{r}.png")) for r in REGIMES],
+            "files": src.provenance_table(files),
+            "bar": SELECTION_BAR,
+            "same": [n for n, s in sw.items() if same_gnmr(s)],
+            "budgets": sw[REGIMES[0]]["budgets"],
+        }
     }

@@ -84,14 +84,27 @@ def test_a_changed_interval_changes_its_figure_and_its_verdict(results, tmp_path
     assert main(["--check", "--results", str(results), "--out", str(out)]) == 1
 
 
-def test_a_resolved_static_gap_is_called_resolved(results):
-    assert "**+0.002 +- 0.076**: not resolved" in _flat(results)
+def test_a_selection_verdict_follows_its_gap_and_its_bar(results):
+    """A static gap is resolved when its interval excludes 0 (then quality is measurable);
+    selection is yes when GNMR+e 3's risk reaches the bar in every fault window, partly in some."""
+    row = "| `act_quant` | 200, 3 | +0.002 +- 0.076 | none | none | 0.82 +- 0.06 | 0.06 | **yes** |"
+    assert row + " not measurable |" in _flat(results)
+    assert "| `delayed` | 150, 3 | +0.032 +- 0.047 | none | none | 0.69 +- 0.05; 0.74 +- 0.16;" in (
+        _flat(results)
+    )
 
     def wider(d):
         d["static_gap"] = [0.1, 0.05]
 
+    def missed(d):
+        d["summary"]["GNMR+e 3"]["selection_fault"]["90-97"]["risk_topk"]["precision_grad"][0] = 0.5
+
     _edit(results, "sweep_act_quant", wider)
-    assert "**+0.100 +- 0.050**: resolved" in _flat(results)
+    _edit(results, "sweep_delayed", missed)
+    text = _flat(results)
+    assert "| `act_quant` | 200, 3 | +0.100 +- 0.050 **resolved** |" in text
+    assert "| **yes** | measurable |" in text
+    assert "0.74 +- 0.16; 0.50 +- 0.33 | 0.33; 0.54; 0.32 | **partly** |" in text
 
 
 def test_a_stored_step_time_run_becomes_a_table(results):
