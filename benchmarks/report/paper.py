@@ -1,126 +1,82 @@
-"""The paper-experiment section's data (issue 8): the three experiments of :mod:`benchmarks.paper`,
-read from ``results/act_quant.json``, ``fp6_fp8.json`` and ``lora_int8.json``, as
-``templates/paper.md.j2`` reads them; their tables and target lines are
-:mod:`benchmarks.harness.verdicts`'s."""
+"""The paper-experiment section's data (issue 8): the three experiments of :mod:`benchmarks.paper`
+(``results/act_quant.json``, ``fp6_fp8.json``, ``lora_int8.json``), one seed each, as one table:
+a row per experiment with every arm's held-out loss against its reference arm, GNMR's recovery
+and exceedance rates, its step time and the targets of issue 8 (docs/benchmarks.md#paper-act_quant,
+#paper-fp6_fp8, #paper-lora_int8)."""
 
 from __future__ import annotations
 
-from functools import cached_property
 from typing import Any
 
-from benchmarks.harness.arms import ArmResult
-from benchmarks.harness.verdicts import SEED_EXCEEDANCE, TIME_RATIO, TOLERANCE, table, targets
+from benchmarks.harness.markdown import markdown_table
+from benchmarks.harness.verdicts import SEED_EXCEEDANCE, TIME_RATIO, TOLERANCE
 from benchmarks.report.source import Source
 
 EXPERIMENTS = ("act_quant", "fp6_fp8", "lora_int8")
 REFERENCE = {"act_quant": "full", "fp6_fp8": "full", "lora_int8": "recovery"}
 """The policy of the arm each experiment's losses are relative to (as its command prints them)."""
+HEADER = ["experiment", "steps", "reference", "static paths", "GNMR (recovery, exceedance)"]
+HEADER += ["first+last (recovery)", "ZClip (clipped steps)", "GNMR / low-cost step time"]
+HEADER += ["low-cost worse than 1%", "GNMR within 1%", "the paper's claim"]
 
 
-class Experiment:
-    """One experiment's JSON file: its set-up, arms and results."""
+def row(name: str, r: dict[str, Any]) -> list[str]:
+    """One experiment: each arm's held-out loss over the reference's, minus 1, and the targets."""
+    by = {a["name"]: a for a in r["results"]}
+    ctl = {a["name"]: a.get("controller") or {} for a in r["arms"]}
+    first = {p: next(n for n, a in by.items() if a["policy"] == p) for p in ("gnmr", "zclip")}
+    ref = next(n for n, a in by.items() if a["policy"] == REFERENCE[name])
+    gnmr_low = next(a["low_cost"] for a in r["arms"] if a["name"] == first["gnmr"])
+    low = next(
+        a["name"] for a in r["arms"] if a["policy"] == "static" and a["low_cost"] == gnmr_low
+    )
 
-    def __init__(self, src: Source, name: str, number: int) -> None:
-        self.name, self.number = name, number
-        self.r: dict[str, Any] = src.json(name)
-        self.setup: dict[str, Any] = self.r["setup"]
-        self.arms = {a["name"]: a for a in self.r["arms"]}
-        self.results = [ArmResult(**r) for r in self.r["results"]]
-        self.by = {r.name: r for r in self.results}
+    def rel(n: str) -> float:
+        return by[n]["heldout_loss"] / by[ref]["heldout_loss"] - 1
 
-    def first(self, policy: str) -> str:
-        """The first arm of ``policy``."""
-        return next(r.name for r in self.results if r.policy == policy)
+    def arms(policy: str, extra: str = "") -> str:
+        cells = []
+        for n, a in by.items():
+            if a["policy"] == policy and ("alpha" in ctl[n]) == (extra == "tight"):
+                e = f", {100 * a['exceedance_rate']:.2f}%" if policy == "gnmr" else ""
+                cells.append(f"{n} {100 * rel(n):+.2f}% ({100 * a['recovery_rate']:.1f}%{e})")
+        return "; ".join(cells)
 
-    @cached_property
-    def gnmr(self) -> str:
-        return self.first("gnmr")
-
-    @cached_property
-    def reference(self) -> str:
-        return self.first(REFERENCE[self.name])
-
-    @cached_property
-    def low(self) -> str:
-        """The static arm on GNMR's low-cost path."""
-        want = self.arms[self.gnmr]["low_cost"]
-        return next(
-            r.name
-            for r in self.results
-            if r.policy == "static" and self.arms[r.name]["low_cost"] == want
-        )
-
-    def rel(self, arm: str) -> float:
-        """Held-out loss over the reference arm's, minus 1."""
-        return self.by[arm].heldout_loss / self.by[self.reference].heldout_loss - 1
-
-    def ratio(self, arm: str, to: str | None = None) -> float:
-        """Median step time over the static low-cost arm's (or ``to``'s)."""
-        return self.by[arm].step_ms / self.by[to or self.low].step_ms
-
-    @property
-    def units(self) -> int:
-        return self.by[self.gnmr].units
-
-    @property
-    def budget(self) -> int:
-        return self.by[self.gnmr].max_active
-
-    def tight(self) -> list[str]:
-        """GNMR arms with thresholds of their own (``controller`` overrides alpha)."""
-        return [n for n, a in self.arms.items() if "alpha" in (a.get("controller") or {})]
-
-    def statics(self) -> list[str]:
-        """The arms with one path everywhere (static and recovery)."""
-        return [r.name for r in self.results if r.policy in ("static", "recovery")]
-
-    def table(self) -> str:
-        """The table the command prints (and its target lines, where it prints them)."""
-        text = table(self.results, self.reference, self.low)
-        if self.name != "fp6_fp8":
-            text += "\n\n" + targets(self.results, self.reference, self.low, self.gnmr)
-        return text
-
-    def hurt(self) -> list[str]:
-        """The static arms worse than the reference by more than the tolerance."""
-        return [n for n in self.statics() if self.rel(n) > TOLERANCE]
-
-    def kept(self) -> list[float]:
-        """The recovery rates (%) of the arms that keep many units on the recovery path."""
-        return [100 * self.by[n].recovery_rate for n in (*self.tight(), self.first("first_last"))]
-
-    @property
-    def gnmr_fast(self) -> bool:
-        """Whether GNMR's step time is within the target of the low-cost arm's."""
-        return self.ratio(self.gnmr) <= TIME_RATIO
-
-    @property
-    def low_use(self) -> bool:
-        """Whether GNMR's recovery rate is below half its budget."""
-        return self.by[self.gnmr].recovery_rate < self.budget / self.units / 2
-
-    @property
-    def low_worse(self) -> bool:
-        """Whether the static low-cost arm is worse than the reference by more than the
-        tolerance."""
-        return self.rel(self.low) > TOLERANCE
-
-    @property
-    def within(self) -> bool:
-        """Whether GNMR is within the tolerance of the reference."""
-        return abs(self.rel(self.gnmr)) <= TOLERANCE
+    worse, within = rel(low) > TOLERANCE, abs(rel(first["gnmr"])) <= TOLERANCE
+    ratio = by[first["gnmr"]]["step_ms"] / by[low]["step_ms"]
+    statics = ", ".join(
+        f"{n} {100 * rel(n):+.2f}%" for n, a in by.items() if a["policy"] in ("static", "recovery")
+    )
+    zclip = f"{100 * rel(first['zclip']):+.2f}% ({by[first['zclip']]['clipped_steps']})"
+    claim = "not reproduced" if worse and not within else "reproduced" if worse else "not tested"
+    return [
+        f"{name} ({r['date']})",
+        str(r["setup"]["steps"]),
+        ref,
+        statics,
+        "; ".join(filter(None, (arms("gnmr"), arms("gnmr", "tight")))),
+        arms("first_last"),
+        zclip,
+        f"{ratio:.3f} ({'met' if ratio <= TIME_RATIO else 'missed'})",
+        "yes" if worse else "no",
+        "met" if within else "missed",
+        f"**{claim}**",
+    ]
 
 
 def context(src: Source) -> dict[str, Any]:
-    """The paper section's names: the three experiments and the targets of issue 8."""
-    ex = [Experiment(src, name, i) for i, name in enumerate(EXPERIMENTS, 1)]
-    tight = {n for e in ex for n in e.tight()}
+    """The paper section's names: its table, the exceedance rates, the plots and the files."""
+    runs = {n: src.json(n) for n in EXPERIMENTS}
+    rates = [100 * a["exceedance_rate"] for r in runs.values() for a in r["results"]]
     return {
-        "ex": ex,
-        "exceedances": [
-            100 * r.exceedance_rate for e in ex for r in e.results if r.name not in tight
-        ],
-        "TIME_RATIO": TIME_RATIO,
-        "TOLERANCE": TOLERANCE,
-        "SEED_EXCEEDANCE": SEED_EXCEEDANCE,
+        "paper": {
+            "table": markdown_table(HEADER, [row(n, r) for n, r in runs.items()]),
+            "exceedance": (min(rates), max(rates)),
+            "paper_rate": 100 * SEED_EXCEEDANCE,
+            "time_ratio": TIME_RATIO,
+            "plots": [src.image(n, f"{n}.png") for n in EXPERIMENTS],
+            "files": src.provenance_table(
+                {f"{n}.json": f"`python -m benchmarks.paper.{n}`" for n in EXPERIMENTS}
+            ),
+        }
     }

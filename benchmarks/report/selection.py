@@ -109,7 +109,7 @@ def context(src: Source) -> dict[str, Any]:
             "verdicts": markdown_table(header, [verdict_row(n, s) for n, s in sw.items()]),
             "arms": arms_table(sw),
             "select": selection_table(sw),
-            "plots": [(r, src.image(r, f"sweep_{r}.png")) for r in REGIMES],
+            "plots": [src.image(r, f"sweep_{r}.png") for r in REGIMES],
             "files": src.provenance_table(files),
             "bar": SELECTION_BAR,
             "same": [n for n, s in sw.items() if same_gnmr(s)],
