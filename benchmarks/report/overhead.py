@@ -1,69 +1,70 @@
-"""The overhead section's data: ``python -m benchmarks.overhead``'s parts (a)-(c), read from
-``results/overhead.json``, and its error-term run, ``results/overhead_error.json``, as
-``templates/overhead.md.j2`` reads them."""
+"""The overhead section's data: ``python -m benchmarks.overhead``'s parts (a)-(c)
+(``results/overhead.json``) and its error-term run (``results/overhead_error.json``) as one table
+of the step-time ratios with their interquartile ranges, a row per set-up, and the figures of the
+monitor against clipping and of the collectives (docs/benchmarks.md#overhead)."""
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
+from benchmarks.harness.markdown import markdown_table
 from benchmarks.harness.recipes import ERROR_TARGET
-from benchmarks.harness.tables import collectives_table, monitor_table
+from benchmarks.report.error_cost import FILE
 from benchmarks.report.source import Source
 
-
-def arm(rows: list[dict[str, Any]], name: str) -> dict[str, Any]:
-    """The row of ``name`` among a set-up's arms."""
-    return next(a for a in rows if a["arm"] == name)
-
-
-def steps(run: dict[str, Any]) -> int:
-    """The interleaved rounds per arm of a step-time run."""
-    return next(iter(run["step_time"].values()))[0]["steps"]
+ARMS = ("gnmr k=0", "gnmr k=3", "3 fixed on recovery", "gnmr+e k=3", "gnmr+e/10 k=3")
+"""The arms timed against the low-cost path (the error term's: ``error_every`` 1 and 10)."""
+CLI = "python -m benchmarks.overhead"
 
 
-def ratios(run: dict[str, Any], name: str) -> list[float]:
-    """``name``'s CPU-time ratio in every set-up of a step-time run."""
-    return [arm(rows, name)["cpu_ratio"] for rows in run["step_time"].values()]
+def _ratio(a: dict[str, Any] | None) -> str:
+    return "-" if a is None else "{:.3f} [{:.3f}, {:.3f}]".format(a["cpu_ratio"], *a["cpu_iqr"])
 
 
-def error_arms(run: dict[str, Any]) -> tuple[list[str], int]:
-    """The error-term run's arms (GNMR, GNMR+e every step, GNMR+e every n-th) and that n."""
-    b = run["budget"]
-    first = next(iter(run["step_time"].values()))
-    sparse = next(a["arm"] for a in first if a["arm"].startswith("gnmr+e/"))
-    return [f"gnmr k={b}", f"gnmr+e k={b}", sparse], int(sparse.split("/")[1].split()[0])
+def rows(run: dict[str, Any], name: str, target: float, timed: str) -> list[list[str]]:
+    """A row per set-up of a run: each arm's CPU-time ratio [IQR], GNMR's own work, the target."""
+    out = []
+    for where, arms in run["step_time"].items():
+        by = {a["arm"]: a for a in arms}
+        g = by.get("gnmr k=3", {})
+        own = (
+            f"{g['monitor_ms']:.2f} + {g['controller_ms']:.2f} ms ({100 * g['own_fraction']:.2f}%)"
+        )
+        met = "met" if by[timed]["cpu_ratio"] <= target else "missed"
+        cells = [f"`{name}`, {where}", *(_ratio(by.get(a)) for a in ARMS)]
+        out.append([*cells, own if "own_fraction" in g else "-", f"{timed} <= {target}: {met}"])
+    return out
 
 
 def context(src: Source) -> dict[str, Any]:
-    """The overhead section's names: both runs, the error term's arms, the FP4 sweeps' spacing."""
+    """The overhead section's names: the ratios table, the monitor's and collectives' figures."""
     main, error = src.json("overhead"), src.json("overhead_error")
-    b = main["budget"]
-    ks = [arm(rows, f"gnmr k={b}") for rows in main["step_time"].values()]
-    gnmr = [a for rows in main["step_time"].values() for a in rows if a["arm"].startswith("gnmr")]
-    small, large = dict.fromkeys(r["grads"] for r in main["monitor_vs_clip"])
-    by = {(r["grads"], r["arm"]): r for r in main["monitor_vs_clip"]}
+    header = ["run, set-up", *ARMS, "GNMR's own work (monitor + controller)", "target"]
+    table = rows(main, "overhead.json", main["target"], "gnmr k=3")
+    table += rows(error, "overhead_error.json", ERROR_TARGET, "gnmr+e k=3")
+    clip = {(r["grads"], r["arm"]): r for r in main["monitor_vs_clip"]}
+    col = main["collectives"]
+    steps = [next(iter(r["step_time"].values()))[0]["steps"] for r in (main, error)]
+    err = f"`{CLI} --parts a --local-only --steps {steps[1]} --out benchmarks/results/{FILE}.json`"
     return {
-        "main": main,
-        "error": error,
-        "error_arms": error_arms(error),
-        "ERROR_TARGET": ERROR_TARGET,
-        "arm": arm,
-        "steps": steps,
-        "ratios": ratios,
-        "gnmr_rows": gnmr,
-        "own_pct": [100 * a["own_fraction"] for a in gnmr],
-        "k_rows": ks,
-        "iqr": statistics.median((g["cpu_iqr"][1] - g["cpu_iqr"][0]) / 2 for g in ks),
-        "fixed_ms": by[(small, "monitor + controller")]["median_ms"]
-        - by[(small, "monitor")]["median_ms"],
-        "monitor_small_ms": by[(small, "monitor")]["median_ms"],
-        "monitor_share": by[(large, "monitor")]["ratio"],
-        "fp4_every": next(
-            r["arm_spec"]["error_every"]
-            for r in src.records("nvfp4").values()
-            if r["arm"].startswith("GNMR+e")
-        ),
-        "monitor_table": monitor_table,
-        "collectives_table": collectives_table,
+        "overhead": {
+            "table": markdown_table(header, table),
+            "steps": steps,
+            "dates": [main["date"], error["date"]],
+            "clip": [
+                (g, a, r["median_ms"], r["ratio"])
+                for (g, a), r in clip.items()
+                if a != "clip_grad_norm_"
+            ],
+            "ranks": len({r["rank"] for r in col["rows"]}),
+            "col": col,
+            "fp4_every": next(
+                r["arm_spec"]["error_every"]
+                for r in src.records("nvfp4").values()
+                if r["arm"].startswith("GNMR+e")
+            ),
+            "files": src.provenance_table(
+                {"overhead.json": f"`{CLI}`", "overhead_error.json": err}
+            ),
+        }
     }
