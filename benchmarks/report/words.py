@@ -1,11 +1,9 @@
-"""The template's filters: how RESULTS.md writes a figure, the verdict words it computes from an
-interval, and the filling of its prose.
+"""The template's filters (a figure's format, a list in words, an ordinal, whether an interval is
+resolved) and the filling of RESULTS.md's prose to 100 columns.
 
 An interval is ``(mean, 95% half-width)`` of a paired difference ``a - b``. It is *resolved*
-when it excludes 0; a resolved difference below 0 makes ``a`` *better* (lower loss), above 0
-*worse*; an interval that holds 0 is *not resolved*, and RESULTS.md calls the two the *same*.
-The template picks the phrasing of each verdict (``pair | says("beats", "loses to", "is level
-with")``); which of the three it is comes from the interval alone.
+when it excludes 0 (:func:`resolved`); the verdict words (better, worse, not resolved) are
+:func:`benchmarks.harness.branch_stats.verdict`'s, computed in the sections' modules.
 """
 
 from __future__ import annotations
@@ -14,9 +12,6 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
-
-from benchmarks.harness.branch_stats import verdict
-from benchmarks.harness.stats import plus_minus
 
 Pair = Sequence[float]
 
@@ -38,27 +33,6 @@ def resolved(pair: Pair) -> bool:
     return not math.isnan(h) and abs(m) > h
 
 
-def resolved_word(pair: Pair) -> str:
-    """``resolved`` or ``not resolved``."""
-    return "resolved" if resolved(pair) else "not resolved"
-
-
-def holds_zero(pair: Pair) -> str:
-    """``holds 0`` or ``excludes 0``: the check of a null control."""
-    return "excludes 0" if resolved(pair) else "holds 0"
-
-
-def says(pair: Pair, better: str, worse: str, same: str) -> str:
-    """The template's words for the verdict of ``a - b``: ``better``, ``worse`` or ``same``."""
-    return {"better": better, "worse": worse}.get(verdict(pair), same)
-
-
-def relation(pair: Pair, same: str = "the same as") -> str:
-    """``a - b`` as the words between ``a`` and ``b``: ``better than``, ``worse than`` or
-    ``same``."""
-    return says(pair, "better than", "worse than", same)
-
-
 def listing(items: Sequence[Any], last: str = "and") -> str:
     """``a``, ``a and b``, ``a, b and c``."""
     items = [str(i) for i in items]
@@ -67,25 +41,16 @@ def listing(items: Sequence[Any], last: str = "and") -> str:
     return f"{', '.join(items[:-1])} {last} {items[-1]}"
 
 
-def span(values: Sequence[float], spec: str = ".2f", unit: str = "") -> str:
-    """``lo-hi`` of ``values`` (one value when they agree at this precision)."""
-    lo, hi = f"{min(values):{spec}}", f"{max(values):{spec}}"
-    return f"{lo}{unit}" if lo == hi else f"{lo}-{hi}{unit}"
-
-
 def ordinal(n: int) -> str:
     """``8th``, ``1st``, ``2nd``."""
     suffix = "th" if n % 100 in (11, 12, 13) else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
     return f"{n}{suffix}"
 
 
-FILTERS: dict[str, Callable[..., Any]] = {
-    f.__name__: f
-    for f in (pct, resolved, resolved_word, holds_zero, says, relation, listing, span, ordinal)
-}
-FILTERS.update(f=fmt, pm=plus_minus, compared=verdict)
-"""The template's filters by name (``x | f(".3f")`` formats with :func:`fmt`; ``pm``:
-``+0.0031 +- 0.0011``; ``compared``: ``better``, ``worse`` or ``not resolved``)."""
+FILTERS: dict[str, Callable[..., Any]] = {f.__name__: f for f in (resolved, listing, ordinal)}
+FILTERS["f"] = fmt
+"""The template's filters by name (``x | f(".3f")`` formats with :func:`fmt`); every other figure
+and verdict word is computed in the sections' modules."""
 
 WIDTH = 100
 """Prose lines are filled to this width, as the rest of the repository's markdown."""
