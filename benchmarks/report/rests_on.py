@@ -1,31 +1,15 @@
-"""What a fault regime's headline rests on (issue 44): the figures RESULTS.md's top paragraph and
-the README's top set beside the verdicts, computed from the same records.
+"""What a fault regime's headline rests on (issue 44): the table beside the verdicts at the top of
+RESULTS.md, a row per figure (:data:`ROWS`) and a column per regime that passes the noise bar, for
+its ``GNMR+e k`` arm (:func:`column`), from the same records.
 
-For a regime that passes the noise bar and its ``GNMR+e k`` arm (:func:`rests_on`):
-
-- **standing spend**: the units GNMR+e keeps on the recovery path on at least :data:`STANDING`
-  of the steps of the branches whose fault is elsewhere, whatever the fault does (its error
-  score is the largest there at every step); the seeds whose fault struck one of them, which
-  GNMR+e covers without detecting it, with their share of the summed static gap; and the
-  pre-registered comparisons against the fixed rules on the other seeds (the family's
-  Bonferroni-adjusted interval, and the sign count beside it);
-- **how the work splits**: GNMR+e's recovered linear work on those standing units, on the
-  faulted unit and on the rest;
-- **the outlier**: its peak as the records state it, and the static gap of the same regime's
-  pilot at a smaller peak where a pilot's records are kept (``results/faults/pilot1/``);
-- **the norm-only arm** (``GNMR k``): its share of the gap and its work; the harness's outlier
-  leaves the trained weight's gradient alone, so the norms cannot see it by construction;
-- **after the window**: the static gap at every evaluation (a stale delayed-scaling history keeps
-  damaging after the fault ends; current scaling heals);
-- **the old cost model's flaws against the bounded one**: the largest extra-step count of one
-  branch and the low-cost path's speed-up at the mean extra steps beside the mean of the
-  per-branch speed-ups (the old model), then the branches that do not reach BF16's loss inside
-  the schedule and the speed-ups as the bounded model gives them (:mod:`benchmarks.harness.cost`);
-- **the stopping history** (:data:`benchmarks.harness.preregistered.STOPPING`): the verdicts at
-  the seeds planned before the sweep, the seeds added after that look, and the sign count of
-  each comparison at the end.
-
-No torch: the figures come from the records.
+GNMR+e keeps a few units on the recovery path on at least :data:`STANDING` of the steps whatever
+the fault does: a fault that strikes one of them is covered without being detected, so the
+comparisons are also given without those seeds. The harness's outlier leaves the trained weight's
+gradient alone, so the norms alone cannot see it by construction. The old cost model averaged
+per-branch speed-ups (convex in the gap) with unbounded extra steps; the bounded one
+(:mod:`benchmarks.harness.cost`) stops at the schedule and takes the speed-up at the mean. Where
+seeds were added after a look (:data:`benchmarks.harness.preregistered.STOPPING`), the sign count
+at the end does not rest on the intervals' nominal level. No torch.
 """
 
 from __future__ import annotations
@@ -33,7 +17,6 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import replace
-from typing import Any
 
 from benchmarks.harness import cost, preregistered
 from benchmarks.harness.branch_stats import Design, Records, per_seed, share_closed
@@ -44,243 +27,27 @@ from benchmarks.report.faults import (
     PROJECTIONS,
     SCHEDULE_END,
     FaultRegime,
+    comparison,
     complete_seeds,
     one_host,
+    pct,
+    pm,
+    speed,
     unit_name,
     unit_of,
     work,
 )
 
-__all__ = ["HIDDEN", "FFN", "STANDING", "rests_on", "standing", "unit_work"]
+__all__ = ["FFN", "HIDDEN", "STANDING", "column", "standing", "table", "unit_work"]
 
 STANDING = 0.8
 """A unit GNMR+e recovers on at least this share of the steps of the branches whose fault struck
 another unit (their mean) is standing spend."""
-
 PILOT = "pilot1"
 """The folder of the first pilot's records (a smaller outlier) under ``results/faults/``."""
-
 HIDDEN, FFN = 128, 344
-"""The harness Llama's widths (``benchmarks.harness.arms.Setup``): q, k, v and o are
-``HIDDEN x HIDDEN``, gate, up and down ``HIDDEN x FFN``. :func:`unit_work` checks them against
-each record's ``flops_recovered`` and gives no split where they do not add up."""
-
-
-def _sizes(units: int) -> list[int]:
-    per_layer = [HIDDEN * HIDDEN] * 4 + [HIDDEN * FFN] * 3
-    return (per_layer * (units // len(PROJECTIONS)))[:units]
-
-
-def standing(records: Records, d: Design, arm: str) -> list[tuple[int, float]]:
-    """(unit, mean recovered steps per branch) of the units ``arm`` recovers on at least
-    :data:`STANDING` of the steps, over the design's branches whose fault struck another unit."""
-    steps: dict[int, list[int]] = {}
-    for s in d.seeds:
-        for p in d.points:
-            r = records[(arm, s, p)]
-            fault = unit_of(r["outliers"][0]["module"])
-            for u, n in enumerate(r["unit_recovered"]):
-                if u != fault:
-                    steps.setdefault(u, []).append(n)
-    means = {u: statistics.fmean(v) for u, v in steps.items()}
-    return [(u, m) for u, m in sorted(means.items()) if m >= STANDING * d.horizon]
-
-
-def unit_work(
-    records: Records, d: Design, arm: str, standing_units: set[int]
-) -> dict[str, float] | None:
-    """Mean over the design's branches of the share of the linear work ``arm`` recovered on the
-    standing units, on the other units of their layers, on the faulted unit (never counted in
-    the first two) and on every other unit, from the per-unit recovered steps and the units'
-    sizes; ``None`` when the sizes do not give the record's ``flops_recovered`` (another model,
-    or GEMM subsets)."""
-    parts: dict[str, list[float]] = {"standing": [], "layer": [], "fault": [], "rest": []}
-    layers = {u // len(PROJECTIONS) for u in standing_units}
-    for s in d.seeds:
-        for p in d.points:
-            r = records[(arm, s, p)]
-            n = r["unit_recovered"]
-            size = _sizes(len(n))
-            total = sum(size) * d.horizon
-            w = [n[u] * size[u] / total for u in range(len(n))]
-            if not math.isclose(sum(w), r["flops_recovered"], rel_tol=1e-6, abs_tol=1e-9):
-                return None
-            fault = unit_of(r["outliers"][0]["module"])
-            kind = dict.fromkeys(range(len(n)), "rest")
-            kind |= {u: "layer" for u in range(len(n)) if u // len(PROJECTIONS) in layers}
-            kind |= dict.fromkeys(standing_units, "standing") | {fault: "fault"}
-            for name in parts:
-                parts[name].append(sum(w[u] for u in kind if kind[u] == name))
-    return {k: statistics.fmean(v) for k, v in parts.items()}
-
-
-def _comparison(records: Records, d: Design, arm: str, rival: str, family: int) -> dict[str, Any]:
-    diffs = per_seed(records, d, arm, rival)
-    m, h, v = preregistered.verdict(diffs, family)
-    below, n, p = preregistered.sign_test(diffs)
-    return {"arm": arm, "rival": rival, "mean": m, "half": h, "verdict": v} | {
-        "below": below,
-        "n": n,
-        "p": p,
-        "seeds": len(diffs),
-    }
-
-
-def _pilot(r: FaultRegime) -> dict[str, Any] | None:
-    """The static gap of the regime's first pilot (a smaller outlier), on its own records."""
-    records, _ = one_host(r.src.records(r.name, family=f"{FAMILY}/{PILOT}"))
-    if not records:
-        return None
-    low = next(x for k, x in records.items() if k[0] == "low-cost")
-    o = low["outliers"][0]
-    seeds = list(dict.fromkeys(s for _, s, _ in records))
-    points = sorted({p for _, _, p in records})
-    horizon = max(int(e) for e in low["heldout"])
-    ok = complete_seeds(records, ["low-cost", "BF16"], seeds, points)
-    if not ok:
-        return None
-    gap = interval(per_seed(records, Design(tuple(ok), tuple(points), horizon), "low-cost", "BF16"))
-    peak = math.log2(o["growth"] ** o["rise"])
-    return {"peak": f"2^{peak:.0f}", "gap": gap, "seeds": len(ok), "points": len(points)}
-
-
-def _stopping(r: FaultRegime, k: int) -> dict[str, Any] | None:
-    """The stopping history and, for the comparisons against the fixed rules, their verdicts at
-    the planned seeds (the first look) and the sign count at the end."""
-    stop = preregistered.STOPPING.get(r.name)
-    d = r.design
-    if stop is None or d is None:
-        return None
-    family = len(preregistered.comparisons(k))
-    arm = f"GNMR+e {k}"
-    first, final = [], []
-    for rival in (f"random {k}", f"NVIDIA last-{k}"):
-        if rival not in r.table_arms or arm not in r.table_arms:
-            continue
-        dc = r.pair_design(arm, rival)
-        planned = [s for s in stop.planned if s in dc.seeds]
-        if len(planned) >= 2 and stop.added:
-            first.append(
-                _comparison(r.records, replace(dc, seeds=tuple(planned)), arm, rival, family)
-            )
-        final.append(_comparison(r.records, dc, arm, rival, family))
-    return {"stop": stop, "first": first, "final": final, "family": family}
-
-
-def _convexity(r: FaultRegime, k: int) -> dict[str, Any] | None:
-    """The old cost model's two flatteries on the low-cost arm, against the bounded model
-    (B200): the largest extra-step count of one branch (unbounded), the mean of per-branch
-    speed-ups beside the speed-up at the mean extra steps; then, from :attr:`FaultRegime.costs`,
-    the branches not reached in the schedule (of those with steps left) and behind at its end,
-    and the low-cost path's and ``GNMR+e k``'s speed-ups as the tables now give them."""
-    d = r.design
-    p = cost.price(r.formats(), "B200")
-    if p.note is not None:
-        return None
-    branches, seeds = [], []
-    for s in d.seeds:
-        row = [
-            cost.branch_cost(
-                r.records[("low-cost", s, pt)], r.records[("BF16", s, pt)], d.horizon, p
-            )
-            for pt in d.points
-        ]
-        if any(c.extra_steps is None or c.speedup is None for c in row):
-            return None
-        branches += zip(d.points, row, strict=True)
-        seeds.append(row)
-    extra = statistics.fmean(statistics.fmean(c.extra_steps for c in row) for row in seeds)
-    ratios = statistics.fmean(statistics.fmean(c.speedup for c in row) for row in seeds)
-    t = cost.step_time(0.0, p)
-    point, worst = max(branches, key=lambda b: b[1].extra_steps or 0.0)
-    arm = f"GNMR+e {k}"
-    now = {
-        a: r.costs[a] | {"b200": r.costs[a]["hardware"]["B200"]}
-        for a in ("low-cost", arm)
-        if a in r.costs
-    }
-    return {
-        "max_extra": worst.extra_steps,
-        "past_end": point + d.horizon + (worst.extra_steps or 0.0) > SCHEDULE_END,
-        "mean_extra": extra,
-        "mean_of_ratios": ratios,
-        "at_mean": d.horizon / ((d.horizon + extra) * t),
-        "horizon": d.horizon,
-        "schedule": SCHEDULE_END,
-        "arm": arm,
-        "now": now,
-        "null_at_end": _at_end(r.costs.get("null BF16 (1e-6)")),
-    }
-
-
-def _at_end(row: dict[str, Any] | None) -> str | None:
-    """``2 of 10``: an arm's branches behind BF16 at points that end the schedule."""
-    if row is None or row.get("at_end") is None:
-        return None
-    behind, n = row["at_end"]
-    return f"{behind} of {n}"
-
-
-def rests_on(r: FaultRegime, k: int) -> dict[str, Any] | None:
-    """The figures of the module docstring for ``GNMR+e k`` in the regime ``r`` (``None`` when
-    it is not in the regime's design)."""
-    d, arm = r.design, f"GNMR+e {k}"
-    if d is None or arm not in r.table_arms:
-        return None
-    keep = standing(r.records, d, arm)
-    units = {u for u, _ in keep}
-    gap_seeds = r.pair_design(arm, f"random {k}") or d
-    gaps = dict(
-        zip(gap_seeds.seeds, per_seed(r.records, gap_seeds, "low-cost", "BF16"), strict=True)
-    )
-    faulted = {
-        s: unit_of(r.records[("low-cost", s, d.points[0])]["outliers"][0]["module"]) for s in gaps
-    }
-    covered = [s for s in gaps if faulted[s] in units]
-    others = tuple(s for s in gaps if s not in covered)
-    family = len(preregistered.comparisons(k))
-    margins = []
-    if covered and len(others) >= 2:
-        for rival in (f"random {k}", f"NVIDIA last-{k}"):
-            if rival in r.table_arms:
-                dc = replace(r.pair_design(arm, rival) or d, seeds=others)
-                margins.append(_comparison(r.records, dc, arm, rival, family))
-    norm = f"GNMR {k}"
-    gap_at = {
-        e: interval(per_seed(r.records, replace(d, horizon=e), "low-cost", "BF16")) for e in r.evals
-    }
-    o = r.outlier()
-    return {
-        "k": k,
-        "standing": [(unit_name(u), m) for u, m in keep],
-        "horizon": d.horizon,
-        "covered": covered,
-        "seeds": len(gaps),
-        "covered_share": sum(gaps[s] for s in covered) / sum(gaps.values()),
-        "margins": margins,
-        "work": unit_work(r.records, d, arm, units),
-        "total_work": work(r.records, d, arm),
-        "peak": o["peak"],
-        "window": (o["offset"], o["offset"] + o["rise"] + o["hold"] - 1),
-        "pilot": _pilot(r),
-        "norm": (
-            {"share": share_closed(r.records, d, norm), "work": work(r.records, d, norm)}
-            if norm in r.table_arms
-            else None
-        ),
-        "gap_at": gap_at,
-        "convexity": _convexity(r, k),
-        "stopping": _stopping(r, k),
-    }
-
-
-def _c(c: dict[str, Any]) -> str:
-    return (
-        f"{c['mean']:+.4f} +- {c['half']:.4f} {c['verdict']}, {c['below']} of {c['n']} "
-        f"below (p = {c['p']:.2g})"
-    )
-
-
+"""The harness Llama's widths: q, k, v and o are ``HIDDEN x HIDDEN``, gate, up and down ``HIDDEN
+x FFN``; :func:`unit_work` gives no split where they do not add up to ``flops_recovered``."""
 ROWS = (
     "standing spend: steps of 50 on the recovery path where the fault is elsewhere",
     "seeds whose fault struck a standing unit (share of the summed static gap)",
@@ -295,77 +62,173 @@ ROWS = (
 )
 
 
-def cells(x: dict[str, Any]) -> list[str]:
-    """One regime's column of :func:`table`, the figures of :func:`rests_on` formatted."""
-    w, cv, st = x["work"], x["convexity"], x["stopping"]
-    out = [", ".join(f"{u} {m:.0f}" for u, m in x["standing"])]
-    share = f"{100 * x['covered_share']:.0f}%"
-    out.append(
-        f"{len(x['covered'])} of {x['seeds']}: {', '.join(map(str, x['covered']))} ({share})"
-    )
-    out.append("; ".join(f"vs {c['rival']} {_c(c)}" for c in x["margins"]) or "-")
-    parts = (w["standing"], w["layer"], w["fault"], w["rest"]) if w else ()
-    out.append(f"{100 * x['total_work']:.1f}% = " + " + ".join(f"{100 * p:.1f}" for p in parts))
-    pilot = x["pilot"]
-    out.append(
-        x["peak"]
-        + (
-            f" ({pilot['peak']}: {pilot['gap'][0]:+.4f} +- {pilot['gap'][1]:.4f},"
-            f" {pilot['seeds']} seeds x {pilot['points']} points)"
-            if pilot
-            else ""
-        )
-    )
-    norm = x["norm"]
-    out.append(
-        f"closes {norm['share'][0]:+.2f} +- {norm['share'][1]:.2f}, "
-        f"{100 * norm['work']:.1f}% of the work"
-        if norm
-        else "not run"
-    )
-    gaps = list(x["gap_at"].values())
-    trend = "grows after the window" if gaps[-1][0] > gaps[0][0] else "shrinks after the window"
-    at = ", ".join(f"{g[0]:+.4f} +- {g[1]:.4f} ({e})" for e, g in x["gap_at"].items())
-    out.append(f"{at} ({x['window'][0]}-{x['window'][1]}): {trend}")
-    if cv:
-        past = ", past the schedule's end" if cv["past_end"] else ""
-        out.append(
-            f"{cv['max_extra']:.0f}{past}; {cv['mean_of_ratios']:.2f} -> {cv['at_mean']:.2f} "
-            f"({cv['mean_extra']:.1f} steps)"
-        )
-        low, arm = cv["now"]["low-cost"], cv["now"].get(cv["arm"])
-        end = low["at_end"] or (0, 0)
-        text = f"{low['not_reached'][0]} of {low['not_reached'][1]} / {end[0]} of {end[1]}"
-        if arm:
-            sp = arm["b200"]["speedup"]
-            speed = f"{sp[0]:.2f} +- {sp[1]:.2f}" if sp else arm["b200"]["note"]
-            behind = arm["at_end"] or (0, 0)
-            text += f"; {speed} (behind at the end on {behind[0]} of {behind[1]}, "
-            text += f"the BF16 null on {cv['null_at_end']})"
-        out.append(text)
-    else:
-        out += ["-", "-"]
-    if st:
-        stop, looks = st["stop"], len(st["stop"].looks)
-        head = f"{len(stop.planned)} + {len(stop.added)}" + (
-            f" ({', '.join(map(str, stop.added))}; looks at {', '.join(map(str, stop.looks))})"
-            if stop.added
-            else ""
-        )
-        first = "; ".join(f"at {len(stop.planned)}: vs {c['rival']} {_c(c)}" for c in st["first"])
-        final = "; ".join(
-            f"{c['below']} of {c['n']} below {c['rival']} "
-            f"(p = {c['p']:.2g}, {c['p'] * st['family'] * looks:.2g})"
-            for c in st["final"]
-        )
-        out.append("; ".join(p for p in (head, first, final) if p))
-    else:
-        out.append("-")
-    return out
+def standing(records: Records, d: Design, arm: str) -> list[tuple[int, float]]:
+    """(unit, mean recovered steps per branch) of the units ``arm`` recovers on at least
+    :data:`STANDING` of the steps, over the design's branches whose fault struck another unit."""
+    steps: dict[int, list[int]] = {}
+    for r in (records[(arm, s, p)] for s in d.seeds for p in d.points):
+        fault = unit_of(r["outliers"][0]["module"])
+        for u, n in enumerate(r["unit_recovered"]):
+            if u != fault:
+                steps.setdefault(u, []).append(n)
+    means = {u: statistics.fmean(v) for u, v in sorted(steps.items())}
+    return [(u, m) for u, m in means.items() if m >= STANDING * d.horizon]
 
 
-def table(items: list[tuple[str, dict[str, Any]]]) -> str:
-    """What the verdicts rest on: one row per figure, one column per regime."""
-    columns = [cells(x) for _, x in items]
-    rows = [[what, *(col[i] for col in columns)] for i, what in enumerate(ROWS)]
-    return markdown_table(["", *(f"`{name}`" for name, _ in items)], rows)
+def unit_work(records: Records, d: Design, arm: str, keep: set[int]) -> list[float] | None:
+    """Mean over the design's branches of the share of the linear work ``arm`` recovered on the
+    standing units ``keep``, the other units of their layers, the faulted unit and the rest;
+    ``None`` where the units' sizes do not give the record's ``flops_recovered``."""
+    parts: list[list[float]] = [[], [], [], []]
+    layers = {u // len(PROJECTIONS) for u in keep}
+    for r in (records[(arm, s, p)] for s in d.seeds for p in d.points):
+        n = r["unit_recovered"]
+        size = ([HIDDEN * HIDDEN] * 4 + [HIDDEN * FFN] * 3) * (len(n) // len(PROJECTIONS))
+        if len(size) != len(n):
+            return None
+        w = [n[u] * size[u] / (sum(size) * d.horizon) for u in range(len(n))]
+        if not math.isclose(sum(w), r["flops_recovered"], rel_tol=1e-6, abs_tol=1e-9):
+            return None
+        fault = unit_of(r["outliers"][0]["module"])
+        acc = [0.0] * 4  # standing, the rest of their layers, the faulted unit, elsewhere
+        for u, x in enumerate(w):
+            acc[
+                2 if u == fault else 0 if u in keep else 1 if u // len(PROJECTIONS) in layers else 3
+            ] += x
+        for part, x in zip(parts, acc, strict=True):
+            part.append(x)
+    return [statistics.fmean(p) for p in parts]
+
+
+def _c(c: dict) -> str:
+    return f"{c['text']}, {c['below']} of {c['n']} below (p = {c['p']:.2g})"
+
+
+def _pilot(r: FaultRegime) -> str:
+    """`` (2^10: gap, seeds x points)``: the static gap of the regime's first pilot."""
+    records = one_host(r.src.records(r.name, family=f"{FAMILY}/{PILOT}"))[0]
+    lows = [x for k, x in records.items() if k[0] == "low-cost"]
+    seeds = list(dict.fromkeys(s for _, s, _ in records))
+    points = sorted({p for _, _, p in records})
+    ok = complete_seeds(records, ["low-cost", "BF16"], seeds, points)
+    if not lows or not ok:
+        return ""
+    d = Design(tuple(ok), tuple(points), max(int(e) for e in lows[0]["heldout"]))
+    o = lows[0]["outliers"][0]
+    gap = interval(per_seed(records, d, "low-cost", "BF16"))
+    peak = f"2^{math.log2(o['growth'] ** o['rise']):.0f}"
+    return f" ({peak}: {gap[0]:+.4f} +- {gap[1]:.4f}, {len(ok)} seeds x {len(points)} points)"
+
+
+def _costs(r: FaultRegime, arm: str) -> list[str]:
+    """The old model's largest extra steps (past the schedule's end?) and mean of per-branch
+    speed-ups against the speed-up at the mean extra steps (B200, low-cost); the bounded model's
+    low-cost branches not reached and behind at the end, ``arm``'s speed-up and its behind."""
+    d, p = r.design, cost.price(r.formats, "B200")
+    if p.note is not None:
+        return ["-", "-"]
+    branches = [
+        (
+            pt,
+            cost.branch_cost(
+                r.records[("low-cost", s, pt)], r.records[("BF16", s, pt)], d.horizon, p
+            ),
+        )
+        for s in d.seeds
+        for pt in d.points
+    ]
+    if any(c.extra_steps is None or c.speedup is None for _, c in branches):
+        return ["-", "-"]
+    n = len(d.points)
+    by_seed = [[c for _, c in branches[i : i + n]] for i in range(0, len(branches), n)]
+    extra = statistics.fmean(statistics.fmean(c.extra_steps for c in s) for s in by_seed)
+    ratios = statistics.fmean(statistics.fmean(c.speedup for c in s) for s in by_seed)
+    point, worst = max(branches, key=lambda b: b[1].extra_steps or 0.0)
+    past = (
+        ", past the schedule's end" if point + d.horizon + worst.extra_steps > SCHEDULE_END else ""
+    )
+    at_mean = d.horizon / ((d.horizon + extra) * cost.step_time(0.0, p))
+    old = f"{worst.extra_steps:.0f}{past}; {ratios:.2f} -> {at_mean:.2f} ({extra:.1f} steps)"
+    low, ours = r.costs["low-cost"], r.costs.get(arm)
+    end = low["at_end"] or (0, 0)
+    now = f"{low['not_reached'][0]} of {low['not_reached'][1]} / {end[0]} of {end[1]}"
+    if ours:
+        b200 = speed(ours["hardware"]["B200"])
+        behind, null = ours["at_end"] or (0, 0), r.costs.get("null BF16 (1e-6)", {}).get("at_end")
+        now += f"; {b200} (behind at the end on {behind[0]} of {behind[1]}, "
+        now += f"the BF16 null on {f'{null[0]} of {null[1]}' if null else None})"
+    return [old, now]
+
+
+def _stopping(r: FaultRegime, k: int, arm: str) -> str:
+    """The seeds planned and added, the verdicts against the fixed rules at the planned seeds
+    (the first look), and their sign counts at the end (p, and p x tests x looks)."""
+    stop = preregistered.STOPPING.get(r.name)
+    if stop is None:
+        return "-"
+    family, first, final = len(preregistered.comparisons(k)), [], []
+    added = f" ({', '.join(map(str, stop.added))}; looks at {', '.join(map(str, stop.looks))})"
+    for rival in (f"random {k}", f"NVIDIA last-{k}"):
+        if rival not in r.table_arms:
+            continue
+        dc = r.pair_design(arm, rival)
+        planned = tuple(s for s in stop.planned if s in dc.seeds)
+        if len(planned) >= 2 and stop.added:
+            c = comparison(r.records, replace(dc, seeds=planned), arm, rival, family)
+            first.append(f"at {len(stop.planned)}: vs {rival} {_c(c)}")
+        c = comparison(r.records, dc, arm, rival, family)
+        adj = c["p"] * family * len(stop.looks)
+        final.append(f"{c['below']} of {c['n']} below {rival} (p = {c['p']:.2g}, {adj:.2g})")
+    head = f"{len(stop.planned)} + {len(stop.added)}" + (added if stop.added else "")
+    return "; ".join([head, *first, *final])
+
+
+def column(r: FaultRegime, k: int) -> list[str] | None:
+    """The regime's cells of :data:`ROWS` for ``GNMR+e k`` (``None``: not in the design)."""
+    d, arm, rec = r.design, f"GNMR+e {k}", r.records
+    if d is None or arm not in r.table_arms:
+        return None
+    keep = standing(rec, d, arm)
+    units = {u for u, _ in keep}
+    gd = r.pair_design(arm, f"random {k}")
+    gaps = dict(zip(gd.seeds, per_seed(rec, gd, "low-cost", "BF16"), strict=True))
+    hit = [
+        s
+        for s in gaps
+        if unit_of(rec[("low-cost", s, d.points[0])]["outliers"][0]["module"]) in units
+    ]
+    others = tuple(s for s in gaps if s not in hit)
+    margins = []
+    for rival in (f"random {k}", f"NVIDIA last-{k}"):
+        if hit and len(others) >= 2 and rival in r.table_arms:
+            dc = replace(r.pair_design(arm, rival), seeds=others)
+            c = comparison(rec, dc, arm, rival, len(preregistered.comparisons(k)))
+            margins.append(f"vs {rival} {_c(c)}")
+    parts = unit_work(rec, d, arm, units) or []
+    norm = f"GNMR {k}"
+    gap_at = [interval(per_seed(rec, replace(d, horizon=e), "low-cost", "BF16")) for e in r.evals]
+    o = r.outlier()
+    trend = "grows" if gap_at[-1][0] > gap_at[0][0] else "shrinks"
+    at = ", ".join(f"{g[0]:+.4f} +- {g[1]:.4f} ({e})" for e, g in zip(r.evals, gap_at, strict=True))
+    share = sum(gaps[s] for s in hit) / sum(gaps.values())
+    return [
+        ", ".join(f"{unit_name(u)} {m:.0f}" for u, m in keep),
+        f"{len(hit)} of {len(gaps)}: {', '.join(map(str, hit))} ({100 * share:.0f}%)",
+        "; ".join(margins) or "-",
+        f"{100 * work(rec, d, arm):.1f}% = " + " + ".join(f"{100 * p:.1f}" for p in parts),
+        o["peak"] + _pilot(r),
+        (
+            f"closes {pm(share_closed(rec, d, norm), 2)}, {pct(work(rec, d, norm))} of the work"
+            if norm in r.table_arms
+            else "not run"
+        ),
+        f"{at} ({o['offset']}-{o['offset'] + o['rise'] + o['hold'] - 1}): {trend} after the window",
+        *_costs(r, arm),
+        _stopping(r, k, arm),
+    ]
+
+
+def table(columns: list[tuple[str, list[str]]]) -> str:
+    """What the verdicts rest on: one row per figure, one column per (regime, its cells)."""
+    rows = [[what, *(cells[i] for _, cells in columns)] for i, what in enumerate(ROWS)]
+    return markdown_table(["", *(f"`{name}`" for name, _ in columns)], rows)

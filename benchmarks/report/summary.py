@@ -1,12 +1,12 @@
-"""The paragraph at the top of RESULTS.md: when to turn GNMR on, with which budget, and what it
-buys there, read from the same figures as the sections below.
+"""The top of RESULTS.md: when to turn GNMR on, with which budget, and what it buys there, read
+from the same figures as the sections below (``templates/summary.md.j2`` words them).
 
-Regimes fall into three kinds, each told apart by its own figures: a **fault regime that passes
-the noise bar** (:meth:`.faults.FaultRegime.bar`: a resolved static gap, quiet nulls), where the
-paragraph gives GNMR+e's share of the gap closed, its recovered work and its four
-pre-registered verdicts; a **fault regime whose gap is not resolved**, where there is nothing to
-recover; and the **seed experiments**, with their verdict words (:mod:`.paper_branch`). The FP4
-section's own summary covers uniform damage.
+A fault regime swept on :data:`SWEPT` seeds or more either passes the noise bar
+(:attr:`.faults.FaultRegime.bar`), and gets a row per budget with GNMR+e's share of the gap
+closed, its work, its pre-registered verdicts and a reading (:func:`reading`); or its static gap is
+not resolved (nothing to recover); or its nulls fail the bar. Issue 44's ablation and stage-5
+regimes have tables of their own comparisons; the seed experiments their verdict words
+(:mod:`.paper_branch`).
 """
 
 from __future__ import annotations
@@ -15,131 +15,118 @@ from typing import Any
 
 from benchmarks.harness import preregistered
 from benchmarks.harness.branch_stats import share_closed
-from benchmarks.report.ablation import ablation
-from benchmarks.report.faults import FaultRegime, work
+from benchmarks.report import rests_on, words
+from benchmarks.report.faults import FaultRegime, pct, pm, speed, work
 from benchmarks.report.faults import context as fault_context
 from benchmarks.report.paper_branch import regimes as seed_regimes
-from benchmarks.report.rests_on import rests_on
-from benchmarks.report.rests_on import table as rests_table
 from benchmarks.report.source import Source
 
 __all__ = ["context"]
 
-
-def local(r: FaultRegime) -> dict[str, Any] | None:
-    """What the paragraph says of a fault regime that passes the bar: per budget ``k`` with
-    GNMR+e in its design, the share of the gap GNMR+e closes and its work, and the verdicts."""
-    d = r.design
-    if d is None or not r.bar()["passes"]:
-        return None
-    measured = [p for p in r.preregistered() if not p["missing"]]
-    rows = []
-    for k in r.budgets():
-        arm = f"GNMR+e {k}"
-        if arm not in r.table_arms:
-            continue
-        family = {arm, f"GNMR+e v2 {k}"}
-        verdicts = [p for p in measured if p["c"].arm in family]
-        share = share_closed(r.records, d, arm)
-        rows.append(
-            {
-                "k": k,
-                "share": share,
-                "work": work(r.records, d, arm),
-                "verdicts": verdicts,
-                "kind": kind(share, verdicts, arm),
-                "level": level_with(r, arm, share),
-                "work_pct": f"{100 * work(r.records, d, arm):.1f}%",
-                **speedups(r, arm),
-                "rests": rests_on(r, k),
-            }
-        )
-    seeds = len(d.seeds)
-    pair_seeds = max([seeds, *(p["seeds"] for p in measured)])
-    out = {"regime": r, "seeds": seeds, "pair_seeds": pair_seeds}
-    return out | {"budgets": rows} if rows else None
-
-
-HIGH = ("BF16", "null ")
-"""Arms that run the recovery path everywhere (the static gap's upper end and its null): they
-close the whole gap by construction, at full cost."""
-
-
-def level_with(r: FaultRegime, arm: str, share: tuple[float, float]) -> list[str]:
-    """The other table arms that close as much of the static gap as ``arm`` (95% intervals of
-    the share that overlap), the recovery path everywhere left out: what a user could run
-    instead for the same loss, each at its own cost (the cost table)."""
-    lo, hi = share[0] - share[1], share[0] + share[1]
-    out = []
-    for other in r.table_arms:
-        if other in (arm, "low-cost") or other.startswith(HIGH):
-            continue
-        m, h = share_closed(r.records, r.design, other)
-        if m + h >= lo and m - h <= hi:
-            out.append(other)
-    return out
-
-
-def speedups(r: FaultRegime, arm: str, hardware: str = "B200") -> dict[str, str]:
-    """``arm``'s and the low-cost path's speed-up over BF16 at matched loss on ``hardware``
-    (:attr:`FaultRegime.costs`), or the note saying why there is none."""
-    out = {}
-    for key, a in (("speed_arm", arm), ("speed_low", "low-cost")):
-        c = r.costs[a]["hardware"][hardware]
-        out[key] = f"{c['speedup'][0]:.2f} +- {c['speedup'][1]:.2f}" if c["speedup"] else c["note"]
-    return out
-
-
 SWEPT = 5
 """Seeds from which a fault regime counts as swept rather than piloted: an unresolved gap then
 says the format absorbed the fault, not that two seeds could not tell."""
+HIGH = ("BF16", "null ")
+"""Arms that run the recovery path everywhere: they close the whole gap by construction, at full
+cost (left out of "as much closed by", with the low-cost path)."""
+ABLATION = ("GNMR+e 4", "e-only 4", "GNMR+e lean 4", "random 4")
+"""The ablation's arms whose share of the static gap and recovered work the top gives."""
 
 
-def kind(share: tuple[float, float], verdicts: list[dict[str, Any]], arm: str) -> str:
-    """``"pays"``: GNMR+e beats random selection or NVIDIA's fixed rule (a pre-registered
-    "better"); ``"no help"``: its share of the gap closed is not above 0 (95%); ``"worse"``: a
-    fixed rule beats it; ``"open"``: it closes part of the gap, but its margin over those rules
-    is not resolved (more seeds may tell)."""
-    mean, half = share
-    if not mean - half > 0:
-        return "no help"
-    fixed = ("random ", "NVIDIA last-")
-    rivals = [v for v in verdicts if v["c"].arm == arm and v["c"].rival.startswith(fixed)]
-    if any(v["verdict"] == "better" for v in rivals):
-        return "pays"
-    return "worse" if any(v["verdict"] == "worse" for v in rivals) else "open"
+def reading(r: FaultRegime, arm: str, verdicts: list[dict[str, Any]]) -> tuple[str, list[str]]:
+    """``pays`` (a pre-registered "better" against random selection or NVIDIA's fixed rule), ``no
+    help`` (its share of the gap closed not above 0, 95%), ``worse`` (a fixed rule better) or
+    ``open``; and the other arms whose 95% share overlaps ``arm``'s (the same loss, each at its
+    own cost)."""
+    m, h = share_closed(r.records, r.design, arm)
+    level = []
+    for other in (a for a in r.table_arms if a not in (arm, "low-cost") and not a.startswith(HIGH)):
+        m2, h2 = share_closed(r.records, r.design, other)
+        if m2 + h2 >= m - h and m2 - h2 <= m + h:
+            level.append(other)
+    rivals = [v["verdict"] for v in verdicts if v["rival"].startswith(("random ", "NVIDIA last-"))]
+    kind = "pays" if "better" in rivals else "worse" if "worse" in rivals else "open"
+    return ("no help" if not m - h > 0 else kind), level
+
+
+def advice(r: FaultRegime) -> list[dict[str, Any]]:
+    """Per budget ``k`` with ``GNMR+e k`` in the design of a regime that passes the bar: the
+    top table's row and the regime's column of :mod:`.rests_on`."""
+    measured = [p for p in r.preregistered if not p["why"]]
+    rows = []
+    for k in (k for k in r.budgets() if f"GNMR+e {k}" in r.table_arms):
+        arm, b200 = (
+            f"GNMR+e {k}",
+            [r.costs[a]["hardware"]["B200"] for a in (f"GNMR+e {k}", "low-cost")],
+        )
+        verdicts = [p for p in measured if p["arm"] in (arm, f"GNMR+e v2 {k}")]
+        kind, level = reading(r, arm, [v for v in verdicts if v["arm"] == arm])
+        seeds = max([len(r.design.seeds), *(p["seeds"] for p in measured)])
+        rows.append(
+            {
+                "name": r.name,
+                "seeds": f"{len(r.design.seeds)} (up to {seeds})",
+                "gap": r.bar["gap"],
+                "share": words.pct(share_closed(r.records, r.design, arm)),
+                "work": pct(work(r.records, r.design, arm)),
+                "verdicts": [
+                    f"{v['arm']} vs {v['rival']}: {v['text']} ({v['seeds']})" for v in verdicts
+                ],
+                "speed": " / ".join(map(speed, b200)),
+                "level": ", ".join(level) or "-",
+                "kind": kind,
+                "column": rests_on.column(r, k),
+            }
+        )
+    return rows
+
+
+def ablation(r: FaultRegime) -> dict[str, Any]:
+    """An ablation regime's row: its parent, seeds of the planned, each compared arm's share of
+    the gap closed (95%) and work, and its measured comparisons."""
+    d, stop = r.design, preregistered.STOPPING[r.name]
+    arms = {
+        a: f"{pm(share_closed(r.records, d, a), 2)} ({pct(work(r.records, d, a))})"
+        for a in ABLATION
+        if a in r.table_arms
+    }
+    seeds = f"{len(d.seeds)} of {len(stop.planned)}"
+    rows = [p for p in r.preregistered if not p["why"]]
+    return {"parent": r.name.removesuffix("_ablation"), "seeds": seeds, "arms": arms, "rows": rows}
 
 
 def context(src: Source) -> dict[str, Any]:
-    """Of the fault regimes swept on :data:`SWEPT` seeds or more: ``advice``, those that pass
-    the bar (:func:`local`, each budget with its :func:`kind`), ``quiet``, those whose static
-    gap is not resolved, and ``noisy``, the rest (a gap, but nulls above the bar); ``pilots``:
-    the others; ``seed_words``: (regime, verdicts) of the seed experiments; ``ablation``: issue
-    44's ablation regimes (:mod:`.ablation`), kept out of the others; ``stage5``: (name,
-    its measured pre-registered comparisons, ``None`` when it has no records yet) of each of
-    issue 44's stage-5 regimes, also kept out (the wgrad rows have no fault to advise on)."""
+    """``advice``: the rows of the swept regimes that pass the bar; ``quiet``: those whose gap is
+    not resolved; ``noisy``: the rest; ``pilots``: the regimes not swept; ``rests``: the table
+    of :mod:`.rests_on` and ``chosen``: when each outlier was chosen; ``ablation`` and
+    ``stage5``: issue 44's regimes apart (``None``: no records yet); ``seed_words``."""
     faults = fault_context(src)
-    every: list[FaultRegime] = faults["faults"]
-    apart = {*preregistered.ABLATION_REGIMES, *preregistered.STAGE5_FAMILIES}
-    regimes = [r for r in every if r.name not in apart]  # each has its own words
+    every: list[FaultRegime] = faults["fault_regimes"]
     have = {r.name: r for r in every}
+    apart = {*preregistered.ABLATION_REGIMES, *preregistered.STAGE5_FAMILIES}
+    regimes = [r for r in every if r.name not in apart]
     swept = [r for r in regimes if r.design is not None and len(r.design.seeds) >= SWEPT]
-    advice = [a for a in (local(r) for r in swept) if a is not None]
-    quiet = [r for r in swept if not r.bar()["resolved"]]
-    told = {a["regime"].name for a in advice} | {r.name for r in quiet}
-    noisy = [r for r in swept if r.name not in told]  # a resolved gap, nulls above the bar
-    pilots = [r for r in regimes if r not in swept]
-    seeds = [(s, s.verdicts()) for s in seed_regimes(src) if s.records and s.design]
-    names = {"advice": advice, "quiet": quiet, "noisy": noisy, "pilots": pilots}
-    shared = {k: faults[k] for k in ("fpm", "prereg_level")}  # what rests_on.md.j2 reads
-    stage5 = [(n, have.get(n)) for n in preregistered.STAGE5_FAMILIES]
-    measured = [(n, r and [p for p in r.preregistered() if "mean" in p]) for n, r in stage5]
-    names |= {"stage5": measured}
-    rests = [(a["regime"].name, b["rests"]) for a in advice for b in a["budgets"] if b["rests"]]
+    rows = [row for r in swept if r.bar["passes"] for row in advice(r)]
+    quiet = [r.name for r in swept if not r.bar["resolved"]]
+    noisy = [r.name for r in swept if r.bar["resolved"] and not r.bar["passes"]]
+    columns = [(row["name"], row["column"]) for row in rows if row["column"]]
     chosen: dict[str, list[str]] = {}
-    for name, _ in rests:
+    for name in dict.fromkeys(n for n, _ in columns):
         stop = preregistered.STOPPING.get(name)
         if stop is not None and stop.chosen:
             chosen.setdefault(stop.chosen, []).append(name)
-    names |= {"rests": rests_table(rests) if rests else "", "chosen": chosen}
-    return names | {"seed_words": seeds, "ablation": ablation(every)} | shared
+    stage5 = [(n, have.get(n)) for n in preregistered.STAGE5_FAMILIES]
+    return {
+        "advice": rows,
+        "quiet": quiet,
+        "noisy": noisy,
+        "pilots": [r.name for r in regimes if r not in swept],
+        "rests": rests_on.table(columns) if columns else "",
+        "chosen": chosen,
+        "ablation": [
+            ablation(r) for r in every if r.name in preregistered.ABLATION_REGIMES and r.design
+        ],
+        "stage5": [(n, r and [p for p in r.preregistered if "mean" in p]) for n, r in stage5],
+        "seed_words": [(s, s.verdicts()) for s in seed_regimes(src) if s.records and s.design],
+        "prereg_level": faults["prereg_level"],
+    }

@@ -110,9 +110,9 @@ ABLATION_ARMS = {  # arm -> (held-out minus BF16's, recovered work), as test_rep
 
 
 def test_the_ablation_renders_its_own_family_with_sign_counts(tmp_path):
-    from benchmarks.report.ablation import ablation
     from benchmarks.report.faults import FaultRegime
     from benchmarks.report.source import Source
+    from benchmarks.report.summary import ablation
     from tests.benchmarks.test_report import _fault_records, _fault_section, _write_faults
 
     _write_faults(tmp_path, _fault_records(ABLATION_ARMS), "outlier_delayed_ablation")
@@ -122,13 +122,14 @@ def test_the_ablation_renders_its_own_family_with_sign_counts(tmp_path):
         assert f"| outlier_delayed_ablation | {c.arm} - {c.rival} |" in text
     assert "| outlier_delayed | GNMR+e 4 - random 4 |" in text  # the parent keeps its own four
     r = FaultRegime(Source(tmp_path), "outlier_delayed_ablation")
-    rows = {(p["c"].arm, p["c"].rival): p for p in r.preregistered()}
+    rows = {(p["arm"], p["rival"]): p for p in r.preregistered}
     lean = rows[("GNMR+e lean 4", "random 4")]
     assert (lean["below"], lean["n"], lean["verdict"]) == (4, 4, "better")
     assert "| GNMR+e lean 4 - random 4 | -0.0029 | 0.0008 | better | 4 of 4 (p = 0.125) |" in text
     only = rows[("e-only 4", "GNMR+e 4")]
-    assert only["tie"] == pr.tie(only["mean"], only["half"], 0.010)
-    assert f"| {only['verdict']}{' (a tie)' if only['tie'] else ''} |" in text
-    got = ablation([r, FaultRegime(Source(tmp_path), "outlier_delayed")])
-    assert [a["parent"] for a in got] == ["outlier_delayed"] and got[0]["planned"] == 8
-    assert got[0]["arms"]["GNMR+e lean 4"]["work_pct"] == "3.6%"  # 1 unit of 28
+    tie = pr.tie(only["mean"], float(only["half"]), 0.010)
+    assert only["word"] == only["verdict"] + (" (a tie)" if tie else "")
+    assert f"| {only['word']} |" in text
+    got = ablation(r)
+    assert (got["parent"], got["seeds"]) == ("outlier_delayed", "4 of 8")
+    assert got["arms"]["GNMR+e lean 4"] == "+0.50 +- 0.00 (3.6%)"  # half the gap, 1 unit of 28

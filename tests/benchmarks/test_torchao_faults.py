@@ -200,25 +200,3 @@ def test_the_cost_model_prices_torchaos_recipes():
         assert price(of("rowwise_with_gw_hp"), hw).low == pytest.approx((0.5 + 0.5 + 1) / 3)
         assert price(of("tensorwise", "rowwise"), hw).recovery == 0.5
     assert "not priced" in str(price(of("mxfp8"), "B200").note)
-
-
-def test_the_share_difference_across_two_regimes_by_hand():
-    """Shares ``mean(x) / mean(g)`` of 0.0117 / 0.02 and 0.003 / 0.01; per seed the influences
-    ``(x - r g) / mean(g)`` are (-0.0417, -0.0833, 0.125) and (-0.1, 0.1, 0), their differences
-    (0.0583, -0.1833, 0.125): sd 0.16223, half-width 4.3027 x 0.16223 / sqrt(3) = 0.4030."""
-    from benchmarks.harness.branch_stats import Design
-    from benchmarks.report.faults import share_difference
-
-    def regime(gaps, closed):
-        out = {}
-        for s, (g, x) in enumerate(zip(gaps, closed, strict=True), 1):
-            for arm, h in (("low-cost", 2.0), ("BF16", 2.0 - g), ("GNMR+e 4", 2.0 - x)):
-                out[(arm, s, 100)] = {"heldout": {"50": h}}
-        return out
-
-    a = regime((0.010, 0.020, 0.030), (0.005, 0.010, 0.020))
-    b = regime((0.010, 0.010, 0.010), (0.002, 0.004, 0.003))
-    d = Design(seeds=(1, 2, 3), points=(100,), horizon=50)
-    diff, half = share_difference(a, b, d, "GNMR+e 4")
-    assert diff == pytest.approx(0.011667 / 0.02 - 0.3, abs=1e-4)
-    assert half == pytest.approx(0.4030, abs=1e-3)
