@@ -1,14 +1,9 @@
-"""The error term's measured cost, for the cost at matched loss (issue 44).
-
-An arm with ``gamma`` measures the error sums ``B(u)`` every ``error_every`` steps
-(docs/algorithm.md#damage-term); :mod:`benchmarks.harness.cost` adds that cost to its step time
-as ``C / error_every``, ``C`` the extra time of one measuring step as a share of a low-cost step.
-``C`` is read here from the step-time run of the error term (``results/overhead_error.json``,
-:mod:`benchmarks.overhead.step_time`): the median per-round CPU-time ratio of ``gnmr+e k``
-(``error_every`` 1) to the low-cost path without GNMR, less 1. GNMR's monitor and controller are
-inside that ratio, so it bounds the term's own cost from above. A backend the run did not time
-(``torchao_fp8``, ``int8``) is priced at the largest figure it measured, and the source says so.
-No torch.
+"""The error term's measured cost ``C`` for the cost at matched loss (issue 44): an arm with
+``gamma`` measures the error sums every ``error_every`` steps, which :mod:`benchmarks.harness.cost`
+prices as ``C / error_every`` of a low-cost step. ``C``: the median per-round CPU-time ratio of
+``gnmr+e k`` (``error_every`` 1) to the low-cost path, less 1, in ``results/overhead_error.json``
+(GNMR's monitor and controller inside it: an upper bound). A backend not timed gets the largest
+figure measured, and the source says so. No torch.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
-"""The fault grid's section of RESULTS.md (issue 44, stage 4; docs/benchmarks.md#sweep-fault-grid),
-from ``results/fault_grid/`` (:mod:`benchmarks.sweep.fault_grid`): one table of the cells
-(magnitude x onset, function-preserving or gradient-visible), the arms where they ran, the
-fault-free controls' arms and the break-even fault frequency, or its bound where no arm ran under
-a fault (:mod:`benchmarks.harness.break_even`).
-
-Every figure is exploratory (95% Student-t over the seeds, no verdict), with the count of seeds
-above 0. A function-preserving cell reads its BF16 branch and null from ``free_long`` at its own
-horizon (a BF16 path computes the same bits with and without such an outlier); each (seed, point)
-is read on the host of its BF16 branch (:func:`benchmarks.report.faults.one_host`). A cell shows
-the seeds with all its statics and nulls, "not yet run" without any; an arm only where it has
-every one of them. No torch.
+"""The fault grid's section of RESULTS.md (issue 44, stage 4; docs/benchmarks.md#sweep-fault-grid)
+from ``results/fault_grid/``: the cells (magnitude x onset, function-preserving or
+gradient-visible), the arms where they ran, the fault-free controls and the break-even fault
+frequency, or its bound where no arm ran under a fault (:mod:`benchmarks.harness.break_even`).
+Every figure is exploratory: 95% over seeds, with the count of seeds above 0. A function-preserving
+cell reads BF16 and its null from ``free_long`` (a BF16 path computes the same bits with and
+without such an outlier). No torch.
 """
 
 from __future__ import annotations
@@ -26,6 +21,7 @@ from benchmarks.harness.stats import interval
 from benchmarks.report.error_cost import error_cost
 from benchmarks.report.faults import machine, one_host, provenance_table, unit_of
 from benchmarks.report.source import Source
+from benchmarks.report.words import resolved
 
 FAMILY = "fault_grid"
 POINT = 100
@@ -85,11 +81,6 @@ def figure(values: Sequence[float], digits: int = 4) -> str:
     return f"{m:+.{digits}f} {half} ({n - below}/{len(values)} > 0)"
 
 
-def resolved(values: Sequence[float]) -> bool:
-    m, h = interval(values) if len(values) > 1 else (0.0, math.nan)
-    return not math.isnan(h) and abs(m) > h
-
-
 def on_fault(rec: Records, arm: str, seeds: Sequence[int]) -> float | None:
     """The share of the faulted unit's window steps inside the branch it ran on BF16."""
     shares = []
@@ -112,7 +103,7 @@ def cell_row(cell: str, rec: Records) -> dict[str, Any]:
         return row
     gap = diffs(rec, "low-cost", rec, "BF16", seeds, h)
     nulls = {n: diffs(rec, n, rec, twin, seeds, h) for n, twin in NULLS.items()}
-    row |= {"gap": gap, "resolved": resolved(gap), "nulls": nulls}
+    row |= {"gap": gap, "resolved": len(gap) > 1 and resolved(interval(gap)), "nulls": nulls}
     for arm in ARMS:
         if set(seeds) <= set(seeds_with(rec, (arm,), h)):
             works = [float(rec[(arm, s, POINT)]["flops_recovered"]) for s in seeds]
