@@ -9,7 +9,7 @@ branch points, with a Student-t interval over seeds. :data:`NULL_ARMS` measure t
 own noise. Why it is quieter and what it measures: docs/benchmarks.md#branch-estimator.
 
 Jobs are (arm, seed, branch point), run in a pool and written one JSON file each as they end,
-so a sweep stops and resumes at any time (:mod:`benchmarks.sweep.fp4`).
+so a sweep stops and resumes at any time (:mod:`benchmarks.sweep.branches`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The statistics of a branch sweep (:mod:`benchmarks.sweep.fp4`): paired differences between
+"""The statistics of a branch sweep (:mod:`benchmarks.sweep.branches`): paired differences between
 arms, the share of the static gap an arm closes, loss spikes (:mod:`benchmarks.harness.spikes`)
 and their paired per-seed differences, the estimator's noise, the verdicts and the arms' table.
 

@@ -31,7 +31,7 @@ NULLS = (
     "low-cost (SR seed 1) - low-cost",
 )
 POLICIES = ("GNMR+e", "random", "oracle", "GNMR")
-CLI = "python -m benchmarks.sweep.fp4"
+CLI = "python -m benchmarks.sweep.branches"
 
 
 def _num(pair: tuple[float, float] | None, note: str | None, digits: int = 2) -> str:

@@ -51,7 +51,7 @@ CLAIMS = {
 }
 """The paper's claims, short (docs/algorithm.md#paper-experiments), by the regime testing them."""
 GENERIC = "GNMR moving a few units to the recovery path reaches its loss"
-CLI = "`python -m benchmarks.sweep.fp4 --regime {}`"
+CLI = "`python -m benchmarks.sweep.branches --regime {}`"
 
 
 def budget(arm: str) -> int | None:

@@ -1,5 +1,5 @@
-"""The arms of the branch sweeps (:mod:`benchmarks.sweep.fp4`): the controls, NVIDIA's rules and
-the budgeted selectors, built for one regime (:mod:`benchmarks.sweep.regimes`).
+"""The arms of the branch sweeps (:mod:`benchmarks.sweep.branches`): the controls, NVIDIA's
+rules and the budgeted selectors, built for one regime (:mod:`benchmarks.sweep.regimes`).
 
 The arms in detail: docs/benchmarks.md#sweep-fp4.
 """

@@ -109,7 +109,7 @@ def gap_resolved(cell: str, records: dict[str, branch_stats.Records], seeds: Seq
 
 def read(cells: Sequence[str]) -> dict[str, branch_stats.Records]:
     """The records of ``cells`` and ``free_long``."""
-    from benchmarks.sweep.fp4 import records_file
+    from benchmarks.sweep.branches import records_file
 
     for c in {*cells, "free_long"}:
         records_file(CELLS[c].name).parent.mkdir(parents=True, exist_ok=True)
@@ -120,7 +120,7 @@ def read(cells: Sequence[str]) -> dict[str, branch_stats.Records]:
 
 def _job(payload: tuple[str, str, Arm, int, int, bool]) -> tuple[str, dict[str, Any]]:
     """One branch in a worker: (its regime's name, its record)."""
-    from benchmarks.sweep.fp4 import _job as branch_job
+    from benchmarks.sweep.branches import _job as branch_job
 
     return payload[1], branch_job(payload)
 
@@ -132,7 +132,7 @@ def run(cells: Sequence[str], which: str, seeds: Sequence[int], jobs: int, gate:
     import multiprocessing as mp
 
     from benchmarks.harness.branch import trunk_file
-    from benchmarks.sweep.fp4 import _worker_init, records_file, trunks_dir
+    from benchmarks.sweep.branches import _worker_init, records_file, trunks_dir
 
     payloads = []
     for cell in cells:
@@ -143,7 +143,7 @@ def run(cells: Sequence[str], which: str, seeds: Sequence[int], jobs: int, gate:
             continue
         for s in seeds:
             if not trunk_file(trunks_dir(regime), s, POINT).exists():
-                raise SystemExit(f"no trunk of seed {s}: run benchmarks.sweep.fp4 on it first")
+                raise SystemExit(f"no trunk of seed {s}: run benchmarks.sweep.branches on it first")
             for arm, pert in arms_of(cell, which):
                 if (arm.name, s, POINT) not in have[cell]:
                     payloads.append(("branch", regime.name, arm, s, POINT, pert))

@@ -1,4 +1,4 @@
-"""The report of an FP4 branch sweep (:mod:`benchmarks.sweep.fp4`): the estimator's noise, one
+"""The report of an FP4 branch sweep (:mod:`benchmarks.sweep.branches`): the estimator's noise, one
 row per arm, the verdicts per budget, a JSON summary and the quality-against-budget plot."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Step time of ``GNMR+e`` against NVIDIA's static rule at the same budget, side by side.
 
-    python -m benchmarks.sweep.fp4 --step-time [--regime nvfp4] [--steps 40]
+    python -m benchmarks.sweep.branches --step-time [--regime nvfp4] [--steps 40]
 
 Both arms, and ``GNMR+e``'s own plan replayed without GNMR's work, start from the same trunk
 checkpoint (seed 1234, the regime's second branch point) and train the same batches, interleaved

@@ -23,7 +23,7 @@ from benchmarks.harness.branch import branch_setup, load_trunk, run_trunk, trunk
 from benchmarks.harness.common import arg_parser, start_cli
 from benchmarks.harness.model import Batches
 from benchmarks.harness.training import ArmRun
-from benchmarks.sweep.fp4 import ensure_inputs, trunks_dir
+from benchmarks.sweep.branches import ensure_inputs, trunks_dir
 from benchmarks.sweep.regimes import BRANCH_REGIMES, Regime
 
 logger = logging.getLogger(__name__)

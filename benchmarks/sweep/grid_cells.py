@@ -1,5 +1,5 @@
 """The cells of the magnitude x onset grid (issue 44) as branch regimes: what
-:mod:`benchmarks.sweep.fault_grid` runs and :mod:`benchmarks.sweep.fp4` registers, kept apart
+:mod:`benchmarks.sweep.fault_grid` runs and :mod:`benchmarks.sweep.branches` registers, kept apart
 from the runner so that neither imports the other. The design: docs/benchmarks.md#sweep-fault-grid.
 """
 
@@ -90,4 +90,4 @@ CELLS = _cells()
 """The grid's cells by short name (``m20_rise``, ``m10_slow_visible``, ``free``)."""
 
 GRID_REGIMES = {r.name: r for r in CELLS.values()}
-"""The cells as branch regimes (:mod:`benchmarks.sweep.fp4` runs them)."""
+"""The cells as branch regimes (:mod:`benchmarks.sweep.branches` runs them)."""

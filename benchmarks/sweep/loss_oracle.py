@@ -22,7 +22,7 @@ from benchmarks.harness import branch_stats
 from benchmarks.harness.arms import Arm
 from benchmarks.harness.branch_stats import Records
 from benchmarks.harness.common import arg_parser, start_cli
-from benchmarks.sweep.fp4 import records_file, run_branches
+from benchmarks.sweep.branches import records_file, run_branches
 from benchmarks.sweep.regimes import BRANCH_REGIMES, Regime
 
 __all__ = ["oracle_arm", "single_arms"]

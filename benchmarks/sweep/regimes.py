@@ -5,7 +5,7 @@ corpus with one precision backend; what differs is where the damage sits. :data:
 (the selection sweeps, :mod:`benchmarks.sweep.selection`): ``act_quant`` and ``fp6_fp8`` spread
 it over every unit and step, ``outlier`` and ``delayed`` make it local and transient by
 construction (an outlier input channel, rising activation spikes). :data:`FP4_REGIMES` (the
-branch estimator's sweeps, :mod:`benchmarks.sweep.fp4`, at lr 1e-3, recovery in BF16):
+branch estimator's sweeps, :mod:`benchmarks.sweep.branches`, at lr 1e-3, recovery in BF16):
 ``nvfp4``, ``mxfp4`` and the ``fp4_tensor`` stress. Each regime names its GNMR policy and the
 error-term threshold ``gamma`` of its ``GNMR+e`` arms. Each regime in detail:
 docs/benchmarks.md#sweep-regimes.
@@ -474,4 +474,4 @@ by :mod:`benchmarks.sweep.gamma`: act_quant 0.56 (quartiles 0.43, 0.92), fp6_fp8
 0.27), INT8 LoRA 0.049 (0.035, 0.072)."""
 
 BRANCH_REGIMES = {**FP4_REGIMES, **FAULT_REGIMES, **PAPER_REGIMES}
-"""Every regime of the branch sweeps (:mod:`benchmarks.sweep.fp4`)."""
+"""Every regime of the branch sweeps (:mod:`benchmarks.sweep.branches`)."""

@@ -265,7 +265,7 @@ def test_records_survive_a_line_cut_short(tmp_path):
 
 
 def test_points_are_a_subset_of_the_trunks_checkpoints():
-    from benchmarks.sweep.fp4 import _points
+    from benchmarks.sweep.branches import _points
 
     regime = FP4_REGIMES["nvfp4"]
     assert _points("", regime) == tuple(regime.instrument.points)
@@ -311,7 +311,7 @@ def test_nvidias_rules_are_compared_at_their_own_budget_only():
 
 
 def test_report_files_name_a_design_other_than_the_default():
-    from benchmarks.sweep.fp4 import SEEDS, design_suffix
+    from benchmarks.sweep.branches import SEEDS, design_suffix
 
     regime = FP4_REGIMES["mxfp4"]
     assert design_suffix(regime, (4,), regime.instrument.points) == ""
@@ -322,7 +322,7 @@ def test_report_files_name_a_design_other_than_the_default():
 
 
 def test_arms_are_picked_by_exact_name_or_a_prefix():
-    from benchmarks.sweep.fp4 import select_arms
+    from benchmarks.sweep.branches import select_arms
 
     arms = make_arms(FP4_REGIMES["nvfp4"], (2, 4), 28)
     names = lambda text: [a.name for a, _ in select_arms(arms, text)]  # noqa: E731
@@ -342,7 +342,7 @@ def test_arms_are_picked_by_exact_name_or_a_prefix():
 def test_report_only_reads_exactly_the_designs_records(monkeypatch, tmp_path):
     """--report-only with other seeds: exactly their branches, a file named by them; a seed
     without records is refused, naming its branches."""
-    from benchmarks.sweep import fp4, fp4_report
+    from benchmarks.sweep import branches, fp4_report
 
     regime = FP4_REGIMES["nvfp4"]
     names = [a.name for a, _ in make_arms(regime, (4,), regime.units)]
@@ -350,21 +350,21 @@ def test_report_only_reads_exactly_the_designs_records(monkeypatch, tmp_path):
     path = tmp_path / "nvfp4.jsonl"
     rows = [{"arm": a, "seed": s, "point": p} for a in names for s in (1234, 7, 42) for p in points]
     path.write_text("\n".join(json.dumps(r) for r in rows))
-    monkeypatch.setattr(fp4, "records_file", lambda name: path)
+    monkeypatch.setattr(branches, "records_file", lambda name: path)
     got = {}
     monkeypatch.setattr(fp4_report, "report", lambda *a, **kw: got.update(args=a, **kw))
-    fp4.main(["--regime", "nvfp4", "--report-only", "--seeds", "1234,7"])
+    branches.main(["--regime", "nvfp4", "--report-only", "--seeds", "1234,7"])
     _, design, records, arms, _ = got["args"]
     assert got["suffix"] == "_s1234-7" and design.seeds == (1234, 7) and arms == names
     assert sorted(records) == sorted((a, s, p) for a in names for s in (1234, 7) for p in points)
     n = len(names) * len(points)
     with pytest.raises(SystemExit, match=rf"{n} branches missing: \('low-cost', 99, 100\), "):
-        fp4.main(["--regime", "nvfp4", "--report-only", "--seeds", "1234,7,99"])
+        branches.main(["--regime", "nvfp4", "--report-only", "--seeds", "1234,7,99"])
 
 
 def test_fault_and_seed_regimes_leave_their_report_to_results_md(monkeypatch, tmp_path, caplog):
     """Their records are the report (RESULTS.md renders them): no sweep_fp4_* file is written."""
-    from benchmarks.sweep import fp4, fp4_report
+    from benchmarks.sweep import branches, fp4_report
     from benchmarks.sweep.regimes import BRANCH_REGIMES
 
     regime = BRANCH_REGIMES["outlier_delayed"]
@@ -377,17 +377,17 @@ def test_fault_and_seed_regimes_leave_their_report_to_results_md(monkeypatch, tm
         for p in regime.instrument.points
     ]
     path.write_text("\n".join(json.dumps(r) for r in rows))
-    monkeypatch.setattr(fp4, "records_file", lambda name: path)
+    monkeypatch.setattr(branches, "records_file", lambda name: path)
     monkeypatch.setattr(fp4_report, "report", lambda *a, **kw: pytest.fail("reported"))
-    with caplog.at_level(logging.INFO, logger=fp4.logger.name):
-        fp4.main(["--regime", "outlier_delayed", "--report-only", "--seeds", "1234,7"])
+    with caplog.at_level(logging.INFO, logger=branches.logger.name):
+        branches.main(["--regime", "outlier_delayed", "--report-only", "--seeds", "1234,7"])
     assert "its report is benchmarks/RESULTS.md's faults section" in caplog.text
     assert f"({len(rows)} records)" in caplog.text
 
 
 def test_branch_regimes_write_to_their_familys_folder():
     from benchmarks.harness.common import RESULTS
-    from benchmarks.sweep.fp4 import parse_args, records_file
+    from benchmarks.sweep.branches import parse_args, records_file
     from benchmarks.sweep.regimes import BRANCH_REGIMES
 
     for name, regime in BRANCH_REGIMES.items():

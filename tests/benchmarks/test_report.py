@@ -102,7 +102,7 @@ def test_a_selection_verdict_follows_its_gap_and_its_bar(results):
 
 
 def test_a_stored_step_time_run_becomes_a_table(results):
-    """The file ``python -m benchmarks.sweep.fp4 --step-time`` appends to (its writer:
+    """The file ``python -m benchmarks.sweep.branches --step-time`` appends to (its writer:
     ``test_branch.py``)."""
     (results / "sweep_fp4_step_time_nvfp4.json").unlink(missing_ok=True)
     assert "No run is stored" in _flat(results)
@@ -115,7 +115,10 @@ def test_a_stored_step_time_run_becomes_a_table(results):
     assert "No run is stored" not in text
     assert "| 2 | 2026-12-03 |" in text and "606.0 ms" in text
     assert "**1.010 and 1.010, within the 1.02 target**" in text
-    assert "`sweep_fp4_step_time_nvfp4.json` | `python -m benchmarks.sweep.fp4 --step-time" in text
+    assert (
+        "`sweep_fp4_step_time_nvfp4.json` | `python -m benchmarks.sweep.branches --step-time"
+        in text
+    )
 
 
 @pytest.mark.parametrize(
@@ -184,7 +187,7 @@ FAULT_ARMS = {  # arm -> (held-out minus BF16's, recovered work)
 
 
 def _fault_record(arm: str, seed: int, point: int, offset: float, share: float) -> dict:
-    """A branch record as :mod:`benchmarks.sweep.fp4` writes it, with a held-out loss of the
+    """A branch record as :mod:`benchmarks.sweep.branches` writes it, with a held-out loss of the
     seed's base plus ``offset`` (the BF16 trunk progresses 0.05 nats from step 25 to 50) plus a
     small per-seed wobble for the nulls and the budgeted arms."""
     base = 2.5 - point / 1e4 + 0.01 * seed

@@ -13,7 +13,7 @@ from benchmarks.harness import preregistered as pr
 from benchmarks.harness.arms import Arm
 from benchmarks.harness.model import Batches, build_model
 from benchmarks.sweep.branch_arms import OFF, make_arms
-from benchmarks.sweep.fp4 import trunks_dir
+from benchmarks.sweep.branches import trunks_dir
 from benchmarks.sweep.regimes import DEEP_SETUP, FAULT_REGIMES, FP4_REGIMES, FP8_TE_DELAYED
 from gnmr_dist.backends.emulated_options import EmulatedOptions, LinearQuantSpec
 from gnmr_dist.backends.emulated_scaling import DelayedScales, commit_all

@@ -1,8 +1,9 @@
-"""FP4 regimes: what recovering a few units buys back, measured with the branch estimator.
+"""The runner of every branch regime (FP4, fault, the paper's): arms branched from shared BF16
+trunk checkpoints and measured with the branch estimator.
 
-    python -m benchmarks.sweep.fp4 --regime nvfp4 [--seeds 1234,7,42,5,11] [--budgets 2,4,7]
+    python -m benchmarks.sweep.branches --regime nvfp4 [--seeds 1234,7,42,5,11] [--budgets 2,4,7]
         [--points 100,250] [--jobs 2] [--arms "NAME,PREFIX*,..."] [--report-only]
-    python -m benchmarks.sweep.fp4 --step-time [--regime nvfp4] [--steps 40]
+    python -m benchmarks.sweep.branches --step-time [--regime nvfp4] [--steps 40]
 
 For one branch regime (:data:`benchmarks.sweep.regimes.BRANCH_REGIMES`: the FP4 and the fault
 regimes) every arm of :func:`make_arms` (controls, NVIDIA's two static rules, first+last, and
