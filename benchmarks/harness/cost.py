@@ -55,6 +55,8 @@ __all__ = [
     "SeedCost",
     "assumptions",
     "branch_cost",
+    "cell",
+    "cost_rows",
     "cost_table",
     "error_every",
     "error_share",
@@ -63,8 +65,10 @@ __all__ = [
     "hardware_groups",
     "local_rate",
     "price",
+    "priced_groups",
     "priced_points",
     "seed_costs",
+    "speed_cell",
     "speedup",
     "speedup_at_mean",
     "step_time",
@@ -647,7 +651,8 @@ def _hardware(
 # -- the table and its assumptions -------------------------------------------------------------
 
 
-def _cell(pair: tuple[float, float] | None, note: str | None, digits: int = 2) -> str:
+def cell(pair: Sequence[float] | None, note: str | None, digits: int = 2) -> str:
+    """``1.67 +- 0.01`` (``(one seed)`` without a half-width), else the note or ``-``."""
     if pair is None:
         return note or "-"
     m, h = pair
@@ -679,28 +684,30 @@ def hardware_groups(
     groups: dict[tuple[str, ...], list[str]] = {}
     for hw in hardware:
         # keyed by the whole column: two models share one only where every arm's cell reads the same
-        cells = tuple(_speed_cell(r, hw) for r in summary.values())
+        cells = tuple(speed_cell(r, hw) for r in summary.values())
         groups.setdefault(cells, []).append(hw)
     return [tuple(g) for g in groups.values()]
 
 
-def _speed_cell(r: Mapping[str, Any], hw: str) -> str:
+def priced_groups(summary: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, ...]]:
+    """:func:`hardware_groups` that price at least one arm (a table's speed-up columns)."""
+    groups, rows = hardware_groups(summary), summary.values()
+    return [g for g in groups if any(r["hardware"][g[0]]["speedup"] for r in rows)]
+
+
+def speed_cell(r: Mapping[str, Any], hw: str) -> str:
+    """An arm's speed-up on ``hw`` (a row of :func:`summarize_costs`) as a cell."""
     c = r["hardware"].get(hw)
-    return "-" if c is None else _cell(c["speedup"], c["note"])
+    return "-" if c is None else cell(c["speedup"], c["note"])
 
 
-def cost_table(
+def cost_rows(
     summary: Mapping[str, Mapping[str, Any]],
     hardware: Sequence[str] = HARDWARE,
     details: bool = True,
     horizon: int = 50,
-) -> str:
-    """One row per arm of :func:`summarize_costs`, one column per group of hardware models whose
-    speed-ups at matched loss are the same (:func:`hardware_groups`): ``2.31 +- 0.12``, or the
-    note (``not reached on 3 of 40``, ``n/a (no FP4 GEMMs)``, ``not priced: ...``,
-    ``undefined ...``). ``details``: also the recovered share of GEMM FLOPs, the error term's
-    cost, the extra steps to match BF16, the branches behind BF16 at the schedule's end (where
-    the design has such points) and the steps to BF16's final loss (hardware-independent)."""
+) -> tuple[list[str], list[list[str]]]:
+    """(header, rows) of :func:`cost_table`: one row per arm, its name first."""
     groups = hardware_groups(summary, hardware) if summary else [(hw,) for hw in hardware]
     ends = details and any(r.get("at_end") for r in summary.values())
     header = ["arm"]
@@ -717,14 +724,29 @@ def cost_table(
             if r["flops_from_unit_steps"]:
                 flops += " (unit-steps)"
             cells += [flops, _error_cell(r["error"])]
-            cells.append(_cell(r["extra_steps"], r["extra_steps_note"], 1))
+            cells.append(cell(r["extra_steps"], r["extra_steps_note"], 1))
             if ends:
                 behind, n = r["at_end"] or (0, 0)
                 cells.append(f"{behind} of {n}" if n else "-")
             cells.append(_to_target_cell(r["to_target"], horizon))
-        cells += [_speed_cell(r, g[0]) for g in groups]
+        cells += [speed_cell(r, g[0]) for g in groups]
         rows.append(cells)
-    return markdown_table(header, rows)
+    return header, rows
+
+
+def cost_table(
+    summary: Mapping[str, Mapping[str, Any]],
+    hardware: Sequence[str] = HARDWARE,
+    details: bool = True,
+    horizon: int = 50,
+) -> str:
+    """One row per arm of :func:`summarize_costs`, one column per group of hardware models whose
+    speed-ups at matched loss are the same (:func:`hardware_groups`): ``2.31 +- 0.12``, or the
+    note (``not reached on 3 of 40``, ``n/a (no FP4 GEMMs)``, ``not priced: ...``,
+    ``undefined ...``). ``details``: also the recovered share of GEMM FLOPs, the error term's
+    cost, the extra steps to match BF16, the branches behind BF16 at the schedule's end (where
+    the design has such points) and the steps to BF16's final loss (hardware-independent)."""
+    return markdown_table(*cost_rows(summary, hardware, details, horizon))
 
 
 def assumptions(

@@ -2,17 +2,12 @@
 
     python -m benchmarks.report [--check]
 
-The document is the Jinja2 template ``templates/RESULTS.md.j2`` (one included template per
-section): its sentences are written there, with named placeholders for every figure. This
-package reads the result files (:mod:`.source`), builds each section's names (:mod:`.fp4`,
-:mod:`.faults`, :mod:`.paper_branch`, :mod:`.selection`, :mod:`.paper`, :mod:`.overhead`; the
-top paragraph: :mod:`.summary`) and
-gives the template its filters (:mod:`.words`): the figures' formats and the verdict words
-(resolved, better, worse, the same), which are computed from the intervals, never written by
-hand. The rendered text is then filled to 100 columns (:func:`.words.fill_document`), so a
-template's sentence may run over any number of lines. ``--check`` exits non-zero when the
-committed RESULTS.md is not what the result files render, so a result file changed without
-regenerating the document fails the tests.
+The document is ``templates/RESULTS.md.j2`` (one included template per section): its sentences
+are written there, with named placeholders for every figure. This package reads the result files
+(:mod:`.source`), and each section's module (:data:`SECTIONS`) builds its tables' rows and its
+sentences' values; the analysis behind them is :mod:`benchmarks.harness`'s. The rendered text is
+filled to 100 columns (:func:`.words.fill_document`). ``--check`` exits non-zero when the
+committed RESULTS.md is not what the result files render.
 """
 
 from __future__ import annotations
@@ -22,7 +17,6 @@ from typing import Any
 
 import jinja2
 
-from benchmarks.harness.branch_stats import SPIKE, table
 from benchmarks.report import (
     fault_grid,
     faults,
@@ -68,7 +62,7 @@ def environment() -> jinja2.Environment:
     )
     env.filters.update(FILTERS)
     env.tests["resolved"] = resolved
-    env.globals.update(sep=sep, table=table, SPIKE=SPIKE)
+    env.globals["sep"] = sep
     return env
 
 

@@ -19,7 +19,7 @@ from benchmarks.harness.markdown import markdown_table
 from benchmarks.harness.preregistered import GRID_SEEDS, sign_test
 from benchmarks.harness.stats import interval
 from benchmarks.report.error_cost import error_cost
-from benchmarks.report.faults import machine, one_host, provenance_table, unit_of
+from benchmarks.report.faults import machine, one_host, unit_of
 from benchmarks.report.source import Source
 from benchmarks.report.words import resolved
 
@@ -287,6 +287,6 @@ def context(src: Source) -> dict[str, Any]:
             "reproduced": reproduced(src),
             "hosts": sorted({machine({"provenance": p}) for p in provenance}),
             "commits": len({p.get("commit") for p in provenance} - {None}),
-            "provenance": provenance_table(src, [f"{FAMILY}/{c}.jsonl" for c in kept]),
+            "provenance": src.records_table([f"{FAMILY}/{c}.jsonl" for c in kept]),
         }
     }

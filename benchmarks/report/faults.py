@@ -36,7 +36,7 @@ from benchmarks.harness.markdown import markdown_table
 from benchmarks.harness.provenance import UNKNOWN
 from benchmarks.harness.stats import plus_minus
 from benchmarks.report.error_cost import error_cost
-from benchmarks.report.source import Source, describe
+from benchmarks.report.source import Source
 from benchmarks.report.words import listing, resolved
 
 FAMILY = "faults"
@@ -64,13 +64,14 @@ def budget(arm: str) -> int | None:
     return int(tail) if head in ORDER and tail.isdigit() else None
 
 
-def rank(arm: str) -> tuple[int, int, int, str]:
-    """The tables' order, total (ties by name: no set's iteration order reaches the document)."""
+def rank(arm: str, fixed: Sequence[str] = FIXED) -> tuple[int, int, int, str]:
+    """The tables' order, total (ties by name: no set's iteration order reaches the document):
+    the unbudgeted arms by the first prefix of ``fixed`` they have, then by budget, policy."""
     k = budget(arm)
     if k is not None:
         return 1, k, ORDER.index(arm.rpartition(" ")[0]), arm
-    first = [i for i, p in enumerate(FIXED) if arm.startswith(p)]
-    return 0, first[0] if first else len(FIXED), 0, arm
+    first = [i for i, p in enumerate(fixed) if arm.startswith(p)]
+    return 0, first[0] if first else len(fixed), 0, arm
 
 
 def unit_of(module: str) -> int:
@@ -89,11 +90,6 @@ def pm(pair: Sequence[float] | None, digits: int = 4) -> str:
     if pair is not None and math.isnan(pair[1]):
         return f"{pair[0]:+.{digits}f} (one seed)"
     return plus_minus(pair, digits)
-
-
-def speed(c: dict[str, Any]) -> str:
-    """A hardware's speed-up of :func:`cost.summarize_costs` (``1.67 +- 0.01``), or its note."""
-    return f"{c['speedup'][0]:.2f} +- {c['speedup'][1]:.2f}" if c["speedup"] else c["note"]
 
 
 def pct(x: float | None) -> str:
@@ -292,8 +288,7 @@ class FaultRegime:
         """Per arm: work, held-out - BF16, share of the gap closed (95% over seeds), diverged
         branches, the faulted unit's share, then the cost table's cells."""
         d, r = self.design, self.records
-        lines = cost.cost_table(self.costs, horizon=self.horizon).splitlines()
-        head, *rows = (x.strip("| ").split(" | ") for x in lines[:1] + lines[2:])
+        head, rows = cost.cost_rows(self.costs, horizon=self.horizon)
         cells = {row[0]: row[1:] for row in rows}
         header = ["arm", "recovered work", "held-out - BF16", "share of the gap closed"]
         header += ["diverged", "faulted unit's share of its unit-steps", *head[2:]]
@@ -480,25 +475,6 @@ def verdict_table(regimes: Sequence[FaultRegime]) -> str:
     return markdown_table(header, rows)
 
 
-def provenance_table(src: Source, names: Sequence[str]) -> str:
-    """One row per records file: the records, and per distinct provenance its commits (with how
-    many records each) and how the commit, the versions and the host are recorded."""
-    rows = []
-    for name in names:
-        family, _, regime = name.removesuffix(".jsonl").rpartition("/")
-        records = src.records(regime, family=family).values()
-        groups: dict[str, Counter[str]] = {}
-        for p in (r.get("provenance", {}) for r in records):
-            groups.setdefault(describe(p), Counter())[p.get("commit", UNKNOWN)[:10]] += 1
-        each = [
-            f"{', '.join(f'{c} ({n})' for c, n in commits.items())}: "
-            + text.lstrip("(").replace(")", "", 1)
-            for text, commits in groups.items()
-        ]
-        rows.append([f"`{name}`", str(len(records)), " / ".join(each)])
-    return markdown_table(["records file", "records", "commits: provenance"], rows)
-
-
 def context(src: Source) -> dict[str, Any]:
     """The section's names: every fault regime with records (``fault_regimes``: the objects,
     ``faults``: their views), the verdict and provenance tables, the family's level and where
@@ -510,7 +486,7 @@ def context(src: Source) -> dict[str, Any]:
         "fault_regimes": regimes,
         "faults": [r.view() for r in regimes],
         "fault_verdicts": verdict_table(regimes),
-        "fault_provenance": provenance_table(src, [f"{FAMILY}/{r.name}.jsonl" for r in regimes]),
+        "fault_provenance": src.records_table([f"{FAMILY}/{r.name}.jsonl" for r in regimes]),
         "error_source": "not measured" if measured is None else measured.source,
         "prereg_level": f"{100 * level:g}%",
         "null_bar": f"{NULL_BAR:.2f}",

@@ -15,6 +15,7 @@ from benchmarks.harness import cost
 from benchmarks.harness.branch_stats import GAP, SPIKE, Design, spike_figures, verdict
 from benchmarks.harness.markdown import markdown_table
 from benchmarks.harness.stats import plus_minus
+from benchmarks.report import words
 from benchmarks.report.error_cost import error_cost
 from benchmarks.report.faults import NULL_BAR, reach
 from benchmarks.report.source import Source
@@ -32,10 +33,6 @@ NULLS = (
 )
 POLICIES = ("GNMR+e", "random", "oracle", "GNMR")
 CLI = "python -m benchmarks.sweep.branches"
-
-
-def _num(pair: tuple[float, float] | None, note: str | None, digits: int = 2) -> str:
-    return note or "-" if pair is None else f"{pair[0]:.{digits}f} +- {pair[1]:.{digits}f}"
 
 
 class Sweep:
@@ -99,8 +96,7 @@ class Sweep:
         """One row per policy and the low-cost path (the reference, BF16, is the zero of each
         column): quality, spikes, cost at matched loss per group of hardware whose speed-ups
         differ (a model that prices no arm is left out)."""
-        groups = cost.hardware_groups(self.costs)
-        groups = [g for g in groups if self.priced(g[0])]
+        groups = cost.priced_groups(self.costs)
         header = ["arm", "recovered unit-steps", "held-out - BF16", "share of the gap closed"]
         header += ["loss spikes", "extra steps to match BF16"]
         header += [f"speed-up, {', '.join(g)}" for g in groups] + ["units recovered most"]
@@ -111,25 +107,18 @@ class Sweep:
             c = self.costs[arm]
             cells = [arm, f"{100 * r['unit_steps']:.1f}%", plus_minus(r["vs_bf16"])]
             cells += [plus_minus(r["closed"], 2), str(r["spikes"])]
-            cells.append(_num(c["extra_steps"], c["extra_steps_note"], 1))
-            cells += [
-                _num(c["hardware"][g[0]]["speedup"], c["hardware"][g[0]]["note"]) for g in groups
-            ]
+            cells.append(cost.cell(c["extra_steps"], c["extra_steps_note"], 1))
+            cells += [cost.speed_cell(c, g[0]) for g in groups]
             picks = self.r.get("picks", {}).get(arm, [])[:4]
             cells.append(", ".join(f"{u} {100 * x:.0f}%" for u, x in picks) or "-")
             rows.append(cells)
         return markdown_table(header, rows)
 
-    def priced(self, hw: str) -> bool:
-        return any(c["hardware"][hw]["speedup"] is not None for c in self.costs.values())
-
     def unpriced(self) -> list[str]:
         """``Hopper n/a (no FP4 GEMMs)`` of each hardware model that prices no arm."""
-        return [
-            f"{hw} {next(iter(self.costs.values()))['hardware'][hw]['note']}"
-            for hw in cost.HARDWARE
-            if not self.priced(hw)
-        ]
+        priced = {hw for g in cost.priced_groups(self.costs) for hw in g}
+        first = next(iter(self.costs.values()))["hardware"]
+        return [f"{hw} {first[hw]['note']}" for hw in cost.HARDWARE if hw not in priced]
 
     def command(self) -> str:
         """The command that ran this design (its budgets; its branch points when not all)."""
@@ -176,8 +165,7 @@ def in_short(sw: dict[str, Sweep]) -> dict[str, Any]:
     k = 4
 
     def closed(s: Sweep, arm: str) -> str:
-        m, h = s.summary[arm]["closed"]
-        return f"{100 * m:.0f}% +- {100 * h:.0f}%"
+        return words.pct(s.summary[arm]["closed"])
 
     measurable = [
         (a, closed(mx, a))

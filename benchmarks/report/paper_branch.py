@@ -26,16 +26,16 @@ from benchmarks.harness.branch_stats import (
     troubles,
 )
 from benchmarks.harness.markdown import markdown_table
+from benchmarks.report import words
 from benchmarks.report.error_cost import error_cost
-from benchmarks.report.faults import SCHEDULE_END, choose_arms, pct, pm, reach, work
+from benchmarks.report.faults import SCHEDULE_END, budget, choose_arms, pct, pm, rank, reach, work
 from benchmarks.report.source import Source
-from benchmarks.report.words import resolved
 
 FAMILY = "paper"
 """The records' folder under ``results/`` (``Regime.family`` of the paper regimes)."""
 LOW, LOW_NULL = "low-cost", "null low-cost (1e-6)"
-ORDER = ("random", "GNMR", "GNMR+e", "oracle")
-"""The budgeted policies (``<policy> <k>``), in the tables' order within a budget."""
+FIXED = (LOW, "recovery", "null recovery", LOW_NULL, "NVIDIA last")
+"""The unbudgeted arms (by :func:`role` prefix) in the tables' order."""
 SCHEDULES = {"paper_act_quant": 300, "paper_lora_int8": 200}
 """The trunk's schedule where it is not :data:`benchmarks.report.faults.SCHEDULE_END` (it bounds
 the extra steps; ``tests/benchmarks/test_cost_bounds.py`` checks them against the regimes)."""
@@ -54,12 +54,6 @@ GENERIC = "GNMR moving a few units to the recovery path reaches its loss"
 CLI = "`python -m benchmarks.sweep.branches --regime {}`"
 
 
-def budget(arm: str) -> int | None:
-    """``k`` of a budgeted arm (``GNMR+e 4``: 4), else ``None``."""
-    head, _, tail = arm.rpartition(" ")
-    return int(tail) if head in ORDER and tail.isdigit() else None
-
-
 def recovery_arm(records: Records) -> str | None:
     """The arm running the recovery path on every unit (not a null), as the records name it."""
     names = {
@@ -75,14 +69,9 @@ def role(arm: str, high: str) -> str:
     return "recovery" if arm == high else arm.replace(f"null {high} ", "null recovery ")
 
 
-def rank(arm: str) -> tuple[int, int, int, str]:
-    """The tables' order (of :func:`role` names): the unbudgeted arms, then by budget, policy."""
-    k = budget(arm)
-    if k is not None:
-        return 1, k, ORDER.index(arm.rpartition(" ")[0]), arm
-    fixed = (LOW, "recovery", "null recovery", LOW_NULL, "NVIDIA last")
-    first = [i for i, p in enumerate(fixed) if arm.startswith(p)]
-    return 0, first[0] if first else len(fixed), 0, arm
+def order(arm: str, high: str = "recovery") -> tuple[int, int, int, str]:
+    """The tables' order of the arms by :func:`role`."""
+    return rank(role(arm, high), FIXED)
 
 
 def above(pair: Sequence[float], bar: float = 0.0) -> bool:
@@ -115,16 +104,6 @@ def verdict(records: Records, d: Design, arm: str) -> dict[str, Any]:
     return out | {"word": word}
 
 
-def _share(p: Sequence[float] | None) -> str:
-    if p is None:
-        return "-"
-    return (
-        f"{100 * p[0]:.0f}% (one seed)"
-        if math.isnan(p[1])
-        else f"{100 * p[0]:.0f}% +- {100 * p[1]:.0f}%"
-    )
-
-
 class PaperRegime:
     """One paper regime's records (maybe none yet), its design and its rows of the tables."""
 
@@ -132,7 +111,9 @@ class PaperRegime:
         self.src, self.name = src, name
         self.records: Records = src.records(name, family=FAMILY)
         self.high = recovery_arm(self.records) or "BF16"
-        self.arms = sorted({a for a, _, _ in self.records}, key=lambda a: rank(role(a, self.high)))
+        self.arms = sorted(
+            {a for a, _, _ in self.records}, key=lambda a: rank(role(a, self.high), FIXED)
+        )
         self.low = next((r for k, r in self.records.items() if k[0] == LOW), None)
         self.horizon = max((int(e) for e in self.low["heldout"]), default=0) if self.low else 0
 
@@ -188,9 +169,9 @@ class PaperRegime:
         rows = []
         for v in vs:
             shown = v["share"] is not None and v["word"] != "not at this scale"
-            beside = "; ".join(f"{a} {_share(p)}" for a, p in v["controls"]) if shown else "-"
-            rows.append([*head, gap, self.nulls(), v["arm"], _share(v["share"]), pm(v["vs_high"])])
-            rows[-1] += [pm(v["vs_low"]), f"**{v['word']}**", beside]
+            beside = "; ".join(f"{a} {words.pct(p)}" for a, p in v["controls"]) if shown else "-"
+            rows.append([*head, gap, self.nulls(), v["arm"], words.pct(v["share"])])
+            rows[-1] += [pm(v["vs_high"]), pm(v["vs_low"]), f"**{v['word']}**", beside]
         return rows
 
     @cached_property
@@ -208,11 +189,7 @@ class PaperRegime:
 
     def priced(self) -> tuple[str, ...] | None:
         """The first group of hardware models that prices an arm (the table's column), if any."""
-        groups = cost.hardware_groups(self.costs)
-        priced = [
-            g for g in groups if any(c["hardware"][g[0]]["speedup"] for c in self.costs.values())
-        ]
-        return priced[0] if priced else None
+        return next(iter(cost.priced_groups(self.costs)), None)
 
     def cost_notes(self) -> list[str]:
         """Why the hardware models outside the table's column price no arm (grouped by note),
@@ -238,20 +215,13 @@ class PaperRegime:
             return ["-"] * (2 if hw else 1)
         d = self.design
         out = [f"{pm(paired(self.records, d, arm, self.high))} ({pct(work(self.records, d, arm))})"]
-        if hw:
-            c = self.costs[arm]["hardware"][hw[0]]
-            out.append(
-                c["note"] or "-"
-                if c["speedup"] is None
-                else "{:.2f} +- {:.2f}".format(*c["speedup"])
-            )
-        return out
+        return out + ([cost.speed_cell(self.costs[arm], hw[0])] if hw else [])
 
     def spikes(self) -> list[str]:
         """The arms whose loss spikes minus low-cost's exclude 0 (per seed, 95%)."""
         d = self.design
         pairs = {a: spike_difference(self.records, d, a) for a in self.chosen[1] if a != LOW}
-        return [f"{a} {pm(p, 1)}" for a, p in pairs.items() if resolved(p)]
+        return [f"{a} {pm(p, 1)}" for a, p in pairs.items() if words.resolved(p)]
 
 
 def arms_table(regimes: Sequence[PaperRegime]) -> str:
@@ -261,7 +231,9 @@ def arms_table(regimes: Sequence[PaperRegime]) -> str:
         header.append(f"`{g.name}`: - {g.high} (work)")
         if g.priced():
             header.append(f"speed-up, {', '.join(g.priced())}")
-    roles = sorted({role(a, g.high) for g in regimes for a in g.chosen[1]}, key=rank)
+    roles = sorted(
+        {role(a, g.high) for g in regimes for a in g.chosen[1]}, key=lambda a: rank(a, FIXED)
+    )
     return markdown_table(header, [[r, *(c for g in regimes for c in g.cells(r))] for r in roles])
 
 

@@ -32,7 +32,6 @@ from benchmarks.report.faults import (
     one_host,
     pct,
     pm,
-    speed,
     unit_name,
     unit_of,
     work,
@@ -153,7 +152,7 @@ def _costs(r: FaultRegime, arm: str) -> list[str]:
     end = low["at_end"] or (0, 0)
     now = f"{low['not_reached'][0]} of {low['not_reached'][1]} / {end[0]} of {end[1]}"
     if ours:
-        b200 = speed(ours["hardware"]["B200"])
+        b200 = cost.speed_cell(ours, "B200")
         behind, null = ours["at_end"] or (0, 0), r.costs.get("null BF16 (1e-6)", {}).get("at_end")
         now += f"; {b200} (behind at the end on {behind[0]} of {behind[1]}, "
         now += f"the BF16 null on {f'{null[0]} of {null[1]}' if null else None})"

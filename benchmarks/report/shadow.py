@@ -19,17 +19,10 @@ def table(shadow: dict[str, Any], replay: dict[str, Any] | None) -> str:
     """Per recipe: GNMR's CPU-time ratio without ``e``, and per interval ``N`` the ratio [IQR]
     and the every-step arm's extra cost amortized, ``1 + (r_1 - 1) / N``; per replayed run: per
     ``N`` the share of identical active sets / of recovered unit-steps kept."""
-    every = sorted(
-        {n for arms in shadow["step_time"].values() for a in arms if (n := interval(a["arm"]))}
-        | (
-            {
-                r["error_every"]
-                for run in (replay or {}).values()
-                if isinstance(run, dict)
-                for r in run.get("rows", [])
-            }
-        )
-    )
+    runs = [(n, replay[k]) for k, n in (("demo", "demo"), ("fault", None)) if k in (replay or {})]
+    runs = [(n or run["regime"], {r["error_every"]: r for r in run["rows"]}) for n, run in runs]
+    timed = {interval(a["arm"]) for arms in shadow["step_time"].values() for a in arms}
+    every = sorted(({*timed} | {n for _, by in runs for n in by}) - {None})
     rows = []
     for recipe, arms in shadow["step_time"].items():
         by = {interval(a["arm"]): a for a in arms if a["arm"] != "low-cost"}
@@ -37,23 +30,15 @@ def table(shadow: dict[str, Any], replay: dict[str, Any] | None) -> str:
         cells = [recipe, "CPU / low-cost [IQR] -> amortized", f"{by[None]['cpu_ratio']:.3f}"]
         for n in every:
             a = by.get(n)
-            lo, hi = a["cpu_iqr"] if a else (0, 0)
-            cells.append(
-                f"{a['cpu_ratio']:.3f} [{lo:.3f}, {hi:.3f}] -> {1 + (r1 - 1) / n:.4f}" if a else "-"
-            )
+            iqr = "[{:.3f}, {:.3f}]".format(*a["cpu_iqr"]) if a else ""
+            cells.append(f"{a['cpu_ratio']:.3f} {iqr} -> {1 + (r1 - 1) / n:.4f}" if a else "-")
         rows.append(cells)
-    runs = [("demo", replay["demo"])] if replay and "demo" in replay else []
-    runs += [(replay["fault"]["regime"], replay["fault"])] if replay else []
-    for name, run in runs:
-        by_n = {r["error_every"]: r for r in run["rows"]}
+    for name, by_n in runs:
         cells = [name, "identical active sets / recovered unit-steps kept", "-"]
         for n in every:
             r = by_n.get(n)
-            kept = (
-                "-"
-                if r is None or r["recovered_unit_steps_kept"] is None
-                else f"{r['recovered_unit_steps_kept']:.3f}"
-            )
+            kept = r and r["recovered_unit_steps_kept"]
+            kept = "-" if kept is None else f"{kept:.3f}"
             cells.append("-" if r is None else f"{r['identical_active_sets']:.3f} / {kept}")
         rows.append(cells)
     return markdown_table(["run", "figure", "GNMR without e", *(f"N = {n}" for n in every)], rows)

@@ -8,11 +8,13 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 from benchmarks.harness.branch_stats import Records, read_records
+from benchmarks.harness.markdown import markdown_table
 from benchmarks.harness.provenance import UNKNOWN
 
 logger = logging.getLogger(__name__)
@@ -55,42 +57,41 @@ class Source:
             return ""
         return f"![{alt}](results/{name})"
 
-    def provenance(self, *names: str) -> str:
-        """One list item per result file of ``names`` (``x.json``, ``<family>/<regime>.jsonl``) and
-        distinct provenance: its commits (with how many records or runs each, where the file
-        holds several) and what else the records say."""
-        items = []
-        for name in names:
-            records = self._provenances(name)
-            groups: dict[str, Counter[str]] = {}
-            for p in records:
-                groups.setdefault(describe(p), Counter())[_short(p.get("commit", UNKNOWN))] += 1
-            for text, commits in groups.items():
-                if len(records) == 1:
-                    items.append(f"- `{name}`: commit {next(iter(commits))} {text}")
-                else:
-                    each = ", ".join(f"{c} ({n})" for c, n in commits.items())
-                    items.append(
-                        f"- `{name}`, {len(records)} {self._unit(name)}: commits {each} {text}"
-                    )
-        return "\n".join(items)
+    def groups(self, name: str) -> tuple[int, dict[str, Counter[str]]]:
+        """(records or runs, per distinct provenance in words (:func:`describe`) its commits with
+        how many records each) of the result file ``name`` (``x.json``, ``<family>/<r>.jsonl``)."""
+        records, out = self._provenances(name), {}
+        for p in records:
+            out.setdefault(describe(p), Counter())[_short(p.get("commit", UNKNOWN))] += 1
+        return len(records), out
 
     def provenance_table(self, commands: dict[str, str]) -> str:
         """One row per result file of ``commands`` (file -> the command that wrote it, or ``-``):
         its records or runs, its commits with how many each, and what else they record."""
         rows = []
         for name, command in commands.items():
-            records = self._provenances(name)
-            groups: dict[str, Counter[str]] = {}
-            for p in records:
-                groups.setdefault(describe(p), Counter())[_short(p.get("commit", UNKNOWN))] += 1
+            n, groups = self.groups(name)
             each = "; ".join(
-                ", ".join(f"{c} ({n})" for c, n in commits.items()) + f" {text}"
+                ", ".join(f"{c} ({k})" for c, k in commits.items()) + f" {text}"
                 for text, commits in groups.items()
             )
-            rows.append(f"| `{name}` | {command} | {len(records)} | {each} |")
-        head = "| result file | command | records or runs | commits (how many) and provenance |"
-        return "\n".join([head, "| --- | --- | --- | --- |", *rows])
+            rows.append([f"`{name}`", command, str(n), each])
+        head = ["result file", "command", "records or runs", "commits (how many) and provenance"]
+        return markdown_table(head, rows)
+
+    def records_table(self, names: Sequence[str]) -> str:
+        """One row per records file: its records, and per distinct provenance its commits (with
+        how many records each): how the commit, the versions and the host are recorded."""
+        rows = []
+        for name in names:
+            n, groups = self.groups(name)
+            each = [
+                f"{', '.join(f'{c} ({k})' for c, k in commits.items())}: "
+                + text.lstrip("(").replace(")", "", 1)
+                for text, commits in groups.items()
+            ]
+            rows.append([f"`{name}`", str(n), " / ".join(each)])
+        return markdown_table(["records file", "records", "commits: provenance"], rows)
 
     def _provenances(self, name: str) -> list[dict[str, Any]]:
         """The provenance of every record (``.jsonl``), run (a file of runs) or the file."""
@@ -100,10 +101,6 @@ class Source:
             return [r.get("provenance", {}) for r in records.values()]
         data = self.json(name.removesuffix(".json"))
         return [r.get("provenance", {}) for r in data.get("runs", [data])]
-
-    @staticmethod
-    def _unit(name: str) -> str:
-        return "records" if name.endswith(".jsonl") else "runs"
 
 
 def _short(commit: str) -> str:

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.harness import preregistered
+from benchmarks.harness import cost, preregistered
 from benchmarks.harness.branch_stats import share_closed
 from benchmarks.report import rests_on, words
-from benchmarks.report.faults import FaultRegime, pct, pm, speed, work
+from benchmarks.report.faults import FaultRegime, pct, pm, work
 from benchmarks.report.faults import context as fault_context
 from benchmarks.report.paper_branch import regimes as seed_regimes
 from benchmarks.report.source import Source
@@ -55,10 +55,7 @@ def advice(r: FaultRegime) -> list[dict[str, Any]]:
     measured = [p for p in r.preregistered if not p["why"]]
     rows = []
     for k in (k for k in r.budgets() if f"GNMR+e {k}" in r.table_arms):
-        arm, b200 = (
-            f"GNMR+e {k}",
-            [r.costs[a]["hardware"]["B200"] for a in (f"GNMR+e {k}", "low-cost")],
-        )
+        arm = f"GNMR+e {k}"
         verdicts = [p for p in measured if p["arm"] in (arm, f"GNMR+e v2 {k}")]
         kind, level = reading(r, arm, [v for v in verdicts if v["arm"] == arm])
         seeds = max([len(r.design.seeds), *(p["seeds"] for p in measured)])
@@ -72,7 +69,7 @@ def advice(r: FaultRegime) -> list[dict[str, Any]]:
                 "verdicts": [
                     f"{v['arm']} vs {v['rival']}: {v['text']} ({v['seeds']})" for v in verdicts
                 ],
-                "speed": " / ".join(map(speed, b200)),
+                "speed": " / ".join(cost.speed_cell(r.costs[a], "B200") for a in (arm, "low-cost")),
                 "level": ", ".join(level) or "-",
                 "kind": kind,
                 "column": rests_on.column(r, k),

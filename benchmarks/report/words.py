@@ -16,10 +16,12 @@ from typing import Any
 Pair = Sequence[float]
 
 
-def pct(pair: Pair) -> str:
-    """A share as ``54% +- 32%``."""
+def pct(pair: Pair | None) -> str:
+    """A share as ``54% +- 32%`` (``54% (one seed)``; ``-`` for none)."""
+    if pair is None:
+        return "-"
     m, h = pair
-    return f"{100 * m:.0f}% +- {100 * h:.0f}%"
+    return f"{100 * m:.0f}% (one seed)" if math.isnan(h) else f"{100 * m:.0f}% +- {100 * h:.0f}%"
 
 
 def fmt(x: Any, spec: str) -> str:

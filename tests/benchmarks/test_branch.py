@@ -213,8 +213,8 @@ def test_step_time_runs_are_appended_where_the_report_reads_them(tmp_path):
     assert len(stored["runs"]) == 2 and stored["runs"][0]["point"] == 175
     assert stored["runs"][1]["ms"]["GNMR+e 4"] == 612.0
     assert {"commit", "versions", "host"} <= set(stored["runs"][1]["provenance"])
-    text = Source(tmp_path).provenance(path.name)
-    assert text.startswith(f"- `{path.name}`, 2 runs: commits ") and "(2) (git rev-parse" in text
+    row = Source(tmp_path).provenance_table({path.name: "-"}).splitlines()[-1]
+    assert row.startswith(f"| `{path.name}` | - | 2 | ") and "(2) (git rev-parse" in row
 
 
 def test_report_reads_constructed_records(tmp_path, caplog):
