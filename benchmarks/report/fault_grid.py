@@ -14,31 +14,22 @@ from collections.abc import Sequence
 from typing import Any
 
 from benchmarks.harness.branch_stats import Records
-from benchmarks.harness.break_even import advantage, break_even
+from benchmarks.harness.break_even import break_even
+from benchmarks.harness.designs import machine, one_host
+from benchmarks.harness.grid_cells import ARMS, NULLS, POINT, advantages, cell_row, diffs, rates
 from benchmarks.harness.markdown import markdown_table
 from benchmarks.harness.preregistered import GRID_SEEDS, sign_test
 from benchmarks.harness.stats import interval
 from benchmarks.report.error_cost import error_cost
-from benchmarks.report.faults import machine, one_host, unit_of
 from benchmarks.report.source import Source
-from benchmarks.report.words import resolved
 
 FAMILY = "fault_grid"
-POINT = 100
-SCHEDULE_LEFT = 400 - POINT
-"""Steps the trunk's schedule leaves after the branch point."""
 MAGNITUDES = (20, 16, 13, 10)
 ONSETS = {"instant": "instant", "rise": "x4 rise", "slow": "over 200 steps"}
 HORIZON = {"instant": 50, "rise": 50, "slow": 225}
 CONTROL = {50: "free", 225: "free_long"}
 """The fault-free control at each horizon."""
 SHARED = ("BF16", "null BF16 (1e-6)")
-NULLS = {"null BF16 (1e-6)": "BF16", "null low-cost (1e-6)": "low-cost"}
-ARMS = ("GNMR+e 4", "e-only 4", "TE autoswitch 4", "GNMR 4")
-ERROR_ARMS = ("GNMR+e 4", "e-only 4")
-"""The arms that measure the error sums every step (priced with the measured ``C``)."""
-RATIO = 2.0
-"""BF16's step time over per-tensor FP8's: B200, GB300 and Hopper alike (2 : 1)."""
 
 
 def records(src: Source, cell: str) -> Records:
@@ -54,23 +45,6 @@ def horizon(cell: str) -> int:
     return 50 if cell == "free" else 225 if cell == "free_long" else HORIZON[cell.split("_")[1]]
 
 
-def loss(rec: Records, arm: str, seed: int, h: int) -> float | None:
-    r = rec.get((arm, seed, POINT))
-    x = None if r is None else r["heldout"].get(str(h))
-    return None if x is None else float(x)
-
-
-def seeds_with(rec: Records, arms: Sequence[str], h: int) -> list[int]:
-    """The grid's seeds with every one of ``arms``' held-out loss at ``h``."""
-    return [s for s in GRID_SEEDS if all(loss(rec, a, s, h) is not None for a in arms)]
-
-
-def diffs(a: Records, arm: str, b: Records, twin: str, seeds: Sequence[int], h: int) -> list[float]:
-    """Per seed ``arm``'s held-out loss in ``a`` less ``twin``'s in ``b``; empty if one lacks it."""
-    out = [(loss(a, arm, s, h), loss(b, twin, s, h)) for s in seeds]
-    return [x - y for x, y in out] if all(None not in p for p in out) else []  # type: ignore[operator]
-
-
 def figure(values: Sequence[float], digits: int = 4) -> str:
     """``+0.0123 +- 0.0040 (5/5 > 0)``: mean, 95% half-width and the sign count."""
     if not values:
@@ -79,42 +53,6 @@ def figure(values: Sequence[float], digits: int = 4) -> str:
     below, n, _ = sign_test(values)
     half = "one seed" if math.isnan(h) else f"+- {h:.{digits}f}"
     return f"{m:+.{digits}f} {half} ({n - below}/{len(values)} > 0)"
-
-
-def on_fault(rec: Records, arm: str, seeds: Sequence[int]) -> float | None:
-    """The share of the faulted unit's window steps inside the branch it ran on BF16."""
-    shares = []
-    for r in (rec[(arm, s, POINT)] for s in seeds):
-        if not r.get("outliers"):
-            return None
-        o = r["outliers"][0]
-        steps = (o.get("emerge") or o["rise"]) + o["hold"]
-        inside = min(steps, len(r["train_loss"]) - (o["start"] - POINT) + 1)
-        shares.append(r["unit_recovered"][unit_of(o["module"])] / inside)
-    return float(sum(shares) / len(shares))
-
-
-def cell_row(cell: str, rec: Records) -> dict[str, Any]:
-    """A cell's statics and nulls (on the seeds that have them all) and its arms."""
-    h = horizon(cell)
-    seeds = seeds_with(rec, ("low-cost", "BF16", *NULLS), h)
-    row: dict[str, Any] = {"cell": cell, "seeds": seeds, "h": h, "arms": {}}
-    if not seeds:
-        return row
-    gap = diffs(rec, "low-cost", rec, "BF16", seeds, h)
-    nulls = {n: diffs(rec, n, rec, twin, seeds, h) for n, twin in NULLS.items()}
-    row |= {"gap": gap, "resolved": len(gap) > 1 and resolved(interval(gap)), "nulls": nulls}
-    for arm in ARMS:
-        if set(seeds) <= set(seeds_with(rec, (arm,), h)):
-            works = [float(rec[(arm, s, POINT)]["flops_recovered"]) for s in seeds]
-            row["arms"][arm] = {
-                "vs_low": diffs(rec, arm, rec, "low-cost", seeds, h),
-                "vs_bf16": diffs(rec, arm, rec, "BF16", seeds, h),
-                "works": works,
-                "work": sum(works) / len(works),
-                "on_fault": on_fault(rec, arm, seeds),
-            }
-    return row
 
 
 def _cells() -> list[tuple[str, str, str]]:
@@ -180,16 +118,6 @@ def free_table(controls: dict[str, dict[str, Any]]) -> str:
     return markdown_table(head, lines)
 
 
-def rates(src: Source, h: int) -> dict[int, float]:
-    """Per seed, the fault-free BF16 branch's local rate over the 25 steps before ``h``."""
-    rec, out = records(src, "free_long"), {}
-    for s in GRID_SEEDS:
-        early, final = loss(rec, "BF16", s, h - 25), loss(rec, "BF16", s, h)
-        if early is not None and final is not None:
-            out[s] = (early - final) / 25
-    return out
-
-
 def _phi(zero: list[float], fault: list[float], bound: bool) -> str:
     b = break_even(zero, fault)
     if b.phi is None:
@@ -210,7 +138,7 @@ def break_even_table(
     there, closing the cell's whole gap at the arm's fault-free spend)."""
     lines, found = [], []
     for name, free in controls.items():
-        rate, a0, block = rates(src, free["h"]), {}, []
+        rate, a0, block = rates(records(src, "free_long"), free["h"]), {}, []
         for cell, mag, onset in _cells():
             r = rows[cell]
             if (
@@ -221,19 +149,8 @@ def break_even_table(
                 continue
             out = []
             for arm in ARMS:
-                got, base = r["arms"].get(arm), free["arms"].get(arm)
-                zero, fault, past = [], [], 0
-                for s in (s for s in r["seeds"] if base and s in free["seeds"] and s in rate):
-                    i, j = r["seeds"].index(s), free["seeds"].index(s)
-                    spend, e = base["works"][j], c if arm in ERROR_ARMS else 0.0
-                    gain = -r["gap"][i] if got is None else got["vs_low"][i]
-                    work = spend if got is None else got["works"][i]
-                    af = advantage(gain, work, rate[s], r["h"], RATIO, e)
-                    az = advantage(base["vs_low"][j], spend, rate[s], r["h"], RATIO, e)
-                    if af is not None and az is not None:
-                        zero.append(az)
-                        fault.append(af)
-                        past += -gain / rate[s] > SCHEDULE_LEFT - r["h"]
+                got = r["arms"].get(arm)
+                zero, fault, past = advantages(r, free, arm, rate, c)
                 if not fault:
                     out.append("-")
                     continue
@@ -266,8 +183,8 @@ def reproduced(src: Source) -> tuple[int, int]:
 def context(src: Source) -> dict[str, Any]:
     """The names of ``templates/fault_grid.md.j2``."""
     names = [c for c, _, _ in _cells()]
-    rows = {c: cell_row(c, records(src, c)) for c in names}
-    controls = {c: cell_row(c, records(src, c)) for c in CONTROL.values()}
+    rows = {c: cell_row(c, records(src, c), horizon(c)) for c in names}
+    controls = {c: cell_row(c, records(src, c), horizon(c)) for c in CONTROL.values()}
     measured = error_cost(src, "fp8_emulated")
     price = 0.0 if measured is None else measured.share
     table, found = break_even_table(src, rows, controls, price)

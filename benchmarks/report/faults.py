@@ -1,39 +1,44 @@
 """The fault regimes' section of RESULTS.md (issue 35), from ``results/faults/<regime>.jsonl``: per
 regime its design, noise bar and arms table (:meth:`FaultRegime.view`, the names
 ``templates/faults.md.j2`` words), every regime's pre-registered comparisons in one table and the
-records' provenance in another. The rules: docs/benchmarks.md#sweep-faults.
-
-A figure pairs arms on the same (seed, point) and averages a seed's points, so a table needs all
-its arms at every (seed, point) of one grid: the largest, by branches per arm then seeds
-(:func:`largest_design`); an arm that would leave it under :data:`MIN_SEEDS` seeds waits outside
-(:func:`choose_arms`). A pre-registered comparison pairs its two arms over every seed that has both
-at the design's points. Another CPU trains other bits from the same commit, so a (seed, point) is
-read on the host of its BF16 branch and other hosts' records are set aside (:func:`one_host`).
-No torch.
+records' provenance in another. Which records a table reads (the one-host rule, the largest
+complete design, the arms that wait) and the per-arm figures: :mod:`benchmarks.harness.designs`.
+The rules: docs/benchmarks.md#sweep-faults. No torch.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
 from functools import cached_property
-from itertools import combinations
 from typing import Any
 
 from benchmarks.harness import cost, preregistered
 from benchmarks.harness.branch_stats import (
     Design,
-    Records,
     paired,
-    per_seed,
     share_closed,
     troubles,
 )
+from benchmarks.harness.designs import (
+    MIN_SEEDS,
+    choose_arms,
+    comparison,
+    complete_seeds,
+    largest_design,
+    machine,
+    on_fault,
+    one_host,
+    progress,
+    reach,
+    singles,
+    unit_name,
+    unit_of,
+    work,
+)
 from benchmarks.harness.markdown import markdown_table
-from benchmarks.harness.provenance import UNKNOWN
 from benchmarks.harness.stats import plus_minus
 from benchmarks.report.error_cost import error_cost
 from benchmarks.report.source import Source
@@ -52,8 +57,6 @@ FIXED = ("low-cost", "BF16", *NULLS, "NVIDIA last", "TE autoswitch", *LATE)
 """The tables' order: the unbudgeted arms (by prefix), then per budget the policies."""
 SCHEDULE_END = 400
 """The trunk's schedule: a branch from ``SCHEDULE_END - horizon`` ends it (the late rules act)."""
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-MIN_SEEDS = 2
 NULL_BAR = 1 / 3
 """Issue 35's bar: each null's interval holds 0 and reaches at most this share of the gap."""
 
@@ -74,17 +77,6 @@ def rank(arm: str, fixed: Sequence[str] = FIXED) -> tuple[int, int, int, str]:
     return 0, first[0] if first else len(fixed), 0, arm
 
 
-def unit_of(module: str) -> int:
-    """The unit index of ``model.layers.<L>.<block>.<proj>`` in the records' order."""
-    parts = module.split(".")
-    return int(parts[2]) * len(PROJECTIONS) + PROJECTIONS.index(parts[-1])
-
-
-def unit_name(u: int) -> str:
-    layer, j = divmod(u, len(PROJECTIONS))
-    return f"L{layer}.{PROJECTIONS[j].removesuffix('_proj')}"
-
-
 def pm(pair: Sequence[float] | None, digits: int = 4) -> str:
     """``+0.0031 +- 0.0011``; ``(one seed)`` without a half-width; ``-`` for none."""
     if pair is not None and math.isnan(pair[1]):
@@ -94,121 +86,6 @@ def pm(pair: Sequence[float] | None, digits: int = 4) -> str:
 
 def pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
-
-
-def machine(record: dict[str, Any]) -> str:
-    """The host a record was trained on (CPU model and ISA), ``not recorded`` without one."""
-    h = record.get("provenance", {}).get("host")
-    return f"{h['cpu']}, ISA {h['isa']}" if isinstance(h, dict) else UNKNOWN
-
-
-def one_host(records: Records) -> tuple[Records, Records]:
-    """(kept, set aside): per (seed, point) the records on the host of its BF16 branch (without
-    one, the host with the most records there, ties by name)."""
-    hosts: dict[tuple[int, int], Counter[str]] = {}
-    for (_, s, p), r in records.items():
-        hosts.setdefault((s, p), Counter())[machine(r)] += 1
-    chosen = {sp: min(c, key=lambda h: (-c[h], h)) for sp, c in hosts.items()}
-    chosen |= {(s, p): machine(r) for (a, s, p), r in records.items() if a == "BF16"}
-    kept = {k: r for k, r in records.items() if machine(r) == chosen[k[1:]]}
-    return kept, {k: r for k, r in records.items() if k not in kept}
-
-
-def complete_seeds(
-    records: Records, arms: Sequence[str], seeds: Sequence[int], points: Sequence[int]
-) -> list[int]:
-    """The seeds of ``seeds`` with a record of every arm at every point of ``points``."""
-    return [s for s in seeds if all((a, s, p) in records for a in arms for p in points)]
-
-
-def largest_design(records: Records, arms: Sequence[str], horizon: int) -> Design | None:
-    """The seeds x points grid with every arm of ``arms``, largest by branches per arm, then
-    seeds (points: any subset of those recorded); ``None`` when there is none."""
-    seeds = list(dict.fromkeys(s for a, s, _ in records if a in arms))
-    points = sorted({p for a, _, p in records if a in arms})
-    best, design = (0, 0), None
-    for n in range(len(points), 0, -1):
-        for pts in combinations(points, n):
-            got = complete_seeds(records, arms, seeds, pts)
-            if (len(got) * n, len(got)) > best:
-                best, design = (len(got) * n, len(got)), Design(tuple(got), pts, horizon)
-    return design
-
-
-def choose_arms(
-    records: Records, arms: Sequence[str], horizon: int, high: str = "BF16"
-) -> tuple[Design | None, list[str], list[str]]:
-    """(design, its arms, the arms waiting): while the design of all ``arms`` has fewer than
-    :data:`MIN_SEEDS` seeds and the static arms (low-cost, ``high``) alone have that many, the
-    arm with the fewest records leaves it (ties: the last in the tables' order)."""
-    kept, waiting, statics = list(arms), [], ["low-cost", high]
-    alone = largest_design(records, statics, horizon)
-    while True:
-        d = largest_design(records, kept, horizon)
-        d = replace(d, high=high) if d else None
-        if d is None or len(d.seeds) >= MIN_SEEDS or alone is None:
-            return d, kept, waiting
-        if len(alone.seeds) < MIN_SEEDS or len(kept) <= 2:
-            return d, kept, waiting
-        counts = {a: sum(k[0] == a for k in records) for a in kept if a not in statics}
-        worst = min(reversed(list(counts)), key=counts.__getitem__)
-        kept.remove(worst)
-        waiting.append(worst)
-
-
-def progress(records: Records, d: Design, arms: Sequence[str]) -> list[tuple[int, list[str]]]:
-    """(seeds with every design point, the arms) of each of ``arms`` short of all their seeds."""
-    seeds = list(dict.fromkeys(s for a, s, _ in records if a in arms))
-    out: dict[int, list[str]] = {}
-    for a in arms:
-        n = len(complete_seeds(records, [a], seeds, d.points))
-        if n < len(seeds):
-            out.setdefault(n, []).append(a)
-    return sorted(out.items())
-
-
-def work(records: Records, d: Design, arm: str) -> float:
-    """Mean share of the linear-layer work on the recovery path (``flops_recovered``)."""
-    keys = [(arm, s, p) for s in d.seeds for p in d.points]
-    return statistics.fmean(cost.flops_share(records[k])[0] for k in keys)
-
-
-def on_fault(records: Records, d: Design, arm: str) -> float | None:
-    """Mean over the branches that recovered anything of the share of the arm's recovered
-    unit-steps spent on the faulted unit."""
-    shares = []
-    for r in (records[(arm, s, p)] for s in d.seeds for p in d.points):
-        if r.get("unit_recovered") and r["recovered_unit_steps"] and r.get("outliers"):
-            u = unit_of(r["outliers"][0]["module"])
-            shares.append(r["unit_recovered"][u] / r["recovered_unit_steps"])
-    return statistics.fmean(shares) if shares else None
-
-
-def reach(pair: Sequence[float]) -> float:
-    """How far a null's 95% interval reaches from 0: ``|mean| + half-width``."""
-    return abs(pair[0]) + (0.0 if math.isnan(pair[1]) else pair[1])
-
-
-def comparison(
-    records: Records, d: Design, arm: str, rival: str, family: int, gap: float | None = None
-) -> dict[str, Any]:
-    """``arm - rival`` over ``d``'s seeds at the family's Bonferroni level, its verdict (``a tie``
-    against ``gap``, :func:`preregistered.tie`, where one is given) and sign count; ``text``:
-    the difference +- half-width and the verdict."""
-    diffs = per_seed(records, d, arm, rival)
-    m, h, v = preregistered.verdict(diffs, family)
-    below, n, p = preregistered.sign_test(diffs)
-    word = v + (" (a tie)" if gap is not None and preregistered.tie(m, h, gap) else "")
-    half = "-" if math.isnan(h) else f"{h:.4f}"
-    out = {"mean": m, "half": half, "verdict": v, "word": word, "seeds": len(diffs)}
-    signs = f"{below} of {n} (p = {p:.3f})"
-    return out | {
-        "text": f"{m:+.4f} +- {half} {word}",
-        "signs": signs,
-        "below": below,
-        "n": n,
-        "p": p,
-    }
 
 
 class FaultRegime:
@@ -433,26 +310,6 @@ class FaultRegime:
             "late": self.late(),
             "oracle": self.oracle(),
         }
-
-
-def singles(records: Records, d: Design) -> dict[str, Any] | None:
-    """Over the (seed, point) of ``d`` with every ``single <u>``: on how many the faulted unit
-    had the largest single held-out gain over the low-cost arm, and per branch its rank."""
-    ranks, h = [], str(d.horizon)
-    for s in d.seeds:
-        for p in d.points:
-            low = records[("low-cost", s, p)]
-            units = range(len(low["unit_recovered"]))
-            if not all((f"single {u}", s, p) in records for u in units):
-                continue
-            gain = [low["heldout"][h] - records[(f"single {u}", s, p)]["heldout"][h] for u in units]
-            order = sorted(units, key=lambda u: (-gain[u], u))
-            fault = unit_of(low["outliers"][0]["module"])
-            ranks.append((s, order.index(fault) + 1, f"{gain[fault]:+.4f}"))
-    if not ranks:
-        return None
-    top = sum(x[1] == 1 for x in ranks)
-    return {"top": top, "n": len(ranks), "units": len(units), "ranks": ranks}
 
 
 def verdict_table(regimes: Sequence[FaultRegime]) -> str:

@@ -13,11 +13,12 @@ from typing import Any
 
 from benchmarks.harness import cost
 from benchmarks.harness.branch_stats import GAP, SPIKE, Design, spike_figures, verdict
+from benchmarks.harness.designs import reach
 from benchmarks.harness.markdown import markdown_table
 from benchmarks.harness.stats import plus_minus
 from benchmarks.report import words
 from benchmarks.report.error_cost import error_cost
-from benchmarks.report.faults import NULL_BAR, reach
+from benchmarks.report.faults import NULL_BAR
 from benchmarks.report.source import Source
 from benchmarks.report.words import resolved
 

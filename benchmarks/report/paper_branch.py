@@ -11,7 +11,6 @@ The recovery arm (the static gap's upper end) is the arm whose ``arm_spec`` runs
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from functools import cached_property
 from typing import Any
@@ -25,10 +24,11 @@ from benchmarks.harness.branch_stats import (
     spike_difference,
     troubles,
 )
+from benchmarks.harness.designs import choose_arms, reach, recovery_arm, verdict, work
 from benchmarks.harness.markdown import markdown_table
 from benchmarks.report import words
 from benchmarks.report.error_cost import error_cost
-from benchmarks.report.faults import SCHEDULE_END, budget, choose_arms, pct, pm, rank, reach, work
+from benchmarks.report.faults import SCHEDULE_END, budget, pct, pm, rank
 from benchmarks.report.source import Source
 
 FAMILY = "paper"
@@ -41,8 +41,6 @@ SCHEDULES = {"paper_act_quant": 300, "paper_lora_int8": 200}
 the extra steps; ``tests/benchmarks/test_cost_bounds.py`` checks them against the regimes)."""
 CONTROLS = ("NVIDIA last", "random", "GNMR+e", "oracle")
 """The policies whose shares stand beside GNMR's verdict (by name prefix)."""
-REPRODUCED = 0.5
-"""The share of the static gap GNMR's interval must lie above for *reproduced*."""
 CLAIMS = {
     "paper_act_quant": "1. activation-quantization stress: GNMR moving a few units to 8 bits "
     "reaches the 8-bit perplexity where static low-bit activations do not",
@@ -54,16 +52,6 @@ GENERIC = "GNMR moving a few units to the recovery path reaches its loss"
 CLI = "`python -m benchmarks.sweep.branches --regime {}`"
 
 
-def recovery_arm(records: Records) -> str | None:
-    """The arm running the recovery path on every unit (not a null), as the records name it."""
-    names = {
-        a
-        for (a, _, _), r in records.items()
-        if r.get("arm_spec", {}).get("policy") == "recovery" and not a.startswith("null ")
-    }
-    return min(names) if names else None
-
-
 def role(arm: str, high: str) -> str:
     """The arm's name with the recovery arm's replaced by ``recovery`` (a row of every regime)."""
     return "recovery" if arm == high else arm.replace(f"null {high} ", "null recovery ")
@@ -72,36 +60,6 @@ def role(arm: str, high: str) -> str:
 def order(arm: str, high: str = "recovery") -> tuple[int, int, int, str]:
     """The tables' order of the arms by :func:`role`."""
     return rank(role(arm, high), FIXED)
-
-
-def above(pair: Sequence[float], bar: float = 0.0) -> bool:
-    """Whether the 95% interval lies above ``bar``."""
-    return not math.isnan(pair[1]) and pair[0] - pair[1] > bar
-
-
-def verdict(records: Records, d: Design, arm: str) -> dict[str, Any]:
-    """The verdict on ``arm`` (the paper's ``GNMR k``) over ``d``, the first rule that applies
-    (docs/benchmarks.md#sweep-paper-regimes), as ``word``, with the figures it is read from:
-    ``gap`` (low - high), ``share`` (of the gap closed), ``vs_high``, ``vs_low``, ``work``."""
-    gap = paired(records, d, d.low, d.high)
-    out: dict[str, Any] = {"arm": arm, "gap": gap, "share": None, "vs_high": None, "vs_low": None}
-    out["work"] = None
-    if math.isnan(gap[1]) or not all((arm, s, p) in records for s in d.seeds for p in d.points):
-        return out | {"word": "not yet"}
-    share = share_closed(records, d, arm)
-    vs_high, vs_low = paired(records, d, arm, d.high), paired(records, d, arm, d.low)
-    out |= {"share": share, "vs_high": vs_high, "vs_low": vs_low, "work": work(records, d, arm)}
-    if not above(gap):
-        word = "not at this scale"
-    elif above(vs_low):
-        word = "the opposite"
-    elif above(share, REPRODUCED) and not above(vs_high):
-        word = "reproduced"
-    elif above(share):
-        word = "partly"
-    else:
-        word = "not reproduced"
-    return out | {"word": word}
 
 
 class PaperRegime:
@@ -119,7 +77,7 @@ class PaperRegime:
 
     @cached_property
     def chosen(self) -> tuple[Design | None, list[str], list[str]]:
-        """(design, its arms, the arms waiting): :func:`benchmarks.report.faults.choose_arms`."""
+        """(design, its arms, the arms waiting): :func:`benchmarks.harness.designs.choose_arms`."""
         if self.low is None or recovery_arm(self.records) is None:
             return None, [], list(self.arms)
         return choose_arms(self.records, self.arms, self.horizon, self.high)

@@ -2,11 +2,10 @@
 RESULTS.md, a row per figure (:data:`ROWS`) and a column per regime that passes the noise bar, for
 its ``GNMR+e k`` arm (:func:`column`), from the same records.
 
-GNMR+e keeps a few units on the recovery path on at least :data:`STANDING` of the steps whatever
-the fault does: a fault that strikes one of them is covered without being detected, so the
-comparisons are also given without those seeds. The harness's outlier leaves the trained weight's
-gradient alone, so the norms alone cannot see it by construction. The old cost model averaged
-per-branch speed-ups (convex in the gap) with unbounded extra steps; the bounded one
+GNMR+e keeps a few units on the recovery path whatever the fault does
+(:func:`benchmarks.harness.designs.standing`): a fault that strikes one of them is covered
+without being detected, so the comparisons are also given without those seeds. The old cost model
+averaged per-branch speed-ups (convex in the gap) with unbounded extra steps; the bounded one
 (:mod:`benchmarks.harness.cost`) stops at the schedule and takes the speed-up at the mean. Where
 seeds were added after a look (:data:`benchmarks.harness.preregistered.STOPPING`), the sign count
 at the end does not rest on the intervals' nominal level. No torch.
@@ -19,34 +18,25 @@ import statistics
 from dataclasses import replace
 
 from benchmarks.harness import cost, preregistered
-from benchmarks.harness.branch_stats import Design, Records, per_seed, share_closed
-from benchmarks.harness.markdown import markdown_table
-from benchmarks.harness.stats import interval
-from benchmarks.report.faults import (
-    FAMILY,
-    PROJECTIONS,
-    SCHEDULE_END,
-    FaultRegime,
+from benchmarks.harness.branch_stats import Design, per_seed, share_closed
+from benchmarks.harness.designs import (
     comparison,
     complete_seeds,
     one_host,
-    pct,
-    pm,
+    standing,
     unit_name,
     unit_of,
+    unit_work,
     work,
 )
+from benchmarks.harness.markdown import markdown_table
+from benchmarks.harness.stats import interval
+from benchmarks.report.faults import FAMILY, SCHEDULE_END, FaultRegime, pct, pm
 
-__all__ = ["FFN", "HIDDEN", "STANDING", "column", "standing", "table", "unit_work"]
+__all__ = ["column", "table"]
 
-STANDING = 0.8
-"""A unit GNMR+e recovers on at least this share of the steps of the branches whose fault struck
-another unit (their mean) is standing spend."""
 PILOT = "pilot1"
 """The folder of the first pilot's records (a smaller outlier) under ``results/faults/``."""
-HIDDEN, FFN = 128, 344
-"""The harness Llama's widths: q, k, v and o are ``HIDDEN x HIDDEN``, gate, up and down ``HIDDEN
-x FFN``; :func:`unit_work` gives no split where they do not add up to ``flops_recovered``."""
 ROWS = (
     "standing spend: steps of 50 on the recovery path where the fault is elsewhere",
     "seeds whose fault struck a standing unit (share of the summed static gap)",
@@ -59,44 +49,6 @@ ROWS = (
     "the bounded model: low-cost not reached / behind at the end; GNMR+e's speed-up (B200)",
     "stopping: seeds planned + added; the first look; the end's sign count (p, x tests x looks)",
 )
-
-
-def standing(records: Records, d: Design, arm: str) -> list[tuple[int, float]]:
-    """(unit, mean recovered steps per branch) of the units ``arm`` recovers on at least
-    :data:`STANDING` of the steps, over the design's branches whose fault struck another unit."""
-    steps: dict[int, list[int]] = {}
-    for r in (records[(arm, s, p)] for s in d.seeds for p in d.points):
-        fault = unit_of(r["outliers"][0]["module"])
-        for u, n in enumerate(r["unit_recovered"]):
-            if u != fault:
-                steps.setdefault(u, []).append(n)
-    means = {u: statistics.fmean(v) for u, v in sorted(steps.items())}
-    return [(u, m) for u, m in means.items() if m >= STANDING * d.horizon]
-
-
-def unit_work(records: Records, d: Design, arm: str, keep: set[int]) -> list[float] | None:
-    """Mean over the design's branches of the share of the linear work ``arm`` recovered on the
-    standing units ``keep``, the other units of their layers, the faulted unit and the rest;
-    ``None`` where the units' sizes do not give the record's ``flops_recovered``."""
-    parts: list[list[float]] = [[], [], [], []]
-    layers = {u // len(PROJECTIONS) for u in keep}
-    for r in (records[(arm, s, p)] for s in d.seeds for p in d.points):
-        n = r["unit_recovered"]
-        size = ([HIDDEN * HIDDEN] * 4 + [HIDDEN * FFN] * 3) * (len(n) // len(PROJECTIONS))
-        if len(size) != len(n):
-            return None
-        w = [n[u] * size[u] / (sum(size) * d.horizon) for u in range(len(n))]
-        if not math.isclose(sum(w), r["flops_recovered"], rel_tol=1e-6, abs_tol=1e-9):
-            return None
-        fault = unit_of(r["outliers"][0]["module"])
-        acc = [0.0] * 4  # standing, the rest of their layers, the faulted unit, elsewhere
-        for u, x in enumerate(w):
-            acc[
-                2 if u == fault else 0 if u in keep else 1 if u // len(PROJECTIONS) in layers else 3
-            ] += x
-        for part, x in zip(parts, acc, strict=True):
-            part.append(x)
-    return [statistics.fmean(p) for p in parts]
 
 
 def _c(c: dict) -> str:

@@ -15,8 +15,9 @@ from typing import Any
 
 from benchmarks.harness import cost, preregistered
 from benchmarks.harness.branch_stats import share_closed
+from benchmarks.harness.designs import work
 from benchmarks.report import rests_on, words
-from benchmarks.report.faults import FaultRegime, pct, pm, work
+from benchmarks.report.faults import FaultRegime, pct, pm
 from benchmarks.report.faults import context as fault_context
 from benchmarks.report.paper_branch import regimes as seed_regimes
 from benchmarks.report.source import Source

@@ -139,6 +139,7 @@ def test_the_grid_report_pairs_a_cell_with_the_fault_free_bf16_and_breaks_even(t
     arm follows the arithmetic from the records (rate from free_long's BF16, 25 steps)."""
     import json
 
+    from benchmarks.harness.grid_cells import cell_row
     from benchmarks.report import fault_grid as report
     from benchmarks.report.source import Source
 
@@ -166,13 +167,13 @@ def test_the_grid_report_pairs_a_cell_with_the_fault_free_bf16_and_breaks_even(t
     for name, rows in files.items():
         (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     src = Source(tmp_path)
-    row = report.cell_row("m20_rise", report.records(src, "m20_rise"))
+    row = cell_row("m20_rise", report.records(src, "m20_rise"), 50)
     assert row["seeds"] == list(seeds) and row["resolved"]
     assert row["gap"] == pytest.approx([0.04 + 0.002 * i for i in range(5)])
     assert row["arms"]["GNMR+e 4"]["vs_low"] == pytest.approx(
         [-0.039 - 0.002 * i for i in range(5)]
     )
-    controls = {"free": report.cell_row("free", report.records(src, "free"))}
+    controls = {"free": cell_row("free", report.records(src, "free"), 50)}
     controls["free_long"] = {"h": 225, "seeds": [], "arms": {}}
     rows = {"m20_rise": row} | _empty()
     table, found = report.break_even_table(src, rows, controls, c=0.0)

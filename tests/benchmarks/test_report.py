@@ -245,33 +245,6 @@ def _keyed(rows: list[dict]) -> dict:
     return {(r["arm"], r["seed"], r["point"]): r for r in rows}
 
 
-def test_the_largest_design_has_the_most_branches_then_the_most_seeds():
-    from benchmarks.report.faults import largest_design
-
-    arms = {"low-cost": (0.0, 0.0), "BF16": (0.0, 1.0)}
-    rows = _fault_records(arms, seeds=(1, 2), points=(100, 250))
-    rows += _fault_records(arms, seeds=(3,), points=(100,))
-    d = largest_design(_keyed(rows), list(arms), 50)
-    assert (d.seeds, d.points) == ((1, 2), (100, 250))  # 4 branches per arm against 3
-    rows += _fault_records(arms, seeds=(4,), points=(100,))
-    d = largest_design(_keyed(rows), list(arms), 50)
-    assert (d.seeds, d.points) == ((1, 2, 3, 4), (100,))  # 4 against 4: more seeds
-
-
-def test_an_arm_with_one_seed_waits_outside_the_design():
-    from benchmarks.report.faults import choose_arms
-
-    rows = _fault_records({a: FAULT_ARMS[a] for a in ("low-cost", "BF16")})
-    rows.append(_fault_record("GNMR+e 4", 1, 100, 0.004, 4 / 28))
-    d, kept, waiting = choose_arms(_keyed(rows), ["low-cost", "BF16", "GNMR+e 4"], 50)
-    assert (kept, waiting) == (["low-cost", "BF16"], ["GNMR+e 4"])
-    assert d.seeds == FAULT_SEEDS and d.points == FAULT_POINTS
-    # with the static arms on one seed too, nothing is gained by leaving it out
-    one = [r for r in rows if r["seed"] == 1]
-    d, kept, waiting = choose_arms(_keyed(one), ["low-cost", "BF16", "GNMR+e 4"], 50)
-    assert (kept, waiting, d.points) == (["low-cost", "BF16", "GNMR+e 4"], [], (100,))
-
-
 def test_fault_regime_tables_and_preregistered_words(tmp_path):
     _write_faults(tmp_path, _fault_records())
     text = _fault_section(tmp_path)
@@ -381,10 +354,11 @@ def test_the_fault_constants_match_the_harness():
     """The report reads these without importing the harness's torch modules."""
     from benchmarks.harness.branch import NULL_ARMS, Instrument
     from benchmarks.harness.model import PROJECTIONS
+    from benchmarks.harness import designs
     from benchmarks.report import faults
     from benchmarks.sweep.regimes import FAULT_REGIMES
 
-    assert faults.PROJECTIONS == PROJECTIONS
+    assert designs.PROJECTIONS == PROJECTIONS
     assert set(NULL_ARMS) <= set(faults.NULLS)
     assert {r.family for r in FAULT_REGIMES.values()} == {faults.FAMILY}
     assert {r.instrument.trunk_steps for r in FAULT_REGIMES.values()} == {faults.SCHEDULE_END}

@@ -101,7 +101,7 @@ def _gnmr_at(offset: float, arms=SEED_ARMS) -> dict:
 )
 def test_each_paper_verdict_follows_its_rule(arms, word):
     from benchmarks.harness.branch_stats import Design
-    from benchmarks.report.paper_branch import verdict
+    from benchmarks.harness.designs import verdict
 
     d = Design(FAULT_SEEDS, SEED_POINTS, 50, high="8-bit")
     assert verdict(_keyed(_seed_records(arms)), d, "GNMR 4")["word"] == word
