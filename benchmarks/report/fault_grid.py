@@ -16,7 +16,7 @@ from typing import Any
 from benchmarks.harness.branch_stats import Records
 from benchmarks.harness.break_even import break_even
 from benchmarks.harness.designs import machine, one_host
-from benchmarks.harness.grid_cells import ARMS, NULLS, POINT, advantages, cell_row, diffs, rates
+from benchmarks.harness.grid_figures import ARMS, NULLS, POINT, advantages, cell_row, diffs, rates
 from benchmarks.harness.markdown import markdown_table
 from benchmarks.harness.preregistered import GRID_SEEDS, sign_test
 from benchmarks.harness.stats import interval

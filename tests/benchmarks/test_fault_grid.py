@@ -139,7 +139,7 @@ def test_the_grid_report_pairs_a_cell_with_the_fault_free_bf16_and_breaks_even(t
     arm follows the arithmetic from the records (rate from free_long's BF16, 25 steps)."""
     import json
 
-    from benchmarks.harness.grid_cells import cell_row
+    from benchmarks.harness.grid_figures import cell_row
     from benchmarks.report import fault_grid as report
     from benchmarks.report.source import Source
 

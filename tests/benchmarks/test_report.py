@@ -352,9 +352,9 @@ def test_the_loss_oracle_has_its_own_grid(tmp_path):
 
 def test_the_fault_constants_match_the_harness():
     """The report reads these without importing the harness's torch modules."""
+    from benchmarks.harness import designs
     from benchmarks.harness.branch import NULL_ARMS, Instrument
     from benchmarks.harness.model import PROJECTIONS
-    from benchmarks.harness import designs
     from benchmarks.report import faults
     from benchmarks.sweep.regimes import FAULT_REGIMES
 
