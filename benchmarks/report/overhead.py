@@ -10,6 +10,7 @@ from typing import Any
 from benchmarks.harness.markdown import markdown_table
 from benchmarks.harness.recipes import ERROR_TARGET
 from benchmarks.report.error_cost import FILE
+from benchmarks.report.shadow import interval
 from benchmarks.report.source import Source
 
 CLI = "python -m benchmarks.overhead"
@@ -47,6 +48,8 @@ def context(src: Source) -> dict[str, Any]:
     """The overhead section's names: the ratios table, the monitor's and collectives' figures."""
     main, error = src.json("overhead"), src.json("overhead_error")
     columns = arms(main, error)
+    fixed = next(a for a in columns if a.endswith("fixed on recovery"))
+    every = next(a for a in columns if "+e/" in a).split(" k=")[0]
     header = ["run, set-up", *columns, "GNMR's own work (monitor + controller)", "target"]
     table = rows(main, "overhead.json", main["target"], f"gnmr k={main['budget']}", columns)
     timed = f"gnmr+e k={error['budget']}"
@@ -59,6 +62,8 @@ def context(src: Source) -> dict[str, Any]:
         "overhead": {
             "table": markdown_table(header, table),
             "steps": steps,
+            "fixed": fixed,
+            "every": (every, interval(every)),
             "dates": [main["date"], error["date"]],
             "clip": [
                 (g, a, r["median_ms"], r["ratio"])
