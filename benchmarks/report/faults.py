@@ -15,34 +15,12 @@ from dataclasses import replace
 from functools import cached_property
 from typing import Any
 
-from benchmarks.harness import cost, preregistered
-from benchmarks.harness.branch_stats import (
-    Design,
-    paired,
-    share_closed,
-    troubles,
-)
-from benchmarks.harness.designs import (
-    MIN_SEEDS,
-    choose_arms,
-    comparison,
-    complete_seeds,
-    largest_design,
-    machine,
-    on_fault,
-    one_host,
-    progress,
-    reach,
-    singles,
-    unit_name,
-    unit_of,
-    work,
-)
+from benchmarks.harness import cost, designs, preregistered
+from benchmarks.harness.branch_stats import Design, paired, share_closed, troubles
 from benchmarks.harness.markdown import markdown_table
-from benchmarks.harness.stats import plus_minus
 from benchmarks.report.error_cost import error_cost
 from benchmarks.report.source import Source
-from benchmarks.report.words import listing, resolved
+from benchmarks.report.words import listing, percent, pm, resolved
 
 FAMILY = "faults"
 NULLS = {"null BF16 (1e-6)": "BF16", "null low-cost (1e-6)": "low-cost"}
@@ -77,23 +55,12 @@ def rank(arm: str, fixed: Sequence[str] = FIXED) -> tuple[int, int, int, str]:
     return 0, first[0] if first else len(fixed), 0, arm
 
 
-def pm(pair: Sequence[float] | None, digits: int = 4) -> str:
-    """``+0.0031 +- 0.0011``; ``(one seed)`` without a half-width; ``-`` for none."""
-    if pair is not None and math.isnan(pair[1]):
-        return f"{pair[0]:+.{digits}f} (one seed)"
-    return plus_minus(pair, digits)
-
-
-def pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
-
-
 class FaultRegime:
     """One fault regime's records (on one host per branch point) and its section's figures."""
 
     def __init__(self, src: Source, name: str) -> None:
         self.src, self.name = src, name
-        self.records, self.set_aside = one_host(src.records(name, family=FAMILY))
+        self.records, self.set_aside = designs.one_host(src.records(name, family=FAMILY))
         self.arms = sorted({a for a, _, _ in self.records if not a.startswith(SUBSET)}, key=rank)
         self.low = next((r for k, r in self.records.items() if k[0] == "low-cost"), None)
         self.evals = sorted(int(e) for e in self.low["heldout"]) if self.low else []
@@ -103,7 +70,7 @@ class FaultRegime:
         self.table_arms: list[str] = []
         self.waiting = list(self.arms)
         if self.low is not None and any(a == "BF16" for a, _, _ in self.records):
-            self.design, self.table_arms, self.waiting = choose_arms(
+            self.design, self.table_arms, self.waiting = designs.choose_arms(
                 self.records, self.arms, self.horizon
             )
 
@@ -129,7 +96,7 @@ class FaultRegime:
         gap, nulls = paired(self.records, self.design, "low-cost", "BF16"), []
         for null in (n for n in NULLS if n in self.table_arms):
             pair = paired(self.records, self.design, null, NULLS[null])
-            ratio = reach(pair) / abs(gap[0])
+            ratio = designs.reach(pair) / abs(gap[0])
             fails = resolved(pair) or not ratio <= NULL_BAR
             name, excludes = null.replace(" (1e-6)", ""), " (excludes 0)" if resolved(pair) else ""
             nulls.append(
@@ -150,7 +117,7 @@ class FaultRegime:
         for s in d.seeds:
             for x in self.records[("low-cost", s, d.points[0])]["outliers"][:1]:
                 ch = "" if x.get("channel") is None else f" c{x['channel']}"
-                struck.append(f"{unit_name(unit_of(x['module']))}{ch} ({s})")
+                struck.append(f"{designs.unit_name(designs.unit_of(x['module']))}{ch} ({s})")
         return o | {
             "whole": o.get("channel") is None,
             "instant": o["rise"] == 1,
@@ -171,9 +138,11 @@ class FaultRegime:
         header += ["diverged", "faulted unit's share of its unit-steps", *head[2:]]
         out = []
         for a in self.table_arms:
-            c = cells.get(a, [pct(work(r, d, a))] + ["-"] * (len(head) - 2))
+            c = cells.get(a, [percent(designs.work(r, d, a))] + ["-"] * (len(head) - 2))
             row = [a, c[0], pm(paired(r, d, a, d.high)), pm(share_closed(r, d, a), 2)]
-            out.append([*row, str(troubles(r, d, a)[1]), pct(on_fault(r, d, a)), *c[1:]])
+            out.append(
+                [*row, str(troubles(r, d, a)[1]), percent(designs.on_fault(r, d, a)), *c[1:]]
+            )
         return markdown_table(header, out)
 
     def budgets(self) -> list[int]:
@@ -186,7 +155,7 @@ class FaultRegime:
         """The design's points on every seed with both arms at all of them, where that is more
         seeds than the design's (a power run)."""
         d = self.design
-        seeds = complete_seeds(self.records, [arm, rival], self.seeds, d.points)
+        seeds = designs.complete_seeds(self.records, [arm, rival], self.seeds, d.points)
         return replace(d, seeds=tuple(seeds)) if len(seeds) > len(d.seeds) else d
 
     def not_run(self, arm: str) -> str | None:
@@ -216,8 +185,8 @@ class FaultRegime:
                 dc = self.pair_design(c.arm, c.rival)
                 gap = paired(self.records, dc, "low-cost", "BF16")[0]
                 gap_ = gap if preregistered.reads_ties(self.name) else None
-                row = comparison(self.records, dc, c.arm, c.rival, len(family), gap_)
-                works = [pct(work(self.records, dc, a)) for a in (c.arm, c.rival)]
+                row = designs.comparison(self.records, dc, c.arm, c.rival, len(family), gap_)
+                works = [percent(designs.work(self.records, dc, a)) for a in (c.arm, c.rival)]
                 out.append(
                     row | {"c": c, "arm": c.arm, "rival": c.rival, "why": None} | {"works": works}
                 )
@@ -243,7 +212,7 @@ class FaultRegime:
         if not rules:
             return None
         point = SCHEDULE_END - self.horizon
-        seeds = complete_seeds(self.records, self.table_arms, self.seeds, [point])
+        seeds = designs.complete_seeds(self.records, self.table_arms, self.seeds, [point])
         d = Design(tuple(seeds), (point,), self.horizon)
         acts = []
         for a in rules:
@@ -255,7 +224,7 @@ class FaultRegime:
             busy = [(p, f"{100 * w:.0f}%") for p, w in mean.items() if w > 0]
             acts.append({"arm": a, "idle": [p for p, w in mean.items() if w == 0], "busy": busy})
         ours = [f"{p} {k}" for k in self.budgets() for p in ("GNMR+e", "GNMR+e v2")]
-        ours = [e for e in ours if e in self.table_arms and len(seeds) >= MIN_SEEDS]
+        ours = [e for e in ours if e in self.table_arms and len(seeds) >= designs.MIN_SEEDS]
         pairs = [f"{e} - {a} {pm(paired(self.records, d, e, a))}" for e in ours for a in rules]
         return {"point": point, "seeds": len(seeds), "acts": acts, "pairs": pairs}
 
@@ -263,17 +232,19 @@ class FaultRegime:
         """The loss oracle on its own grid: its share of the gap and work, ``<arm> - loss
         oracle k`` (95%), and how the faulted unit ranked among the single-unit gains."""
         oracles = sorted({a for a, _, _ in self.records if a.startswith("loss oracle ")}, key=rank)
-        d = largest_design(self.records, [*oracles, "low-cost", "BF16"], self.horizon)
+        d = designs.largest_design(self.records, [*oracles, "low-cost", "BF16"], self.horizon)
         if not oracles or d is None:
             return None
         r, pairs = self.records, []
         for o in oracles:
             k = budget(o)
             for a in (f"GNMR+e {k}", f"GNMR+e v2 {k}", f"oracle {k}", f"random {k}"):
-                if complete_seeds(r, [a], d.seeds, d.points) == list(d.seeds):
+                if designs.complete_seeds(r, [a], d.seeds, d.points) == list(d.seeds):
                     pairs.append(f"{a} - {o} {pm(paired(r, d, a, o))}")
-        shares = [(o, pm(share_closed(r, d, o), 2), pct(work(r, d, o))) for o in oracles]
-        return {"design": d, "shares": shares, "pairs": pairs, "singles": singles(r, d)}
+        shares = [
+            (o, pm(share_closed(r, d, o), 2), percent(designs.work(r, d, o))) for o in oracles
+        ]
+        return {"design": d, "shares": shares, "pairs": pairs, "singles": designs.singles(r, d)}
 
     def view(self) -> dict[str, Any]:
         """The names ``templates/faults.md.j2`` words for this regime."""
@@ -291,7 +262,7 @@ class FaultRegime:
             "backend": None if f.backend == "fp8_emulated" else f.backend,
             "borrowed": f"{100 * e.share:.1f}%" if e and e.source.startswith("not") else None,
             "outlier": self.outlier(),
-            "progress": progress(self.records, self.design, self.table_arms),
+            "progress": designs.progress(self.records, self.design, self.table_arms),
             "seeds": len(self.seeds),
             "left": sorted(
                 {p for a, _, p in self.records if a in self.arms} - {*self.design.points}
@@ -303,7 +274,7 @@ class FaultRegime:
                 "n": len(aside),
                 "where": len({k[1:] for k in aside}),
                 "arms": sorted({a for a, _, _ in aside}, key=rank),
-                "hosts": sorted({machine(r) for r in aside.values()}),
+                "hosts": sorted({designs.machine(r) for r in aside.values()}),
             },
             "bar": self.bar,
             "table": self.arms_table(),

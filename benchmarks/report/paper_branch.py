@@ -28,7 +28,7 @@ from benchmarks.harness.designs import choose_arms, reach, recovery_arm, verdict
 from benchmarks.harness.markdown import markdown_table
 from benchmarks.report import words
 from benchmarks.report.error_cost import error_cost
-from benchmarks.report.faults import SCHEDULE_END, budget, pct, pm, rank
+from benchmarks.report.faults import SCHEDULE_END, budget, rank
 from benchmarks.report.source import Source
 
 FAMILY = "paper"
@@ -102,7 +102,11 @@ class PaperRegime:
         for n, ref in ((f"null {self.high} (1e-6)", self.high), (LOW_NULL, LOW)):
             if n in self.chosen[1]:
                 p = paired(self.records, d, n, ref)
-                cells.append(f"{n.split(' (')[0]} {pm(p)} ({reach(p) / gap:.2f})" if gap else pm(p))
+                cells.append(
+                    f"{n.split(' (')[0]} {words.pm(p)} ({reach(p) / gap:.2f})"
+                    if gap
+                    else words.pm(p)
+                )
         return "; ".join(cells) or "none in the design"
 
     def verdicts(self) -> list[dict[str, Any]]:
@@ -123,13 +127,13 @@ class PaperRegime:
         vs = self.verdicts() if self.design else []
         if not vs:
             return [[*head, *["-"] * 6, "not yet", "-"]]
-        gap = f"{pm(paired(self.records, self.design, LOW, self.high))} ({self.high})"
+        gap = f"{words.pm(paired(self.records, self.design, LOW, self.high))} ({self.high})"
         rows = []
         for v in vs:
             shown = v["share"] is not None and v["word"] != "not at this scale"
             beside = "; ".join(f"{a} {words.pct(p)}" for a, p in v["controls"]) if shown else "-"
             rows.append([*head, gap, self.nulls(), v["arm"], words.pct(v["share"])])
-            rows[-1] += [pm(v["vs_high"]), pm(v["vs_low"]), f"**{v['word']}**", beside]
+            rows[-1] += [words.pm(v["vs_high"]), words.pm(v["vs_low"]), f"**{v['word']}**", beside]
         return rows
 
     @cached_property
@@ -171,15 +175,15 @@ class PaperRegime:
         hw = self.priced()
         if arm is None:
             return ["-"] * (2 if hw else 1)
-        d = self.design
-        out = [f"{pm(paired(self.records, d, arm, self.high))} ({pct(work(self.records, d, arm))})"]
+        d, r = self.design, self.records
+        out = [f"{words.pm(paired(r, d, arm, self.high))} ({words.percent(work(r, d, arm))})"]
         return out + ([cost.speed_cell(self.costs[arm], hw[0])] if hw else [])
 
     def spikes(self) -> list[str]:
         """The arms whose loss spikes minus low-cost's exclude 0 (per seed, 95%)."""
         d = self.design
         pairs = {a: spike_difference(self.records, d, a) for a in self.chosen[1] if a != LOW}
-        return [f"{a} {pm(p, 1)}" for a, p in pairs.items() if words.resolved(p)]
+        return [f"{a} {words.pm(p, 1)}" for a, p in pairs.items() if words.resolved(p)]
 
 
 def arms_table(regimes: Sequence[PaperRegime]) -> str:

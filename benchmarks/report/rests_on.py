@@ -13,25 +13,17 @@ at the end does not rest on the intervals' nominal level. No torch.
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from dataclasses import replace
 
-from benchmarks.harness import cost, preregistered
+from benchmarks.harness import cost, designs, preregistered
 from benchmarks.harness.branch_stats import Design, per_seed, share_closed
-from benchmarks.harness.designs import (
-    comparison,
-    complete_seeds,
-    one_host,
-    standing,
-    unit_name,
-    unit_of,
-    unit_work,
-    work,
-)
 from benchmarks.harness.markdown import markdown_table
 from benchmarks.harness.stats import interval
-from benchmarks.report.faults import FAMILY, SCHEDULE_END, FaultRegime, pct, pm
+from benchmarks.report.faults import FAMILY, SCHEDULE_END, FaultRegime
+from benchmarks.report.words import percent, pm
 
 __all__ = ["column", "table"]
 
@@ -57,11 +49,11 @@ def _c(c: dict) -> str:
 
 def _pilot(r: FaultRegime) -> str:
     """`` (2^10: gap, seeds x points)``: the static gap of the regime's first pilot."""
-    records = one_host(r.src.records(r.name, family=f"{FAMILY}/{PILOT}"))[0]
+    records = designs.one_host(r.src.records(r.name, family=f"{FAMILY}/{PILOT}"))[0]
     lows = [x for k, x in records.items() if k[0] == "low-cost"]
     seeds = list(dict.fromkeys(s for _, s, _ in records))
     points = sorted({p for _, _, p in records})
-    ok = complete_seeds(records, ["low-cost", "BF16"], seeds, points)
+    ok = designs.complete_seeds(records, ["low-cost", "BF16"], seeds, points)
     if not lows or not ok:
         return ""
     d = Design(tuple(ok), tuple(points), max(int(e) for e in lows[0]["heldout"]))
@@ -125,9 +117,9 @@ def _stopping(r: FaultRegime, k: int, arm: str) -> str:
         dc = r.pair_design(arm, rival)
         planned = tuple(s for s in stop.planned if s in dc.seeds)
         if len(planned) >= 2 and stop.added:
-            c = comparison(r.records, replace(dc, seeds=planned), arm, rival, family)
+            c = designs.comparison(r.records, replace(dc, seeds=planned), arm, rival, family)
             first.append(f"at {len(stop.planned)}: vs {rival} {_c(c)}")
-        c = comparison(r.records, dc, arm, rival, family)
+        c = designs.comparison(r.records, dc, arm, rival, family)
         adj = c["p"] * family * len(stop.looks)
         final.append(f"{c['below']} of {c['n']} below {rival} (p = {c['p']:.2g}, {adj:.2g})")
     head = f"{len(stop.planned)} + {len(stop.added)}" + (added if stop.added else "")
@@ -139,23 +131,24 @@ def column(r: FaultRegime, k: int) -> list[str] | None:
     d, arm, rec = r.design, f"GNMR+e {k}", r.records
     if d is None or arm not in r.table_arms:
         return None
-    keep = standing(rec, d, arm)
+    keep = designs.standing(rec, d, arm)
     units = {u for u, _ in keep}
     gd = r.pair_design(arm, f"random {k}")
     gaps = dict(zip(gd.seeds, per_seed(rec, gd, "low-cost", "BF16"), strict=True))
     hit = [
         s
         for s in gaps
-        if unit_of(rec[("low-cost", s, d.points[0])]["outliers"][0]["module"]) in units
+        if designs.unit_of(rec[("low-cost", s, d.points[0])]["outliers"][0]["module"]) in units
     ]
     others = tuple(s for s in gaps if s not in hit)
     margins = []
     for rival in (f"random {k}", f"NVIDIA last-{k}"):
         if hit and len(others) >= 2 and rival in r.table_arms:
             dc = replace(r.pair_design(arm, rival), seeds=others)
-            c = comparison(rec, dc, arm, rival, len(preregistered.comparisons(k)))
+            c = designs.comparison(rec, dc, arm, rival, len(preregistered.comparisons(k)))
             margins.append(f"vs {rival} {_c(c)}")
-    parts = unit_work(rec, d, arm, units) or []
+    parts = designs.unit_work(rec, d, arm, units) or []
+    work = functools.partial(designs.work, rec, d)
     norm = f"GNMR {k}"
     gap_at = [interval(per_seed(rec, replace(d, horizon=e), "low-cost", "BF16")) for e in r.evals]
     o = r.outlier()
@@ -163,16 +156,14 @@ def column(r: FaultRegime, k: int) -> list[str] | None:
     at = ", ".join(f"{g[0]:+.4f} +- {g[1]:.4f} ({e})" for e, g in zip(r.evals, gap_at, strict=True))
     share = sum(gaps[s] for s in hit) / sum(gaps.values())
     return [
-        ", ".join(f"{unit_name(u)} {m:.0f}" for u, m in keep),
+        ", ".join(f"{designs.unit_name(u)} {m:.0f}" for u, m in keep),
         f"{len(hit)} of {len(gaps)}: {', '.join(map(str, hit))} ({100 * share:.0f}%)",
         "; ".join(margins) or "-",
-        f"{100 * work(rec, d, arm):.1f}% = " + " + ".join(f"{100 * p:.1f}" for p in parts),
+        f"{100 * work(arm):.1f}% = " + " + ".join(f"{100 * p:.1f}" for p in parts),
         o["peak"] + _pilot(r),
-        (
-            f"closes {pm(share_closed(rec, d, norm), 2)}, {pct(work(rec, d, norm))} of the work"
-            if norm in r.table_arms
-            else "not run"
-        ),
+        f"closes {pm(share_closed(rec, d, norm), 2)}, {percent(work(norm))} of the work"
+        if norm in r.table_arms
+        else "not run",
         f"{at} ({o['offset']}-{o['offset'] + o['rise'] + o['hold'] - 1}): {trend} after the window",
         *_costs(r, arm),
         _stopping(r, k, arm),

@@ -17,7 +17,7 @@ from benchmarks.harness import cost, preregistered
 from benchmarks.harness.branch_stats import share_closed
 from benchmarks.harness.designs import work
 from benchmarks.report import rests_on, words
-from benchmarks.report.faults import FaultRegime, pct, pm
+from benchmarks.report.faults import FaultRegime
 from benchmarks.report.faults import context as fault_context
 from benchmarks.report.paper_branch import regimes as seed_regimes
 from benchmarks.report.source import Source
@@ -66,7 +66,7 @@ def advice(r: FaultRegime) -> list[dict[str, Any]]:
                 "seeds": f"{len(r.design.seeds)} (up to {seeds})",
                 "gap": r.bar["gap"],
                 "share": words.pct(share_closed(r.records, r.design, arm)),
-                "work": pct(work(r.records, r.design, arm)),
+                "work": words.percent(work(r.records, r.design, arm)),
                 "verdicts": [
                     f"{v['arm']} vs {v['rival']}: {v['text']} ({v['seeds']})" for v in verdicts
                 ],
@@ -84,7 +84,7 @@ def ablation(r: FaultRegime) -> dict[str, Any]:
     the gap closed (95%) and work, and its measured comparisons."""
     d, stop = r.design, preregistered.STOPPING[r.name]
     arms = {
-        a: f"{pm(share_closed(r.records, d, a), 2)} ({pct(work(r.records, d, a))})"
+        a: f"{words.pm(share_closed(r.records, d, a), 2)} ({words.percent(work(r.records, d, a))})"
         for a in ABLATION
         if a in r.table_arms
     }

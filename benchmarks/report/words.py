@@ -13,6 +13,8 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from benchmarks.harness.stats import plus_minus
+
 Pair = Sequence[float]
 
 
@@ -22,6 +24,18 @@ def pct(pair: Pair | None) -> str:
         return "-"
     m, h = pair
     return f"{100 * m:.0f}% (one seed)" if math.isnan(h) else f"{100 * m:.0f}% +- {100 * h:.0f}%"
+
+
+def pm(pair: Pair | None, digits: int = 4) -> str:
+    """``+0.0031 +- 0.0011``; ``(one seed)`` without a half-width; ``-`` for none."""
+    if pair is not None and math.isnan(pair[1]):
+        return f"{pair[0]:+.{digits}f} (one seed)"
+    return plus_minus(pair, digits)
+
+
+def percent(x: float | None) -> str:
+    """A share of work as ``14.8%`` (``-`` for none)."""
+    return "-" if x is None else f"{100 * x:.1f}%"
 
 
 def fmt(x: Any, spec: str) -> str:
