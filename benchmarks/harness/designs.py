@@ -7,7 +7,8 @@ its arms at every (seed, point) of one grid: the largest, by branches per arm th
 (:func:`largest_design`); an arm that would leave it under :data:`MIN_SEEDS` seeds waits outside
 (:func:`choose_arms`). Another CPU trains other bits from the same commit, so a (seed, point) is
 read on the host of its BF16 branch and other hosts' records are set aside (:func:`one_host`).
-The paper regimes' verdict rules (:func:`verdict`): docs/benchmarks.md#sweep-paper-regimes.
+The paper regimes' verdict rules (:func:`verdict`): docs/benchmarks.md#sweep-paper-regimes; a
+pilot's static gap (:func:`static_gap`) and the old cost model's means (:func:`old_cost`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 from benchmarks.harness import cost, preregistered
 from benchmarks.harness.branch_stats import Design, Records, paired, per_seed, share_closed
 from benchmarks.harness.provenance import UNKNOWN
+from benchmarks.harness.stats import interval
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MIN_SEEDS = 2
@@ -259,3 +261,39 @@ def verdict(records: Records, d: Design, arm: str) -> dict[str, Any]:
     else:
         word = "not reproduced"
     return out | {"word": word}
+
+
+def static_gap(records: Records) -> tuple[Design, float, tuple[float, float]] | None:
+    """(design, the outlier's peak as a power of 2, the static gap low-cost - BF16 (95%)) on
+    every point and every seed with both static arms at all of them (a pilot's records)."""
+    lows = [x for k, x in records.items() if k[0] == "low-cost"]
+    seeds = list(dict.fromkeys(s for _, s, _ in records))
+    points = sorted({p for _, _, p in records})
+    ok = complete_seeds(records, ["low-cost", "BF16"], seeds, points)
+    if not lows or not ok:
+        return None
+    d = Design(tuple(ok), tuple(points), max(int(e) for e in lows[0]["heldout"]))
+    o, gap = lows[0]["outliers"][0], interval(per_seed(records, d, "low-cost", "BF16"))
+    return d, math.log2(o["growth"] ** o["rise"]), gap
+
+
+def old_cost(records: Records, d: Design, price: cost.Price) -> dict[str, Any] | None:
+    """The old cost model on the low-cost path against BF16: per branch its extra steps and
+    speed-up; ``extra`` and ``ratios`` their means over seeds (a seed's over its points),
+    ``at_mean`` the speed-up at the mean extra steps, ``H / ((H + extra) t(0))`` (the mean of
+    ratios overstates it: the speed-up is convex in the extra steps), ``worst`` the branch with
+    the most extra steps (point, steps). ``None`` where a branch has no figure."""
+    pairs = [
+        (p, records[("low-cost", s, p)], records[("BF16", s, p)]) for s in d.seeds for p in d.points
+    ]
+    branches = [(p, cost.branch_cost(low, bf16, d.horizon, price)) for p, low, bf16 in pairs]
+    if any(c.extra_steps is None or c.speedup is None for _, c in branches):
+        return None
+    n = len(d.points)
+    by_seed = [[c for _, c in branches[i : i + n]] for i in range(0, len(branches), n)]
+    extra = statistics.fmean(statistics.fmean(c.extra_steps for c in s) for s in by_seed)
+    ratios = statistics.fmean(statistics.fmean(c.speedup for c in s) for s in by_seed)
+    point, worst = max(branches, key=lambda b: b[1].extra_steps or 0.0)
+    at_mean = d.horizon / ((d.horizon + extra) * cost.step_time(0.0, price))
+    worst_at = (point, worst.extra_steps)
+    return {"extra": extra, "ratios": ratios, "at_mean": at_mean, "worst": worst_at}

@@ -14,12 +14,10 @@ at the end does not rest on the intervals' nominal level. No torch.
 from __future__ import annotations
 
 import functools
-import math
-import statistics
 from dataclasses import replace
 
 from benchmarks.harness import cost, designs, preregistered
-from benchmarks.harness.branch_stats import Design, per_seed, share_closed
+from benchmarks.harness.branch_stats import per_seed, share_closed
 from benchmarks.harness.markdown import markdown_table
 from benchmarks.harness.stats import interval
 from benchmarks.report.faults import FAMILY, SCHEDULE_END, FaultRegime
@@ -49,49 +47,25 @@ def _c(c: dict) -> str:
 
 def _pilot(r: FaultRegime) -> str:
     """`` (2^10: gap, seeds x points)``: the static gap of the regime's first pilot."""
-    records = designs.one_host(r.src.records(r.name, family=f"{FAMILY}/{PILOT}"))[0]
-    lows = [x for k, x in records.items() if k[0] == "low-cost"]
-    seeds = list(dict.fromkeys(s for _, s, _ in records))
-    points = sorted({p for _, _, p in records})
-    ok = designs.complete_seeds(records, ["low-cost", "BF16"], seeds, points)
-    if not lows or not ok:
+    pilot = designs.static_gap(designs.one_host(r.src.records(r.name, f"{FAMILY}/{PILOT}"))[0])
+    if pilot is None:
         return ""
-    d = Design(tuple(ok), tuple(points), max(int(e) for e in lows[0]["heldout"]))
-    o = lows[0]["outliers"][0]
-    gap = interval(per_seed(records, d, "low-cost", "BF16"))
-    peak = f"2^{math.log2(o['growth'] ** o['rise']):.0f}"
-    return f" ({peak}: {gap[0]:+.4f} +- {gap[1]:.4f}, {len(ok)} seeds x {len(points)} points)"
+    d, peak, gap = pilot
+    size = f"{len(d.seeds)} seeds x {len(d.points)} points"
+    return f" (2^{peak:.0f}: {gap[0]:+.4f} +- {gap[1]:.4f}, {size})"
 
 
 def _costs(r: FaultRegime, arm: str) -> list[str]:
     """The old model's largest extra steps (past the schedule's end?) and mean of per-branch
     speed-ups against the speed-up at the mean extra steps (B200, low-cost); the bounded model's
     low-cost branches not reached and behind at the end, ``arm``'s speed-up and its behind."""
-    d, p = r.design, cost.price(r.formats, "B200")
-    if p.note is not None:
+    p = cost.price(r.formats, "B200")
+    o = None if p.note is not None else designs.old_cost(r.records, r.design, p)
+    if o is None:
         return ["-", "-"]
-    branches = [
-        (
-            pt,
-            cost.branch_cost(
-                r.records[("low-cost", s, pt)], r.records[("BF16", s, pt)], d.horizon, p
-            ),
-        )
-        for s in d.seeds
-        for pt in d.points
-    ]
-    if any(c.extra_steps is None or c.speedup is None for _, c in branches):
-        return ["-", "-"]
-    n = len(d.points)
-    by_seed = [[c for _, c in branches[i : i + n]] for i in range(0, len(branches), n)]
-    extra = statistics.fmean(statistics.fmean(c.extra_steps for c in s) for s in by_seed)
-    ratios = statistics.fmean(statistics.fmean(c.speedup for c in s) for s in by_seed)
-    point, worst = max(branches, key=lambda b: b[1].extra_steps or 0.0)
-    past = (
-        ", past the schedule's end" if point + d.horizon + worst.extra_steps > SCHEDULE_END else ""
-    )
-    at_mean = d.horizon / ((d.horizon + extra) * cost.step_time(0.0, p))
-    old = f"{worst.extra_steps:.0f}{past}; {ratios:.2f} -> {at_mean:.2f} ({extra:.1f} steps)"
+    (point, worst), h = o["worst"], r.design.horizon
+    past = ", past the schedule's end" if point + h + worst > SCHEDULE_END else ""
+    old = f"{worst:.0f}{past}; {o['ratios']:.2f} -> {o['at_mean']:.2f} ({o['extra']:.1f} steps)"
     low, ours = r.costs["low-cost"], r.costs.get(arm)
     end = low["at_end"] or (0, 0)
     now = f"{low['not_reached'][0]} of {low['not_reached'][1]} / {end[0]} of {end[1]}"
