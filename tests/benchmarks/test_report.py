@@ -224,21 +224,34 @@ def _fault_records(arms=FAULT_ARMS, seeds=FAULT_SEEDS, points=FAULT_POINTS) -> l
     return [_fault_record(a, s, p, *arms[a]) for s in seeds for p in points for a in arms]
 
 
-def _write_faults(root: Path, records: list[dict], name: str = "outlier_test") -> None:
-    path = root / "faults" / f"{name}.jsonl"
+def _write(root: Path, family: str, name: str, records: list[dict]) -> None:
+    """``records`` as the JSON-lines file ``<root>/<family>/<name>.jsonl``."""
+    path = root / family / f"{name}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
-def _fault_section(root: Path) -> str:
-    """The fault section alone, rendered and filled as in the document, lines joined."""
-    from benchmarks.report import environment, faults
+def _section(root: Path, module: str) -> str:
+    """The section of ``benchmarks.report.<module>`` alone, rendered from ``root`` and filled as
+    in the document, lines joined."""
+    import importlib
+
+    from benchmarks.report import environment
     from benchmarks.report.source import Source
     from benchmarks.report.words import fill_document
 
     src = Source(root)
-    text = environment().get_template("faults.md.j2").render(src=src, **faults.context(src))
+    names = importlib.import_module(f"benchmarks.report.{module}").context(src)
+    text = environment().get_template(f"{module}.md.j2").render(src=src, **names)
     return " ".join(fill_document(text).split())
+
+
+def _write_faults(root: Path, records: list[dict], name: str = "outlier_test") -> None:
+    _write(root, "faults", name, records)
+
+
+def _fault_section(root: Path) -> str:
+    return _section(root, "faults")
 
 
 def _keyed(rows: list[dict]) -> dict:

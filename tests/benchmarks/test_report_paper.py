@@ -5,12 +5,11 @@ claim, a regime is read generically from its records, and the constants match th
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from tests.benchmarks.test_report import FAULT_SEEDS, _keyed
+from tests.benchmarks.test_report import FAULT_SEEDS, _keyed, _section, _write
 
 # -- the paper's experiments on the branch estimator (benchmarks/report/paper_branch.py) ----------
 
@@ -66,21 +65,11 @@ def _seed_records(arms=SEED_ARMS, seeds=FAULT_SEEDS, points=SEED_POINTS, spec=AC
 
 
 def _write_paper(root: Path, records: list[dict], name: str = "paper_act_quant") -> None:
-    path = root / "paper" / f"{name}.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    _write(root, "paper", name, records)
 
 
 def _paper_section(root: Path) -> str:
-    """The paper-branch section alone, rendered and filled as in the document, lines joined."""
-    from benchmarks.report import environment, paper_branch
-    from benchmarks.report.source import Source
-    from benchmarks.report.words import fill_document
-
-    src = Source(root)
-    names = paper_branch.context(src)
-    text = environment().get_template("paper_branch.md.j2").render(src=src, **names)
-    return " ".join(fill_document(text).split())
+    return _section(root, "paper_branch")
 
 
 def _gnmr_at(offset: float, arms=SEED_ARMS) -> dict:
