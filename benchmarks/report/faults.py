@@ -16,94 +16,28 @@ from functools import cached_property
 from typing import Any
 
 from benchmarks.harness import cost, designs, preregistered
-from benchmarks.harness.branch_stats import Design, paired, share_closed, troubles
+from benchmarks.harness.branch_stats import Design, paired, share_closed
 from benchmarks.harness.markdown import markdown_table
+from benchmarks.report.branches import NULL_BAR, SCHEDULE_END, BranchRegime, budget
 from benchmarks.report.error_cost import error_cost
 from benchmarks.report.source import Source
-from benchmarks.report.words import listing, percent, pm, resolved
+from benchmarks.report.words import listing, percent, pm
 
 FAMILY = "faults"
-NULLS = {"null BF16 (1e-6)": "BF16", "null low-cost (1e-6)": "low-cost"}
-NULLS["low-cost (SR seed 1)"] = "low-cost"
-"""Each null control and the arm it pairs with (the SR seed only in stochastic regimes)."""
-SUBSET = ("loss oracle ", "single ")
 LATE = ("NVIDIA late", "late fwd")
-"""Name prefixes of the arms run on part of the grid only, and of the time rules."""
-ORDER = ("random", "GNMR", "GNMR+e", "GNMR+e v2", "e-only", "GNMR+e lean", "TE autoswitch")
-ORDER += ("oracle", "loss oracle", "random wgrad", "GNMR+e wgrad")
-FIXED = ("low-cost", "BF16", *NULLS, "NVIDIA last", "TE autoswitch", *LATE)
-"""The tables' order: the unbudgeted arms (by prefix), then per budget the policies."""
-SCHEDULE_END = 400
-"""The trunk's schedule: a branch from ``SCHEDULE_END - horizon`` ends it (the late rules act)."""
-NULL_BAR = 1 / 3
-"""Issue 35's bar: each null's interval holds 0 and reaches at most this share of the gap."""
+"""Name prefixes of the time rules."""
+COLUMNS = ("recovered work", "held-out - {high}", "share of the gap closed", "diverged")
+COLUMNS += ("faulted unit's share of its unit-steps", "error term's cost")
+COLUMNS += ("extra steps to match BF16", "behind BF16 at the schedule's end")
+COLUMNS += ("reaches BF16's final loss (branches, by evaluation step)", "speed-up*")
+"""The arms table's columns (:meth:`.branches.BranchRegime.arms_table`)."""
 
 
-def budget(arm: str) -> int | None:
-    """``k`` of a budgeted arm (``GNMR+e v2 4``: 4), else ``None``."""
-    head, _, tail = arm.rpartition(" ")
-    return int(tail) if head in ORDER and tail.isdigit() else None
-
-
-def rank(arm: str, fixed: Sequence[str] = FIXED) -> tuple[int, int, int, str]:
-    """The tables' order, total (ties by name: no set's iteration order reaches the document):
-    the unbudgeted arms by the first prefix of ``fixed`` they have, then by budget, policy."""
-    k = budget(arm)
-    if k is not None:
-        return 1, k, ORDER.index(arm.rpartition(" ")[0]), arm
-    first = [i for i, p in enumerate(fixed) if arm.startswith(p)]
-    return 0, first[0] if first else len(fixed), 0, arm
-
-
-class FaultRegime:
-    """One fault regime's records (on one host per branch point) and its section's figures."""
+class FaultRegime(BranchRegime):
+    """One fault regime's records and the figures of its section beyond the arms table."""
 
     def __init__(self, src: Source, name: str) -> None:
-        self.src, self.name = src, name
-        self.records, self.set_aside = designs.one_host(src.records(name, family=FAMILY))
-        self.arms = sorted({a for a, _, _ in self.records if not a.startswith(SUBSET)}, key=rank)
-        self.low = next((r for k, r in self.records.items() if k[0] == "low-cost"), None)
-        self.evals = sorted(int(e) for e in self.low["heldout"]) if self.low else []
-        self.horizon = self.evals[-1] if self.evals else 0
-        self.seeds = list(dict.fromkeys(s for a, s, _ in self.records if a in self.arms))
-        self.design: Design | None = None
-        self.table_arms: list[str] = []
-        self.waiting = list(self.arms)
-        if self.low is not None and any(a == "BF16" for a, _, _ in self.records):
-            self.design, self.table_arms, self.waiting = designs.choose_arms(
-                self.records, self.arms, self.horizon
-            )
-
-    @cached_property
-    def formats(self) -> cost.Formats:
-        s = self.low["arm_spec"]
-        return cost.Formats(s["backend"], s["low_cost"], s["recovery"])
-
-    @cached_property
-    def costs(self) -> dict[str, dict[str, Any]]:
-        """:func:`benchmarks.harness.cost.summarize_costs` of the design's arms, bounded by the
-        trunk's schedule, the error term priced."""
-        error = error_cost(self.src, self.formats.backend)
-        arms, d = self.table_arms, self.design
-        return cost.summarize_costs(
-            self.records, d, self.formats, arms=arms, schedule=SCHEDULE_END, error=error
-        )
-
-    @cached_property
-    def bar(self) -> dict[str, Any]:
-        """Issue 35's bar at the horizon: the gap resolved, every null holding 0 and reaching at
-        most :data:`NULL_BAR` of it."""
-        gap, nulls = paired(self.records, self.design, "low-cost", "BF16"), []
-        for null in (n for n in NULLS if n in self.table_arms):
-            pair = paired(self.records, self.design, null, NULLS[null])
-            ratio = designs.reach(pair) / abs(gap[0])
-            fails = resolved(pair) or not ratio <= NULL_BAR
-            name, excludes = null.replace(" (1e-6)", ""), " (excludes 0)" if resolved(pair) else ""
-            nulls.append(
-                {"text": f"{name} {pm(pair)}{excludes}, reach {ratio:.2f}", "fails": fails}
-            )
-        ok = resolved(gap) and bool(nulls) and not any(n["fails"] for n in nulls)
-        return {"gap": pm(gap), "resolved": resolved(gap), "nulls": nulls, "passes": ok}
+        super().__init__(src, name, FAMILY)
 
     def outlier(self) -> dict[str, Any] | None:
         """The fault plan as the low-cost record states it (``peak`` as a power of 2 where it is
@@ -127,23 +61,6 @@ class FaultRegime:
             "growth": f"{o['growth']:g}",
             "struck": struck,
         }
-
-    def arms_table(self) -> str:
-        """Per arm: work, held-out - BF16, share of the gap closed (95% over seeds), diverged
-        branches, the faulted unit's share, then the cost table's cells."""
-        d, r = self.design, self.records
-        head, rows = cost.cost_rows(self.costs, horizon=self.horizon)
-        cells = {row[0]: row[1:] for row in rows}
-        header = ["arm", "recovered work", "held-out - BF16", "share of the gap closed"]
-        header += ["diverged", "faulted unit's share of its unit-steps", *head[2:]]
-        out = []
-        for a in self.table_arms:
-            c = cells.get(a, [percent(designs.work(r, d, a))] + ["-"] * (len(head) - 2))
-            row = [a, c[0], pm(paired(r, d, a, d.high)), pm(share_closed(r, d, a), 2)]
-            out.append(
-                [*row, str(troubles(r, d, a)[1]), percent(designs.on_fault(r, d, a)), *c[1:]]
-            )
-        return markdown_table(header, out)
 
     def budgets(self) -> list[int]:
         """The budgets of the GNMR+e arms recorded (a wgrad arm's ``3k`` is none), else the
@@ -231,7 +148,8 @@ class FaultRegime:
     def oracle(self) -> dict[str, Any] | None:
         """The loss oracle on its own grid: its share of the gap and work, ``<arm> - loss
         oracle k`` (95%), and how the faulted unit ranked among the single-unit gains."""
-        oracles = sorted({a for a, _, _ in self.records if a.startswith("loss oracle ")}, key=rank)
+        oracles = {a for a, _, _ in self.records if a.startswith("loss oracle ")}
+        oracles = sorted(oracles, key=self.rank)
         d = designs.largest_design(self.records, [*oracles, "low-cost", "BF16"], self.horizon)
         if not oracles or d is None:
             return None
@@ -251,7 +169,7 @@ class FaultRegime:
         v: dict[str, Any] = {"name": self.name, "design": self.design, "n": len(self.records)}
         if self.design is None:
             return v
-        f, e = self.formats, error_cost(self.src, self.formats.backend)
+        f, e = self.formats, self.error
         options = [
             ", ".join(f"{k}={x}" for k, x in sorted(o.items())) for o in (f.low_cost, f.recovery)
         ]
@@ -273,11 +191,11 @@ class FaultRegime:
             and {
                 "n": len(aside),
                 "where": len({k[1:] for k in aside}),
-                "arms": sorted({a for a, _, _ in aside}, key=rank),
+                "arms": sorted({a for a, _, _ in aside}, key=self.rank),
                 "hosts": sorted({designs.machine(r) for r in aside.values()}),
             },
             "bar": self.bar,
-            "table": self.arms_table(),
+            "table": self.arms_table(COLUMNS),
             "late": self.late(),
             "oracle": self.oracle(),
         }

@@ -7,18 +7,13 @@ The instrument, the arms and the cost model: docs/benchmarks.md#sweep-fp4, #bran
 
 from __future__ import annotations
 
-from dataclasses import asdict
-from functools import cached_property
 from typing import Any
 
-from benchmarks.harness import cost
-from benchmarks.harness.branch_stats import GAP, SPIKE, Design, spike_figures, verdict
-from benchmarks.harness.designs import reach
+from benchmarks.harness.branch_stats import Design, verdict
 from benchmarks.harness.markdown import markdown_table
 from benchmarks.harness.stats import plus_minus
 from benchmarks.report import words
-from benchmarks.report.error_cost import error_cost
-from benchmarks.report.faults import NULL_BAR
+from benchmarks.report.branches import CLI, BranchRegime, nulls
 from benchmarks.report.source import Source
 from benchmarks.report.words import resolved
 
@@ -27,103 +22,50 @@ MAIN = ("sweep_fp4_nvfp4", "sweep_fp4_mxfp4", "sweep_fp4_fp4_tensor")
 SMALL = ("sweep_fp4_mxfp4_p100-250", "sweep_fp4_fp4_tensor_k2-4-7_p100-250")
 """The 2-point designs run first (the stress's at budgets 2, 4 and 7): their comparisons."""
 STEP = "sweep_fp4_step_time_nvfp4"
-NULLS = (
-    "null BF16 (1e-6) - BF16",
-    "null low-cost (1e-6) - low-cost",
-    "low-cost (SR seed 1) - low-cost",
-)
 POLICIES = ("GNMR+e", "random", "oracle", "GNMR")
-CLI = "python -m benchmarks.sweep.branches"
+COLUMNS = ("recovered work", "held-out - {high}", "share of the gap closed", "loss spikes")
+COLUMNS += ("extra steps to match BF16", "speed-up", "units recovered most")
+"""The arms table's columns (:meth:`.branches.BranchRegime.arms_table`)."""
 
 
-class Sweep:
-    """One FP4 sweep's report and the branch records behind it."""
+class Sweep(BranchRegime):
+    """One FP4 sweep's report (``r``) and the branch records behind it, on the report's design."""
 
     def __init__(self, src: Source, name: str) -> None:
-        self.src, self.name, self.r = src, name, src.json(name)
-        self.regime: str = self.r["regime"]
-        self.design = Design(tuple(self.r["seeds"]), tuple(self.r["points"]), self.r["horizon"])
-        self.records = src.records(self.regime)
-        self.summary: dict[str, dict[str, Any]] = self.r["summary"]
-        if self.r.get("spike_rule") != asdict(SPIKE):  # written before the rule: count again
-            self.summary = {
-                a: {**row, **spike_figures(self.records, self.design, a)}
-                for a, row in self.summary.items()
-            }
+        r = src.json(name)
+        d = Design(tuple(r["seeds"]), tuple(r["points"]), r["horizon"])
+        super().__init__(src, r["regime"], "fp4", r["instrument"]["trunk_steps"], d)
+        self.r, self.summary = r, r["summary"]
+        self.table_arms = list(self.summary)
 
     @property
     def label(self) -> str:
         d = self.design
-        return f"{self.regime}, {len(d.seeds)} x {len(d.points)}"
+        return f"{self.name}, {len(d.seeds)} x {len(d.points)}"
 
     @property
     def budgets(self) -> list[int]:
         return sorted(int(a.split()[1]) for a in self.summary if a.startswith("random "))
 
-    def spec(self, arm: str = "low-cost") -> dict[str, Any]:
-        return self.records[(arm, self.design.seeds[0], self.design.points[0])]["arm_spec"]
+    def after(self) -> list[tuple[str, str]]:
+        """The static gap at the earlier evaluation (steps, interval)."""
+        return [(k.split()[3], plus_minus(p)) for k, p in self.r["noise"].items() if "after" in k]
 
-    @cached_property
-    def costs(self) -> dict[str, dict[str, Any]]:
-        """:func:`benchmarks.harness.cost.summarize_costs` of the design's arms."""
-        s = self.spec()
-        formats = cost.Formats(s["backend"], s["low_cost"], s["recovery"])
-        return cost.summarize_costs(
-            self.records,
-            self.design,
-            formats,
-            arms=list(self.summary),
-            schedule=self.r["instrument"]["trunk_steps"],
-            error=error_cost(self.src, formats.backend),
-        )
+    def picks(self, arm: str) -> str:
+        """The units the arm recovered most (the report's picks)."""
+        picks = self.r.get("picks", {}).get(arm, [])[:4]
+        return ", ".join(f"{u} {100 * x:.0f}%" for u, x in picks) or "-"
 
-    def bar(self) -> dict[str, Any]:
-        """The static gap (and after the earlier evaluation), each null's interval and reach as
-        a share of the gap, and whether the nulls hold 0 within ``NULL_BAR`` of it."""
-        gap, nulls = self.r["noise"][GAP], []
-        for key in NULLS:
-            if key in self.r["noise"]:
-                pair = self.r["noise"][key]
-                ok = not resolved(pair) and reach(pair) / abs(gap[0]) <= NULL_BAR
-                name = key.split(" - ")[0].replace(" (1e-6)", "").removeprefix("null ")
-                name = name.replace("low-cost (SR seed 1)", "SR seed 1")
-                nulls.append({"name": name, "pair": plus_minus(pair), "ok": ok})
-                nulls[-1]["reach"] = f"{reach(pair) / abs(gap[0]):.2f}"
-        after = [(k.split()[3], plus_minus(p)) for k, p in self.r["noise"].items() if "after" in k]
-        passes = resolved(gap) and all(n["ok"] for n in nulls)
-        return {"gap": plus_minus(gap), "after": after, "nulls": nulls, "passes": passes}
+    def table(self) -> str:
+        """The arms table: the policies and the low-cost path (BF16, the zero, and the nulls
+        left out)."""
+        arms = [a for a in self.summary if a != "BF16" and a not in nulls("BF16")]
+        return self.arms_table(COLUMNS, arms, {"units recovered most": self.picks})
 
-    def arms_table(self) -> str:
-        """One row per policy and the low-cost path (the reference, BF16, is the zero of each
-        column): quality, spikes, cost at matched loss per group of hardware whose speed-ups
-        differ (a model that prices no arm is left out)."""
-        groups = cost.priced_groups(self.costs)
-        header = ["arm", "recovered unit-steps", "held-out - BF16", "share of the gap closed"]
-        header += ["loss spikes", "extra steps to match BF16"]
-        header += [f"speed-up, {', '.join(g)}" for g in groups] + ["units recovered most"]
-        rows = []
-        for arm, r in self.summary.items():
-            if arm == "BF16" or any(arm == n.split(" - ")[0] for n in NULLS):
-                continue
-            c = self.costs[arm]
-            cells = [arm, f"{100 * r['unit_steps']:.1f}%", plus_minus(r["vs_bf16"])]
-            cells += [plus_minus(r["closed"], 2), str(r["spikes"])]
-            cells.append(cost.cell(c["extra_steps"], c["extra_steps_note"], 1))
-            cells += [cost.speed_cell(c, g[0]) for g in groups]
-            picks = self.r.get("picks", {}).get(arm, [])[:4]
-            cells.append(", ".join(f"{u} {100 * x:.0f}%" for u, x in picks) or "-")
-            rows.append(cells)
-        return markdown_table(header, rows)
-
-    def unpriced(self) -> list[str]:
-        """``Hopper n/a (no FP4 GEMMs)`` of each hardware model that prices no arm."""
-        priced = {hw for g in cost.priced_groups(self.costs) for hw in g}
-        first = next(iter(self.costs.values()))["hardware"]
-        return [f"{hw} {first[hw]['note']}" for hw in cost.HARDWARE if hw not in priced]
-
+    @property
     def command(self) -> str:
         """The command that ran this design (its budgets; its branch points when not all)."""
-        cmd = f"{CLI} --regime {self.regime} --budgets {','.join(map(str, self.budgets))}"
+        cmd = f"{CLI} --regime {self.name} --budgets {','.join(map(str, self.budgets))}"
         if self.design.points != tuple(self.r["instrument"]["points"]):
             cmd += f" --points {','.join(map(str, self.design.points))}"
         return cmd
@@ -177,7 +119,7 @@ def in_short(sw: dict[str, Sweep]) -> dict[str, Any]:
         and resolved(r["closed"])
     ]
     vs_random = [
-        (s.regime, b, verdict(s.r["comparisons"][f"GNMR+e {b} - random {b}"]))
+        (s.name, b, verdict(s.r["comparisons"][f"GNMR+e {b} - random {b}"]))
         for s in (*sw.values(),)
         for b in s.budgets
     ]
@@ -207,8 +149,8 @@ def context(src: Source) -> dict[str, Any]:
     step = src.json(STEP) if src.has(f"{STEP}.json") else None
     if step:
         step["within"] = all(r["vs_nvidia"] <= step["target"] for r in step["runs"])
-    files = {f"{n}.json": f"`{s.command()}`" for n, s in sw.items()}
-    files |= {f"fp4/{s.regime}.jsonl": "(the sweeps above)" for s in main}
+    files = {f"{n}.json": f"`{s.command}`" for n, s in sw.items()}
+    files |= {s.file: "(the sweeps above)" for s in main}
     if step:
         files[f"{STEP}.json"] = f"`{CLI} --step-time --regime nvfp4`"
     return {

@@ -1,6 +1,6 @@
 """The paper's experiments on the branch estimator (issue 35 item 2): each regime of the ``paper``
 family (``results/paper/<regime>.jsonl``) read on its largest complete design as the fault
-regimes are (:mod:`.faults`), as two tables: one row per regime and budget with the claim's
+regimes are (:mod:`.branches`), as two tables: one row per regime and budget with the claim's
 verdict, the static gap, the nulls and the controls' shares; one of every arm's held-out loss
 against the recovery arm and its speed-up at matched loss (:mod:`benchmarks.harness.cost`).
 
@@ -12,33 +12,21 @@ The recovery arm (the static gap's upper end) is the arm whose ``arm_spec`` runs
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import cached_property
 from typing import Any
 
-from benchmarks.harness import cost
-from benchmarks.harness.branch_stats import (
-    Design,
-    Records,
-    paired,
-    share_closed,
-    spike_difference,
-    troubles,
-)
-from benchmarks.harness.designs import choose_arms, reach, recovery_arm, verdict, work
+from benchmarks.harness.branch_stats import share_closed, spike_difference, troubles
+from benchmarks.harness.designs import verdict
 from benchmarks.harness.markdown import markdown_table
 from benchmarks.report import words
-from benchmarks.report.error_cost import error_cost
-from benchmarks.report.faults import SCHEDULE_END, budget, rank
+from benchmarks.report.branches import SCHEDULE_END, BranchRegime, budget, rank, role
 from benchmarks.report.source import Source
 
 FAMILY = "paper"
 """The records' folder under ``results/`` (``Regime.family`` of the paper regimes)."""
-LOW, LOW_NULL = "low-cost", "null low-cost (1e-6)"
-FIXED = (LOW, "recovery", "null recovery", LOW_NULL, "NVIDIA last")
-"""The unbudgeted arms (by :func:`role` prefix) in the tables' order."""
+LOW = "low-cost"
 SCHEDULES = {"paper_act_quant": 300, "paper_lora_int8": 200}
-"""The trunk's schedule where it is not :data:`benchmarks.report.faults.SCHEDULE_END` (it bounds
-the extra steps; ``tests/benchmarks/test_cost_bounds.py`` checks them against the regimes)."""
+"""The trunk's schedule where it is not :data:`.branches.SCHEDULE_END` (it bounds the extra
+steps; ``tests/benchmarks/test_cost_bounds.py`` checks them against the regimes)."""
 CONTROLS = ("NVIDIA last", "random", "GNMR+e", "oracle")
 """The policies whose shares stand beside GNMR's verdict (by name prefix)."""
 CLAIMS = {
@@ -49,42 +37,13 @@ CLAIMS = {
 }
 """The paper's claims, short (docs/algorithm.md#paper-experiments), by the regime testing them."""
 GENERIC = "GNMR moving a few units to the recovery path reaches its loss"
-CLI = "`python -m benchmarks.sweep.branches --regime {}`"
 
 
-def role(arm: str, high: str) -> str:
-    """The arm's name with the recovery arm's replaced by ``recovery`` (a row of every regime)."""
-    return "recovery" if arm == high else arm.replace(f"null {high} ", "null recovery ")
-
-
-def order(arm: str, high: str = "recovery") -> tuple[int, int, int, str]:
-    """The tables' order of the arms by :func:`role`."""
-    return rank(role(arm, high), FIXED)
-
-
-class PaperRegime:
+class PaperRegime(BranchRegime):
     """One paper regime's records (maybe none yet), its design and its rows of the tables."""
 
     def __init__(self, src: Source, name: str) -> None:
-        self.src, self.name = src, name
-        self.records: Records = src.records(name, family=FAMILY)
-        self.high = recovery_arm(self.records) or "BF16"
-        self.arms = sorted(
-            {a for a, _, _ in self.records}, key=lambda a: rank(role(a, self.high), FIXED)
-        )
-        self.low = next((r for k, r in self.records.items() if k[0] == LOW), None)
-        self.horizon = max((int(e) for e in self.low["heldout"]), default=0) if self.low else 0
-
-    @cached_property
-    def chosen(self) -> tuple[Design | None, list[str], list[str]]:
-        """(design, its arms, the arms waiting): :func:`benchmarks.harness.designs.choose_arms`."""
-        if self.low is None or recovery_arm(self.records) is None:
-            return None, [], list(self.arms)
-        return choose_arms(self.records, self.arms, self.horizon, self.high)
-
-    @property
-    def design(self) -> Design | None:
-        return self.chosen[0]
+        super().__init__(src, name, FAMILY, SCHEDULES.get(name, SCHEDULE_END))
 
     def design_cell(self) -> str:
         """``5 of 5 seeds x 3 points, 50 steps`` (``not run yet`` without records)."""
@@ -96,23 +55,14 @@ class PaperRegime:
         return f"{len(d.seeds)} of {len(seeds)} seeds x {len(d.points)} points, {d.horizon} steps"
 
     def nulls(self) -> str:
-        """Each null in the design at the end: its interval and its reach over the static gap."""
-        d, gap = self.design, abs(paired(self.records, self.design, LOW, self.high)[0])
-        cells = []
-        for n, ref in ((f"null {self.high} (1e-6)", self.high), (LOW_NULL, LOW)):
-            if n in self.chosen[1]:
-                p = paired(self.records, d, n, ref)
-                cells.append(
-                    f"{n.split(' (')[0]} {words.pm(p)} ({reach(p) / gap:.2f})"
-                    if gap
-                    else words.pm(p)
-                )
+        """Each null in the design: its interval and its reach over the static gap."""
+        cells = [f"{n['name']} {n['pair']} ({n['reach']})" for n in self.bar["nulls"]]
         return "; ".join(cells) or "none in the design"
 
     def verdicts(self) -> list[dict[str, Any]]:
         """Per budget of the paper's ``GNMR k`` recorded: :func:`verdict` (``not yet`` outside the
         design), with ``controls``: the shares closed of :data:`CONTROLS` at that budget."""
-        out, d, arms = [], self.design, self.chosen[1]
+        out, d, arms = [], self.design, self.table_arms
         for k in sorted({k for a in self.arms if a.startswith("GNMR ") and (k := budget(a))}):
             arm, nvidia = f"GNMR {k}", CONTROLS[0]
             v = verdict(self.records, d, arm) if arm in arms else {"arm": arm, "word": "not yet"}
@@ -127,7 +77,7 @@ class PaperRegime:
         vs = self.verdicts() if self.design else []
         if not vs:
             return [[*head, *["-"] * 6, "not yet", "-"]]
-        gap = f"{words.pm(paired(self.records, self.design, LOW, self.high))} ({self.high})"
+        gap = f"{self.bar['gap']} ({self.high})"
         rows = []
         for v in vs:
             shown = v["share"] is not None and v["word"] != "not at this scale"
@@ -136,53 +86,31 @@ class PaperRegime:
             rows[-1] += [words.pm(v["vs_high"]), words.pm(v["vs_low"]), f"**{v['word']}**", beside]
         return rows
 
-    @cached_property
-    def costs(self) -> dict[str, dict[str, Any]]:
-        s = self.low["arm_spec"]
-        formats = cost.Formats(s["backend"], s["low_cost"], s["recovery"])
-        return cost.summarize_costs(
-            self.records,
-            self.design,
-            formats,
-            arms=self.chosen[1],
-            schedule=SCHEDULES.get(self.name, SCHEDULE_END),
-            error=error_cost(self.src, formats.backend),
-        )
-
     def priced(self) -> tuple[str, ...] | None:
         """The first group of hardware models that prices an arm (the table's column), if any."""
-        return next(iter(cost.priced_groups(self.costs)), None)
+        return next(iter(self.groups()), None)
 
     def cost_notes(self) -> list[str]:
         """Why the hardware models outside the table's column price no arm (grouped by note),
         and the error term's cost per step ``C`` (docs/benchmarks.md#cost-at-matched-loss)."""
-        first = next(iter(self.costs.values()))["hardware"]
-        notes: dict[str, list[str]] = {}
-        for hw in (h for h in cost.HARDWARE if h not in (self.priced() or ())):
-            notes.setdefault(first[hw]["note"], []).append(hw)
-        e = error_cost(self.src, self.low["arm_spec"]["backend"])
+        e = self.error
         c = "not known" if e is None else f"{100 * e.share:.1f}%"
-        c += (
-            " (not timed on this backend: the largest measured)"
-            if e and e.source.startswith("not timed")
-            else ""
-        )
-        return [*(f"{', '.join(hws)} {note}" for note, hws in notes.items()), f"C {c}"]
+        if e and e.source.startswith("not timed"):
+            c += " (not timed on this backend: the largest measured)"
+        return [*self.unpriced(), f"C {c}"]
 
-    def cells(self, r: str) -> list[str]:
+    def role_cells(self, r: str) -> list[str]:
         """The arm of role ``r``: held-out - the recovery arm (work), speed-up (if priced)."""
-        arm = next((a for a in self.chosen[1] if role(a, self.high) == r), None)
-        hw = self.priced()
+        arm = next((a for a in self.table_arms if role(a, self.high) == r), None)
         if arm is None:
-            return ["-"] * (2 if hw else 1)
-        d, r = self.design, self.records
-        out = [f"{words.pm(paired(r, d, arm, self.high))} ({words.percent(work(r, d, arm))})"]
-        return out + ([cost.speed_cell(self.costs[arm], hw[0])] if hw else [])
+            return ["-"] * (2 if self.priced() else 1)
+        diff, work, *speed = self.cells(arm, ["held-out - {high}", "recovered work", "speed-up"])
+        return [f"{diff} ({work})", *speed[:1]]
 
     def spikes(self) -> list[str]:
         """The arms whose loss spikes minus low-cost's exclude 0 (per seed, 95%)."""
         d = self.design
-        pairs = {a: spike_difference(self.records, d, a) for a in self.chosen[1] if a != LOW}
+        pairs = {a: spike_difference(self.records, d, a) for a in self.table_arms if a != LOW}
         return [f"{a} {words.pm(p, 1)}" for a, p in pairs.items() if words.resolved(p)]
 
 
@@ -193,10 +121,9 @@ def arms_table(regimes: Sequence[PaperRegime]) -> str:
         header.append(f"`{g.name}`: - {g.high} (work)")
         if g.priced():
             header.append(f"speed-up, {', '.join(g.priced())}")
-    roles = sorted(
-        {role(a, g.high) for g in regimes for a in g.chosen[1]}, key=lambda a: rank(a, FIXED)
-    )
-    return markdown_table(header, [[r, *(c for g in regimes for c in g.cells(r))] for r in roles])
+    roles = sorted({role(a, g.high) for g in regimes for a in g.table_arms}, key=rank)
+    rows = [[r, *(c for g in regimes for c in g.role_cells(r))] for r in roles]
+    return markdown_table(header, rows)
 
 
 def regimes(src: Source) -> list[PaperRegime]:
@@ -213,15 +140,15 @@ def context(src: Source) -> dict[str, Any]:
     header += ["nulls (reach / gap)", "arm", "share of the gap closed", "- recovery arm"]
     header += ["- low-cost", "verdict", "controls' shares closed (exploratory)"]
     rows = [row for g in every for row in g.verdict_rows()]
-    files = {f"{FAMILY}/{g.name}.jsonl": CLI.format(g.name) for g in every if g.records}
+    files = {g.file: g.command for g in every if g.records}
     return {
         "paper_branch": {
             "verdicts": markdown_table(header, rows),
             "arms": arms_table(ran) if ran else "",
             "unpriced": [(g.name, g.cost_notes()) for g in ran],
-            "waiting": [(g.name, g.chosen[2]) for g in ran if g.chosen[2]],
+            "waiting": [(g.name, g.waiting) for g in ran if g.waiting],
             "spikes": [s for g in ran for s in g.spikes()],
-            "diverged": sum(troubles(g.records, g.design, a)[1] for g in ran for a in g.chosen[1]),
+            "diverged": sum(troubles(g.records, g.design, a)[1] for g in ran for a in g.table_arms),
             "files": src.provenance_table(files) if files else "",
         }
     }

@@ -20,7 +20,8 @@ from benchmarks.harness import cost, designs, preregistered
 from benchmarks.harness.branch_stats import per_seed, share_closed
 from benchmarks.harness.markdown import markdown_table
 from benchmarks.harness.stats import interval
-from benchmarks.report.faults import FAMILY, SCHEDULE_END, FaultRegime
+from benchmarks.report.branches import SCHEDULE_END
+from benchmarks.report.faults import FAMILY, FaultRegime
 from benchmarks.report.words import percent, pm
 
 __all__ = ["column", "table"]

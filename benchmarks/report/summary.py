@@ -2,7 +2,7 @@
 from the same figures as the sections below (``templates/summary.md.j2`` words them).
 
 A fault regime swept on :data:`SWEPT` seeds or more either passes the noise bar
-(:attr:`.faults.FaultRegime.bar`), and gets a row per budget with GNMR+e's share of the gap
+(:attr:`.branches.BranchRegime.bar`), and gets a row per budget with GNMR+e's share of the gap
 closed, its work, its pre-registered verdicts and a reading (:func:`reading`); or its static gap is
 not resolved (nothing to recover); or its nulls fail the bar. Issue 44's ablation and stage-5
 regimes have tables of their own comparisons; the seed experiments their verdict words

@@ -210,7 +210,7 @@ def test_one_column_per_hardware_group():
 
 def test_the_report_schedules_match_the_regimes():
     """The report's schedule ends (no torch there) are the regimes' trunk lengths."""
-    from benchmarks.report.faults import SCHEDULE_END
+    from benchmarks.report.branches import SCHEDULE_END
     from benchmarks.report.paper_branch import SCHEDULES
     from benchmarks.sweep.regimes import FAULT_REGIMES, PAPER_REGIMES
 

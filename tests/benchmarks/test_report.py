@@ -273,7 +273,7 @@ def test_fault_regime_tables_and_preregistered_words(tmp_path):
     # the arms table: work, vs BF16, share, diverged, on the faulted unit, then the cost cells
     arm = "| GNMR+e 4 | 14.3% | +0.0039 +- 0.0005 | +0.61 +- 0.05 | 0 | 100.0% | - | 2.0 +- 0.2 |"
     assert arm in text
-    assert "speed-up at matched loss, B200 |" in text and "n/a (no FP4 GEMMs)" in text
+    assert "speed-up, B200 |" in text and "n/a (no FP4 GEMMs)" in text
     assert "| `faults/outlier_test.jsonl` | 72 | 0123456789 (72): test;" in text
 
     rows = _fault_records({**FAULT_ARMS, "random 4": (0.002, 4 / 28)})
@@ -314,7 +314,7 @@ def test_the_arms_order_is_total():
     hashes differ between processes) reaches the document."""
     from itertools import permutations
 
-    from benchmarks.report.faults import rank
+    from benchmarks.report.branches import rank
 
     arms = ["NVIDIA late-57", "NVIDIA late fwd (82%)", "late fwd (same work)", "TE autoswitch"]
     orders = {tuple(sorted(p, key=rank)) for p in permutations(arms)}
@@ -368,15 +368,15 @@ def test_the_fault_constants_match_the_harness():
     from benchmarks.harness import designs
     from benchmarks.harness.branch import NULL_ARMS, Instrument
     from benchmarks.harness.model import PROJECTIONS
-    from benchmarks.report import faults
+    from benchmarks.report import branches, faults
     from benchmarks.sweep.regimes import FAULT_REGIMES
 
     assert designs.PROJECTIONS == PROJECTIONS
-    assert set(NULL_ARMS) <= set(faults.NULLS)
+    assert set(NULL_ARMS) <= set(branches.nulls("BF16"))
     assert {r.family for r in FAULT_REGIMES.values()} == {faults.FAMILY}
-    assert {r.instrument.trunk_steps for r in FAULT_REGIMES.values()} == {faults.SCHEDULE_END}
+    assert {r.instrument.trunk_steps for r in FAULT_REGIMES.values()} == {branches.SCHEDULE_END}
     assert (
-        faults.SCHEDULE_END - Instrument().horizon
+        branches.SCHEDULE_END - Instrument().horizon
         in FAULT_REGIMES["outlier_nvfp4"].instrument.points
     )
 
@@ -393,14 +393,14 @@ def test_the_fp4_section_prices_every_arm_and_judges_its_noise(results):
     text = _flat(results)
     fp4 = text.split("## FP4")[1].split("## Fault regimes")[0]
     assert "(Hopper n/a (no FP4 GEMMs); priced on the unit-step share" in fp4
-    assert "| arm | recovered unit-steps | held-out - BF16 | share of the gap closed |" in fp4
+    assert "| arm | recovered work | held-out - BF16 | share of the gap closed |" in fp4
     assert "speed-up, B200 | speed-up, GB300 |" in fp4 and "| speed-up, B200, GB300 |" in fp4
     assert "| GNMR+e 4 | 13.3% | +0.0014 +- 0.0014 | +0.54 +- 0.32 | 0 | 1.2 +- 0.4 | 2.78" in fp4
     assert (
         "| GNMR+e | +0.29 +- 0.12 (6.5%) | +0.35 +- 0.13 (12.9%) | +0.50 +- 0.10 (22.5%) |" in fp4
     )
     # SR seed 1 reaches 1.24 of NVFP4's gap: the bar fails; the stress's nulls stay under 1/3
-    assert "SR seed 1 +0.0015 +- 0.0022 (reach 1.24): the noise bar does not pass" in fp4
+    assert "(SR seed 1) +0.0015 +- 0.0022 (reach 1.24): the noise bar does not pass" in fp4
     assert "low-cost +0.0051 +- 0.0175 (reach 0.20): the noise bar passes" in fp4
 
 

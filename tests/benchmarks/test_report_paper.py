@@ -191,7 +191,7 @@ def test_a_paper_regime_is_read_generically_from_its_records(tmp_path):
 
 def test_the_paper_constants_match_the_sweeps():
     """The report reads the paper regimes without importing them (no torch)."""
-    from benchmarks.report import paper_branch
+    from benchmarks.report import branches, paper_branch
     from benchmarks.sweep.branch_arms import paper_arms
     from benchmarks.sweep.regimes import PAPER_REGIMES
 
@@ -203,6 +203,6 @@ def test_the_paper_constants_match_the_sweeps():
             a.name for a in arms if a.policy == "recovery" and not a.name.startswith("null")
         }
         assert recovery == {r.high}
-        nulls = {"low-cost", paper_branch.LOW_NULL, f"null {r.high} (1e-6)"}
+        nulls = {"low-cost", *list(branches.nulls(r.high))[:2]}
         assert {a.name for a in arms} >= nulls
-        assert {paper_branch.budget(a.name) for a in arms} == {None, 4}
+        assert {branches.budget(a.name) for a in arms} == {None, 4}
