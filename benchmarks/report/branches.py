@@ -1,12 +1,7 @@
-"""One branch regime's records as the fault, FP4 and paper sections read them: arms branched from
-shared trunk checkpoints, paired on (seed, point) against the reference (recovery) arm.
-
-:class:`BranchRegime` keeps each (seed, point) on one host (the rest set aside), chooses the
-design (:func:`benchmarks.harness.designs.choose_arms`, or the design a sweep's report names),
-and gives the noise bar (the static gap and each null's interval and reach), the arms table
-(the columns a section names, :data:`COLUMNS` and the cost model's), the hardware models that
-price no arm and the provenance row. The analysis is :mod:`benchmarks.harness`'s. No torch.
-"""
+"""One branch regime's records as the fault, FP4 and paper sections read them (arms branched from
+shared trunk checkpoints, paired on (seed, point) against the recovery arm): :class:`BranchRegime`
+gives the records kept on one host, the design, the noise bar, the arms table of the columns a
+section names and the provenance row; the analysis is :mod:`benchmarks.harness`'s. No torch."""
 
 from __future__ import annotations
 
@@ -27,8 +22,7 @@ ORDER = ("random", "GNMR", "GNMR+e", "GNMR+e v2", "e-only", "GNMR+e lean", "TE a
 ORDER += ("oracle", "loss oracle", "random wgrad", "GNMR+e wgrad")
 FIXED = ("low-cost", "recovery", "null recovery", "null low-cost", "NVIDIA last", "TE autoswitch")
 FIXED += ("NVIDIA late", "late fwd")
-"""The tables' order: the unbudgeted arms by role (:func:`role`) prefix, then per budget the
-policies."""
+"""The tables' order: the unbudgeted arms by role prefix, then per budget the policies."""
 SCHEDULE_END = 400
 """The trunk's schedule: a branch from ``SCHEDULE_END - horizon`` ends it (the late rules act)."""
 NULL_BAR = 1 / 3

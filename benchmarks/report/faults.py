@@ -1,10 +1,7 @@
-"""The fault regimes' section of RESULTS.md (issue 35), from ``results/faults/<regime>.jsonl``: per
-regime its design, noise bar and arms table (:meth:`FaultRegime.view`, the names
-``templates/faults.md.j2`` words), every regime's pre-registered comparisons in one table and the
-records' provenance in another. Which records a table reads (the one-host rule, the largest
-complete design, the arms that wait) and the per-arm figures: :mod:`benchmarks.harness.designs`.
-The rules: docs/benchmarks.md#sweep-faults. No torch.
-"""
+"""The fault regimes' section (issue 35, ``results/faults/<regime>.jsonl``): per regime what
+:class:`.branches.BranchRegime` gives and its outlier, late rules and loss oracle
+(:meth:`FaultRegime.view`), every pre-registered comparison in one table, the records' provenance.
+The rules: docs/benchmarks.md#sweep-faults."""
 
 from __future__ import annotations
 
@@ -232,7 +229,7 @@ def context(src: Source) -> dict[str, Any]:
         "fault_regimes": regimes,
         "faults": [r.view() for r in regimes],
         "fault_verdicts": verdict_table(regimes),
-        "fault_provenance": src.records_table([f"{FAMILY}/{r.name}.jsonl" for r in regimes]),
+        "fault_provenance": src.records_table([r.file for r in regimes]),
         "error_source": "not measured" if measured is None else measured.source,
         "prereg_level": f"{100 * level:g}%",
         "null_bar": f"{NULL_BAR:.2f}",

@@ -1,9 +1,6 @@
-"""The FP4 section's data (issue 24): the FP4 sweeps' reports (``results/sweep_fp4_*.json``) and
-the branch records behind them (``results/fp4/<regime>.jsonl``), as tables ``templates/fp4.md.j2``
-prints: per regime one arms table of its largest design (quality, loss spikes, cost at matched
-loss), one table of every design's comparisons, the stress's budget curve, the step-time runs.
-The instrument, the arms and the cost model: docs/benchmarks.md#sweep-fp4, #branch-estimator and
-#cost-at-matched-loss."""
+"""The FP4 section (issue 24): per sweep report (``results/sweep_fp4_*.json``) its regime's arms
+table on the report's design (:class:`.branches.BranchRegime`), every design's comparisons, the
+stress's budget curve, the step-time runs. Methods: docs/benchmarks.md#sweep-fp4."""
 
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
-"""The paper's experiments on the branch estimator (issue 35 item 2): each regime of the ``paper``
-family (``results/paper/<regime>.jsonl``) read on its largest complete design as the fault
-regimes are (:mod:`.branches`), as two tables: one row per regime and budget with the claim's
-verdict, the static gap, the nulls and the controls' shares; one of every arm's held-out loss
-against the recovery arm and its speed-up at matched loss (:mod:`benchmarks.harness.cost`).
-
-The recovery arm (the static gap's upper end) is the arm whose ``arm_spec`` runs the
-``recovery`` policy on every unit and is not a null. The verdict rules, on the paper's own
-``GNMR k``: docs/benchmarks.md#sweep-paper-regimes (:func:`verdict`). No torch.
-"""
+"""The paper's experiments on the branch estimator (issue 35 item 2, ``results/paper/``): per
+regime (:class:`.branches.BranchRegime`, the reference its recovery arm) and budget the claim's
+verdict (docs/benchmarks.md#sweep-paper-regimes), and every arm against the recovery arm with
+its speed-up at matched loss, one column pair per regime."""
 
 from __future__ import annotations
 
