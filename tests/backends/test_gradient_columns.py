@@ -7,17 +7,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gnmr_dist.backends import get_backend
+from gnmr_dist.backends import PrecisionBackend, get_backend
 
 TENSOR_E4M3 = {"format": "e4m3", "granularity": "tensor"}
 
 
-def _bound(f: float, columns: bool, recovered: bool = False) -> float:
-    """``B(u)`` of one step of a 64 -> 32 linear whose input channel 5 is scaled by ``f`` and
-    its weight column 5 by ``1 / f`` inside the GEMM (with the backend told, or not)."""
+def scaled_step(
+    backend: PrecisionBackend, f: float, columns: bool, recovered: bool = False
+) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One step of a 64 -> 32 linear under ``backend`` whose input channel 5 is scaled by ``f``
+    and its weight column 5 by ``1 / f`` inside the GEMM (with the backend told, or not):
+    ``(B(u), x, D, dy)``, the score, the input before scaling, the scale and the output's
+    gradient."""
     torch.manual_seed(0)
     lin = nn.Linear(64, 32, bias=False)
-    backend = get_backend("fp8_emulated", low_cost=TENSOR_E4M3, recovery={"format": "bf16"})
     backend.wrap({0: lin})
     backend.track_errors(1)
     backend.apply([0] if recovered else [], 1)
@@ -31,10 +34,17 @@ def _bound(f: float, columns: bool, recovered: bool = False) -> float:
     y = gemm(x * d, lin.weight / d, None)
     backend._unit = None
     backend.scale_gradient_columns(lin, None)
-    y.backward(torch.randn_like(y) * 1e-3)
+    dy = torch.randn_like(y) * 1e-3
+    y.backward(dy)
     sums = backend.error_sums(torch.device("cpu"))
     assert sums is not None
-    return float(sums[0])
+    return float(sums[0]), x, d, dy
+
+
+def _bound(f: float, columns: bool, recovered: bool = False) -> float:
+    """``B(u)`` of :func:`scaled_step` under the emulated backend (E4M3, tensorwise)."""
+    backend = get_backend("fp8_emulated", low_cost=TENSOR_E4M3, recovery={"format": "bf16"})
+    return scaled_step(backend, f, columns, recovered)[0]
 
 
 def test_the_bound_is_taken_on_the_trained_weights_gradient():

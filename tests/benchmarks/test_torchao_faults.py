@@ -18,6 +18,7 @@ from benchmarks.harness.branch import Instrument, run_branch, run_trunk, trunk_f
 from benchmarks.harness.cost import Formats, price
 from benchmarks.harness.forwards import install_forwards
 from gnmr_dist.backends import get_backend
+from tests.backends.test_gradient_columns import scaled_step
 from tests.benchmarks.test_harness import tiny
 
 pytest.importorskip("torchao.float8")
@@ -44,33 +45,14 @@ def fp8(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _bound(f: float, columns: bool, recovered: bool = False) -> tuple[float, float]:
-    """``B(u)`` of one step of a 64 -> 32 linear whose input channel 5 is multiplied by ``f`` and
-    weight column 5 divided by it inside the GEMM (the backend told, or not), and the bound
-    computed here from :func:`fp8` on the trained weight's gradient."""
-    torch.manual_seed(0)
-    lin = nn.Linear(64, 32, bias=False)
+    """``B(u)`` of :func:`~tests.backends.test_gradient_columns.scaled_step` under torchao's
+    casts, and the bound computed here from :func:`fp8` on the trained weight's gradient."""
     backend = get_backend("torchao_fp8", low_cost=LOW, recovery={"recipe": "bf16"})
-    backend.wrap({0: lin})
-    backend.track_errors(1)
-    backend.apply([0] if recovered else [], 1)
-    gemm = backend.make_gemm(lin, "recovery" if recovered else "low_cost")
-    x = torch.randn(256, 64) * 0.3
-    d = torch.ones(64)
-    d[5] = f
-    if columns:
-        backend.scale_gradient_columns(lin, d.reciprocal())
-    backend._unit = 0  # as the switched forward sets it for the unit it runs
-    y = gemm(x * d, lin.weight / d, None)
-    backend._unit = None
-    backend.scale_gradient_columns(lin, None)
-    dy = torch.randn_like(y) * 1e-3
-    y.backward(dy)
-    sums = backend.error_sums(torch.device("cpu"))
-    assert sums is not None
+    got, x, d, dy = scaled_step(backend, f, columns, recovered)
     xd, c = x * d, d.reciprocal() if columns else torch.ones(64)
     ref = dy.norm() * ((xd - fp8(xd, torch.float8_e4m3fn)) * c).norm()
     ref += (fp8(dy, torch.float8_e5m2) - dy).norm() * (xd * c).norm()
-    return float(sums[0]), float(ref)
+    return got, float(ref)
 
 
 def test_the_bound_is_taken_on_the_trained_weights_gradient():
