@@ -362,6 +362,21 @@ WGRAD_POINTS = Instrument(points=(325,))
 records' static gaps were largest and steadiest over seeds (nvfp4 +0.0035, mxfp4 +0.0105 after
 50 steps, 5 seeds; read before this design was fixed)."""
 
+
+def _wgrad(fp4: str) -> Regime:
+    """The FP4 regime ``fp4`` as a fault-family regime ``<fp4>_wgrad``: the same damage, the
+    wgrad-only recovery arms (``arm_set="wgrad"``) at :data:`WGRAD_POINTS`."""
+    base = FP4_REGIMES[fp4]
+    return replace(
+        base,
+        name=f"{fp4}_wgrad",
+        description=base.description + "; wgrad-only recovery rows",
+        instrument=WGRAD_POINTS,
+        family="faults",
+        arm_set="wgrad",
+    )
+
+
 STAGE5_REGIMES = {
     r.name: r
     for r in (
@@ -388,22 +403,8 @@ STAGE5_REGIMES = {
             setup=DEEP_SETUP,
             instrument=DEEP_POINTS,
         ),
-        replace(
-            FP4_REGIMES["mxfp4"],
-            name="mxfp4_wgrad",
-            description=FP4_REGIMES["mxfp4"].description + "; wgrad-only recovery rows",
-            instrument=WGRAD_POINTS,
-            family="faults",
-            arm_set="wgrad",
-        ),
-        replace(
-            FP4_REGIMES["nvfp4"],
-            name="nvfp4_wgrad",
-            description=FP4_REGIMES["nvfp4"].description + "; wgrad-only recovery rows",
-            instrument=WGRAD_POINTS,
-            family="faults",
-            arm_set="wgrad",
-        ),
+        _wgrad("mxfp4"),
+        _wgrad("nvfp4"),
     )
 }
 """Issue 44's stage 5 (docs/benchmarks.md#sweep-stage-5): TE's delayed defaults as a delayed
