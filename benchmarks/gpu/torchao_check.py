@@ -241,19 +241,12 @@ def check_throughput(s: dict[str, int], device: torch.device, budget: int) -> di
     }
 
 
-class ColumnScale(nn.Module):
-    """``W D^-1`` for a parametrized weight (the input gets ``x D``): the model is unchanged."""
-
-    def __init__(self, d: torch.Tensor) -> None:
-        super().__init__()
-        self.d = d
-
-    def forward(self, w: torch.Tensor) -> torch.Tensor:
-        return w / self.d.to(w.dtype)
-
-
 def _inject(arm: Arm, layer: int, channel: int, size: Callable[[], float]) -> None:
+    """Scale ``down_proj``'s input channel ``channel`` by ``size()`` each forward and its weight
+    column by the inverse (``x D``, ``W D^-1``): the model's function is unchanged."""
     from torch.nn.utils import parametrize
+
+    from gnmr_dist.train.gpu_check.mcore_checks import ColumnScale
 
     op = arm.model.layers[layer].mlp["down_proj"]
     d = torch.ones(op.in_features, device=arm.device, dtype=torch.float32)
