@@ -33,7 +33,7 @@ cell has its own BF16 branches, where a function-preserving cell shares the faul
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -106,16 +106,9 @@ class ShapedPlan(OutlierPlan):
 
     def at(self, seed: int, point: int, layers: int, width: int) -> ShapedOutlier:
         base = super().at(seed, point, layers, width)
+        # every field of the plan's Outlier (whatever they are), then the shape's own three
         return ShapedOutlier(
-            base.module,
-            base.channel,
-            base.start,
-            base.rise,
-            base.hold,
-            base.growth,
-            peak=self.peak,
-            emerge=self.emerge,
-            visible=self.visible,
+            **asdict(base), peak=self.peak, emerge=self.emerge, visible=self.visible
         )
 
 
