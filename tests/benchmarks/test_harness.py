@@ -21,6 +21,8 @@ from gnmr_dist.backends import get_backend
 from gnmr_dist.distributed import UnitRegistry
 from gnmr_dist.telemetry.selection import gap_share, precision_at_k, spearman, top_k
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/benchmarks/conftest.py
+
 PROJECTIONS = (
     "self_attn.q_proj",
     "self_attn.k_proj",
@@ -48,15 +50,6 @@ def tiny(**kw) -> Setup:
         "gnmr": {"warmup_steps": 0, "alpha": 1.0, "beta": 1.0},
     }
     return Setup(**{**base, **kw})
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: tiny GEMMs gain nothing from two, and a busy machine loses a lot."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ import types
 
 import numpy as np
 import pytest
-import torch
 
 from benchmarks.harness.arms import Setup
 from benchmarks.harness.model import Batches
@@ -21,18 +20,12 @@ from benchmarks.overhead import controller as oc
 from benchmarks.overhead import gemm_subset as gs
 from benchmarks.overhead.step_time import interleave
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/benchmarks/conftest.py
+
 TINY = {"layers": 2, "hidden": 32, "heads": 2, "ffn": 64, "seq_len": 16, "batch": 2}
 TINY_SETUP = {**TINY, "max_bytes": 30_000}
 ACTIVE = {"warmup_steps": 0, "alpha": 1.0, "beta": 1.0}
 """A GNMR policy that recovers from the first steps on (the tiny run has no time to warm up)."""
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
