@@ -19,7 +19,6 @@ from benchmarks.harness.branch import (
     load_trunk,
     perturb,
     run_branch,
-    run_trunk,
     trunk_file,
 )
 from benchmarks.harness.branch_stats import (
@@ -34,19 +33,15 @@ from benchmarks.harness.model import Batches
 from benchmarks.harness.training import ArmRun
 from benchmarks.sweep.branch_arms import make_arms, nvidia_k, step_time_arms
 from benchmarks.sweep.regimes import FP4_REGIMES
-from tests.benchmarks.test_harness import tiny
+from tests.benchmarks.test_harness import tiny, tiny_trunk
 
 Q = {"backend": "fp8_emulated", "low_cost": {"format": "e2m1"}, "recovery": {"format": "bf16"}}
 INST = Instrument(trunk_steps=8, points=(3, 5), horizon=3, evals=(1, 3), eval_batches=1)
 
 
 @pytest.fixture(scope="module")
-def trunk(tmp_path_factory):
-    torch.set_num_threads(1)
-    root = tmp_path_factory.mktemp("trunk")
-    setup = tiny(steps=8, lr=1e-3)
-    run_trunk(setup, Arm("trunk", "recovery", **Q), INST, 3, root)
-    return setup, root
+def trunk(tmp_path_factory, one_thread):
+    return tiny_trunk(tmp_path_factory.mktemp("trunk"), Q, INST)
 
 
 def test_a_branch_with_the_trunks_policy_is_its_continuation(trunk):

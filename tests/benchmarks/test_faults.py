@@ -11,10 +11,10 @@ import torch
 
 from benchmarks.harness.arms import Arm, Outlier, OutlierPlan
 from benchmarks.harness.autoswitch import GemmLedger, _score
-from benchmarks.harness.branch import Instrument, run_branch, run_trunk
+from benchmarks.harness.branch import Instrument, run_branch
 from benchmarks.harness.model import Batches
 from benchmarks.harness.training import ArmRun
-from tests.benchmarks.test_harness import tiny
+from tests.benchmarks.test_harness import tiny_trunk
 
 BF16 = {"format": "bf16"}
 FP4T = {"format": "e2m1", "granularity": "tensor"}
@@ -26,12 +26,8 @@ PLAN = OutlierPlan(offset=0, rise=2, hold=2, growth=1024.0)
 
 
 @pytest.fixture(scope="module")
-def trunk(tmp_path_factory):
-    torch.set_num_threads(1)
-    root = tmp_path_factory.mktemp("trunk")
-    setup = tiny(steps=8, lr=1e-3)
-    run_trunk(setup, Arm("trunk", "recovery", **Q), INST, 3, root)
-    return setup, root
+def trunk(tmp_path_factory, one_thread):
+    return tiny_trunk(tmp_path_factory.mktemp("trunk"), Q, INST)
 
 
 def _branch(setup, root, arm, point=3, plan=PLAN):

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from benchmarks.harness.arms import Arm, ArmResult, Fault, Setup, with_budget
+from benchmarks.harness.branch import Instrument, run_trunk
 from benchmarks.harness.experiment import run_experiment
 from benchmarks.harness.model import Batches, build_model, install_faults, lm_loss, save_state
 from benchmarks.harness.training import ZClip, adam_inverse_rms, layer_units, run_arm
@@ -50,6 +51,14 @@ def tiny(**kw) -> Setup:
         "gnmr": {"warmup_steps": 0, "alpha": 1.0, "beta": 1.0},
     }
     return Setup(**{**base, **kw})
+
+
+def tiny_trunk(root: Path, q: dict, inst: Instrument) -> tuple[Setup, Path]:
+    """The branch tests' trunk: ``tiny(steps=8, lr=1e-3)`` trained on ``q``'s recovery path for
+    seed 3, its checkpoints at ``inst.points`` saved under ``root``; ``(setup, root)``."""
+    setup = tiny(steps=8, lr=1e-3)
+    run_trunk(setup, Arm("trunk", "recovery", **q), inst, 3, root)
+    return setup, root
 
 
 @pytest.fixture(scope="module")

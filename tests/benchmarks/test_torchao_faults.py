@@ -14,12 +14,12 @@ import torch
 from torch import nn
 
 from benchmarks.harness.arms import Arm, Outlier, OutlierPlan
-from benchmarks.harness.branch import Instrument, run_branch, run_trunk, trunk_file
+from benchmarks.harness.branch import Instrument, run_branch, trunk_file
 from benchmarks.harness.cost import Formats, price
 from benchmarks.harness.forwards import install_forwards
 from gnmr_dist.backends import get_backend
 from tests.backends.test_gradient_columns import scaled_step
-from tests.benchmarks.test_harness import tiny
+from tests.benchmarks.test_harness import tiny_trunk
 
 pytest.importorskip("torchao.float8")
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -145,15 +145,13 @@ def test_the_regime_is_outlier_fp8_tensors_fault_on_the_same_trunks():
 
 
 @pytest.mark.slow
-def test_branches_of_the_torchao_regime_from_a_bf16_trunk(tmp_path):
+def test_branches_of_the_torchao_regime_from_a_bf16_trunk(tmp_path, one_thread):
     """The trunk's bits do not depend on the low-cost block it is built with (so every fault
     regime's trunk is the same); from it, torchao's BF16 arm trains the same with and without
     the outlier, the low-cost arm does not, and GNMR+e scores and recovers on the real casts."""
-    torch.set_num_threads(1)
-    setup = tiny(steps=8, lr=1e-3)
-    run_trunk(setup, Arm("trunk", "recovery", **TRUNK), INST, 3, tmp_path / "a")
+    setup, _ = tiny_trunk(tmp_path / "a", TRUNK, INST)
     other = {**TRUNK, "low_cost": {"format": "e4m3", "granularity": "tensor"}}
-    run_trunk(setup, Arm("trunk", "recovery", **other), INST, 3, tmp_path / "b")
+    tiny_trunk(tmp_path / "b", other, INST)
     a, b = (torch.load(trunk_file(tmp_path / r, 3, 5), weights_only=True) for r in "ab")
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
 
