@@ -109,6 +109,12 @@ def test_the_grid_cells():
         cells["m16_slow"].instrument.horizon == 225 and cells["m16_rise"].instrument.horizon == 50
     )
     assert cells["free"].setup.outlier_plan is None
+    # the report's cells and horizons (no torch) are the sweep's
+    from benchmarks.harness import grid_figures
+
+    assert set(cells) == {*grid_figures.CELLS, *grid_figures.CONTROL.values()}
+    horizons = {**grid_figures.CELLS, **{c: h for h, c in grid_figures.CONTROL.items()}}
+    assert all(cells[c].instrument.horizon == h for c, h in horizons.items())
     assert cells["m20_rise"].setup.outlier_plan.peak == 2.0**20  # type: ignore[union-attr]
     parent = grid_cells.PARENT
     assert cells["m10_instant"].low_cost == parent.low_cost and cells["m10_instant"].gamma == 0.02
@@ -130,8 +136,18 @@ def _record(arm, seed, h, losses, work=0.0, host="cpu A"):
         "unit_recovered": [0] * 28,
         "outliers": [],
         "train_loss": [1.0] * h,
-        "provenance": {"host": {"cpu": host, "isa": "AVX512"}},
+        "provenance": {"host": {"cpu": host, "isa": "AVX512", "threads": 1, "cores": 2}},
     }
+
+
+def _grid_section(root) -> str:
+    """The grid's section alone, rendered from the result files under ``root``."""
+    from benchmarks.report import environment
+    from benchmarks.report import fault_grid as report
+    from benchmarks.report.source import Source
+
+    names = report.context(Source(root))
+    return environment().get_template("fault_grid.md.j2").render(**names)
 
 
 def test_the_grid_report_pairs_a_cell_with_the_fault_free_bf16_and_breaks_even(tmp_path):
@@ -139,7 +155,7 @@ def test_the_grid_report_pairs_a_cell_with_the_fault_free_bf16_and_breaks_even(t
     arm follows the arithmetic from the records (rate from free_long's BF16, 25 steps)."""
     import json
 
-    from benchmarks.harness.grid_figures import cell_row
+    from benchmarks.harness.grid_figures import break_even_blocks, cell_row
     from benchmarks.report import fault_grid as report
     from benchmarks.report.source import Source
 
@@ -164,41 +180,43 @@ def test_the_grid_report_pairs_a_cell_with_the_fault_free_bf16_and_breaks_even(t
             _record("null low-cost (1e-6)", s, 50, {25: 0, 50: low_0}),
             _record("GNMR+e 4", s, 50, {25: 0, 50: low_0}, work=0.15),
         ]
-    for name, rows in files.items():
-        (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    src = Source(tmp_path)
-    row = cell_row("m20_rise", report.records(src, "m20_rise"), 50)
+
+    def write() -> Source:
+        for name, rows in files.items():
+            (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return Source(tmp_path)
+
+    src = write()
+    free = report.records(src, "free")
+    row = cell_row("m20_rise", report.records(src, "m20_rise"), 50, free)
     assert row["seeds"] == list(seeds) and row["resolved"]
     assert row["gap"] == pytest.approx([0.04 + 0.002 * i for i in range(5)])
-    assert row["arms"]["GNMR+e 4"]["vs_low"] == pytest.approx(
-        [-0.039 - 0.002 * i for i in range(5)]
-    )
-    controls = {"free": cell_row("free", report.records(src, "free"), 50)}
-    controls["free_long"] = {"h": 225, "seeds": [], "arms": {}}
-    rows = {"m20_rise": row} | _empty()
-    table, found = report.break_even_table(src, rows, controls, c=0.0)
+    damage = [0.039 + 0.002 * i for i in range(5)]  # low-cost against free's
+    assert row["hurt"]["low-cost"] == pytest.approx(damage) and "BF16" not in row["hurt"]
+    assert row["arms"]["GNMR+e 4"]["vs_low"] == pytest.approx([-d for d in damage])
+    controls = {"free": cell_row("free", free, 50)}
+    controls["free_long"] = {"h": 225, "n": 0, "seeds": [], "arms": {}}
+    blocks = break_even_blocks([row], controls, report.records(src, "free_long"), c=0.0)
     # a_0 = -0.15 (no gain, 15% of the work at twice the time); a_f = gain / 0.002 / 50 - 0.15
     a_f = [(0.039 + 0.002 * i) / 0.002 / 50 - 0.15 for i in range(5)]
     phi = 0.15 / (0.15 + sum(a_f) / 5)
-    assert found[0]["phi"] == pytest.approx(phi)
-    assert "| no fault (free): a_0 |  | 5 | -0.150 +- 0.000 (0/5 > 0) | - |" in table
-    assert f"| 2^20 | x4 rise | 5 | {report.figure(a_f, 3)}: {phi:.2f} +- 0.0" in table
+    assert blocks[0]["cells"][0]["arms"]["GNMR+e 4"]["even"].phi == pytest.approx(phi)
+    assert [b["control"] for b in blocks] == ["free"]  # free_long has no arm to break even
+    text = _grid_section(tmp_path)
+    assert "| no fault (free): a_0 |  | 5 | -0.150 +- 0.000 (0/5 > 0) | - |" in text
+    assert f"| 2^20 | x4 rise | 5 | {report.figure(a_f, 3)}: {phi:.2f} +- 0.0" in text
+    assert "| 2^20 | instant | not yet run |" in text
+    assert f"| 2^20 | x4 rise | 5 | {report.figure(row['gap'])} |" in text
+    assert f"| {report.figure(damage)} | - |" in text  # no BF16 damage: it is free_long's
+    closed = sum(damage) / sum(row["gap"])  # the arm's share of the gap at the means
+    arm = f"| 2^20 | x4 rise | GNMR+e 4 | {report.figure([-d for d in damage])} | {closed:.2f} |"
+    assert f"{arm} 15.0% | - |" in text
+    assert "| free (50 steps) | GNMR+e 4 | 5 | +0.0000 +- 0.0000 (0/5 > 0) |" in text
+    assert "| free_long (225 steps) | not yet run |" in text
     # without the arm under the fault, the cell gets the bound: the whole gap at the same spend
-    bare = {**row, "arms": {}}
-    table, found = report.break_even_table(src, {"m20_rise": bare} | _empty(), controls, c=0.0)
+    files["grid_m20_rise"] = [r for r in files["grid_m20_rise"] if r["arm"] != "GNMR+e 4"]
+    write()
+    text = _grid_section(tmp_path)
     best = [g / 0.002 / 50 - 0.15 for g in row["gap"]]
-    assert f"| 2^20 | x4 rise | 5 | <= {report.figure(best, 3)}: at least" in table
-    cells = report.cells_table(src, rows)
-    assert "| 2^20 | instant | not yet run |" in cells
-    damage = report.figure([0.039 + 0.002 * i for i in range(5)])  # low-cost against free's
-    assert f"| 2^20 | x4 rise | 5 | {report.figure(row['gap'])} |" in cells and damage in cells
-
-
-def _empty():
-    from benchmarks.report import fault_grid as report
-
-    return {
-        c: {"seeds": [], "arms": {}, "h": report.horizon(c)}
-        for c, _, _ in report._cells()
-        if c != "m20_rise"
-    }
+    assert f"| 2^20 | x4 rise | 5 | <= {report.figure(best, 3)}: at least" in text
+    assert "**The arms**" not in text
