@@ -209,7 +209,7 @@ def test_step_time_runs_are_appended_where_the_report_reads_them(tmp_path):
     assert stored["runs"][1]["ms"]["GNMR+e 4"] == 612.0
     assert {"commit", "versions", "host"} <= set(stored["runs"][1]["provenance"])
     row = Source(tmp_path).provenance_table({path.name: "-"}).splitlines()[-1]
-    assert row.startswith(f"| `{path.name}` | - | 2 | ") and "(2) (git rev-parse" in row
+    assert row.startswith(f"| `{path.name}` | - | 2 | ") and "(2): git rev-parse" in row
 
 
 def test_report_reads_constructed_records(tmp_path, caplog):

@@ -129,7 +129,7 @@ def test_the_paper_section_is_a_verdict_table_and_an_arms_table(tmp_path):
     assert "0 branches diverged; loss spikes against low-cost" in text
     assert (
         "| `paper/paper_act_quant.jsonl` | `python -m benchmarks.sweep.branches --regime "
-        "paper_act_quant` | 72 | 0123456789 (72) (test)" in text
+        "paper_act_quant` | 72 | 0123456789 (72): test" in text
     )
 
 
