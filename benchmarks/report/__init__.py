@@ -1,17 +1,15 @@
-"""RESULTS.md, rendered from the result files in ``benchmarks/results/``.
-
-    python -m benchmarks.report [--check]
-
-The document is ``templates/RESULTS.md.j2`` (one included template per section): its sentences
-are written there, with named placeholders for every figure. This package reads the result files
-(:mod:`.source`), and each section's module (:data:`SECTIONS`) builds its tables' rows and its
-sentences' values; the analysis behind them is :mod:`benchmarks.harness`'s. The rendered text is
-filled to 100 columns (:func:`.words.fill_document`). ``--check`` exits non-zero when the
-committed RESULTS.md is not what the result files render.
-"""
+"""RESULTS.md, rendered from the result files in ``benchmarks/results/`` by
+``python -m benchmarks.report [--check] [--results DIR] [--out FILE]`` (``--check``: write nothing,
+exit 1 when the document is out of date). Its sentences are in ``templates/`` with a placeholder
+per figure; each section's module (:data:`SECTIONS`) gives its names from the files that
+:mod:`.source` reads and :mod:`benchmarks.harness` analyses; the prose is filled to 100 columns."""
 
 from __future__ import annotations
 
+import argparse
+import difflib
+import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,43 +23,32 @@ from benchmarks.report import (
     paper,
     paper_branch,
     selection,
-    shadow,
     summary,
 )
 from benchmarks.report.source import RESULTS, Source
-from benchmarks.report.words import FILTERS, fill_document, resolved
+from benchmarks.report.words import FILTERS, fill_document
 
+logger = logging.getLogger(__name__)
 DOCUMENT = Path(__file__).resolve().parents[1] / "RESULTS.md"
-"""The rendered document (``benchmarks/RESULTS.md``)."""
-
-TEMPLATES = Path(__file__).resolve().parent / "templates"
-
-SECTIONS = (summary, fp4, faults, fault_grid, paper_branch, selection, paper, overhead, shadow)
-"""The modules whose ``context(src)`` give the sections' templates their names."""
+SECTIONS = (summary, fp4, faults, fault_grid, paper_branch, selection, paper, overhead)
 
 
 def sep(loop: Any, comma: str | None = None, last: str = "and") -> str:
-    """What follows an item of a ``{% for %}`` to list it as ``a, b and c`` (``comma``: the
-    same separator between all items)."""
+    """What follows an item of a ``{% for %}`` to list it as ``a, b and c`` (or ``comma`` after
+    every item but the last)."""
     if loop.last:
         return ""
-    if comma is not None:
-        return comma
-    return f" {last} " if loop.revindex == 2 else ", "
+    return comma if comma is not None else f" {last} " if loop.revindex == 2 else ", "
 
 
 def environment() -> jinja2.Environment:
-    """The templates with the report's filters, tests and shared names."""
+    """The package's ``templates/``, with the report's filters and ``sep``."""
     env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(TEMPLATES),
-        undefined=jinja2.StrictUndefined,
-        trim_blocks=True,
-        lstrip_blocks=True,
-        keep_trailing_newline=True,
-        autoescape=False,  # markdown, not HTML
+        loader=jinja2.PackageLoader(__name__), undefined=jinja2.StrictUndefined
     )
+    # a line of a lone {% tag %} leaves no line; an included section ends with its own newline
+    env.trim_blocks = env.lstrip_blocks = env.keep_trailing_newline = True
     env.filters.update(FILTERS)
-    env.tests["resolved"] = resolved
     env.globals["sep"] = sep
     return env
 
@@ -73,3 +60,21 @@ def render(root: Path = RESULTS) -> str:
     for section in SECTIONS:
         names.update(section.context(src))
     return fill_document(environment().get_template("RESULTS.md.j2").render(names))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Write the document, or with ``--check`` exit 1 when it is not what the files render."""
+    p = argparse.ArgumentParser("python -m benchmarks.report", description=__doc__)
+    p.add_argument("--check", action="store_true", help="exit 1 if the document is out of date")
+    p.add_argument("--results", type=Path, default=RESULTS, help="the result files' folder")
+    p.add_argument("--out", type=Path, default=DOCUMENT, help="the document")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    text, have = render(a.results), a.out.read_text() if a.out.exists() else ""
+    if not a.check:
+        a.out.write_text(text)
+    elif have != text:
+        diff = difflib.unified_diff(have.splitlines(), text.splitlines(), n=0, lineterm="")
+        logger.error("%s is out of date; run `python -m benchmarks.report`:", a.out)
+        logger.error("\n".join(list(diff)[2:42]))
+    return int(a.check and have != text)

@@ -1,84 +1,101 @@
-"""The overhead section's data: ``python -m benchmarks.overhead``'s parts (a)-(c)
-(``results/overhead.json``) and its error-term run (``results/overhead_error.json``) as one table
-of the step-time ratios with their interquartile ranges, a row per set-up, and the figures of the
-monitor against clipping and of the collectives (docs/benchmarks.md#overhead)."""
+"""The step-time sections (docs/benchmarks.md#overhead), from ``python -m benchmarks.overhead``'s
+result files: a row of CPU-time ratios [IQR] per set-up of its parts (a)-(c) and of its error-term
+run (:data:`FILE`), the monitor against clipping, the collectives; the shadow route's step times
+and selection agreement as a column per interval ``N``; the error term's cost ``C``
+(:mod:`benchmarks.harness.overhead_figures`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from benchmarks.harness import cost, overhead_figures
 from benchmarks.harness.markdown import markdown_table
+from benchmarks.harness.overhead_figures import amortized, interval
 from benchmarks.harness.recipes import ERROR_TARGET
-from benchmarks.report.error_cost import FILE
-from benchmarks.report.shadow import interval
 from benchmarks.report.source import Source
 
+FILE = "overhead_error"
 CLI = "python -m benchmarks.overhead"
+REPLAY = "`python -m benchmarks.sweep.shadow_replay --demo-trace runs/demo_e/trace.jsonl`"
+Run = dict[str, Any]
 
 
-def _ratio(a: dict[str, Any] | None) -> str:
+def error_cost(src: Source, backend: str) -> cost.ErrorCost | None:
+    """``C`` for ``backend`` and where it was measured (``None`` without :data:`FILE`)."""
+    run = src.json(FILE) if src.has(f"{FILE}.json") else None
+    return overhead_figures.error_cost(run, backend, f"{FILE}.json")
+
+
+def ratio(a: dict[str, Any] | None) -> str:
+    """An arm's median CPU-time ratio to the low-cost path [interquartile range]."""
     return "-" if a is None else "{:.3f} [{:.3f}, {:.3f}]".format(a["cpu_ratio"], *a["cpu_iqr"])
 
 
-def arms(*runs: dict[str, Any]) -> list[str]:
-    """The arms the runs timed against the low-cost path, in the order they name them."""
-    every = (a["arm"] for r in runs for timed in r["step_time"].values() for a in timed)
-    return [a for a in dict.fromkeys(every) if a != "low-cost"]
+def ratios(run: Run, name: str, target: float, timed: str, arms: list[str]) -> list[list[str]]:
+    """A row per set-up: each arm's ratio, GNMR's own work (its arm at the run's budget), the
+    target met by the arm ``timed``."""
+    rows = []
+    for where, times in run["step_time"].items():
+        by = {a["arm"]: a for a in times}
+        g = by[f"gnmr k={run['budget']}"]
+        own = f"{g['monitor_ms']:.2f} + {g['controller_ms']:.2f} ms ({g['own_fraction']:.2%})"
+        met = f"{timed} <= {target}: " + ("met" if by[timed]["cpu_ratio"] <= target else "missed")
+        rows.append([f"`{name}`, {where}", *(ratio(by.get(a)) for a in arms), own, met])
+    return rows
 
 
-def rows(
-    run: dict[str, Any], name: str, target: float, timed: str, columns: list[str]
-) -> list[list[str]]:
-    """A row per set-up of a run: each arm's CPU-time ratio [IQR], GNMR's own work (its arm at the
-    run's ``budget``), the target met by ``timed``."""
-    out = []
-    for where, arms in run["step_time"].items():
-        by = {a["arm"]: a for a in arms}
-        g = by.get(f"gnmr k={run['budget']}", {})
-        own = (
-            f"{g['monitor_ms']:.2f} + {g['controller_ms']:.2f} ms ({100 * g['own_fraction']:.2f}%)"
-        )
-        met = "met" if by[timed]["cpu_ratio"] <= target else "missed"
-        cells = [f"`{name}`, {where}", *(_ratio(by.get(a)) for a in columns)]
-        out.append([*cells, own if "own_fraction" in g else "-", f"{timed} <= {target}: {met}"])
-    return out
+def shadow_rows(shadow: Run, replay: Run, every: list[int]) -> list[list[str]]:
+    """A recipe's row: GNMR's ratio without ``e``; per ``N`` the ratio -> the every-step arm's
+    cost amortized over ``N``. A replayed run's row: per ``N`` the shares of identical active sets
+    / of recovered unit-steps kept, against ``e`` every step."""
+    rows = []
+    for recipe, arms in shadow["step_time"].items():
+        by = {interval(a["arm"]): a for a in arms if a["arm"] != "low-cost"}
+        cells = {n: f"{ratio(by[n])} -> {amortized(by[1]['cpu_ratio'], n):.4f}" for n in by if n}
+        rows.append([recipe, "CPU / low-cost [IQR] -> amortized", f"{by[None]['cpu_ratio']:.3f}"])
+        rows[-1] += [cells.get(n, "-") for n in every]
+    for name, run in (("demo", replay["demo"]), (replay["fault"]["regime"], replay["fault"])):
+        cells = {r["error_every"]: agreement(r) for r in run["rows"]}
+        rows.append([name, "identical active sets / recovered unit-steps kept", "-"])
+        rows[-1] += [cells.get(n, "-") for n in every]
+    return rows
+
+
+def agreement(r: dict[str, Any]) -> str:
+    """A replay at one ``N``: its shares of identical active sets / of recovered unit-steps kept."""
+    kept = r["recovered_unit_steps_kept"]
+    return f"{r['identical_active_sets']:.3f} / " + ("-" if kept is None else f"{kept:.3f}")
 
 
 def context(src: Source) -> dict[str, Any]:
-    """The overhead section's names: the ratios table, the monitor's and collectives' figures."""
-    main, error = src.json("overhead"), src.json("overhead_error")
-    columns = arms(main, error)
-    fixed = next(a for a in columns if a.endswith("fixed on recovery"))
-    every = next(a for a in columns if "+e/" in a).split(" k=")[0]
-    header = ["run, set-up", *columns, "GNMR's own work (monitor + controller)", "target"]
-    table = rows(main, "overhead.json", main["target"], f"gnmr k={main['budget']}", columns)
-    timed = f"gnmr+e k={error['budget']}"
-    table += rows(error, "overhead_error.json", ERROR_TARGET, timed, columns)
-    clip = {(r["grads"], r["arm"]): r for r in main["monitor_vs_clip"]}
-    col = main["collectives"]
+    """The overhead and shadow sections' names: the runs, the tables, the figures and files."""
+    main, error = src.json("overhead"), src.json(FILE)
+    timed = (a["arm"] for r in (main, error) for t in r["step_time"].values() for a in t)
+    arms = [a for a in dict.fromkeys(timed) if a != "low-cost"]
+    rows = ratios(main, "overhead.json", main["target"], f"gnmr k={main['budget']}", arms)
+    rows += ratios(error, f"{FILE}.json", ERROR_TARGET, f"gnmr+e k={error['budget']}", arms)
+    every = next(a for a in arms if interval(a)).split(" k=")[0]
     steps = [next(iter(r["step_time"].values()))[0]["steps"] for r in (main, error)]
     err = f"`{CLI} --parts a --local-only --steps {steps[1]} --out benchmarks/results/{FILE}.json`"
+    gnmr_e = next(r for r in src.records("nvfp4").values() if r["arm"].startswith("GNMR+e"))
+    shadow, replay = src.json("overhead_shadow"), src.json("shadow_replay")
+    n = sorted({*shadow["intervals"], *replay["intervals"]})
+    head = ["run, set-up", *arms, "GNMR's own work (monitor + controller)", "target"]
+    shadow_head = ["run", "figure", "GNMR without e", *(f"N = {k}" for k in n)]
+    shadow_files = {"overhead_shadow.json": f"`{CLI}.shadow`", "shadow_replay.json": REPLAY}
     return {
         "overhead": {
-            "table": markdown_table(header, table),
+            "main": main,
+            "error": error,
+            "table": markdown_table(head, rows),
             "steps": steps,
-            "fixed": fixed,
+            "fixed": next(a for a in arms if a.endswith("fixed on recovery")),
             "every": (every, interval(every)),
-            "dates": [main["date"], error["date"]],
-            "clip": [
-                (g, a, r["median_ms"], r["ratio"])
-                for (g, a), r in clip.items()
-                if a != "clip_grad_norm_"
-            ],
-            "ranks": len({r["rank"] for r in col["rows"]}),
-            "col": col,
-            "fp4_every": next(
-                r["arm_spec"]["error_every"]
-                for r in src.records("nvfp4").values()
-                if r["arm"].startswith("GNMR+e")
-            ),
-            "files": src.provenance_table(
-                {"overhead.json": f"`{CLI}`", "overhead_error.json": err}
-            ),
-        }
+            "ranks": len({r["rank"] for r in main["collectives"]["rows"]}),
+            "fp4_every": gnmr_e["arm_spec"]["error_every"],
+            "files": src.provenance_table({"overhead.json": f"`{CLI}`", f"{FILE}.json": err}),
+        },
+        "shadow": shadow,
+        "shadow_table": markdown_table(shadow_head, shadow_rows(shadow, replay, n)),
+        "shadow_files": src.provenance_table(shadow_files),
     }

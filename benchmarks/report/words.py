@@ -1,36 +1,31 @@
-"""The template's filters (a figure's format, a list in words, an ordinal, whether an interval is
-resolved) and the filling of RESULTS.md's prose to 100 columns.
-
-An interval is ``(mean, 95% half-width)`` of a paired difference ``a - b``. It is *resolved*
-when it excludes 0 (:func:`resolved`); the verdict words (better, worse, not resolved) are
-:func:`benchmarks.harness.branch_stats.verdict`'s, computed in the sections' modules.
-"""
+"""Figures in words (an interval ``(mean, 95% half-width)``, a share, a list), tables, the
+template's filters, and RESULTS.md's prose filled to 100 columns."""
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
-from benchmarks.harness.stats import plus_minus
+from benchmarks.harness.markdown import markdown_table
 
 Pair = Sequence[float]
 
 
-def pct(pair: Pair | None) -> str:
-    """A share as ``54% +- 32%`` (``54% (one seed)``; ``-`` for none)."""
+def pm(pair: Pair | None, digits: int = 4, sign: str = "+", unit: str = "") -> str:
+    """``+0.0031 +- 0.0011`` (``unit="%"``: both scaled by 100); ``(one seed)`` without a
+    half-width; ``-`` for none."""
     if pair is None:
         return "-"
-    m, h = pair
-    return f"{100 * m:.0f}% (one seed)" if math.isnan(h) else f"{100 * m:.0f}% +- {100 * h:.0f}%"
+    m, h = (100 * x for x in pair) if unit else pair
+    head = f"{m:{sign}.{digits}f}{unit}"
+    return f"{head} (one seed)" if math.isnan(h) else f"{head} +- {h:.{digits}f}{unit}"
 
 
-def pm(pair: Pair | None, digits: int = 4) -> str:
-    """``+0.0031 +- 0.0011``; ``(one seed)`` without a half-width; ``-`` for none."""
-    if pair is not None and math.isnan(pair[1]):
-        return f"{pair[0]:+.{digits}f} (one seed)"
-    return plus_minus(pair, digits)
+pct = partial(pm, digits=0, sign="", unit="%")
+"""A share as ``54% +- 32%``."""
 
 
 def percent(x: float | None) -> str:
@@ -38,23 +33,15 @@ def percent(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
-def fmt(x: Any, spec: str) -> str:
-    """``format(x, spec)``: ``x | f(".3f")`` in the template."""
-    return format(x, spec)
-
-
 def resolved(pair: Pair) -> bool:
     """Whether the interval excludes 0."""
-    m, h = pair
-    return not math.isnan(h) and abs(m) > h
+    return not math.isnan(pair[1]) and abs(pair[0]) > pair[1]
 
 
 def listing(items: Sequence[Any], last: str = "and") -> str:
     """``a``, ``a and b``, ``a, b and c``."""
-    items = [str(i) for i in items]
-    if len(items) < 2:
-        return "".join(items)
-    return f"{', '.join(items[:-1])} {last} {items[-1]}"
+    words = [str(i) for i in items]
+    return f"{', '.join(words[:-1])} {last} {words[-1]}" if len(words) > 1 else "".join(words)
 
 
 def ordinal(n: int) -> str:
@@ -63,56 +50,42 @@ def ordinal(n: int) -> str:
     return f"{n}{suffix}"
 
 
-FILTERS: dict[str, Callable[..., Any]] = {f.__name__: f for f in (resolved, listing, ordinal)}
-FILTERS["f"] = fmt
-"""The template's filters by name (``x | f(".3f")`` formats with :func:`fmt`); every other figure
-and verdict word is computed in the sections' modules."""
+def table(rows: Sequence[Mapping[str, str | None]]) -> str:
+    """A markdown table of rows given as ``{header: cell}``, less any column of ``None``s."""
+    heads = [h for h in rows[0] if any(r[h] is not None for r in rows)] if rows else []
+    return markdown_table(heads, [[str(r[h]) for h in heads] for r in rows]) if rows else ""
+
+
+# the template's filters (``x | f(".3f")``: ``format(x, ".3f")``); all else is computed in Python
+FILTERS: dict[str, Callable[..., Any]] = {"f": format, "listing": listing, "ordinal": ordinal}
 
 WIDTH = 100
-"""Prose lines are filled to this width, as the rest of the repository's markdown."""
-
-_STARTS_A_BLOCK = re.compile(r"^([-+*>|#]+|\d+[.)])$")
-"""A word that would open a list, quote, table or heading at the start of a line."""
-
-_KEPT = ("|", "```", "#", "![", "<!--")
-"""Blocks that are not prose: tables, code, headings, images, comments."""
+_STARTS_A_BLOCK = re.compile(r"^([-+*>|#]+|\d+[.)])$")  # a list, quote, table or heading marker
 
 
 def fill_document(text: str) -> str:
-    """The rendered template with its prose filled: blocks are separated by blank lines; a list
-    item (``- ``) is filled with its continuation lines indented, every other prose block as one
-    paragraph; tables, code, headings and images are kept as they are."""
-    blocks = [b.strip("\n") for b in re.split(r"\n\s*\n", text) if b.strip()]
+    """The rendered template with its prose filled: of its blocks (between blank lines), a list
+    item is filled with its later lines indented, tables, code, headings and images are kept."""
     out = []
-    for block in blocks:
-        if block.startswith(_KEPT):
+    for block in (b.strip("\n") for b in re.split(r"\n\s*\n", text) if b.strip()):
+        if block.startswith(("|", "```", "#", "![", "<!--")):
             out.append(block)
         elif block.startswith("- "):
             items = re.split(r"\n(?=- )", block)
-            out.append("\n".join(item(i[2:]) for i in items))
+            out.append("\n".join("- " + paragraph(i[2:], "  ", WIDTH - 2) for i in items))
         else:
             out.append(paragraph(block))
     return "\n\n".join(out) + "\n"
 
 
-def paragraph(text: str) -> str:
-    """``text`` as one paragraph filled to :data:`WIDTH`, without starting a line with a word
-    markdown would read as a list item or a heading."""
-    return _fill(text, "")
-
-
-def item(text: str) -> str:
-    """One list item, filled as :func:`paragraph` with its continuation lines indented."""
-    return "- " + _fill(text, "  ", WIDTH - 2)
-
-
-def _fill(text: str, indent: str, width: int = WIDTH) -> str:
+def paragraph(text: str, indent: str = "", width: int = WIDTH) -> str:
+    """``text`` filled to ``width`` (continuation lines after ``indent``), never starting a line
+    with a word markdown would read as a list item or a heading."""
     lines: list[list[str]] = [[]]
     for word in text.split():
-        line = lines[-1]
-        fits = len(" ".join([*line, word])) <= width
-        if line and not fits and not _STARTS_A_BLOCK.match(word):
+        fits = len(" ".join([*lines[-1], word])) <= width
+        if lines[-1] and not fits and not _STARTS_A_BLOCK.match(word):
             lines.append([word])
         else:
-            line.append(word)
+            lines[-1].append(word)
     return f"\n{indent}".join(" ".join(line) for line in lines)
