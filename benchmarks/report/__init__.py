@@ -34,8 +34,7 @@ SECTIONS = (summary, fp4, faults, fault_grid, paper_branch, selection, paper, ov
 
 
 def sep(loop: Any, comma: str | None = None, last: str = "and") -> str:
-    """What follows an item of a ``{% for %}`` to list it as ``a, b and c`` (or ``comma`` after
-    every item but the last)."""
+    """What follows a ``{% for %}``'s item to list them as ``a, b and c`` (or ``a; b; c``)."""
     if loop.last:
         return ""
     return comma if comma is not None else f" {last} " if loop.revindex == 2 else ", "

@@ -1,8 +1,6 @@
-"""The step-time sections (docs/benchmarks.md#overhead), from ``python -m benchmarks.overhead``'s
-result files: a row of CPU-time ratios [IQR] per set-up of its parts (a)-(c) and of its error-term
-run (:data:`FILE`), the monitor against clipping, the collectives; the shadow route's step times
-and selection agreement as a column per interval ``N``; the error term's cost ``C``
-(:mod:`benchmarks.harness.overhead_figures`)."""
+"""The step-time sections (docs/benchmarks.md#overhead): CPU-time ratios [IQR] per set-up of
+``python -m benchmarks.overhead``'s runs, the shadow route's per interval ``N``, and the error
+term's cost ``C`` (:mod:`benchmarks.harness.overhead_figures`)."""
 
 from __future__ import annotations
 
