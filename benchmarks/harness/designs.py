@@ -297,3 +297,11 @@ def old_cost(records: Records, d: Design, price: cost.Price) -> dict[str, Any] |
     at_mean = d.horizon / ((d.horizon + extra) * cost.step_time(0.0, price))
     worst_at = (point, worst.extra_steps)
     return {"extra": extra, "ratios": ratios, "at_mean": at_mean, "worst": worst_at}
+
+
+def pair_design(records: Records, d: Design, seeds: Sequence[int], arm: str, rival: str) -> Design:
+    """``d``'s points on every seed of ``seeds`` with both arms at all of them, where that is more
+    seeds than ``d``'s (a power run), else ``d``."""
+    # a power run adds seeds for the comparisons it serves only: the design keeps every arm's
+    got = complete_seeds(records, [arm, rival], seeds, d.points)
+    return replace(d, seeds=tuple(got)) if len(got) > len(d.seeds) else d

@@ -110,9 +110,9 @@ ABLATION_ARMS = {  # arm -> (held-out minus BF16's, recovered work), as test_rep
 
 
 def test_the_ablation_renders_its_own_family_with_sign_counts(tmp_path):
+    from benchmarks.report import summary
     from benchmarks.report.faults import FaultRegime
     from benchmarks.report.source import Source
-    from benchmarks.report.summary import ablation
     from tests.benchmarks.test_report import _fault_records, _fault_section, _write_faults
 
     _write_faults(tmp_path, _fault_records(ABLATION_ARMS), "outlier_delayed_ablation")
@@ -130,6 +130,7 @@ def test_the_ablation_renders_its_own_family_with_sign_counts(tmp_path):
     tie = pr.tie(only["mean"], float(only["half"]), 0.010)
     assert only["word"] == only["verdict"] + (" (a tie)" if tie else "")
     assert f"| {only['word']} |" in text
-    got = ablation(r)
-    assert (got["parent"], got["seeds"]) == ("outlier_delayed", "4 of 8")
-    assert got["arms"]["GNMR+e lean 4"] == "+0.50 +- 0.00 (3.6%)"  # half the gap, 1 unit of 28
+    got = dict(summary.context(Source(tmp_path))["apart"])  # the top names it: seeds of planned
+    assert got == {"outlier_delayed_ablation": "4 of 8"}
+    # its arms table: half the gap closed with 1 unit of 28
+    assert "| GNMR+e lean 4 | 3.6% | +0.0050 +- 0.0000 | +0.50 +- 0.00 |" in text
