@@ -43,6 +43,15 @@ from tests.integrations.megatron.releases import (  # noqa: F401 (re-exported: t
 )
 
 LR, CLIP_GRAD, ADAM_EPS = 1e-3, 1.0, 1e-8
+PRELOAD = (
+    "megatron.core.distributed",
+    "megatron.core.models.gpt.gpt_layer_specs",
+    "megatron.core.optimizer",
+    "megatron.core.pipeline_parallel",
+    "megatron_patches",
+)
+"""What the tests that apply GNMR through ``megatron_patches`` have ``multiproc.run_jobs``
+import once, before it forks every rank from that process (megatron's import is ~9 s each)."""
 
 
 # --------------------------------------------------------------------------- settings

@@ -28,16 +28,10 @@ from tests.requires import require
 require("megatron.core")
 
 from tests import multiproc
+from tests.integrations.megatron.settings import PRELOAD
 
 pytestmark = pytest.mark.slow
 
-PRELOAD = (
-    "megatron.core.distributed",
-    "megatron.core.models.gpt.gpt_layer_specs",
-    "megatron.core.optimizer",
-    "megatron.core.pipeline_parallel",
-    "megatron_patches",
-)
 
 NAN_AT, SKIP_AT, SAVE_AT, ITERS = 4, 8, 6, 11
 """(a): the iteration of the NaN the controller sees, of the NaN megatron skips, of the

@@ -38,17 +38,11 @@ from tests.requires import require
 require("megatron.core")
 
 from tests import multiproc
+from tests.integrations.megatron.settings import PRELOAD
 
 STEPS, SPIKE, FACTOR = 5, 3, 100.0
 SPIKE_UNIT = "decoder.layers.1.mlp.linear_fc1"
 BLOCK = {"max_active": 2, "warmup_steps": 2, "lock_steps": 2}
-PRELOAD = (
-    "megatron.core.distributed",
-    "megatron.core.models.gpt.gpt_layer_specs",
-    "megatron.core.optimizer",
-    "megatron.core.pipeline_parallel",
-    "megatron_patches",
-)
 BF16_U = 2.0**-8
 
 
