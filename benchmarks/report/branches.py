@@ -15,7 +15,7 @@ from benchmarks.harness.branch_figures import budget as budget
 from benchmarks.harness.branch_figures import noise_bar, nulls, rank
 from benchmarks.harness.branch_figures import role as role
 from benchmarks.harness.branch_stats import Design, paired, share_closed, troubles
-from benchmarks.report.error_cost import error_cost
+from benchmarks.report.overhead import error_cost
 from benchmarks.report.source import Source
 from benchmarks.report.words import percent, pm, table
 

@@ -14,7 +14,7 @@ from benchmarks.harness.branch_stats import Records
 from benchmarks.harness.designs import machine, one_host
 from benchmarks.harness.preregistered import sign_test
 from benchmarks.harness.stats import interval
-from benchmarks.report.error_cost import error_cost
+from benchmarks.report.overhead import error_cost
 from benchmarks.report.source import Source
 
 FAMILY = "fault_grid"
@@ -95,6 +95,6 @@ def context(src: Source) -> dict[str, Any]:
             "reproduced": grid.same_bits(old, records(src, "m20_rise"), 50),
             "hosts": sorted({machine(r) for r in recs}),
             "commits": len({r.get("provenance", {}).get("commit") for r in recs} - {None}),
-            "provenance": src.records_table([f"{FAMILY}/{c}.jsonl" for c in kept]),
+            "provenance": src.provenance_table([f"{FAMILY}/{c}.jsonl" for c in kept]),
         }
     }

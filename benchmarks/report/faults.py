@@ -144,7 +144,7 @@ def context(src: Source) -> dict[str, Any]:
         "fault_regimes": regimes,
         "faults": [r.view() for r in regimes],
         "fault_verdicts": verdict_table(regimes),
-        "fault_provenance": src.records_table([r.file for r in regimes]),
+        "fault_provenance": src.provenance_table([r.file for r in regimes]),
         "error_source": "not measured" if measured is None else measured.source,
         "prereg_level": f"{100 * (1 - preregistered.FAMILY_ALPHA / n):g}%",
         "null_bar": NULL_BAR,

@@ -64,8 +64,6 @@ class Source:
             rows.append(dict(zip(HEAD, cells, strict=True)))
         return table(rows)
 
-    records_table = provenance_table
-
     def provenances(self, name: str) -> list[dict[str, Any]]:
         """The provenance of every record (``.jsonl``), run (a file of runs) or the file."""
         if name.endswith(".jsonl"):

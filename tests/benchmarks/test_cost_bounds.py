@@ -27,7 +27,7 @@ from benchmarks.harness.cost import (
     steps_to_target,
     summarize_costs,
 )
-from benchmarks.report.error_cost import error_cost
+from benchmarks.report.overhead import error_cost
 from benchmarks.report.source import Source
 
 FP8 = Formats("fp8_emulated", {"format": "e4m3"}, {"format": "bf16"})
