@@ -93,11 +93,12 @@ def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
     return output, partial(_loss, batch["loss_mask"].float())
 
 
-if __name__ == "__main__":
+def main(extra_args_provider: Any) -> None:
+    """Megatron-LM's ``pretrain`` on these providers, GNMR's flags read by
+    ``extra_args_provider`` (what ``attach_from_argv`` returned)."""
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
 
-    extra_args_provider = attach_from_argv()  # reads --gnmr-* from sys.argv
     pretrain(
         datasets_provider,
         model_provider,
@@ -105,3 +106,7 @@ if __name__ == "__main__":
         forward_step,
         extra_args_provider=extra_args_provider,
     )
+
+
+if __name__ == "__main__":
+    main(attach_from_argv())  # reads --gnmr-* from sys.argv

@@ -50,7 +50,7 @@ import sys
 
 from gnmr_dist.integrations.megatron.loop import attached
 from gnmr_dist.train.megatron_flags import attach_from_argv
-from tests.integrations.megatron.own_pretrain import datasets_provider, forward_step, model_provider
+from tests.integrations.megatron.own_pretrain import main
 
 extra_args_provider = attach_from_argv()  # at module level, as users write it
 
@@ -59,16 +59,7 @@ if __name__ == "__mp_main__":
     print(said, file=sys.stderr, flush=True)
 
 if __name__ == "__main__":
-    from megatron.core.enums import ModelType
-    from megatron.training import pretrain
-
-    pretrain(
-        datasets_provider,
-        model_provider,
-        ModelType.encoder_or_decoder,
-        forward_step,
-        extra_args_provider=extra_args_provider,
-    )
+    main(extra_args_provider)
 '''
 
 ASYNC = ["--ckpt-format", "torch_dist", "--async-save", "--use-persistent-ckpt-worker"]
