@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli.test_policy_matrix import BASE
 from tests.integrations.megatron.settings import training_env
 from tests.multiproc import torchrun
 
@@ -42,16 +43,10 @@ LLAMA = f"""
 supplies Megatron-LM's customary 1000)."""
 
 GNMR = {
-    "backend": "act_quant",
-    "units": "operator",
-    "max_active": 2,
+    **BASE,  # the policy matrix's act_quant block (4-bit to 8-bit, per operator)
     "lock_steps": 3,
     "window": 6,
-    "alpha": 2.0,
-    "beta": 2.5,
     "warmup_steps": 4,
-    "low_cost": {"bits": 4, "group_size": 32},
-    "recovery": {"bits": 8, "group_size": 32},
     "log": {"console": 4},
     # at tensor parallel 1 the untied embedding and output layer (256 x 64 each) of this tiny
     # model carry 99% of the late steps' squared norm: real, not an attribution miss
