@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 VOCAB, SEQ, BATCH = 64, 16, 2
@@ -15,18 +17,22 @@ def no_shm_build():
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
-def llama(seed: int = 0, layers: int = 2):
+def llama(
+    seed: int = 0, layers: int = 2, vocab: int = VOCAB, hidden: int = 32, positions: int = SEQ
+):
+    """A ``LlamaForCausalLM`` of ``layers`` layers of width ``hidden`` (MLP twice as wide, 4
+    heads over 2 key/value heads), its weights drawn after ``torch.manual_seed(seed)``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=SEQ,
+        max_position_embeddings=positions,
     )
     return LlamaForCausalLM(cfg)
 
@@ -34,6 +40,50 @@ def llama(seed: int = 0, layers: int = 2):
 def batch(step: int, rank: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(10_000 * step + rank)
     return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+
+
+class Rows:
+    """``n`` micro-batches of :func:`batch` rows (rank 0's) as a map-style data set, each row its
+    own labels: what ``Trainer`` reads, ``BATCH`` rows a step per rank."""
+
+    def __init__(self, n: int) -> None:
+        self.rows = [row for i in range(n) for row in batch(i, 0)]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def trainer_args(output_dir: str, config: dict[str, Any], steps: int, **extra: Any) -> Any:
+    """``TrainingArguments`` of a ``steps``-step Trainer run on the DeepSpeed ``config``, whose
+    micro-batch size and learning rate become ``"auto"`` (Trainer fills in ``BATCH`` and 1e-3
+    unless ``extra``, more ``TrainingArguments``, names another); no checkpoint unless asked."""
+    from transformers import TrainingArguments
+
+    config["optimizer"]["params"]["lr"] = config["train_micro_batch_size_per_gpu"] = "auto"
+    return TrainingArguments(
+        output_dir=output_dir,
+        deepspeed=config,
+        per_device_train_batch_size=BATCH,
+        max_steps=steps,
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_drop_last=True,
+        **{"learning_rate": 1e-3, "save_strategy": "no", **extra},
+    )
+
+
+def gnmr_logs(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ``gnmr/*`` keys of Trainer's loss entries (``log_history``), ``gnmr/recovered_at``
+    left out, each with the entry's ``step``."""
+    return [
+        {k: v for k, v in e.items() if k.startswith("gnmr/") and k != "gnmr/recovered_at"}
+        | {"step": e["step"]}
+        for e in history
+        if "loss" in e
+    ]
 
 
 def ds_config(stage: int, dtype: str = "fp32", gnmr: dict | None = None, **extra) -> dict:

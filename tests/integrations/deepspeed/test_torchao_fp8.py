@@ -103,41 +103,16 @@ def test_zero2_bf16_runs_torchaos_fp8_until_gnmr_recovers_a_unit():
 TRAINER_STEPS, TRAINER_SPIKE = 7, 5
 
 
-class _Batches:
-    """``n`` rows of ``dsc.batch`` data as a map-style data set."""
-
-    def __init__(self, n: int) -> None:
-        self.rows = [row for i in range(n) for row in dsc.batch(i, 0)]
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.rows[i], "labels": self.rows[i]}
-
-
 def _trainer(out_dir, world, gnmr: bool) -> dict:
     from torchao.float8 import convert_to_float8_training
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer
 
     from gnmr_dist import GNMRCallback
 
     block = {**BLOCK, "log": {"trace": f"{out_dir}/trace.jsonl"}} if gnmr else None
     config = dsc.ds_config(2, "fp32", block)  # Trainer refuses bf16 on a CPU
-    config["optimizer"]["params"]["lr"] = "auto"
-    config["train_micro_batch_size_per_gpu"] = "auto"
-    args = TrainingArguments(
-        output_dir=f"{out_dir}/{'gnmr' if gnmr else 'plain'}",
-        deepspeed=config,
-        per_device_train_batch_size=dsc.BATCH,
-        max_steps=TRAINER_STEPS,
-        learning_rate=1e-3,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        disable_tqdm=True,
-        dataloader_drop_last=True,
-    )
+    output_dir = f"{out_dir}/{'gnmr' if gnmr else 'plain'}"
+    args = dsc.trainer_args(output_dir, config, TRAINER_STEPS, logging_steps=1)
     model = dsc.llama()
     if gnmr:
         _spike(model, TRAINER_SPIKE)
@@ -147,7 +122,7 @@ def _trainer(out_dir, world, gnmr: bool) -> dict:
     trainer = Trainer(
         model=model,
         args=args,
-        train_dataset=_Batches(TRAINER_STEPS * world),
+        train_dataset=dsc.Rows(TRAINER_STEPS * world),
         callbacks=[GNMRCallback()] if gnmr else [],
     )
     trainer.train()

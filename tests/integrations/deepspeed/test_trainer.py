@@ -49,40 +49,20 @@ def _spike(model, step: int, factor: float = 100.0) -> None:
     model.get_submodule(SPIKED).weight.register_hook(hook)
 
 
-class _Batches:
-    """A map-style data set: ``STEPS * world`` micro-batches of ``dsc.BATCH`` rows each."""
-
-    def __init__(self, n: int) -> None:
-        self.rows = [row for i in range(n) for row in dsc.batch(i, 0)]
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.rows[i], "labels": self.rows[i]}
-
-
 def _train(out_dir: str, name: str, stage: int, world: int, resume: str | None) -> dict:
     """One Trainer run with GNMRCallback (checkpoint and log every 5 steps)."""
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer
 
     from gnmr_dist import GNMRCallback
 
     config = dsc.ds_config(stage, gnmr={**GNMR, "log": {"trace": f"{out_dir}/{name}.jsonl"}})
-    config["optimizer"]["params"]["lr"] = "auto"
-    config["train_micro_batch_size_per_gpu"] = "auto"
-    args = TrainingArguments(
-        output_dir=f"{out_dir}/{name}",
-        deepspeed=config,
-        per_device_train_batch_size=dsc.BATCH,
-        max_steps=TRAINER_STEPS,
-        learning_rate=1e-3,
+    args = dsc.trainer_args(
+        f"{out_dir}/{name}",
+        config,
+        TRAINER_STEPS,
         logging_steps=LOGGING_STEPS,
-        report_to=[],
         save_strategy="steps",
         save_steps=LOGGING_STEPS,
-        disable_tqdm=True,
-        dataloader_drop_last=True,
     )
     model = dsc.llama()
     after = 0 if resume is None else LOGGING_STEPS  # the same optimizer step after a resume
@@ -90,7 +70,7 @@ def _train(out_dir: str, name: str, stage: int, world: int, resume: str | None) 
     trainer = Trainer(
         model=model,
         args=args,
-        train_dataset=_Batches(TRAINER_STEPS * world),
+        train_dataset=dsc.Rows(TRAINER_STEPS * world),
         callbacks=[GNMRCallback()],
     )
     trainer.train(resume_from_checkpoint=resume)
@@ -99,12 +79,7 @@ def _train(out_dir: str, name: str, stage: int, world: int, resume: str | None) 
         "has_gnmr": hasattr(engine, "gnmr"),
         "decisions": int(engine.gnmr.controller.step_count),
         "logged": {e["step"]: e["grad_norm"] for e in history if "grad_norm" in e},
-        "gnmr_logs": [
-            {k: v for k, v in e.items() if k.startswith("gnmr/") and k != "gnmr/recovered_at"}
-            | {"step": e["step"]}
-            for e in history
-            if "loss" in e
-        ],
+        "gnmr_logs": dsc.gnmr_logs(history),
         "recovered_at": {
             e["step"]: e["gnmr/recovered_at"] for e in history if "gnmr/recovered_at" in e
         },
@@ -313,7 +288,7 @@ def test_the_callback_refuses_a_run_without_deepspeed(tmp_path):
     with pytest.raises(
         ValueError, match=r"^GNMRCallback: TrainingArguments.deepspeed is not set.*the callback$"
     ):  # at the end of Trainer.__init__, before any training set-up
-        Trainer(model=dsc.llama(), args=args, train_dataset=_Batches(2), callbacks=[callback])
+        Trainer(model=dsc.llama(), args=args, train_dataset=dsc.Rows(2), callbacks=[callback])
     assert gds.is_enabled() == before  # as the callback found it
 
 
@@ -370,7 +345,7 @@ def test_a_bad_block_is_refused_in_one_line_when_the_trainer_is_made(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), deepspeed=config, report_to=[])
     before = gds.is_enabled()
     with pytest.raises(ValueError) as err:
-        Trainer(model=dsc.llama(), args=args, train_dataset=_Batches(2), callbacks=[GNMRCallback()])
+        Trainer(model=dsc.llama(), args=args, train_dataset=dsc.Rows(2), callbacks=[GNMRCallback()])
     assert str(err.value).startswith("GNMRCallback: unknown key gnmr.max_activ; ")
     assert "did you mean 'max_active'?" in str(err.value) and "\n" not in str(err.value)
     assert err.value.__cause__ is None and err.value.__suppress_context__
@@ -380,21 +355,11 @@ def test_a_bad_block_is_refused_in_one_line_when_the_trainer_is_made(tmp_path):
 def one_step_trainer(out_dir: str, world: int, config: dict, callbacks: list):
     """One Trainer step on ``config`` (its batch size and learning rate set to ``"auto"``);
     returns the engine Trainer built."""
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer
 
-    config["train_micro_batch_size_per_gpu"] = config["optimizer"]["params"]["lr"] = "auto"
-    args = TrainingArguments(
-        output_dir=out_dir,
-        deepspeed=config,
-        per_device_train_batch_size=dsc.BATCH,
-        max_steps=1,
-        report_to=[],
-        save_strategy="no",
-        disable_tqdm=True,
-        dataloader_drop_last=True,
-    )
+    args = dsc.trainer_args(out_dir, config, 1, learning_rate=5e-5)  # Trainer's default
     trainer = Trainer(
-        model=dsc.llama(), args=args, train_dataset=_Batches(world), callbacks=callbacks
+        model=dsc.llama(), args=args, train_dataset=dsc.Rows(world), callbacks=callbacks
     )
     trainer.train()
     return trainer.model_wrapped

@@ -55,51 +55,23 @@ def _poison(model) -> None:
     model.model.embed_tokens.weight.register_hook(at(INF_OUTSIDE, math.inf))
 
 
-class _Rows:
-    def __init__(self, n: int) -> None:
-        self.rows = [row for i in range(n) for row in dsc.batch(i, 0)]
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.rows[i], "labels": self.rows[i]}
-
-
 def _worker(rank: int, world: int, out_dir: str) -> dict:
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer
 
     from gnmr_dist import GNMRCallback
 
     dsc.no_shm_build()
     block = dsc.gnmr_block(log={"trace": f"{out_dir}/trace.jsonl", "console": False})
     config = dsc.ds_config(2, gnmr=block)
-    config["optimizer"]["params"]["lr"] = config["train_micro_batch_size_per_gpu"] = "auto"
-    args = TrainingArguments(
-        output_dir=f"{out_dir}/run",
-        deepspeed=config,
-        per_device_train_batch_size=dsc.BATCH,
-        max_steps=STEPS,
-        learning_rate=1e-3,
-        logging_steps=LOGGING,
-        report_to=[],
-        save_strategy="no",
-        disable_tqdm=True,
-        dataloader_drop_last=True,
-    )
+    args = dsc.trainer_args(f"{out_dir}/run", config, STEPS, logging_steps=LOGGING)
     model = dsc.llama()
     _poison(model)
     trainer = Trainer(
-        model=model, args=args, train_dataset=_Rows(STEPS * world), callbacks=[GNMRCallback()]
+        model=model, args=args, train_dataset=dsc.Rows(STEPS * world), callbacks=[GNMRCallback()]
     )
     trainer.train()
     engine = trainer.model_wrapped
-    logs = [
-        {k: v for k, v in e.items() if k.startswith("gnmr/") and k != "gnmr/recovered_at"}
-        | {"step": e["step"]}
-        for e in trainer.state.log_history
-        if "loss" in e
-    ]
+    logs = dsc.gnmr_logs(trainer.state.log_history)
     return {"logs": logs, "skipped": engine.skipped_steps, "summary": engine.gnmr.summary()}
 
 
