@@ -25,6 +25,7 @@ from gnmr_dist.backends.int8 import (
     int_mm_is_exact_on_cpu,
     quantize_symmetric,
 )
+from tests.integrations.deepspeed.common import llama
 from tests.requires import require
 
 # fp32 division t / s rounds with relative error 2^-24, so |t/s - q| <= 1/2 + 127 * 2^-24.
@@ -267,18 +268,9 @@ PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 @pytest.fixture(scope="module")
 def lora_llama():
-    transformers = require("transformers")
+    require("transformers")
     peft = require("peft")
-    torch.manual_seed(8)
-    config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    model = transformers.LlamaForCausalLM(config)
+    model = llama(seed=8, vocab=128, hidden=64, positions=2048)
     return peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=PROJECTIONS))
 
 

@@ -12,38 +12,14 @@ import sys
 import deepspeed
 import deepspeed.ops
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny_llama import ds_config, llama
 
 import gnmr_dist.deepspeed
 
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # skips a 90 s CPU op build
 plain = "plain" in sys.argv[2:]
-torch.manual_seed(0)
-model = LlamaForCausalLM(
-    LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=16,
-    )
-)
-config = {
-    "train_micro_batch_size_per_gpu": 2,
-    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-    "zero_optimization": {"stage": 2},
-    "steps_per_print": 10_000,
-    "gnmr": {
-        "backend": "act_quant",
-        "max_active": 2,
-        "warmup_steps": 2,
-        "log": {"trace": f"{sys.argv[1]}/trace.jsonl"},
-    },
-}
-if plain:
-    del config["gnmr"]
+model = llama()
+config = ds_config(sys.argv[1], plain, micro_batch=2, lr=1e-3)
 initialize = deepspeed.initialize if plain else gnmr_dist.deepspeed.initialize
 engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(), config=config)
 for step in range(6):

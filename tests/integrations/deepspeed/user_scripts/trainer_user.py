@@ -10,7 +10,8 @@ import sys
 
 import deepspeed.ops
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from tiny_llama import ds_config, llama
+from transformers import Trainer, TrainingArguments
 
 from gnmr_dist import GNMRCallback
 
@@ -29,32 +30,8 @@ class Rows(torch.utils.data.Dataset):
         return {"input_ids": self.rows[i], "labels": self.rows[i]}
 
 
-config = {
-    "train_micro_batch_size_per_gpu": "auto",
-    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True}},
-    "zero_optimization": {"stage": 2},
-    "steps_per_print": 10_000,
-    "gnmr": {
-        "backend": "act_quant",
-        "max_active": 2,
-        "warmup_steps": 2,
-        "log": {"trace": f"{out}/trace.jsonl"},
-    },
-}
-if plain:
-    del config["gnmr"]
-torch.manual_seed(0)
-model = LlamaForCausalLM(
-    LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=16,
-    )
-)
+config = ds_config(out, plain, micro_batch="auto", lr="auto")
+model = llama()
 args = TrainingArguments(
     output_dir=f"{out}/trainer",
     deepspeed=config,
