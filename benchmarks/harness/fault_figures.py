@@ -1,13 +1,14 @@
 """The fault regimes' figures beyond the arms table (RESULTS.md's fault section and what its
 verdicts rest on), from branch records by (arm, seed, point); RESULTS.md words them. No torch.
 
+- :func:`verdict`: a pre-registered comparison; :func:`reading`: what RESULTS.md's top reads;
 - :func:`late`: where NVIDIA's time rules act (they switch to the recovery path late in the
   schedule, so only the branches that end it see them act) and how GNMR+e fares against them
   there;
 - :func:`oracle`: the loss oracle on the grid it ran on (a subset of the design's);
-- :func:`covered`: the seeds whose fault struck a unit GNMR+e keeps on the recovery path
-  whatever the fault does (:func:`benchmarks.harness.designs.standing`), which it covers without
-  detecting it, and their share of the gap;
+- :func:`covered`: the seeds whose fault (:func:`struck`) struck a unit GNMR+e keeps on the
+  recovery path whatever the fault does (:func:`benchmarks.harness.designs.standing`), which it
+  covers without detecting it, and their share of the gap;
 - :func:`looks`: a comparison at the seeds planned (the first look of the stopping rule,
   :data:`benchmarks.harness.preregistered.STOPPING`) and at the end, with the sign count's p
   Bonferroni-adjusted over the family and the looks (the sign count does not rest on the
@@ -42,6 +43,37 @@ from benchmarks.harness.designs import (
 
 LATE = ("NVIDIA late", "late fwd")
 """Name prefixes of the time rules."""
+FIXED = ("random ", "NVIDIA last-")
+"""Name prefixes of the fixed rules GNMR+e must beat to pay for itself."""
+
+
+def verdict(
+    records: Records, d: Design, seeds: Sequence[int], arm: str, rival: str, family: int, ties: bool
+) -> dict[str, Any]:
+    """:func:`benchmarks.harness.designs.comparison` of ``arm - rival`` at the family's level over
+    :func:`benchmarks.harness.designs.pair_design` of ``seeds``; with ``ties``, a tie is read
+    against the static gap on the same seeds."""
+    d = pair_design(records, d, seeds, arm, rival)
+    # the tie's scale is the gap of the seeds compared, not the design's
+    gap = paired(records, d, "low-cost", "BF16")[0] if ties else None
+    return comparison(records, d, arm, rival, family, gap)
+
+
+def reading(
+    records: Records, d: Design, arm: str, arms: Sequence[str], verdicts: Sequence[dict[str, Any]]
+) -> tuple[str, tuple[float, float], list[str]]:
+    """``pays`` (a "better" against a :data:`FIXED` rule), ``worse`` (a fixed rule better), ``open``
+    or ``no help`` (``arm``'s share of the gap closed not above 0, 95%); that share; the other
+    ``arms`` whose 95% share overlaps it, each at its own cost (not those that close none or all
+    of the gap by construction: the low-cost path, the nulls, the recovery path everywhere)."""
+    m, h = share = share_closed(records, d, arm)
+    others = [a for a in arms if a not in (arm, "low-cost") and not a.startswith(("BF16", "null "))]
+    shares = {a: share_closed(records, d, a) for a in others}
+    # two intervals overlap where each one's upper end reaches the other's lower end
+    level = [a for a, (m2, h2) in shares.items() if m2 + h2 >= m - h and m2 - h2 <= m + h]
+    fixed = [v["verdict"] for v in verdicts if v["rival"].startswith(FIXED)]
+    kind = "pays" if "better" in fixed else "worse" if "worse" in fixed else "open"
+    return ("no help" if not m - h > 0 else kind), share, level
 
 
 def work_by_point(records: Records, arm: str) -> dict[int, float]:
@@ -99,13 +131,19 @@ def oracle(records: Records, horizon: int, rank: Callable[[str], Any]) -> dict[s
     return {"design": d, "shares": shares, "pairs": pairs, "singles": singles(records, d)}
 
 
+def struck(records: Records, d: Design) -> list[tuple[int, int, int | None]]:
+    """Per seed of ``d``: (seed, the unit its fault struck, the input channel or ``None`` for
+    the whole input), as the low-cost record's fault plan states it."""
+    # the fault is drawn per seed: every branch point of a seed strikes the same unit
+    lows = [(s, records[("low-cost", s, d.points[0])]["outliers"][0]) for s in d.seeds]
+    return [(s, unit_of(o["module"]), o.get("channel")) for s, o in lows]
+
+
 def covered(records: Records, d: Design, units: set[int]) -> tuple[list[int], float]:
     """The seeds of ``d`` whose fault struck one of ``units`` and their share of the summed
     static gap (low-cost - BF16, each seed's mean over ``d``'s points)."""
     gaps = dict(zip(d.seeds, per_seed(records, d, "low-cost", "BF16"), strict=True))
-    # the fault is drawn per seed: every branch point of a seed strikes the same unit
-    lows = {s: records[("low-cost", s, d.points[0])]["outliers"][0] for s in d.seeds}
-    hit = [s for s in d.seeds if unit_of(lows[s]["module"]) in units]
+    hit = [s for s, u, _ in struck(records, d) if u in units]
     return hit, sum(gaps[s] for s in hit) / sum(gaps.values())
 
 
@@ -144,10 +182,8 @@ def rests_on(
     under ``stop``; ``old``, the old cost model on the low-cost path at ``price``
     (:func:`benchmarks.harness.designs.old_cost`; ``past``: its largest extra steps run past the
     end of the trunk's ``schedule``), ``None`` where the price has a note."""
-    keep, pairs = (
-        standing(records, d, arm),
-        {r: pair_design(records, d, seeds, arm, r) for r in rivals},
-    )
+    keep = standing(records, d, arm)
+    pairs = {r: pair_design(records, d, seeds, arm, r) for r in rivals}
     units = {u for u, _ in keep}
     hit, share = covered(records, pairs[rivals[0]], units)
     others = tuple(s for s in pairs[rivals[0]].seeds if s not in hit)
@@ -171,7 +207,5 @@ def rests_on(
         "gaps": gaps,
         "grows": gaps[-1][1][0] > gaps[0][1][0],
         "old": old,
-        "looks": [(r, *looks(records, pairs[r], arm, r, stop, family)) for r in rivals]
-        if stop
-        else [],
+        "looks": [(r, *looks(records, pairs[r], arm, r, stop, family)) for r in rivals if stop],
     }
