@@ -1,15 +1,16 @@
 """The branch sweeps' arms by name and the figures RESULTS.md reads off a regime's records beside
 :mod:`.designs`: an arm's budget and role, the tables' order, the null controls and issue 35's
-noise bar over them, and the paper regimes' verdict per budget with its controls. No torch."""
+noise bar over them, the paper regimes' verdict per budget with its controls and the FP4 sweeps'
+verdicts at NVIDIA's budget. No torch."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from benchmarks.harness.branch_stats import Design, Records, paired, share_closed
 from benchmarks.harness.branch_stats import verdict as word
-from benchmarks.harness.designs import reach, verdict
+from benchmarks.harness.designs import above, reach, verdict
 
 ORDER: tuple[str, ...] = (
     "random",
@@ -31,6 +32,8 @@ FIXED: tuple[str, ...] = (
 )
 FIXED += ("NVIDIA late", "late fwd")
 """The tables' order: the unbudgeted arms by role prefix, then per budget the policies."""
+Report = Mapping[str, Any]
+"""An FP4 sweep's report (``results/sweep_fp4_*.json``)."""
 NULL_BAR = 1 / 3
 """Issue 35's bar: each null's interval holds 0 and reaches at most this share of the gap."""
 
@@ -103,3 +106,40 @@ def paper_verdicts(
         v["controls"] = [(a, share_closed(records, d, a)) for a in beside]
         out.append({"share": None, "vs_high": None, "vs_low": None} | v)
     return out
+
+
+def fp4_budgets(report: Report) -> list[int]:
+    """The budgets of an FP4 sweep's report: those of its ``random k`` arms."""
+    return sorted(int(a.split()[1]) for a in report["summary"] if a.startswith("random "))
+
+
+def fp4_verdicts(
+    nv: Report, mx: Report, st: Report, k: int, every: Sequence[Report]
+) -> dict[str, Any]:
+    """The FP4 sweeps' verdicts at NVIDIA's budget ``k`` from the reports of NVFP4 (``nv``),
+    MXFP4 (``mx``) and the per-tensor stress (``st``): ``GNMR+e k``'s share of the gap closed and
+    its verdict against NVIDIA's rule in NVFP4 and the stress (``nv``, ``nv_last``, ``st``,
+    ``st_last``); MXFP4's arms whose share lies above 0 (``mx``: arm to share) and whether ``GNMR+e
+    k`` ends worse than one of them; per report of ``every`` and budget, GNMR+e against random
+    where that is resolved (``vs_random``: regime, budget, word)."""
+    e, static = f"GNMR+e {k}", ("low-cost", "BF16", "first+last")
+
+    def said(r: Report, name: str) -> str:
+        # a comparison the report did not run has no verdict
+        return word(r["comparisons"][name]) if name in r["comparisons"] else "not run"
+
+    # the static paths and the nulls (copies of them) are no policy that could buy back a share
+    shares = {a: s["closed"] for a, s in mx["summary"].items() if "null" not in a}
+    ups = {a: p for a, p in shares.items() if a not in static and above(p)}
+    vs = [
+        (r["regime"], b, said(r, f"GNMR+e {b} - random {b}")) for r in every for b in fp4_budgets(r)
+    ]
+    return {
+        "nv": nv["summary"][e]["closed"],
+        "nv_last": said(nv, f"{e} - NVIDIA last-{k}"),
+        "st": st["summary"][e]["closed"],
+        "st_last": said(st, f"{e} - NVIDIA last-{k}"),
+        "mx": ups,
+        "mx_beats_e": any(said(mx, f"{e} - {a}") == "worse" for a in ups),
+        "vs_random": [v for v in vs if v[2] in ("better", "worse")],
+    }

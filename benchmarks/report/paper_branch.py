@@ -10,8 +10,7 @@ from typing import Any
 
 from benchmarks.harness.branch_figures import paper_verdicts
 from benchmarks.harness.branch_stats import spike_difference, troubles
-from benchmarks.harness.markdown import markdown_table
-from benchmarks.report.branches import COLUMNS, SCHEDULE_END, BranchRegime, rank, role
+from benchmarks.report.branches import SCHEDULE_END, BranchRegime, rank, role
 from benchmarks.report.source import Source
 from benchmarks.report.words import pct, pm, resolved, table
 
@@ -28,9 +27,7 @@ CLAIMS = {
 }
 """The paper's claims, short (docs/algorithm.md#paper-experiments), by the regime testing them."""
 GENERIC = "GNMR moving a few units to the recovery path reaches its loss"
-HEADER = ["experiment", "the paper's claim", "design", "static gap (low-cost - recovery arm)"]
-HEADER += ["nulls (reach / gap)", "arm", "share of the gap closed", "- recovery arm"]
-HEADER += ["- low-cost", "verdict", "controls' shares closed (exploratory)"]
+TIMED = " (not timed on this backend: the largest measured)"
 
 
 class PaperRegime(BranchRegime):
@@ -38,37 +35,26 @@ class PaperRegime(BranchRegime):
 
     def __init__(self, src: Source, name: str) -> None:
         super().__init__(src, name, FAMILY, SCHEDULES.get(name, SCHEDULE_END))
+        self.claim = CLAIMS.get(name, GENERIC)
 
     def verdicts(self) -> list[dict[str, Any]]:
         """:func:`.branch_figures.paper_verdicts` of this regime, one per budget."""
         return paper_verdicts(self.records, self.design, self.arms, self.table_arms)
 
-    def row(self, v: dict[str, Any] | None) -> list[str]:
-        """A row of the verdict table: the design (``not run yet``, ``no design yet``), the
-        static gap, the nulls and the verdict ``v`` on one budget (``None``: none yet)."""
-        d, design = self.design, f"no design yet ({len(self.records)} records)"
-        if d:
-            design = f"{len(d.seeds)} of {len(self.seeds)} seeds x {len(d.points)} points, "
-            design += f"{d.horizon} steps"
-        design = design if self.records else "not run yet"
-        head = [f"`{self.name}`", CLAIMS.get(self.name, GENERIC), design]
-        if v is None:
-            return [*head, *["-"] * 6, "not yet", "-"]
-        nulls = [f"{n['name']} {n['pair']} ({n['reach']})" for n in self.bar["nulls"]]
+    def worded(self, v: dict[str, Any]) -> dict[str, Any]:
+        """The verdict ``v`` on one budget with its figures as text (the controls' shares: ``-``
+        where the arm's own share is none or no gap is resolved)."""
         shown = v["share"] is not None and v["word"] != "not at this scale"
         controls = "; ".join(f"{a} {pct(p)}" for a, p in v["controls"]) if shown else "-"
-        head += [f"{self.bar['gap']} ({self.high})", "; ".join(nulls) or "none in the design"]
-        figures = [pct(v["share"]), pm(v["vs_high"]), pm(v["vs_low"])]
-        return [*head, v["arm"], *figures, f"**{v['word']}**", controls]
+        figures = {"share": pct(v["share"]), "vs_high": pm(v["vs_high"]), "vs_low": pm(v["vs_low"])}
+        return v | figures | {"controls": controls}
 
     def cost_notes(self) -> list[str]:
-        """Why the hardware models without a speed-up column price no arm (grouped by note),
-        and the error term's cost per step ``C`` (docs/benchmarks.md#cost-at-matched-loss)."""
+        """:meth:`unpriced` and the error term's cost per step ``C``
+        (docs/benchmarks.md#cost-at-matched-loss)."""
         e = self.error
         c = "not known" if e is None else f"{100 * e.share:.1f}%"
-        if e and e.source.startswith("not timed"):
-            c += " (not timed on this backend: the largest measured)"
-        return [*self.unpriced(), f"C {c}"]
+        return [*self.unpriced(), f"C {c}{TIMED if e and e.source.startswith('not timed') else ''}"]
 
 
 def arms_table(regimes: Sequence[PaperRegime]) -> str:
@@ -78,14 +64,11 @@ def arms_table(regimes: Sequence[PaperRegime]) -> str:
     rows: list[dict[str, str | None]] = [{"arm": r} for r in roles]
     for g in regimes:
         arm, key = {role(a, g.high): a for a in g.table_arms}, f"`{g.name}`: - {{high}} (work)"
-        work = {
-            key: lambda a, g=g: (
-                f"{COLUMNS['held-out - {high}'](g, a)} ({COLUMNS['recovered work'](g, a)})"
-            )
-        }
-        for head, cell in g.columns([key, "speed-up"], work):
-            for r, row in zip(roles, rows, strict=True):
-                row[head] = cell(arm[r]) if r in arm else "-"
+        (_, held), (_, work) = g.columns(["held-out - {high}", "recovered work"])
+        both = {key: lambda a, h=held, w=work: f"{h(a)} ({w(a)})"}
+        for head, cell in g.columns([key, "speed-up"], both):
+            for row in rows:
+                row[head] = cell(arm[r]) if (r := str(row["arm"])) in arm else "-"
     return table(rows)
 
 
@@ -96,22 +79,19 @@ def regimes(src: Source) -> list[PaperRegime]:
 
 
 def context(src: Source) -> dict[str, Any]:
-    """The section's names: the verdict table, the arms table, the cost notes, the arms waiting
-    for seeds, the arms whose loss spikes minus low-cost's exclude 0, and the files."""
+    """The section's names: the verdict table's rows, the arms table, the cost notes, the arms
+    waiting for seeds, the arms whose loss spikes minus low-cost's exclude 0, and the files."""
     every = regimes(src)
     ran = [g for g in every if g.design is not None]
     none: list[dict[str, Any] | None] = [None]
-    rows = [g.row(v) for g in every for v in (g.verdicts() if g.design else []) or none]
     files = {g.file: g.command for g in every if g.records}
-    spikes = [
-        f"{a} {pm(p, 1)}"
-        for g in ran
-        for a in g.table_arms
-        if a != "low-cost" and resolved(p := spike_difference(g.records, g.design, a))
-    ]
+    pairs = [(a, spike_difference(g.records, g.design, a)) for g in ran for a in g.table_arms]
+    spikes = [f"{a} {pm(p, 1)}" for a, p in pairs if a != "low-cost" and resolved(p)]
     return {
         "paper_branch": {
-            "verdicts": markdown_table(HEADER, rows),
+            "rows": [
+                (g, v and g.worded(v)) for g in every for v in (g.design and g.verdicts()) or none
+            ],
             "arms": arms_table(ran) if ran else "",
             "unpriced": [(g.name, g.cost_notes()) for g in ran],
             "waiting": [(g.name, g.waiting) for g in ran if g.waiting],
