@@ -23,11 +23,17 @@ def windows(s: Sweep) -> list[str]:
     return ["", *(f"{f['start']}-{f['stop'] - 1}" for f in s["setup"].get("faults", []))]
 
 
+def selection_of(summary: dict[str, Any], arm: str, window: str = "") -> dict[str, Any]:
+    """``arm``'s figures per graded set over every probe step, or inside the fault ``window``
+    (``{}`` for an arm or a window the sweep did not record)."""
+    row = summary.get(arm, {})
+    return row.get("selection_fault", {}).get(window, {}) if window else row.get("selection", {})
+
+
 def precision(s: Sweep, arm: str, graded: str, window: str, gap: str = "precision_grad") -> Any:
     """``(mean, half-width)`` of ``arm``'s precision@3 of the set ``graded`` against ``gap``
     (``precision_grad`` or ``precision_update``), over every probe step or in ``window``."""
-    row = s["summary"][arm]
-    return (row["selection_fault"][window] if window else row["selection"])[graded][gap]
+    return selection_of(s["summary"], arm, window)[graded][gap]
 
 
 def beats(s: Sweep, key: str) -> list[str]:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from benchmarks.harness.markdown import markdown_table
+from benchmarks.harness.selection_figures import selection_of
 from benchmarks.harness.stats import plus_minus
 
 
@@ -54,7 +55,7 @@ def selection_table(summary: dict[str, Any], arms: Sequence[str], window: str = 
         [arm, set_name, *(plus_minus(f.get(k), 2).lstrip("+") for k in FIGURES)]
         for arm in arms
         for set_name in SELECTION_SETS
-        if (f := _selection_of(summary, arm, window).get(set_name))
+        if (f := selection_of(summary, arm, window).get(set_name))
     ]
     return markdown_table([*header, "share of update gap^2"], rows)
 
@@ -91,15 +92,9 @@ def compact_selection(summary: dict[str, Any], window: str = "") -> str:
         [label, *(plus_minus(f.get(k), 2).lstrip("+") for k in COMPACT_FIGURES)]
         for arm, labels in COMPACT_ROWS
         for set_name, label in labels.items()
-        if (f := _selection_of(summary, arm, window).get(set_name))
+        if (f := selection_of(summary, arm, window).get(set_name))
     ]
     return markdown_table([*header, "share of the gradient gap^2 it covers"], rows)
-
-
-def _selection_of(summary: dict[str, Any], arm: str, window: str) -> dict[str, Any]:
-    """``arm``'s selection figures over every probe step, or inside the fault ``window``."""
-    row = summary.get(arm, {})
-    return row.get("selection_fault", {}).get(window, {}) if window else row.get("selection", {})
 
 
 def monitor_table(rows: list[dict[str, Any]]) -> str:

@@ -1,8 +1,6 @@
-"""RESULTS.md, rendered from the result files in ``benchmarks/results/`` by
-``python -m benchmarks.report [--check] [--results DIR] [--out FILE]`` (``--check``: write nothing,
-exit 1 when the document is out of date). Its sentences are in ``templates/`` with a placeholder
-per figure; each section's module (:data:`SECTIONS`) gives its names from the files that
-:mod:`.source` reads and :mod:`benchmarks.harness` analyses; the prose is filled to 100 columns."""
+"""RESULTS.md, rendered by ``python -m benchmarks.report`` from ``benchmarks/results/``: its
+sentences are in ``templates/``, each figure a placeholder that a section (:data:`SECTIONS`) names
+from the files :mod:`.source` reads and :mod:`benchmarks.harness` analyses."""
 
 from __future__ import annotations
 
@@ -13,38 +11,25 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import jinja2
+from jinja2 import Environment, PackageLoader, StrictUndefined
 
-from benchmarks.report import (
-    fault_grid,
-    faults,
-    fp4,
-    overhead,
-    paper,
-    paper_branch,
-    selection,
-    summary,
-)
-from benchmarks.report.source import RESULTS, Source
-from benchmarks.report.words import FILTERS, fill_document
+from . import fault_grid, faults, fp4, overhead, paper, paper_branch, selection, summary
+from .source import RESULTS, Source
+from .words import FILTERS, fill_document
 
 logger = logging.getLogger(__name__)
 DOCUMENT = Path(__file__).resolve().parents[1] / "RESULTS.md"
 SECTIONS = (summary, fp4, faults, fault_grid, paper_branch, selection, paper, overhead)
 
 
-def sep(loop: Any, comma: str | None = None, last: str = "and") -> str:
+def sep(loop: Any, comma: str = "") -> str:
     """What follows a ``{% for %}``'s item to list them as ``a, b and c`` (or ``a; b; c``)."""
-    if loop.last:
-        return ""
-    return comma if comma is not None else f" {last} " if loop.revindex == 2 else ", "
+    return "" if loop.last else comma or (" and " if loop.revindex == 2 else ", ")
 
 
-def environment() -> jinja2.Environment:
+def environment() -> Environment:
     """The package's ``templates/``, with the report's filters and ``sep``."""
-    env = jinja2.Environment(
-        loader=jinja2.PackageLoader(__name__), undefined=jinja2.StrictUndefined
-    )
+    env = Environment(loader=PackageLoader(__name__), undefined=StrictUndefined)
     # a line of a lone {% tag %} leaves no line; an included section ends with its own newline
     env.trim_blocks = env.lstrip_blocks = env.keep_trailing_newline = True
     env.filters.update(FILTERS)
@@ -55,9 +40,7 @@ def environment() -> jinja2.Environment:
 def render(root: Path = RESULTS) -> str:
     """The whole document from the result files under ``root``."""
     src = Source(root)
-    names: dict[str, Any] = {"src": src}
-    for section in SECTIONS:
-        names.update(section.context(src))
+    names = {k: v for section in SECTIONS for k, v in section.context(src).items()}
     return fill_document(environment().get_template("RESULTS.md.j2").render(names))
 
 

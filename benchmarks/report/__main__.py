@@ -1,5 +1,3 @@
-"""``python -m benchmarks.report``: :func:`benchmarks.report.main`."""
-
 from benchmarks.report import main
 
 raise SystemExit(main())

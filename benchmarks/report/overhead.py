@@ -1,6 +1,5 @@
-"""The step-time sections (docs/benchmarks.md#overhead): CPU-time ratios [IQR] per set-up of
-``python -m benchmarks.overhead``'s runs, the shadow route's per interval ``N``, and the error
-term's cost ``C`` (:mod:`benchmarks.harness.overhead_figures`)."""
+"""The step-time sections (docs/benchmarks.md#overhead): the CPU-time ratios of GNMR's arms and of
+the shadow route, and the error term's cost ``C`` (:mod:`benchmarks.harness.overhead_figures`)."""
 
 from __future__ import annotations
 
@@ -24,14 +23,13 @@ def error_cost(src: Source, backend: str) -> cost.ErrorCost | None:
     return overhead_figures.error_cost(run, backend, f"{FILE}.json")
 
 
-def ratio(a: dict[str, Any] | None) -> str:
+def ratio(a: Run | None) -> str:
     """An arm's median CPU-time ratio to the low-cost path [interquartile range]."""
     return "-" if a is None else "{:.3f} [{:.3f}, {:.3f}]".format(a["cpu_ratio"], *a["cpu_iqr"])
 
 
 def ratios(run: Run, name: str, target: float, timed: str, arms: list[str]) -> list[list[str]]:
-    """A row per set-up: each arm's ratio, GNMR's own work (its arm at the run's budget), the
-    target met by the arm ``timed``."""
+    """A row per set-up: each arm's ratio, GNMR's own work, whether ``timed`` met ``target``."""
     rows = []
     for where, times in run["step_time"].items():
         by = {a["arm"]: a for a in times}
@@ -42,24 +40,20 @@ def ratios(run: Run, name: str, target: float, timed: str, arms: list[str]) -> l
     return rows
 
 
-def shadow_rows(shadow: Run, replay: Run, every: list[int]) -> list[list[str]]:
-    """A recipe's row: GNMR's ratio without ``e``; per ``N`` the ratio -> the every-step arm's
-    cost amortized over ``N``. A replayed run's row: per ``N`` the shares of identical active sets
-    / of recovered unit-steps kept, against ``e`` every step."""
-    rows = []
+def shadow_table(shadow: Run, replay: Run) -> str:
+    """A row per recipe and per replayed run, a column per interval ``N`` (the template's words)."""
+    every, rows = sorted({*shadow["intervals"], *replay["intervals"]}), []
     for recipe, arms in shadow["step_time"].items():
         by = {interval(a["arm"]): a for a in arms if a["arm"] != "low-cost"}
         cells = {n: f"{ratio(by[n])} -> {amortized(by[1]['cpu_ratio'], n):.4f}" for n in by if n}
-        rows.append([recipe, "CPU / low-cost [IQR] -> amortized", f"{by[None]['cpu_ratio']:.3f}"])
-        rows[-1] += [cells.get(n, "-") for n in every]
+        rows.append([recipe, f"{by[None]['cpu_ratio']:.3f}", *(cells.get(n, "-") for n in every)])
     for name, run in (("demo", replay["demo"]), (replay["fault"]["regime"], replay["fault"])):
         cells = {r["error_every"]: agreement(r) for r in run["rows"]}
-        rows.append([name, "identical active sets / recovered unit-steps kept", "-"])
-        rows[-1] += [cells.get(n, "-") for n in every]
-    return rows
+        rows.append([name, "-", *(cells.get(n, "-") for n in every)])
+    return markdown_table(["run", "GNMR without e", *(f"N = {n}" for n in every)], rows)
 
 
-def agreement(r: dict[str, Any]) -> str:
+def agreement(r: Run) -> str:
     """A replay at one ``N``: its shares of identical active sets / of recovered unit-steps kept."""
     kept = r["recovered_unit_steps_kept"]
     return f"{r['identical_active_sets']:.3f} / " + ("-" if kept is None else f"{kept:.3f}")
@@ -72,14 +66,11 @@ def context(src: Source) -> dict[str, Any]:
     arms = [a for a in dict.fromkeys(timed) if a != "low-cost"]
     rows = ratios(main, "overhead.json", main["target"], f"gnmr k={main['budget']}", arms)
     rows += ratios(error, f"{FILE}.json", ERROR_TARGET, f"gnmr+e k={error['budget']}", arms)
-    every = next(a for a in arms if interval(a)).split(" k=")[0]
+    head = ["run, set-up", *arms, "GNMR's own work (monitor + controller)", "target"]
     steps = [next(iter(r["step_time"].values()))[0]["steps"] for r in (main, error)]
     err = f"`{CLI} --parts a --local-only --steps {steps[1]} --out benchmarks/results/{FILE}.json`"
     gnmr_e = next(r for r in src.records("nvfp4").values() if r["arm"].startswith("GNMR+e"))
     shadow, replay = src.json("overhead_shadow"), src.json("shadow_replay")
-    n = sorted({*shadow["intervals"], *replay["intervals"]})
-    head = ["run, set-up", *arms, "GNMR's own work (monitor + controller)", "target"]
-    shadow_head = ["run", "figure", "GNMR without e", *(f"N = {k}" for k in n)]
     shadow_files = {"overhead_shadow.json": f"`{CLI}.shadow`", "shadow_replay.json": REPLAY}
     return {
         "overhead": {
@@ -87,13 +78,12 @@ def context(src: Source) -> dict[str, Any]:
             "error": error,
             "table": markdown_table(head, rows),
             "steps": steps,
-            "fixed": next(a for a in arms if a.endswith("fixed on recovery")),
-            "every": (every, interval(every)),
+            "every": next(n for n in map(interval, arms) if n),  # the arm gnmr+e/N's N
             "ranks": len({r["rank"] for r in main["collectives"]["rows"]}),
             "fp4_every": gnmr_e["arm_spec"]["error_every"],
             "files": src.provenance_table({"overhead.json": f"`{CLI}`", f"{FILE}.json": err}),
         },
         "shadow": shadow,
-        "shadow_table": markdown_table(shadow_head, shadow_rows(shadow, replay, n)),
+        "shadow_table": shadow_table(shadow, replay),
         "shadow_files": src.provenance_table(shadow_files),
     }

@@ -1,6 +1,5 @@
-"""The result files RESULTS.md is rendered from: the JSON files in ``benchmarks/results/`` and the
-branch records of each family of regimes (``<family>/<regime>.jsonl``), read once each, and the
-provenance each records (:mod:`benchmarks.harness.provenance`)."""
+"""The result files RESULTS.md is rendered from, and the provenance each records
+(:mod:`benchmarks.harness.provenance`)."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness.branch_stats import Records, read_records
+from benchmarks.harness.branch_stats import read_records
 from benchmarks.harness.provenance import UNKNOWN
 from benchmarks.report.words import table
 
@@ -22,16 +21,14 @@ HEAD = ("result file", "command", "records or runs", "commits (how many): proven
 
 
 class Source:
-    """The result files under ``root``; ``json`` and ``records`` cache what they read."""
+    """The result files under ``root``, each read once: ``json(name)`` (``<name>.json``) and
+    ``records(regime, family)`` (``<family>/<regime>.jsonl``'s branch records by (arm, seed, point)
+    as the sweep reads them; none: {})."""
 
     def __init__(self, root: Path = RESULTS) -> None:
         self.root = root
         self.json = cache(lambda name: json.loads((root / f"{name}.json").read_text()))
-        self.records = cache(self._records)
-
-    def _records(self, regime: str, family: str = "fp4") -> Records:
-        """A regime's branch records by (arm, seed, point), as the sweep reads them (none: {})."""
-        return read_records(self.root / family / f"{regime}.jsonl")
+        self.records = cache(lambda r, family="fp4": read_records(root / family / f"{r}.jsonl"))
 
     def regimes(self, family: str) -> list[str]:
         """The regimes of ``family`` with a records file, by name."""
@@ -53,14 +50,13 @@ class Source:
         distinct provenance (:func:`describe`) its commits with how many records each."""
         rows = []
         for name, command in (files if isinstance(files, dict) else dict.fromkeys(files)).items():
-            groups, records = dict[str, Counter[str]](), self.provenances(name)
-            for p in records:
-                c = p.get("commit", UNKNOWN)
-                groups.setdefault(describe(p), Counter())[c if c == UNKNOWN else c[:10]] += 1
-            each = (
-                ", ".join(f"{c} ({k})" for c, k in g.items()) + f": {t}" for t, g in groups.items()
-            )
-            cells = (f"`{name}`", command, str(len(records)), " / ".join(each))
+            records = self.provenances(name)
+            seen = Counter((describe(p), p.get("commit", UNKNOWN)) for p in records)
+            groups: dict[str, list[str]] = {}  # per description, its commits (how many records)
+            for (text, c), k in seen.items():
+                groups.setdefault(text, []).append(f"{c if c == UNKNOWN else c[:10]} ({k})")
+            each = " / ".join(f"{', '.join(cs)}: {t}" for t, cs in groups.items())
+            cells = (f"`{name}`", command, str(len(records)), each)
             rows.append(dict(zip(HEAD, cells, strict=True)))
         return table(rows)
 
@@ -74,8 +70,7 @@ class Source:
 
 
 def describe(p: dict[str, Any]) -> str:
-    """A provenance record in words: how the commit is known, whether the tree was edited, the
-    versions and the host."""
+    """A provenance in words: how the commit is known, any uncommitted edit, versions, host."""
     if not p:
         return "no provenance recorded"
     v, h = p.get("versions", UNKNOWN), p.get("host", UNKNOWN)

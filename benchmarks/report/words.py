@@ -11,10 +11,8 @@ from typing import Any
 
 from benchmarks.harness.markdown import markdown_table
 
-Pair = Sequence[float]
 
-
-def pm(pair: Pair | None, digits: int = 4, sign: str = "+", unit: str = "") -> str:
+def pm(pair: Sequence[float] | None, digits: int = 4, sign: str = "+", unit: str = "") -> str:
     """``+0.0031 +- 0.0011`` (``unit="%"``: both scaled by 100); ``(one seed)`` without a
     half-width; ``-`` for none."""
     if pair is None:
@@ -24,8 +22,7 @@ def pm(pair: Pair | None, digits: int = 4, sign: str = "+", unit: str = "") -> s
     return f"{head} (one seed)" if math.isnan(h) else f"{head} +- {h:.{digits}f}{unit}"
 
 
-pct = partial(pm, digits=0, sign="", unit="%")
-"""A share as ``54% +- 32%``."""
+pct = partial(pm, digits=0, sign="", unit="%")  # a share as ``54% +- 32%``
 
 
 def percent(x: float | None) -> str:
@@ -33,7 +30,7 @@ def percent(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
-def resolved(pair: Pair) -> bool:
+def resolved(pair: Sequence[float]) -> bool:
     """Whether the interval excludes 0."""
     return not math.isnan(pair[1]) and abs(pair[0]) > pair[1]
 
@@ -85,7 +82,6 @@ def paragraph(text: str, indent: str = "", width: int = WIDTH) -> str:
     for word in text.split():
         fits = len(" ".join([*lines[-1], word])) <= width
         if lines[-1] and not fits and not _STARTS_A_BLOCK.match(word):
-            lines.append([word])
-        else:
-            lines[-1].append(word)
+            lines.append([])
+        lines[-1].append(word)
     return f"\n{indent}".join(" ".join(line) for line in lines)
