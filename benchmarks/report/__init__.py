@@ -13,9 +13,18 @@ from typing import Any
 
 from jinja2 import Environment, PackageLoader, StrictUndefined
 
-from . import fault_grid, faults, fp4, overhead, paper, paper_branch, selection, summary
-from .source import RESULTS, Source
-from .words import FILTERS, fill_document
+from benchmarks.report import (
+    fault_grid,
+    faults,
+    fp4,
+    overhead,
+    paper,
+    paper_branch,
+    selection,
+    summary,
+)
+from benchmarks.report.source import RESULTS, Source
+from benchmarks.report.words import FILTERS, fill_document
 
 logger = logging.getLogger(__name__)
 DOCUMENT = Path(__file__).resolve().parents[1] / "RESULTS.md"

@@ -75,7 +75,7 @@ def context(src: Source) -> dict[str, Any]:
         "pilots": [r.name for r in every if r.name not in names and r not in swept],
         "rests": rests,
         "chosen": chosen,
-        "apart": [(r.name, f"{len(r.design.seeds)} of {len(p)}") for r, p in apart if r.design],
+        "apart": [(r, f"{len(r.design.seeds)} of {len(p)}") for r, p in apart if r.design],
         "not_run": [n for n in preregistered.STAGE5_FAMILIES if n not in {r.name for r in every}],
         "seed_words": [(s, s.verdicts()) for s in seed_regimes(src) if s.records and s.design],
         "prereg_level": LEVEL,

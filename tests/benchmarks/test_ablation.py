@@ -113,7 +113,7 @@ def test_the_ablation_renders_its_own_family_with_sign_counts(tmp_path):
     from benchmarks.report import summary
     from benchmarks.report.faults import FaultRegime
     from benchmarks.report.source import Source
-    from tests.benchmarks.test_report import _fault_records, _fault_section, _write_faults
+    from tests.benchmarks.test_report import _fault_records, _fault_section, _section, _write_faults
 
     _write_faults(tmp_path, _fault_records(ABLATION_ARMS), "outlier_delayed_ablation")
     _write_faults(tmp_path, _fault_records(), "outlier_delayed")
@@ -130,7 +130,9 @@ def test_the_ablation_renders_its_own_family_with_sign_counts(tmp_path):
     tie = pr.tie(only["mean"], float(only["half"]), 0.010)
     assert only["word"] == only["verdict"] + (" (a tie)" if tie else "")
     assert f"| {only['word']} |" in text
-    got = dict(summary.context(Source(tmp_path))["apart"])  # the top names it: seeds of planned
+    got = {r.name: n for r, n in summary.context(Source(tmp_path))["apart"]}  # seeds of planned
     assert got == {"outlier_delayed_ablation": "4 of 8"}
+    top = _section(tmp_path, "summary")  # and words its verdicts
+    assert "GNMR+e lean 4 - random 4 -0.0029 +- 0.0008 better" in top
     # its arms table: half the gap closed with 1 unit of 28
     assert "| GNMR+e lean 4 | 3.6% | +0.0050 +- 0.0000 | +0.50 +- 0.00 |" in text
