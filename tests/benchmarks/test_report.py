@@ -171,17 +171,20 @@ def test_a_result_file_shows_the_provenance_it_records(results, monkeypatch):
 
 FAULT_SEEDS = (1, 2, 3, 4)
 FAULT_POINTS = (100, 350)
-FAULT_ARMS = {  # arm -> (held-out minus BF16's, recovered work)
-    "low-cost": (0.010, 0.0),
-    "BF16": (0.0, 1.0),
-    "null BF16 (1e-6)": (0.0, 1.0),
-    "null low-cost (1e-6)": (0.010, 0.0),
-    "NVIDIA last-4": (0.009, 4 / 28),
-    "random 4": (0.008, 4 / 28),
-    "GNMR+e 4": (0.004, 4 / 28),
-    "GNMR+e v2 4": (0.004, 4 / 28),
-    "TE autoswitch 4": (0.006, 4 / 28),
-}
+
+
+def constructed_arms(high: str, more: dict[str, tuple[float, float]]) -> dict:
+    """The constructed regimes' arms: arm -> (held-out minus the recovery arm ``high``'s,
+    recovered work): the statics, both nulls, NVIDIA's rule, random selection and GNMR+e at 4 of
+    28 units, then ``more``."""
+    arms = {"low-cost": (0.010, 0.0), high: (0.0, 1.0), f"null {high} (1e-6)": (0.0, 1.0)}
+    arms |= {"null low-cost (1e-6)": (0.010, 0.0), "NVIDIA last-4": (0.009, 4 / 28)}
+    return arms | {"random 4": (0.008, 4 / 28), "GNMR+e 4": (0.004, 4 / 28)} | more
+
+
+FAULT_ARMS = constructed_arms(
+    "BF16", {"GNMR+e v2 4": (0.004, 4 / 28), "TE autoswitch 4": (0.006, 4 / 28)}
+)
 
 
 def _fault_record(arm: str, seed: int, point: int, offset: float, share: float) -> dict:

@@ -9,21 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.benchmarks.test_report import FAULT_SEEDS, _keyed, _section, _write
+from tests.benchmarks.test_report import FAULT_SEEDS, _keyed, _section, _write, constructed_arms
 
 # -- the paper's experiments on the branch estimator (benchmarks/report/paper_branch.py) ----------
 
-SEED_ARMS = {  # arm -> (held-out minus the recovery arm's, recovered work)
-    "low-cost": (0.010, 0.0),
-    "8-bit": (0.0, 1.0),
-    "null 8-bit (1e-6)": (0.0, 1.0),
-    "null low-cost (1e-6)": (0.010, 0.0),
-    "NVIDIA last-4": (0.009, 4 / 28),
-    "random 4": (0.008, 4 / 28),
-    "GNMR 4": (0.0, 3 / 28),
-    "GNMR+e 4": (0.004, 4 / 28),
-    "oracle 4": (0.003, 4 / 28),
-}
+SEED_ARMS = constructed_arms("8-bit", {"GNMR 4": (0.0, 3 / 28), "oracle 4": (0.003, 4 / 28)})
 SEED_POINTS = (75, 150)
 ACT_QUANT = {"backend": "act_quant", "low_cost": {"bits": 2, "group_size": 128}}
 ACT_QUANT["recovery"] = {"bits": 8, "group_size": 128}
