@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.benchmarks.test_report import FAULT_SEEDS, _keyed, _section, _write, constructed_arms
+from tests.benchmarks.test_report import (
+    FAULT_SEEDS,
+    _keyed,
+    _section,
+    _write,
+    branch_record,
+    constructed_arms,
+)
 
 # -- the paper's experiments on the branch estimator (benchmarks/report/paper_branch.py) ----------
 
@@ -33,20 +40,10 @@ def _seed_record(arm: str, seed: int, point: int, offset: float, share: float, s
         policy = "static"
     elif arm in ("8-bit", "FP8", "BF16") or arm.startswith("null "):
         policy = "recovery"
-    return {
-        "arm": arm,
-        "seed": seed,
-        "point": point,
-        "heldout": {"25": h + 0.05, "50": h},
-        "train_loss": [2.0] * 50,
+    record = branch_record(arm, seed, point, h, [round(share * 50)] * 28, share)
+    return record | {
         "recovered_unit_steps": round(share * 1400),
-        "unit_recovered": [round(share * 50)] * 28,
-        "unit_steps": 1400,
-        "flops_recovered": share,
-        "nonfinite": 0,
-        "outliers": [],
-        "arm_spec": {"name": arm, "policy": policy, **spec},
-        "provenance": {"commit": "0123456789abcdef", "commit_source": "test"},
+        "arm_spec": spec | {"name": arm, "policy": policy},
     }
 
 
