@@ -22,6 +22,7 @@ ORDER: tuple[str, ...] = (
     "TE autoswitch",
 )
 ORDER += ("oracle", "loss oracle", "random wgrad", "GNMR+e wgrad")
+"""The budgeted policies in the tables' order (per budget ``k``: ``<policy> k``)."""
 FIXED: tuple[str, ...] = (
     "low-cost",
     "recovery",
@@ -31,7 +32,7 @@ FIXED: tuple[str, ...] = (
     "TE autoswitch",
 )
 FIXED += ("NVIDIA late", "late fwd")
-"""The tables' order: the unbudgeted arms by role prefix, then per budget the policies."""
+"""The unbudgeted arms' role prefixes in the tables' order; they come before every budget."""
 Report = Mapping[str, Any]
 """An FP4 sweep's report (``results/sweep_fp4_*.json``)."""
 NULL_BAR = 1 / 3
@@ -110,7 +111,9 @@ def paper_verdicts(
 
 def fp4_budgets(report: Report) -> list[int]:
     """The budgets of an FP4 sweep's report: those of its ``random k`` arms."""
-    return sorted(int(a.split()[1]) for a in report["summary"] if a.startswith("random "))
+    return sorted(
+        k for a in report["summary"] if a.rpartition(" ")[0] == "random" and (k := budget(a))
+    )
 
 
 def fp4_verdicts(
@@ -136,9 +139,10 @@ def fp4_verdicts(
     ]
     return {
         "nv": nv["summary"][e]["closed"],
-        "nv_last": said(nv, f"{e} - NVIDIA last-{k}"),
+        # the headline comparisons must have run: a missing one is an error, not "not run"
+        "nv_last": word(nv["comparisons"][f"{e} - NVIDIA last-{k}"]),
         "st": st["summary"][e]["closed"],
-        "st_last": said(st, f"{e} - NVIDIA last-{k}"),
+        "st_last": word(st["comparisons"][f"{e} - NVIDIA last-{k}"]),
         "mx": ups,
         "mx_beats_e": any(said(mx, f"{e} - {a}") == "worse" for a in ups),
         "vs_random": [v for v in vs if v[2] in ("better", "worse")],

@@ -701,6 +701,12 @@ def speed_cell(r: Mapping[str, Any], hw: str) -> str:
     return "-" if c is None else cell(c["speedup"], c["note"])
 
 
+DETAILS = ("recovered GEMM FLOPs", "error term's cost", "extra steps to match BF16")
+DETAILS += ("behind BF16 at the schedule's end",)
+DETAILS += ("reaches BF16's final loss (branches, by evaluation step)",)
+"""The detail columns of :func:`cost_rows`, in its order, before the speed-ups."""
+
+
 def cost_rows(
     summary: Mapping[str, Mapping[str, Any]],
     hardware: Sequence[str] = HARDWARE,
@@ -711,10 +717,8 @@ def cost_rows(
     groups = hardware_groups(summary, hardware) if summary else [(hw,) for hw in hardware]
     ends = details and any(r.get("at_end") for r in summary.values())
     header = ["arm"]
-    if details:
-        header += ["recovered GEMM FLOPs", "error term's cost", "extra steps to match BF16"]
-        header += ["behind BF16 at the schedule's end"] if ends else []
-        header += ["reaches BF16's final loss (branches, by evaluation step)"]
+    if details:  # "behind" only where a branch ends the trunk's schedule
+        header += [h for h in DETAILS if ends or not h.startswith("behind")]
     header += [f"speed-up at matched loss, {', '.join(g)}" for g in groups]
     rows = []
     for arm, r in summary.items():

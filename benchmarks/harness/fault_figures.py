@@ -153,13 +153,15 @@ def looks(
     """``arm - rival`` (:func:`benchmarks.harness.designs.comparison` at the family's level) at
     the first look, on the planned seeds of ``d`` (``None`` where no seed was added or fewer
     than two were planned), and at the end on all of ``d``'s, its ``adjusted`` sign-test p
-    (times the family and the looks: the sign count does not rest on the intervals' level)."""
+    (times the family and the looks, at most 1: the sign count does not rest on the intervals'
+    level)."""
     planned = tuple(s for s in stop.planned if s in d.seeds)
     first = None
     if len(planned) >= MIN_SEEDS and stop.added:
         first = comparison(records, replace(d, seeds=planned), arm, rival, family)
     end = comparison(records, d, arm, rival, family)
-    return first, end | {"adjusted": end["p"] * family * len(stop.looks)}
+    # Bonferroni over the family and the looks; a probability, so at most 1
+    return first, end | {"adjusted": min(1.0, end["p"] * family * len(stop.looks))}
 
 
 def rests_on(

@@ -78,6 +78,7 @@ def cell_row(cell: str, rec: Records, h: int, control: Records | None = None) ->
     ``closed``: the share of the static gap an arm closes, at the means over seeds."""
     seeds = seeds_with(rec, ("low-cost", "BF16", *NULLS), h)
     row: dict[str, Any] = {"cell": cell, "seeds": seeds, "n": len(seeds), "h": h, "arms": {}}
+    row["visible"] = cell.endswith("_visible")  # the outlier's gradient reaches the weight
     if not seeds:
         return row
     gap = diffs(rec, "low-cost", rec, "BF16", seeds, h)

@@ -11,13 +11,19 @@ from benchmarks.harness.verdicts import TIME_RATIO, TOLERANCE
 
 
 def figures(r: Mapping[str, Any], reference: str) -> dict[str, Any]:
-    """``arms``: each arm's spec and result with ``rel``, its held-out loss over the reference
-    arm's (the arm of policy ``reference``) minus 1; ``zclip``: the spike guard's arm; ``ratio``:
+    """``arms``: each arm's spec and result (paired by name) with ``rel``, its held-out loss over
+    the reference arm's (the arm of policy ``reference``) minus 1; ``by``: the arms of the table's
+    columns (the static paths, GNMR's, first+last); ``zclip``: the spike guard's arm; ``ratio``:
     GNMR's step time over the static arm's on its low-cost path (``ratio_met``: at most
     :data:`.verdicts.TIME_RATIO`); ``worse``: that static arm's ``rel`` above
     :data:`.verdicts.TOLERANCE` (the claim is tested), ``within``: GNMR's ``rel`` inside it;
     ``claim``: ``reproduced``, ``not reproduced`` or ``not tested``."""
-    arms = [spec | res for spec, res in zip(r["arms"], r["results"], strict=True)]
+    arms = []
+    for spec, res in zip(r["arms"], r["results"], strict=True):
+        # the run writes each arm's spec and result in one order; a mismatch is a broken file
+        if spec["name"] != res["name"]:
+            raise ValueError(f"arm {spec['name']!r} is paired with the result of {res['name']!r}")
+        arms.append(spec | res)
     # GNMR at lowered thresholds (``alpha`` set) is listed after the paper's own settings
     arms.sort(key=lambda a: "alpha" in (a.get("controller") or {}))
     ref = next(a for a in arms if a["policy"] == reference)
@@ -29,7 +35,10 @@ def figures(r: Mapping[str, Any], reference: str) -> dict[str, Any]:
     worse, within = low["rel"] > TOLERANCE, abs(gnmr["rel"]) <= TOLERANCE
     ratio = gnmr["step_ms"] / low["step_ms"]
     claim = "not reproduced" if worse and not within else "reproduced" if worse else "not tested"
-    return {"arms": arms, "reference": ref["name"], "zclip": zclip, "ratio": ratio} | {
+    # the table's columns: the static paths, GNMR's arms, Megatron's first+last
+    policies = {"statics": ("static", "recovery"), "gnmr": ("gnmr",), "first_last": ("first_last",)}
+    by = {c: [a for a in arms if a["policy"] in ps] for c, ps in policies.items()}
+    return {"arms": arms, "by": by, "reference": ref["name"], "zclip": zclip, "ratio": ratio} | {
         "ratio_met": ratio <= TIME_RATIO,
         "worse": worse,
         "within": within,

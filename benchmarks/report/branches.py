@@ -1,7 +1,8 @@
 """One branch regime's records as the fault, FP4 and paper sections read them (arms branched from
 shared trunk checkpoints, paired on (seed, point) against the recovery arm): :class:`BranchRegime`
 gives the records kept on one host, the design, the noise bar, the arms table of the columns a
-section names and the provenance row; the analysis is :mod:`benchmarks.harness`'s. No torch."""
+section names and its records file with the command that writes it; the analysis is
+:mod:`benchmarks.harness`'s. No torch."""
 
 from __future__ import annotations
 
@@ -94,6 +95,8 @@ class BranchRegime:
         own = {c: partial(f, self.records, self.design, self.high) for c, f in COLUMNS.items()}
 
         def cell(c: str) -> Cell:
+            if c not in {*(more or {}), *own, *cost.DETAILS} and not c.startswith("speed-up"):
+                raise KeyError(f"{self.name}: no column {c!r}")  # misspelt, not merely empty
             return (more or {}).get(c) or own.get(c) or (lambda a: by[a].get(c))
 
         heads = []

@@ -31,9 +31,9 @@ class FaultRegime(BranchRegime):
         super().__init__(src, name, FAMILY)
 
     def budgets(self) -> list[int]:
-        """The budgets of the GNMR+e arms recorded (a wgrad arm's ``3k`` is none), else 4."""
+        """The GNMR+e arms' budgets (a wgrad arm's ``3k`` is none), else the pre-registered one."""
         ks = {budget(a) for a in self.arms if a.startswith("GNMR+e ") and "wgrad" not in a}
-        return sorted(k for k in ks if k) or [4]
+        return sorted(k for k in ks if k) or [budget(preregistered.COMPARISONS[0].arm) or 4]
 
     def why(self, *arms: str) -> str | None:
         """Why a comparison of ``arms`` has no figure: an arm not run in this regime (TE's rule

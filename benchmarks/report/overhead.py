@@ -80,6 +80,7 @@ def context(src: Source) -> dict[str, Any]:
             "steps": steps,
             "every": next(n for n in map(interval, arms) if n),  # the arm gnmr+e/N's N
             "ranks": len({r["rank"] for r in main["collectives"]["rows"]}),
+            "monitors": [r for r in main["monitor_vs_clip"] if r["arm"] != "clip_grad_norm_"],
             "fp4_every": gnmr_e["arm_spec"]["error_every"],
             "files": src.provenance_table({"overhead.json": f"`{CLI}`", f"{FILE}.json": err}),
         },

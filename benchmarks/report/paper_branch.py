@@ -67,6 +67,7 @@ def arms_table(regimes: Sequence[PaperRegime]) -> str:
         (_, held), (_, work) = g.columns(["held-out - {high}", "recovered work"])
         both = {key: lambda a, h=held, w=work: f"{h(a)} ({w(a)})"}
         for head, cell in g.columns([key, "speed-up"], both):
+            head = head if head.startswith("`") else f"`{g.name}`: {head}"  # one column per regime
             for row in rows:
                 row[head] = cell(arm[r]) if (r := str(row["arm"])) in arm else "-"
     return table(rows)

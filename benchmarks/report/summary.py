@@ -57,8 +57,8 @@ def context(src: Source) -> dict[str, Any]:
     """``advice``: the top table's rows, of the swept regimes that pass the bar; ``quiet``: those
     whose gap is not resolved; ``noisy``: the rest; ``pilots``: the regimes not swept; ``rests``:
     what the rows rest on, ``chosen``: the regimes by when their outlier was chosen; ``apart``:
-    issue 44's ablation and stage-5 regimes with their seeds of those planned, ``not_run``: those
-    without records."""
+    issue 44's ablation and stage-5 regimes, each (name, seeds of those planned, its measured
+    verdicts), ``not_run``: those without records."""
     every = regimes(src)
     names = {*preregistered.ABLATION_REGIMES, *preregistered.STAGE5_FAMILIES}
     swept = [r for r in every if r.name not in names and r.design and len(r.design.seeds) >= SWEPT]
@@ -67,7 +67,11 @@ def context(src: Source) -> dict[str, Any]:
     chosen: dict[str, list[str]] = {}
     for c in {c["r"].name: c for c in rests if c["stop"] and c["stop"].chosen}.values():
         chosen.setdefault(c["stop"].chosen, []).append(c["r"].name)
-    apart = [(r, preregistered.STOPPING[r.name].planned) for r in every if r.name in names]
+    apart: dict[str, list[tuple[str, str, list[Any]]]] = {"ablation": [], "stage5": []}
+    for r in (r for r in every if r.name in names and r.design):
+        seeds = f"{len(r.design.seeds)} of {len(preregistered.STOPPING[r.name].planned)}"
+        kind = "stage5" if r.name in preregistered.STAGE5_FAMILIES else "ablation"
+        apart[kind].append((r.name, seeds, [p for p in r.preregistered if not p["why"]]))
     return {
         "advice": rows,
         "quiet": [r.name for r in swept if not r.bar["resolved"]],
@@ -75,7 +79,7 @@ def context(src: Source) -> dict[str, Any]:
         "pilots": [r.name for r in every if r.name not in names and r not in swept],
         "rests": rests,
         "chosen": chosen,
-        "apart": [(r, f"{len(r.design.seeds)} of {len(p)}") for r, p in apart if r.design],
+        "apart": apart,
         "not_run": [n for n in preregistered.STAGE5_FAMILIES if n not in {r.name for r in every}],
         "seed_words": [(s, s.verdicts()) for s in seed_regimes(src) if s.records and s.design],
         "prereg_level": LEVEL,

@@ -129,8 +129,11 @@ def test_the_ablation_renders_its_own_family_with_sign_counts(tmp_path):
     tie = pr.tie(only["mean"], float(only["half"]), 0.010)
     assert only["word"] == only["verdict"] + (" (a tie)" if tie else "")
     assert f"| {only['word']} |" in text
-    got = {r.name: n for r, n in summary.context(Source(tmp_path))["apart"]}  # seeds of planned
-    assert got == {"outlier_delayed_ablation": "4 of 8"}
+    apart = summary.context(Source(tmp_path))["apart"]  # the top: seeds of planned, verdicts
+    assert [(name, seeds) for name, seeds, _ in apart["ablation"]] == [
+        ("outlier_delayed_ablation", "4 of 8")
+    ]
+    assert apart["stage5"] == []
     top = _section(tmp_path, "summary")  # and words its verdicts
     assert "GNMR+e lean 4 - random 4 -0.0029 +- 0.0008 better" in top
     # its arms table: half the gap closed with 1 unit of 28

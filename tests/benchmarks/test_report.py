@@ -17,7 +17,8 @@ import pytest
 from benchmarks.harness import provenance
 from benchmarks.harness.branch_stats import verdict
 from benchmarks.report import DOCUMENT, main, render
-from benchmarks.report.source import RESULTS
+from benchmarks.report.faults import FaultRegime
+from benchmarks.report.source import RESULTS, Source
 from benchmarks.report.words import paragraph, resolved
 
 
@@ -285,6 +286,9 @@ def test_fault_regime_tables_and_preregistered_words(tmp_path):
     assert arm in text
     assert "speed-up, B200 |" in text and "n/a (no FP4 GEMMs)" in text
     assert "| `faults/outlier_test.jsonl` | 72 | 0123456789 (72): test;" in text
+    regime = FaultRegime(Source(tmp_path), "outlier_test")
+    with pytest.raises(KeyError, match="no column 'recoverd work'"):  # misspelt: refused, not blank
+        regime.columns(["recoverd work"])
 
     rows = _fault_records({**FAULT_ARMS, "random 4": (0.002, 4 / 28)})
     _write_faults(tmp_path, rows)

@@ -164,8 +164,8 @@ def test_a_paper_regime_is_read_generically_from_its_records(tmp_path):
     assert "| GNMR 4 | 100% +- " in text and "| **reproduced** |" in text
     # B200 and GB300 price FP6 alike: one column; Hopper's note beside the table
     assert (
-        "| `paper_fp6_fp8`: - FP8 (work) | speed-up, B200, GB300 | `seed_x`: - BF16 (work) |"
-        in text
+        "| `paper_fp6_fp8`: - FP8 (work) | `paper_fp6_fp8`: speed-up, B200, GB300 "
+        "| `seed_x`: - BF16 (work) |" in text
     )
     assert (
         "| recovery | +0.0000 +- 0.0000 (100.0%) | 2.00 +- 0.00 | +0.0000 +- 0.0000 (100.0%) |"
