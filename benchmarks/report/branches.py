@@ -1,8 +1,6 @@
-"""One branch regime's records as the fault, FP4 and paper sections read them (arms branched from
-shared trunk checkpoints, paired on (seed, point) against the recovery arm): :class:`BranchRegime`
-gives the records kept on one host, the design, the noise bar, the arms table of the columns a
-section names and its records file with the command that writes it; the analysis is
-:mod:`benchmarks.harness`'s. No torch."""
+"""One branch regime as the fault, FP4 and paper sections read it (arms branched from shared trunk
+checkpoints, paired on (seed, point)): :class:`BranchRegime`: its records on one host, design, noise
+bar, arms table and records file; the analysis is :mod:`benchmarks.harness`'s. No torch."""
 
 from __future__ import annotations
 

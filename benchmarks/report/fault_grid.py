@@ -1,7 +1,6 @@
 """The fault grid's section of RESULTS.md (issue 44, stage 4; docs/benchmarks.md#sweep-fault-grid):
 the figures of :mod:`benchmarks.harness.grid_figures` in words (:func:`worded`), laid out in the
-template's tables; each figure 95% over seeds with the count of seeds above 0. No torch.
-"""
+template's tables; each figure 95% over seeds with the count of seeds above 0. No torch."""
 
 from __future__ import annotations
 

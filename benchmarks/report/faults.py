@@ -1,7 +1,6 @@
-"""The fault regimes' section (issue 35, ``results/faults/<regime>.jsonl``): per regime what
-:class:`.branches.BranchRegime` gives, its outlier, late rules and loss oracle
-(:meth:`FaultRegime.view`; :mod:`benchmarks.harness.fault_figures`), and every pre-registered
-comparison, one row each (:func:`verdicts`). The rules: docs/benchmarks.md#sweep-faults."""
+"""The fault regimes' section (issue 35, ``results/faults/``): per regime its arms table, outlier,
+late rules and loss oracle (:meth:`FaultRegime.view`), and every pre-registered comparison, one
+row each (:func:`verdicts`). The rules: docs/benchmarks.md#sweep-faults."""
 
 from __future__ import annotations
 
@@ -116,8 +115,9 @@ def verdicts(regimes: list[FaultRegime]) -> list[dict[str, Any]]:
 
 
 def regimes(src: Source) -> list[FaultRegime]:
-    """Every fault regime with records."""
-    return [r for r in (FaultRegime(src, n) for n in src.regimes(FAMILY)) if r.records]
+    """Every fault regime with records (built once: the top reads them too)."""
+    every = (FaultRegime(src, n) for n in src.regimes(FAMILY))
+    return src.once(FAMILY, lambda: [r for r in every if r.records])
 
 
 def context(src: Source) -> dict[str, Any]:

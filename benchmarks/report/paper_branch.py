@@ -1,7 +1,6 @@
-"""The paper's experiments on the branch estimator (issue 35 item 2, ``results/paper/``): per
-regime (:class:`.branches.BranchRegime`, the reference its recovery arm) and budget the claim's
-verdict (docs/benchmarks.md#sweep-paper-regimes), and every arm against the recovery arm with
-its speed-up at matched loss, one column group per regime."""
+"""The paper's experiments on the branch estimator (issue 35, ``results/paper/``): per regime and
+budget the claim's verdict (docs/benchmarks.md#sweep-paper-regimes), and every arm against the
+recovery arm with its speed-up at matched loss, one column group per regime."""
 
 from __future__ import annotations
 
@@ -74,9 +73,10 @@ def arms_table(regimes: Sequence[PaperRegime]) -> str:
 
 
 def regimes(src: Source) -> list[PaperRegime]:
-    """The paper's experiments in the order of their claims, then any other regime with records."""
+    """The paper's experiments in the order of their claims, then any other regime with records
+    (built once: the top reads them too)."""
     names = sorted({*CLAIMS, *src.regimes(FAMILY)}, key=lambda n: (n not in CLAIMS, n))
-    return [PaperRegime(src, n) for n in names]
+    return src.once(FAMILY, lambda: [PaperRegime(src, n) for n in names])
 
 
 def context(src: Source) -> dict[str, Any]:

@@ -6,29 +6,38 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from benchmarks.harness.branch_stats import read_records
+from benchmarks.harness.branch_stats import Records, read_records
 from benchmarks.harness.provenance import UNKNOWN
 from benchmarks.report.words import table
 
 logger = logging.getLogger(__name__)
 RESULTS = Path(__file__).resolve().parents[1] / "results"
+T = TypeVar("T")
 HEAD = ("result file", "command", "records or runs", "commits (how many): provenance")
 
 
 class Source:
-    """The result files under ``root``, each read once: ``json(name)`` (``<name>.json``) and
-    ``records(regime, family)`` (``<family>/<regime>.jsonl``'s branch records by (arm, seed, point)
-    as the sweep reads them; none: {})."""
+    """The result files under ``root``, each read once: ``json(name)``, ``records(regime, family)``
+    (``<family>/<regime>.jsonl`` by (arm, seed, point); none: {}); :meth:`once`: built from them."""
 
     def __init__(self, root: Path = RESULTS) -> None:
-        self.root = root
+        self.root, self.built = root, dict[str, Any]()
         self.json = cache(lambda name: json.loads((root / f"{name}.json").read_text()))
-        self.records = cache(lambda r, family="fp4": read_records(root / family / f"{r}.jsonl"))
+        self._read = cache(read_records)  # by path: the same file however a caller names it
+
+    def records(self, regime: str, family: str = "fp4") -> Records:
+        return self._read(self.root / family / f"{regime}.jsonl")
+
+    def once(self, key: str, build: Callable[[], T]) -> T:
+        """``build()`` the first time ``key`` is asked for, the same object after."""
+        if key not in self.built:
+            self.built[key] = build()
+        return self.built[key]  # type: ignore[no-any-return]
 
     def regimes(self, family: str) -> list[str]:
         """The regimes of ``family`` with a records file, by name."""
@@ -40,14 +49,14 @@ class Source:
 
     def image(self, alt: str, name: str) -> str:
         """The markdown of a plot in the results folder, or nothing when the file is missing."""
-        if not self.has(name):
-            logger.warning("%s is missing: its image is left out", name)
-        return f"![{alt}](results/{name})" if self.has(name) else ""
+        if self.has(name):
+            return f"![{alt}](results/{name})"
+        logger.warning("%s is missing: its image is left out", name)
+        return ""
 
     def provenance_table(self, files: dict[str, str] | Sequence[str]) -> str:
-        """A row per result file (``x.json``, ``<family>/<regime>.jsonl``; with a command column
-        when ``files`` maps each to the command that wrote it): its records or runs, and per
-        distinct provenance (:func:`describe`) its commits with how many records each."""
+        """A row per result file (with a command column when ``files`` maps each to its command):
+        its records or runs, per distinct provenance (:func:`describe`) its commits (how many)."""
         rows = []
         for name, command in (files if isinstance(files, dict) else dict.fromkeys(files)).items():
             records = self.provenances(name)

@@ -39,10 +39,8 @@ def advice(r: FaultRegime) -> list[dict[str, Any]]:
 
 
 def rests_on(r: FaultRegime, k: int) -> dict[str, Any] | None:
-    """:func:`.fault_figures.rests_on` for ``GNMR+e k`` against random selection and NVIDIA's
-    rule (the old cost model at B200's rates, bounded by the trunk's schedule) with the regime
-    ``r``, its ``stop``ping rule and the first pilot's static gap
-    (:func:`.designs.static_gap`); ``None``: no outlier."""
+    """:func:`.fault_figures.rests_on` for ``GNMR+e k`` against random and NVIDIA's rule (B200's
+    rates), with ``r``, its ``stop``ping rule and the first pilot's static gap; ``None``: none."""
     d, rivals = r.design, [a for a in (f"random {k}", f"NVIDIA last-{k}") if a in r.table_arms]
     if d is None or r.outlier is None or not rivals:
         return None
@@ -54,11 +52,10 @@ def rests_on(r: FaultRegime, k: int) -> dict[str, Any] | None:
 
 
 def context(src: Source) -> dict[str, Any]:
-    """``advice``: the top table's rows, of the swept regimes that pass the bar; ``quiet``: those
-    whose gap is not resolved; ``noisy``: the rest; ``pilots``: the regimes not swept; ``rests``:
-    what the rows rest on, ``chosen``: the regimes by when their outlier was chosen; ``apart``:
-    issue 44's ablation and stage-5 regimes, each (name, seeds of those planned, its measured
-    verdicts), ``not_run``: those without records."""
+    """``advice``: the rows of the swept regimes that pass the bar; ``quiet``, ``noisy``: those
+    whose gap is not resolved, whose nulls fail; ``pilots``: not swept; ``rests``, ``chosen``:
+    what the rows rest on, when each outlier was chosen; ``apart``: issue 44's ablation and stage
+    5, each (name, seeds of those planned, measured verdicts); ``not_run``: those not run."""
     every = regimes(src)
     names = {*preregistered.ABLATION_REGIMES, *preregistered.STAGE5_FAMILIES}
     swept = [r for r in every if r.name not in names and r.design and len(r.design.seeds) >= SWEPT]

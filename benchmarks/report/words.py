@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
+from benchmarks.harness.branch_figures import excludes
 from benchmarks.harness.markdown import markdown_table
 
 
@@ -23,16 +24,12 @@ def pm(pair: Sequence[float] | None, digits: int = 4, sign: str = "+", unit: str
 
 
 pct = partial(pm, digits=0, sign="", unit="%")  # a share as ``54% +- 32%``
+resolved = excludes  # whether an interval excludes 0: the harness's test, one definition
 
 
 def percent(x: float | None) -> str:
     """A share of work as ``14.8%`` (``-`` for none)."""
     return "-" if x is None else f"{100 * x:.1f}%"
-
-
-def resolved(pair: Sequence[float]) -> bool:
-    """Whether the interval excludes 0."""
-    return not math.isnan(pair[1]) and abs(pair[0]) > pair[1]
 
 
 def listing(items: Sequence[Any], last: str = "and") -> str:
